@@ -1,0 +1,47 @@
+# The two commands of the README: `make quickstart` and `make test`. Everything runs in .venv,
+# built from requirements/cpu.in with the exact versions of requirements/cpu.lock.
+
+PYTHON_BASE ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-done
+PYTEST_ARGS ?=
+
+.PHONY: setup quickstart test test-unit test-distributed test-e2e test-gpu lint format lock clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements/cpu.in requirements/cpu.lock setup.py
+	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
+	$(PIP) install -q -c requirements/cpu.lock -r requirements/cpu.in
+	$(PIP) install -q --no-deps -c requirements/cpu.lock sglang
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) tools/check_env.py requirements/cpu.lock
+	touch $(STAMP)
+
+quickstart: setup
+	$(PY) tools/make_tiny_model.py runs/quickstart/model
+	$(VENV)/bin/rlhf-train --config configs/quickstart_cpu.yaml
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit test-distributed test-e2e test-gpu: setup
+	$(PY) -m pytest tests -m $(subst test-,,$@) $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+# Re-pin after changing requirements/cpu.in: the lock is the freeze of a working .venv.
+lock: setup
+	{ sed -n '1,3p' requirements/cpu.lock; $(PIP) freeze --all --exclude-editable | grep -v -E '^(pip|rlhf)==' | sort -f; } > requirements/cpu.lock.new
+	mv requirements/cpu.lock.new requirements/cpu.lock
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

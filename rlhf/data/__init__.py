@@ -1,0 +1,1 @@
+"""Prompt data: tokenizers, datasets, samplers and packing."""

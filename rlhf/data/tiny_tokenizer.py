@@ -1,0 +1,75 @@
+"""A small byte-level BPE tokenizer trained locally (no hub access), with a chat template.
+
+Tests and the CPU quickstart need a real HF tokenizer that transformers' `AutoTokenizer`
+and SGLang load from a model directory. It uses Qwen2's pre-tokenizer (byte-level, one
+token per digit), so a tiny `qwen2` model directory loads it as `Qwen2Tokenizer` with
+identical ids, and any text round-trips exactly. Training is deterministic: the same
+corpus always gives the same vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from rlhf.data.arithmetic import make_problems
+
+PAD, BOS, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS]
+VOCAB_SIZE = 384
+
+# Qwen2's split: contractions, letter runs, single digits, punctuation runs, whitespace.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def training_corpus() -> list[str]:
+    """Texts the merges are learnt from: quickstart problems, answers and chat roles."""
+    texts = ["system user assistant"]
+    for row in make_problems(400, seed=0):
+        texts.append(row["prompt"][0]["content"])
+        texts.append(f"The answer is {row['reward_model']['ground_truth']}. #### 0123456789")
+    return texts
+
+
+def build_tiny_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer and wrap it as an HF fast tokenizer."""
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(training_corpus(), trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, clean_up_tokenization_spaces=False
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_tokenizer(out_dir: str | Path) -> Path:
+    """Build the tokenizer and save it as HF files (tokenizer.json, config, template)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tiny_tokenizer().save_pretrained(out)
+    return out

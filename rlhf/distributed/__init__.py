@@ -1,0 +1,1 @@
+"""Process bootstrap, Megatron parallel state and the CPU compatibility layer."""

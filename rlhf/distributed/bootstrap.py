@@ -1,0 +1,130 @@
+"""Process bootstrap: torchrun environment -> torch.distributed -> Megatron parallel state.
+
+The only code that initialises (and tears down) Megatron's global `parallel_state`; the
+rest of the package receives process groups or `ParallelDims` explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlhf.config.validate import ParallelDims
+from rlhf.distributed.cpu_compat import apply_cpu_compat
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: global rank, rank on its node, world size, backend, device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    """A TCP port that was free on localhost a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_world_size() -> int | None:
+    """WORLD_SIZE when started by torchrun (or an equivalent launcher), else None."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """'auto' -> cuda when available, else cpu. Asking for cuda without one is an error."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is visible; use auto or cpu")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv:
+    """Initialise torch.distributed from torchrun's variables (or as a 1-process world).
+
+    nccl is used with CUDA, gloo without; on CPU the Megatron compatibility layer is
+    installed before anything else touches Megatron.
+    """
+    dev = pick_device(device)
+    if dev.type == "cpu":
+        apply_cpu_compat()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world, backend=backend, device=dev)
+
+
+def init_model_parallel(dims: ParallelDims) -> None:
+    """Create Megatron's TP x CP x DP x PP groups (CP carries Ulysses sequence parallelism)."""
+    from megatron.core import parallel_state
+
+    if dims.world_size != dist.get_world_size():
+        raise ValueError(
+            f"parallel layout is for {dims.world_size} ranks, "
+            f"but {dist.get_world_size()} are running"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=dims.cp,
+    )
+
+
+def seed_everything(seed: int, model_parallel: bool = True) -> None:
+    """Seed Python, NumPy and torch; with model parallel state, also Megatron's RNG tracker.
+
+    Megatron gives every TP rank its own stream for weight init/dropout in sharded regions
+    and the same stream for replicated regions (`model_parallel_cuda_manual_seed`).
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if model_parallel:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def teardown() -> None:
+    """Destroy Megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,118 @@
+"""Run Megatron-Core 0.16.1 on a machine without CUDA. The only module that patches it.
+
+Megatron-Core assumes CUDA in four ways (see shared facts/megatron-core-cpu.md); each has
+a CPU answer here, installed by `apply_cpu_compat()` only when CUDA is absent:
+
+1. `torch.cuda.current_device()` used as a device -> returns 0, and device index 0 /
+   "cuda" is mapped to the CPU by (4).
+2. `torch.cuda.synchronize()` (pipeline p2p) -> a no-op: CPU ops are synchronous.
+3. Megatron's CUDA RNG tracker (`CudaRNGStatesTracker.add/fork`,
+   `_get_cuda_rng_state`, `_set_cuda_rng_state`) -> the CPU default generator, so
+   `model_parallel_cuda_manual_seed` and dropout inside `fork()` are reproducible.
+4. Hard-coded `device="cuda"` tensors, `.cuda()` and `Tensor.type()` checks against
+   `torch.cuda.*Tensor` -> a process-wide `TorchFunctionMode` (`CudaToCpuMode`) that moves
+   such tensors to the CPU and reports CPU tensors under their CUDA type name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+_MODE: TorchFunctionMode | None = None
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+
+
+def is_cuda_device(device: object) -> bool:
+    """True for a device spec that means a GPU: "cuda", "cuda:N", torch.device("cuda"), N."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _to_cpu_device(value: object) -> object:
+    return torch.device("cpu") if is_cuda_device(value) else value
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirects CUDA device requests to the CPU and answers CUDA type-name checks."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type:
+            return self._tensor_type(func, args, kwargs)
+        if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
+            args = (args[0], torch.device("cpu"), *args[2:])
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _tensor_type(func, args, kwargs):
+        if len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if len(args) > 1 and isinstance(args[1], str):
+            args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_get_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker_add(self, name: str, seed: int) -> None:
+    """`CudaRNGStatesTracker.add` on the CPU generator: same bookkeeping, same errors."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    orig = torch.get_rng_state()
+    torch.manual_seed(seed)
+    self.states_[name] = torch.get_rng_state()
+    torch.set_rng_state(orig)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply_cpu_compat() -> bool:
+    """Install the CPU answers (idempotent). Returns True if they are active."""
+    global _APPLIED, _MODE
+    if _APPLIED:
+        return True
+    if cuda_available():
+        return False
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None
+    mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    mcore_random.CudaRNGStatesTracker.add = _cpu_tracker_add
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()
+    _APPLIED = True
+    return True

@@ -1,0 +1,1 @@
+"""Model families, Megatron GPTModel builders and HF <-> Megatron mapping."""

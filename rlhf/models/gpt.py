@@ -1,0 +1,60 @@
+"""Build Megatron-Core `GPTModel`s: the one place that chooses Transformer Engine or local layers.
+
+Transformer Engine is used when it is importable and CUDA is present; otherwise the local
+(pure PyTorch) spec, which is what runs on CPU and in CI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+def transformer_engine_usable() -> bool:
+    """True when Transformer Engine can be imported and a GPU is visible."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def gpt_layer_spec(config: TransformerConfig, qk_layernorm: bool = False) -> ModuleSpec:
+    """The transformer-layer spec for `config`: TE layers on GPU, local layers otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if transformer_engine_usable():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization=config.normalization, qk_layernorm=qk_layernorm
+    )
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    vocab_size: int,
+    max_sequence_length: int,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    rotary_base: float = 10000.0,
+    tie_embeddings: bool = False,
+    qk_layernorm: bool = False,
+) -> GPTModel:
+    """A rotary-embedding decoder (Llama/Qwen style) for this rank's pipeline stage.
+
+    `vocab_size` must already be padded for tensor parallelism; `pre_process` /
+    `post_process` say whether this stage holds the embedding / the output layer.
+    """
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(config, qk_layernorm=qk_layernorm),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(rotary_base),
+    )

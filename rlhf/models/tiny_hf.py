@@ -1,0 +1,70 @@
+"""Tiny randomly initialised HF causal LMs, written to disk for tests and the CPU quickstart.
+
+No model hub is reachable from CI, so every model a test or the quickstart uses is built
+here from a config with a fixed seed and saved as safetensors next to the tiny tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rlhf.data.tiny_tokenizer import build_tiny_tokenizer
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Architecture of a tiny model; defaults give ~0.2M parameters."""
+
+    family: str = "qwen2"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+def tiny_hf_config(spec: TinyModelSpec, vocab_size: int, pad_token_id: int, eos_token_id: int):
+    """The transformers config object for `spec` (fp32, rope theta 10000)."""
+    if spec.family not in FAMILIES:
+        raise ValueError(
+            f"unknown tiny model family {spec.family!r}; supported: {', '.join(FAMILIES)}"
+        )
+    return AutoConfig.for_model(
+        spec.family,
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        pad_token_id=pad_token_id,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        torch_dtype="float32",
+    )
+
+
+def save_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write tokenizer + randomly initialised model (safetensors) for `spec` into `out_dir`."""
+    out = Path(out_dir)
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.save_pretrained(out)
+    config = tiny_hf_config(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,0 +1,1 @@
+"""Rollout generation on SGLang servers."""

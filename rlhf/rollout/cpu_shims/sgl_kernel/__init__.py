@@ -1,0 +1,27 @@
+"""CPU-ONLY STAND-IN for SGLang's compiled `sgl_kernel` package. Never used on GPU.
+
+SGLang's CPU engine imports `sgl_kernel` at import time, but PyPI has no CPU build of it
+(the CPU kernels need AMX Xeons and a source build). On CPUs without them SGLang never
+*calls* these kernels with the torch-native attention backend, so this module only has to
+import. `rlhf.rollout.sglang_server` puts its folder on the server's PYTHONPATH only when the
+real package is missing. Any attribute is a function that raises when called, naming the
+kernel, so a code path that does need a real kernel fails loudly instead of computing garbage.
+"""
+
+
+class MissingKernelError(RuntimeError):
+    """A code path needed a compiled sgl_kernel op that this CPU-only stand-in cannot provide."""
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def missing_kernel(*args, **kwargs):
+        raise MissingKernelError(
+            f"sgl_kernel.{name} was called, but only the CPU-only stand-in of sgl_kernel is "
+            "installed (rlhf/rollout/cpu_shims); install SGLang's real kernels for this path"
+        )
+
+    missing_kernel.__name__ = name
+    return missing_kernel

@@ -1,0 +1,205 @@
+"""Launch, health-check and stop SGLang server processes.
+
+`build_server_args` is the one place that turns our config into SGLang's command line.
+Each server runs in its own process group with its log in the run directory; stopping it
+kills the whole group (scheduler and detokenizer subprocesses included), and every server
+still running is stopped when this process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from rlhf.config.schema import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+CPU_SHIM_DIR = Path(__file__).parent / "cpu_shims"
+_RUNNING: set[SGLangServer] = set()
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """Everything needed to start one server: command line, environment additions, URL."""
+
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+
+
+def build_server_args(
+    rollout: RolloutConfig,
+    model_path: str | Path,
+    *,
+    port: int,
+    device: str,
+    host: str = "127.0.0.1",
+    max_total_tokens: int | None = None,
+    seed: int = 0,
+) -> ServerLaunch:
+    """The `sglang.launch_server` command line and environment for `rollout` on `device`."""
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(rollout.tensor_model_parallel_size),
+        "--dtype", rollout.dtype,
+        "--mem-fraction-static", str(rollout.gpu_memory_utilization),
+        "--random-seed", str(seed),
+    ]  # fmt: skip
+    env: dict[str, str] = {}
+    if device == "cpu":
+        argv += [
+            "--device", "cpu",
+            "--attention-backend", "torch_native",
+            "--sampling-backend", "pytorch",
+            "--disable-overlap-schedule",
+            "--disable-cuda-graph",
+            "--skip-server-warmup",
+        ]  # fmt: skip
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if importlib.util.find_spec("sgl_kernel") is None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(CPU_SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p
+            )
+    if max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(max_total_tokens)]
+    return ServerLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
+
+
+def _die_with_parent() -> None:
+    """In the child: receive SIGTERM if the launching process dies (Linux prctl)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class SGLangServer:
+    """One SGLang server process group; use as a context manager or call `stop()`."""
+
+    def __init__(self, launch: ServerLaunch, log_path: str | Path):
+        self.launch = launch
+        self.url = launch.url
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> SGLangServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                self.launch.argv,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.launch.env},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        _RUNNING.add(self)
+        log.info(
+            "started SGLang server pid %d at %s (log %s)", self.proc.pid, self.url, self.log_path
+        )
+        return self
+
+    def log_tail(self, num_lines: int = 20) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            return requests.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Block until /health answers 200; raise naming the URL and log if it never does."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                code = self.proc.returncode if self.proc else None
+                raise RuntimeError(
+                    f"SGLang server for {self.url} exited with code {code} before becoming "
+                    f"healthy; log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(
+            f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s "
+            f"(actor_rollout_ref.rollout.server_startup_timeout_s); log {self.log_path}:\n"
+            f"{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; idempotent."""
+        _RUNNING.discard(self)
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            if not _group_alive(pgid):
+                break
+        _kill_group(pgid)
+        self.proc = None
+
+    def __enter__(self) -> SGLangServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _kill_group(pgid: int) -> None:
+    """Make sure no process of the group survives (children that outlived their parent)."""
+    deadline = time.monotonic() + 5.0
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+
+
+def stop_all_servers() -> None:
+    """Stop every server this process started and has not stopped yet."""
+    for server in list(_RUNNING):
+        server.stop()
+
+
+atexit.register(stop_all_servers)

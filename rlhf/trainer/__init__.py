@@ -1,0 +1,1 @@
+"""The PPO loop and its stages."""

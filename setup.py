@@ -1,0 +1,51 @@
+"""Package `rlhf`. Exact versions of the CPU stack: requirements/cpu.lock (see the Makefile)."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+
+def requirement_names(path: str) -> list[str]:
+    lines = (Path(__file__).parent / path).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+setup(
+    name="rlhf",
+    version="0.1.0",
+    description="KL-regularised PPO for LLMs: Megatron-Core training, SGLang rollouts",
+    long_description=Path(__file__).with_name("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11,<3.12",
+    packages=[*find_packages(include=["rlhf", "rlhf.*"]), "rlhf_tools"],
+    package_dir={"rlhf_tools": "tools"},
+    package_data={"rlhf.rollout": ["cpu_shims/sgl_kernel/*.py"]},
+    # The full CPU stack (SGLang and its runtime included) is installed by `make setup` from
+    # requirements/cpu.in with requirements/cpu.lock as constraints; these are the imports
+    # of the training side.
+    install_requires=[
+        "torch==2.14.1",
+        "megatron-core==0.16.1",
+        "psutil",
+        "numpy",
+        "safetensors",
+        "transformers",
+        "tokenizers",
+        "pyarrow",
+        "pyyaml",
+        "tensorboard",
+        "tqdm",
+        "requests",
+        "aiohttp",
+    ],
+    extras_require={
+        "gpu": requirement_names("requirements/gpu.txt"),
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+    },
+    entry_points={
+        "console_scripts": [
+            "rlhf-train=rlhf.train:main",
+            # rlhf-convert, rlhf-preprocess and rlhf-doctor join as their tools land.
+        ]
+    },
+)
