@@ -86,7 +86,8 @@ def _check_batches(role: str, cfg: RLHFConfig, dims: ParallelDims) -> None:
             f"= {mini_samples} samples is not divisible by data-parallel size {dims.dp} x "
             f"{prefix}.ppo_micro_batch_size_per_gpu ({micro}); data-parallel size = world size "
             f"{dims.world_size} / ({prefix}.megatron.tensor_model_parallel_size x "
-            f"pipeline_model_parallel_size x {prefix}.ulysses_sequence_parallel_size)"
+            f"{prefix}.megatron.pipeline_model_parallel_size x "
+            f"{prefix}.ulysses_sequence_parallel_size)"
         )
 
 

@@ -69,11 +69,9 @@ def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv
     dev = pick_device(device)
     if dev.type == "cpu":
         apply_cpu_compat()
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    launched = "RANK" in os.environ
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
@@ -81,6 +79,8 @@ def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
+            # torchrun's MASTER_ADDR/PORT when launched by it, else a private 1-rank store
+            init_method="env://" if launched else f"tcp://127.0.0.1:{free_port()}",
             rank=rank,
             world_size=world,
             timeout=timedelta(minutes=timeout_minutes),

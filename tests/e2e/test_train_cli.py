@@ -1,0 +1,97 @@
+"""`rlhf-train` as a user runs it: --print-config, one-line config errors, a real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+import yaml
+
+from rlhf.config import load_config
+from tests.helpers import REPO
+
+CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
+
+
+def rlhf_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf.train", "--config", CONFIG, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_print_config_prints_resolved_yaml():
+    proc = rlhf_train(
+        "--print-config", "actor_rollout_ref.rollout.n=4", "trainer.experiment_name=x"
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["actor_rollout_ref"]["rollout"]["n"] == 4
+    assert printed["trainer"]["experiment_name"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "actor_rollout_ref.rollout.temprature=0.5",
+            "did you mean 'actor_rollout_ref.rollout.temperature'?",
+        ),
+        ("data.train_batch_size=eight", "data.train_batch_size: expected int, got 'eight'"),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+            "is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size (3)",
+        ),
+    ],
+)
+def test_config_errors_are_one_line_without_traceback(override, expected):
+    proc = rlhf_train("--print-config", override)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("rlhf-train: config error: ")
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    proc = rlhf_train(
+        f"actor_rollout_ref.model.path={tmp_path / 'nothing'}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )
+    assert proc.returncode == 2
+    assert "actor_rollout_ref.model.path=" in proc.stderr and "no config.json" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_run_writes_config_and_rollouts_and_leaves_no_server(tiny_qwen2_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"actor_rollout_ref.model.path={tiny_qwen2_dir}",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+    proc = rlhf_train(*overrides)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    assert load_config(run_dir / "config.yaml") == load_config(CONFIG, overrides)
+    records = [
+        json.loads(line) for line in (run_dir / "rollouts_step0.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 8 * 2  # data.train_batch_size x rollout.n
+    assert sorted({r["prompt_index"] for r in records}) == list(range(8))
+    for r in records:
+        assert 1 <= len(r["response_ids"]) <= 16
+        assert len(r["response_logprobs"]) == len(r["response_ids"])
+    assert (run_dir / "logs" / "sglang_server_0.log").stat().st_size > 0
+    leftovers = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if str(tiny_qwen2_dir) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []

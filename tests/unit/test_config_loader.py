@@ -1,0 +1,159 @@
+"""Config loading: YAML + dotted overrides, types, ranges, references, error messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import ConfigError, dump_yaml, load_config
+from rlhf.config.loader import all_keys, nearest_key
+
+QUICKSTART = "configs/quickstart_cpu.yaml"
+
+
+def test_quickstart_config_loads_with_its_values():
+    cfg = load_config(QUICKSTART)
+    assert cfg.data.train_batch_size == 8
+    assert cfg.actor_rollout_ref.rollout.dtype == "float32"
+    assert cfg.algorithm.kl_ctrl.type == "adaptive"
+    assert cfg.trainer.default_local_dir == "runs/quickstart"
+
+
+def test_overrides_parse_each_type():
+    cfg = load_config(
+        QUICKSTART,
+        [
+            "data.train_batch_size=16",
+            "algorithm.kl_ctrl.kl_coef=1e-3",
+            "actor_rollout_ref.rollout.temperature=0",
+            "global_profiler.steps=[1,5,10]",
+            "trainer.experiment_name=007",
+        ],
+    )
+    assert cfg.data.train_batch_size == 16
+    assert cfg.algorithm.kl_ctrl.kl_coef == 0.001
+    assert cfg.actor_rollout_ref.rollout.temperature == 0.0
+    assert isinstance(cfg.actor_rollout_ref.rollout.temperature, float)
+    assert cfg.global_profiler.steps == [1, 5, 10]
+    assert cfg.trainer.experiment_name == "007"  # string keys keep the text as given
+
+
+def test_null_override_and_bool_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("global_profiler:\n  steps: [2]\n")
+    assert load_config(path).global_profiler.steps == [2]
+    assert load_config(path, ["global_profiler.steps=null"]).global_profiler.steps is None
+
+
+def test_string_references_resolve():
+    cfg = load_config(None, ["trainer.experiment_name=abc"])
+    assert cfg.trainer.default_local_dir == "runs/abc"
+    with pytest.raises(ConfigError, match=r"trainer.default_local_dir: references unknown key"):
+        load_config(None, ["trainer.default_local_dir=runs/${trainer.nope}"])
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("actor_rollout_ref.rollout.temprature=0.5", "actor_rollout_ref.rollout.temperature"),
+        ("algorithm.kl_ctrl.kl_coeff=0.1", "algorithm.kl_ctrl.kl_coef"),
+        ("kl_coef=0.1", "algorithm.kl_ctrl.kl_coef"),
+        ("actor.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.actor.megatron."),
+        ("data.train_batchsize=4", "data.train_batch_size"),
+    ],
+)
+def test_unknown_key_names_nearest_valid_key(override, suggestion):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICKSTART, [override])
+    message = str(err.value)
+    assert f"unknown config key '{key}'" in message
+    assert f"did you mean '{suggestion}" in message
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  n_gpu_per_node: 2\n")
+    with pytest.raises(
+        ConfigError, match=r"'trainer.n_gpu_per_node'; did you mean 'trainer.n_gpus_per_node'"
+    ):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.train_batch_size=abc", "data.train_batch_size: expected int, got 'abc'"),
+        ("data.train_batch_size=2.5", "data.train_batch_size: expected int, got 2.5"),
+        ("data.train_batch_size=true", "data.train_batch_size: expected int, got True"),
+        (
+            "algorithm.kl_ctrl.type=adaptiv",
+            "algorithm.kl_ctrl.type: expected one of 'fixed', 'adaptive', got 'adaptiv'",
+        ),
+        ("global_profiler.steps=[1,x]", "global_profiler.steps[1]: expected int, got 'x'"),
+        (
+            "actor_rollout_ref.rollout.top_p=abc",
+            "actor_rollout_ref.rollout.top_p: expected float, got 'abc'",
+        ),
+    ],
+)
+def test_wrong_type_names_key_expected_type_and_value(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICKSTART, [override])
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.train_batch_size=0", "data.train_batch_size: must be > 0, got 0"),
+        (
+            "actor_rollout_ref.rollout.top_p=1.5",
+            "actor_rollout_ref.rollout.top_p: must be <= 1, got 1.5",
+        ),
+        ("algorithm.kl_ctrl.kl_coef=-1", "algorithm.kl_ctrl.kl_coef: must be >= 0, got -1.0"),
+    ],
+)
+def test_out_of_range_values(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICKSTART, [override])
+    assert str(err.value) == message
+
+
+def test_malformed_inputs(tmp_path):
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(None, ["data.seed"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    section = tmp_path / "section.yaml"
+    section.write_text("data: 3\n")
+    with pytest.raises(ConfigError, match="data: expected a mapping of keys, got 3"):
+        load_config(section)
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(QUICKSTART, ["global_profiler.steps=[3]", "actor_rollout_ref.rollout.n=4"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_every_key_has_a_doc():
+    import dataclasses
+    import typing
+
+    from rlhf.config.schema import RLHFConfig
+
+    def walk(cls, prefix=""):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{prefix}{f.name} has no doc"
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+
+    walk(RLHFConfig)
+    assert "algorithm.kl_ctrl.horizon" in all_keys()
+    assert nearest_key("zzzzzz") is None

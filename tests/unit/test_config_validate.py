@@ -1,0 +1,86 @@
+"""Cross-field config rules: every key involved is named in the message."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import ConfigError, load_config, validate_config
+
+QUICKSTART = "configs/quickstart_cpu.yaml"
+
+
+def check(overrides, world_size=None):
+    return validate_config(load_config(QUICKSTART, overrides), world_size)
+
+
+def test_quickstart_is_valid_and_layouts_derive_dp():
+    dims = check(
+        [
+            "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "critic.ppo_micro_batch_size_per_gpu=2",
+        ]
+    )
+    assert (dims["actor"].tp, dims["actor"].dp) == (2, 2)
+    assert (dims["critic"].tp, dims["critic"].dp) == (1, 4)
+
+
+def test_parallel_sizes_must_divide_world_size():
+    with pytest.raises(ConfigError) as err:
+        check(
+            [
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+            ]
+        )
+    message = str(err.value)
+    for key in (
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size (2)",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size (2)",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size (1)",
+        "trainer.nnodes",
+        "trainer.n_gpus_per_node",
+    ):
+        assert key in message
+    assert "world size 2" in message
+
+
+def test_critic_layout_checked_too():
+    with pytest.raises(ConfigError, match=r"critic.ulysses_sequence_parallel_size \(3\)"):
+        check(["critic.ulysses_sequence_parallel_size=3"])
+
+
+def test_step_batch_must_split_into_mini_batches():
+    with pytest.raises(ConfigError) as err:
+        check(["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    message = str(err.value)
+    assert message.startswith(
+        "data.train_batch_size (6) x actor_rollout_ref.rollout.n (2) = 12 samples"
+    )
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size (4)" in message
+
+
+def test_mini_batch_must_split_over_dp_and_micro_batches():
+    with pytest.raises(ConfigError) as err:
+        check(["trainer.n_gpus_per_node=2", "critic.ppo_micro_batch_size_per_gpu=3"])
+    message = str(err.value)
+    assert "critic.ppo_mini_batch_size (4) x actor_rollout_ref.rollout.n (2) = 8 samples" in message
+    assert "data-parallel size 2" in message
+    assert "critic.ppo_micro_batch_size_per_gpu (3)" in message
+
+
+def test_launched_world_size_must_match_plan():
+    with pytest.raises(ConfigError) as err:
+        check([], world_size=2)
+    message = str(err.value)
+    assert "trainer.nnodes (1) x trainer.n_gpus_per_node (1) = 1" in message
+    assert "2 processes launched" in message
+
+
+def test_profiler_steps_and_model_path():
+    with pytest.raises(ConfigError, match=r"global_profiler.steps\[1\]: steps count from 1, got 0"):
+        check(["global_profiler.steps=[1,0]"])
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.path: required"):
+        check(["actor_rollout_ref.model.path="])

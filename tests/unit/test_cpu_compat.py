@@ -1,0 +1,111 @@
+"""One test per behaviour the CPU compatibility layer changes in Megatron-Core / torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.distributed.cpu_compat import apply_cpu_compat, is_cuda_device
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="layer is CPU-only")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compat():
+    assert apply_cpu_compat() is True
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A 1-rank gloo world with Megatron's parallel state (TP = PP = 1)."""
+    from rlhf.config.validate import ParallelDims
+    from rlhf.distributed.bootstrap import init_distributed, init_model_parallel, teardown
+
+    init_distributed("cpu")
+    init_model_parallel(ParallelDims(world_size=1))
+    yield
+    teardown()
+
+
+def test_is_cuda_device_spellings():
+    assert is_cuda_device("cuda") and is_cuda_device("cuda:1") and is_cuda_device(0)
+    assert is_cuda_device(torch.device("cuda", 0))
+    assert not is_cuda_device("cpu") and not is_cuda_device(True) and not is_cuda_device(None)
+
+
+def test_current_device_is_usable_as_a_device():
+    assert torch.cuda.current_device() == 0
+    assert torch.ones(2, device=torch.cuda.current_device()).device.type == "cpu"
+
+
+def test_rotary_embedding_on_cpu_matches_hand_computation():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=10000)
+    emb = rope(4)  # [seq, 1, 1, dim]
+    assert emb.device.type == "cpu" and emb.shape == (4, 1, 1, 8)
+    inv_freq = [1.0 / 10000 ** (i / 8) for i in (0, 2, 4, 6)]
+    expected = torch.tensor([[p * f for f in inv_freq] * 2 for p in range(4)])
+    torch.testing.assert_close(emb[:, 0, 0, :], expected)
+
+
+def test_synchronize_is_a_no_op():
+    assert torch.cuda.synchronize() is None
+
+
+def test_cuda_device_tensors_land_on_cpu():
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    assert torch.zeros(3, device="cuda").device.type == "cpu"
+    assert torch.tensor([1.0]).to("cuda").device.type == "cpu"
+    mask = get_default_causal_mask(3)
+    assert mask.device.type == "cpu"
+    assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+
+
+def test_cuda_method_and_type_names():
+    x = torch.ones(2)
+    assert x.cuda() is x
+    assert x.type() == "torch.cuda.FloatTensor"
+    assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert x.type("torch.cuda.HalfTensor").dtype == torch.float16
+
+
+def test_megatron_grad_norm_runs_on_cpu(one_rank):
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([4.0])]
+    assert get_grad_norm_fp32(grads) == pytest.approx(5.0)
+
+
+def test_rng_tracker_uses_cpu_generator(one_rank):
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    torch.manual_seed(0)
+    before = torch.rand(2)
+    with tracker.fork():
+        tp_draw = torch.rand(3)
+    after = torch.rand(2)
+    # The default stream is untouched by the fork ...
+    torch.manual_seed(0)
+    torch.testing.assert_close(torch.cat([before, after]), torch.rand(4))
+    # ... and the model-parallel stream is seed + 2718 + tp_rank, Megatron's rule,
+    # continuing where it left off at the next fork.
+    reference = torch.Generator().manual_seed(123 + 2718)
+    torch.testing.assert_close(tp_draw, torch.rand(3, generator=reference))
+    with tracker.fork():
+        next_draw = torch.rand(3)
+    torch.testing.assert_close(next_draw, torch.rand(3, generator=reference))
+
+
+def test_rng_tracker_rejects_duplicate_seeds_and_names(one_rank):
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    tracker = CudaRNGStatesTracker()
+    tracker.add("a", 1)
+    with pytest.raises(Exception, match="seed 1 already exists"):
+        tracker.add("b", 1)
+    with pytest.raises(Exception, match="rng state a already exists"):
+        tracker.add("a", 2)
