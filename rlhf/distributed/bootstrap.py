@@ -128,3 +128,17 @@ def teardown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def current_placement():
+    """This rank's TP/PP coordinates from Megatron's parallel state (after init_model_parallel)."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf.models.mapping import Placement
+
+    return Placement(
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+    )

@@ -29,6 +29,7 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
+    rope_scaling: dict | None = None
     seed: int = 0
 
 
@@ -51,6 +52,7 @@ def tiny_hf_config(spec: TinyModelSpec, vocab_size: int, pad_token_id: int, eos_
         tie_word_embeddings=spec.tie_word_embeddings,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
+        rope_scaling=spec.rope_scaling,
         pad_token_id=pad_token_id,
         bos_token_id=eos_token_id,
         eos_token_id=eos_token_id,

@@ -1,0 +1,124 @@
+"""Build this rank's Megatron model for an HF checkpoint: policy (LM head) or value model.
+
+The weights come from the HF safetensors (each rank reads only its own slices) or are left
+to Megatron's initialisation when a Megatron checkpoint will be loaded into the model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from rlhf.models.families import (
+    ModelArch,
+    llama3_inv_freq,
+    padded_vocab_size,
+    transformer_config,
+)
+from rlhf.models.gpt import build_gpt_model
+from rlhf.models.hf_io import HFCheckpointReader
+from rlhf.models.mapping import Placement, load_shard, resolve
+
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+
+
+def build_model(
+    arch: ModelArch,
+    placement: Placement,
+    *,
+    padded_vocab: int | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    cp: int = 1,
+):
+    """This pipeline stage's `GPTModel` for `arch` (untrained weights).
+
+    `padded_vocab` defaults to the vocabulary padded to a multiple of 128 x TP; a model
+    that will load a Megatron checkpoint passes the checkpoint's padded size instead.
+    """
+    vocab = padded_vocab or padded_vocab_size(
+        arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, placement.tp_size
+    )
+    if vocab % placement.tp_size:
+        raise ValueError(f"padded vocabulary {vocab} is not divisible by TP {placement.tp_size}")
+    config = transformer_config(
+        arch, tp=placement.tp_size, pp=placement.pp_size, cp=cp, params_dtype=params_dtype
+    )
+    model = build_gpt_model(
+        config,
+        vocab,
+        arch.max_position_embeddings,
+        pre_process=placement.is_first_stage,
+        post_process=placement.is_last_stage,
+        rotary_base=arch.rope_theta,
+        tie_embeddings=arch.tie_embeddings,
+        qk_layernorm=arch.qk_layernorm,
+    )
+    if arch.rope_scaling is not None:
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(
+            arch.head_dim, arch.rope_theta, arch.rope_scaling
+        ).to(model.rotary_pos_emb.inv_freq.device)
+    model.padded_vocab_size = vocab
+    return model.to(params_dtype)
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model: nn.Module,
+    reader: HFCheckpointReader,
+    arch: ModelArch,
+    placement: Placement,
+    *,
+    progress: bool = False,
+    skip: tuple[str, ...] = (),
+) -> None:
+    """Copy this rank's slices of the HF checkpoint into `model` (shapes are checked)."""
+    params = [(n, p) for n, p in model.named_parameters() if n not in skip]
+    for name, param in tqdm(params, desc="load HF weights", disable=not progress, unit="tensor"):
+        rule, layer = resolve(arch, name, placement)
+        shard = load_shard(rule, layer, reader, arch, placement, model.padded_vocab_size)
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"Megatron parameter {name!r} has shape {list(param.shape)} on this rank, "
+                f"but the HF tensors give {list(shard.shape)}"
+            )
+        param.copy_(shard.to(param.dtype))
+
+
+class ValueHead(nn.Module):
+    """Scalar head replacing the LM output layer: hidden [s, b, h] -> values [s, b, 1].
+
+    Replicated on every TP rank (its input, the final-norm output, is identical there, so
+    its gradients are too). Called like Megatron's output layer and returns (output, bias).
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+
+    def forward(self, hidden_sbh, weight=None, runtime_gather_output=None):
+        return hidden_sbh @ self.weight.t(), None
+
+
+def attach_value_head(model: nn.Module, arch: ModelArch, seed: int = 0) -> nn.Module:
+    """Turn a policy model into a value model (on the last stage); head initialised N(0, 1/h)."""
+    if getattr(model, "post_process", False):
+        head = ValueHead(arch.hidden_size, dtype=next(model.parameters()).dtype)
+        gen = torch.Generator().manual_seed(seed)
+        head.weight.data.normal_(0.0, arch.hidden_size**-0.5, generator=gen)
+        model.output_layer = head
+        model.share_embeddings_and_output_weights = False
+    return model
+
+
+@torch.no_grad()
+def load_score_head(model: nn.Module, reader: HFCheckpointReader) -> None:
+    """Value head from an HF `*ForSequenceClassification` checkpoint's `score.weight` (row 0)."""
+    if not getattr(model, "post_process", False):
+        return
+    score = reader.read("score.weight")
+    if score.shape[0] != 1:
+        raise ValueError(
+            f"score.weight has {score.shape[0]} labels; a value/reward model needs exactly 1"
+        )
+    model.output_layer.weight.copy_(score)

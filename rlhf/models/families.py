@@ -1,0 +1,228 @@
+"""HF `config.json` -> our architecture description -> Megatron `TransformerConfig`.
+
+`ModelArch` is the family-independent description both directions of the weight mapping
+use. Each supported family has exactly one function mapping its HF config to a `ModelArch`
+(`FAMILIES`); `transformer_config` is the one place a `ModelArch` becomes Megatron's
+`TransformerConfig`. Anything we would silently get wrong (sliding windows, unknown rope
+scaling, biases we do not map) is rejected with an error naming the HF key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """A decoder-only transformer as the weight mapping sees it."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    norm_epsilon: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_embeddings: bool
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+    rope_scaling: RopeScaling | None = None
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    """rope theta and scaling from either transformers-5 `rope_parameters` or older keys."""
+    params = hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise ValueError(f"config.json rope type {kind!r} is not supported (supported: llama3)")
+    return float(theta), RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def _decoder_arch(hf: dict, family: str, **family_fields) -> ModelArch:
+    """Fields shared by the Llama-style families."""
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window=true is not supported")
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: only silu is supported")
+    heads = hf["num_attention_heads"]
+    theta, scaling = _rope(hf)
+    return ModelArch(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        norm_epsilon=hf["rms_norm_eps"],
+        rope_theta=theta,
+        max_position_embeddings=hf["max_position_embeddings"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        **family_fields,
+    )
+
+
+def llama_arch(hf: dict) -> ModelArch:
+    """Llama 2/3 (incl. Llama-3 rope scaling; optional attention_bias)."""
+    return _decoder_arch(hf, "llama", qkv_bias=bool(hf.get("attention_bias", False)))
+
+
+def qwen2_arch(hf: dict) -> ModelArch:
+    """Qwen2/2.5: QKV bias always, output projection without bias."""
+    return _decoder_arch(hf, "qwen2", qkv_bias=True)
+
+
+def qwen3_arch(hf: dict) -> ModelArch:
+    """Qwen3 (dense): RMSNorm on q and k per head, explicit head_dim, no QKV bias."""
+    return _decoder_arch(
+        hf, "qwen3", qkv_bias=bool(hf.get("attention_bias", False)), qk_layernorm=True
+    )
+
+
+FAMILIES: dict[str, Callable[[dict], ModelArch]] = {
+    "llama": llama_arch,
+    "qwen2": qwen2_arch,
+    "qwen3": qwen3_arch,
+}
+
+
+def arch_from_hf_config(hf: dict) -> ModelArch:
+    """Dispatch on `model_type`; unknown families are a clear error listing the supported."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(
+            f"unsupported model family {family!r} (config.json model_type); "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[family](hf)
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (an HF model directory is expected)")
+    return json.loads(path.read_text())
+
+
+def load_arch(model_dir: str | Path) -> ModelArch:
+    return arch_from_hf_config(read_hf_config(model_dir))
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of `divisible_by x tp` (Megatron's padding)."""
+    multiple = divisible_by * tp
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def transformer_config(
+    arch: ModelArch,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    use_cpu_initialization: bool = True,
+):
+    """The one mapping from `ModelArch` to Megatron-Core's `TransformerConfig`."""
+    from megatron.core.transformer import TransformerConfig
+
+    if arch.num_query_groups % tp:
+        raise ValueError(
+            f"num_key_value_heads ({arch.num_query_groups}) must be divisible by the tensor "
+            f"parallel size ({tp})"
+        )
+    if arch.num_layers % pp:
+        raise ValueError(
+            f"num_hidden_layers ({arch.num_layers}) must be divisible by the pipeline "
+            f"parallel size ({pp})"
+        )
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        bias_activation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=use_cpu_initialization,
+    )
+
+
+def llama3_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Rotary inverse frequencies with Llama-3 scaling (all four published parameters).
+
+    Wavelengths shorter than original_len / high_freq_factor are kept, longer than
+    original_len / low_freq_factor are divided by `factor`, and those in between are
+    interpolated linearly in original_len / wavelength.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    orig = scaling.original_max_position_embeddings
+    smooth = (orig / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(
+        wavelen > orig / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq
+    )
+    medium = (wavelen <= orig / scaling.low_freq_factor) & (
+        wavelen >= orig / scaling.high_freq_factor
+    )
+    return torch.where(medium, interpolated, scaled)
+
+
+def with_vocab(arch: ModelArch, vocab_size: int) -> ModelArch:
+    return replace(arch, vocab_size=vocab_size)

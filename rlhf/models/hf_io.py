@@ -1,0 +1,112 @@
+"""Read HF safetensors checkpoints slice by slice; write sharded safetensors with an index.
+
+`HFCheckpointReader.read(name, rows=..., cols=...)` reads only the requested rows/columns
+of one tensor from disk (safetensors' lazy slices), so a tensor-parallel rank never
+materialises the full model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class HFCheckpointReader:
+    """Tensor name -> shard file map of an HF model directory, with sliced reads."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self.weight_map = self._weight_map()
+        self._handles: dict[str, object] = {}
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.model_dir / INDEX_NAME
+        if index.is_file():
+            return json.loads(index.read_text())["weight_map"]
+        single = self.model_dir / SINGLE_NAME
+        if not single.is_file():
+            raise FileNotFoundError(
+                f"{self.model_dir}: neither {INDEX_NAME} nor {SINGLE_NAME} found "
+                "(only safetensors checkpoints are supported)"
+            )
+        with safe_open(single, framework="pt") as f:
+            return {name: SINGLE_NAME for name in f.keys()}  # noqa: SIM118
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _handle(self, name: str):
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint {self.model_dir}")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            path = self.model_dir / file
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"shard file {path} (holding {name!r}) is missing from the checkpoint"
+                )
+            self._handles[file] = safe_open(path, framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(
+        self,
+        name: str,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+        expected_shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """Tensor `name` (or rows [a, b) / columns [a, b) of it), checking its full shape."""
+        shape = self.shape(name)
+        if expected_shape is not None and shape != tuple(expected_shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {list(shape)} in {self.model_dir}, but the config "
+                f"implies {list(expected_shape)}"
+            )
+        view = self._handle(name).get_slice(name)
+        if rows is None and cols is None:
+            return view[:]
+        r0, r1 = rows if rows is not None else (0, shape[0])
+        if cols is None:
+            return view[r0:r1]
+        return view[r0:r1, cols[0] : cols[1]]
+
+
+def write_sharded_safetensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> dict[str, str]:
+    """Write `tensors` into `model-0000i-of-0000n.safetensors` shards plus the index json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor.contiguous()
+        sizes[-1] += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tmp = out / f".{file}.tmp"
+        save_file(shard, tmp, metadata={"format": "pt"})
+        os.replace(tmp, out / file)
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return weight_map

@@ -1,0 +1,263 @@
+"""HF <-> Megatron-Core weight mapping for the Llama-style families.
+
+One table (`param_rules`) says which HF tensors make each Megatron parameter and how the
+Megatron parameter is laid out across tensor-parallel ranks:
+
+- `REPLICATED`: same on every TP rank (norm weights).
+- `COLUMN` / `ROW`: split along dim 0 / dim 1 (output / input features).
+- `QKV`: `linear_qkv` is grouped per query group: for each KV head g, the q heads of g,
+  then k_g, then v_g. Each TP rank holds whole groups, in order.
+- `GATE_UP`: `linear_fc1` is [gate_shard; up_shard] on each TP rank.
+- `VOCAB`: rows split across TP ranks, padded with zero rows beyond the true vocabulary.
+
+`load_shard` builds this rank's slice from the HF checkpoint reading only those rows or
+columns; `shards_to_hf` turns the list of a parameter's TP shards (one shard when TP = 1)
+back into full HF tensors. Both directions are used by the converter and by weight sync.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.models.families import ModelArch
+from rlhf.models.hf_io import HFCheckpointReader
+
+
+class Layout(enum.Enum):
+    REPLICATED = "replicated"
+    COLUMN = "column"
+    ROW = "row"
+    QKV = "qkv"
+    GATE_UP = "gate_up"
+    VOCAB = "vocab"
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """Megatron parameter name template <- HF tensor name templates, and the TP layout."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This rank's place in the tensor- and pipeline-parallel grid."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear.
+TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def layer_rules(arch: ModelArch) -> list[ParamRule]:
+    """Per-layer rules; names contain `{layer}` (global layer index)."""
+    m, h = "decoder.layers.{layer}.", "model.layers.{layer}."
+    attn = h + "self_attn."
+    rules = [
+        ParamRule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), Layout.REPLICATED),
+        ParamRule(
+            m + "self_attention.linear_qkv.weight",
+            tuple(attn + f"{p}_proj.weight" for p in "qkv"),
+            Layout.QKV,
+        ),
+        ParamRule(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), Layout.ROW),
+        ParamRule(
+            m + "pre_mlp_layernorm.weight",
+            (h + "post_attention_layernorm.weight",),
+            Layout.REPLICATED,
+        ),
+        ParamRule(
+            m + "mlp.linear_fc1.weight",
+            (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+            Layout.GATE_UP,
+        ),
+        ParamRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), Layout.ROW),
+    ]
+    if arch.qkv_bias:
+        qkv_bias = tuple(attn + f"{p}_proj.bias" for p in "qkv")
+        rules.append(ParamRule(m + "self_attention.linear_qkv.bias", qkv_bias, Layout.QKV))
+    if arch.qk_layernorm:
+        for x in "qk":
+            rules.append(
+                ParamRule(
+                    m + f"self_attention.{x}_layernorm.weight",
+                    (attn + f"{x}_norm.weight",),
+                    Layout.REPLICATED,
+                )
+            )
+    return rules
+
+
+def global_rules(arch: ModelArch) -> list[ParamRule]:
+    """Embedding, final norm and output layer (tied models read the embedding for both)."""
+    head = "model.embed_tokens.weight" if arch.tie_embeddings else "lm_head.weight"
+    return [
+        ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Layout.VOCAB),
+        ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), Layout.REPLICATED),
+        ParamRule("output_layer.weight", (head,), Layout.VOCAB),
+    ]
+
+
+def resolve(arch: ModelArch, name: str, placement: Placement) -> tuple[ParamRule, int | None]:
+    """The rule for a local Megatron parameter name and its global layer index (if any)."""
+    match = _LAYER.match(name)
+    if match is None:
+        for rule in global_rules(arch):
+            if rule.mcore == name:
+                return rule, None
+        raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
+    local, rest = int(match.group(1)), TE_ALIASES.get(match.group(2), match.group(2))
+    layer = placement.pp_rank * (arch.num_layers // placement.pp_size) + local
+    for rule in layer_rules(arch):
+        if rule.mcore == f"decoder.layers.{{layer}}.{rest}":
+            return rule, layer
+    raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
+
+
+def hf_names(rule: ParamRule, layer: int | None) -> list[str]:
+    return [n.format(layer=layer) for n in rule.hf]
+
+
+def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
+    """The shape an HF tensor must have according to the config (for clear errors)."""
+    h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
+    leaf = hf_name.split(".layers.")[-1].split(".", 1)[-1] if ".layers." in hf_name else hf_name
+    shapes = {
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "lm_head.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    return shapes[leaf]
+
+
+def _rows(total: int, placement: Placement) -> tuple[int, int]:
+    per_rank = total // placement.tp_size
+    return placement.tp_rank * per_rank, (placement.tp_rank + 1) * per_rank
+
+
+def load_shard(
+    rule: ParamRule,
+    layer: int | None,
+    reader: HFCheckpointReader,
+    arch: ModelArch,
+    placement: Placement,
+    padded_vocab: int,
+) -> torch.Tensor:
+    """This rank's slice of one Megatron parameter, read from the HF checkpoint."""
+    names = hf_names(rule, layer)
+
+    def read(name: str, **kw) -> torch.Tensor:
+        return reader.read(name, expected_shape=expected_hf_shape(arch, name), **kw)
+
+    if rule.layout is Layout.REPLICATED:
+        return read(names[0])
+    if rule.layout is Layout.COLUMN:
+        return read(names[0], rows=_rows(reader.shape(names[0])[0], placement))
+    if rule.layout is Layout.ROW:
+        shape = reader.shape(names[0])
+        return read(names[0], cols=_rows(shape[1], placement))
+    if rule.layout is Layout.GATE_UP:
+        return torch.cat([read(n, rows=_rows(arch.ffn_hidden_size, placement)) for n in names])
+    if rule.layout is Layout.QKV:
+        return _load_qkv(names, read, arch, placement)
+    return _load_vocab(names[0], read, arch, placement, padded_vocab)
+
+
+def _load_qkv(names, read, arch: ModelArch, placement: Placement) -> torch.Tensor:
+    groups = arch.num_query_groups // placement.tp_size
+    g0 = placement.tp_rank * groups
+    hd, qpg = arch.head_dim, arch.heads_per_group
+    q = read(names[0], rows=(g0 * qpg * hd, (g0 + groups) * qpg * hd))
+    k = read(names[1], rows=(g0 * hd, (g0 + groups) * hd))
+    v = read(names[2], rows=(g0 * hd, (g0 + groups) * hd))
+    tail = q.shape[1:]
+    grouped = torch.cat(
+        [
+            q.reshape(groups, qpg * hd, *tail),
+            k.reshape(groups, hd, *tail),
+            v.reshape(groups, hd, *tail),
+        ],
+        dim=1,
+    )
+    return grouped.reshape(groups * (qpg + 2) * hd, *tail)
+
+
+def _load_vocab(name, read, arch: ModelArch, placement: Placement, padded_vocab: int):
+    r0, r1 = _rows(padded_vocab, placement)
+    real_end = max(r0, min(r1, arch.vocab_size))
+    real = read(name, rows=(r0, real_end))  # zero rows when this shard is all padding
+    padding = real.new_zeros(r1 - real_end, arch.hidden_size)
+    return torch.cat([real, padding])
+
+
+def shards_to_hf(
+    rule: ParamRule, layer: int | None, shards: list[torch.Tensor], arch: ModelArch
+) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors from the TP shards of one Megatron parameter (in TP-rank order)."""
+    names = hf_names(rule, layer)
+    if rule.layout is Layout.REPLICATED:
+        return [(names[0], shards[0])]
+    if rule.layout is Layout.COLUMN:
+        return [(names[0], torch.cat(shards, dim=0))]
+    if rule.layout is Layout.ROW:
+        return [(names[0], torch.cat(shards, dim=1))]
+    if rule.layout is Layout.VOCAB:
+        return [(names[0], torch.cat(shards, dim=0)[: arch.vocab_size])]
+    if rule.layout is Layout.GATE_UP:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        gate = torch.cat([g for g, _ in halves])
+        up = torch.cat([u for _, u in halves])
+        return [(names[0], gate), (names[1], up)]
+    full = torch.cat(shards, dim=0)
+    hd, qpg = arch.head_dim, arch.heads_per_group
+    tail = full.shape[1:]
+    grouped = full.reshape(arch.num_query_groups, (qpg + 2) * hd, *tail)
+    q, k, v = grouped.split([qpg * hd, hd, hd], dim=1)
+    return [
+        (names[0], q.reshape(-1, *tail)),
+        (names[1], k.reshape(-1, *tail)),
+        (names[2], v.reshape(-1, *tail)),
+    ]
+
+
+def skip_on_export(arch: ModelArch, rule: ParamRule) -> bool:
+    """Tied models have no separate `lm_head.weight` in HF checkpoints."""
+    return arch.tie_embeddings and rule.mcore == "output_layer.weight"

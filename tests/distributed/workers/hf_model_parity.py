@@ -1,0 +1,58 @@
+"""Worker: load HF checkpoints into Megatron at a TP/PP layout and save full logits.
+
+For each `--model NAME=DIR`, the rank holding TP rank 0 of the last pipeline stage writes
+`OUT_DIR/NAME.pt` with logits [b, s, vocab] for the tokens in `--tokens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from rlhf.config.validate import ParallelDims
+from rlhf.distributed.bootstrap import (
+    current_placement,
+    init_distributed,
+    init_model_parallel,
+    seed_everything,
+    teardown,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", action="append", required=True, help="NAME=HF_DIR")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--tokens", required=True)
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args()
+    env = init_distributed("cpu")
+    init_model_parallel(ParallelDims(world_size=env.world_size, tp=args.tp, pp=args.pp))
+    seed_everything(0)
+    from megatron.core import parallel_state as ps
+
+    from rlhf.models.builder import build_model, load_hf_weights
+    from rlhf.models.families import load_arch
+    from rlhf.models.forward import forward_logits, gather_vocab
+    from rlhf.models.hf_io import HFCheckpointReader
+
+    placement = current_placement()
+    tokens = torch.load(args.tokens)
+    for spec in args.model:
+        name, hf_dir = spec.split("=", 1)
+        arch = load_arch(hf_dir)
+        model = build_model(arch, placement)
+        load_hf_weights(model, HFCheckpointReader(hf_dir), arch, placement)
+        logits = forward_logits(model.eval(), tokens, micro_batch_size=1)
+        if logits is not None:
+            full = gather_vocab(logits, ps.get_tensor_model_parallel_group(), arch.vocab_size)
+            if placement.tp_rank == 0:
+                torch.save(full, Path(args.out_dir) / f"{name}.pt")
+    teardown()
+
+
+if __name__ == "__main__":
+    main()
