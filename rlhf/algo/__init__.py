@@ -1,0 +1,77 @@
+"""PPO math as pure tensor functions: masked statistics, KL, advantages, losses.
+
+Nothing here knows about Megatron, SGLang or the trainer: inputs are [batch, response_len]
+tensors with a response mask, so every formula can be tested against a hand computation.
+"""
+
+from rlhf.algo.advantages import (
+    ADV_ESTIMATORS,
+    AdvantageOutput,
+    compute_advantages,
+    compute_gae,
+    compute_grpo_advantages,
+    compute_reinforce_plus_plus_advantages,
+    compute_rloo_advantages,
+)
+from rlhf.algo.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    build_kl_controller,
+    kl_penalty,
+    token_level_rewards,
+)
+from rlhf.algo.losses import (
+    LOSS_AGG_MODES,
+    BatchCounts,
+    PolicyLossOutput,
+    ValueLossOutput,
+    aggregate_loss,
+    entropy_loss,
+    global_batch_counts,
+    kl_loss,
+    policy_loss,
+    value_loss,
+)
+from rlhf.algo.stats import (
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    response_ends,
+    response_ids,
+    response_starts,
+)
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "AdvantageOutput",
+    "BatchCounts",
+    "FixedKLController",
+    "PolicyLossOutput",
+    "ValueLossOutput",
+    "aggregate_loss",
+    "build_kl_controller",
+    "compute_advantages",
+    "compute_gae",
+    "compute_grpo_advantages",
+    "compute_reinforce_plus_plus_advantages",
+    "compute_rloo_advantages",
+    "entropy_loss",
+    "global_batch_counts",
+    "kl_loss",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "response_ends",
+    "response_ids",
+    "response_starts",
+    "token_level_rewards",
+    "value_loss",
+]
