@@ -45,7 +45,8 @@ setup(
     entry_points={
         "console_scripts": [
             "rlhf-train=rlhf.train:main",
-            # rlhf-convert, rlhf-preprocess and rlhf-doctor join as their tools land.
+            "rlhf-convert=rlhf_tools.convert_checkpoint:main",
+            # rlhf-preprocess and rlhf-doctor join as their tools land.
         ]
     },
 )

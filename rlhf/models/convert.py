@@ -1,0 +1,166 @@
+"""HF <-> Megatron distributed checkpoints, and logit-level verification against transformers.
+
+Layout of a Megatron checkpoint written here (a directory):
+
+    model/                 Megatron-Core distributed checkpoint (torch_dist), any TP/PP on load
+    hf/                    the HF config, generation config and tokenizer files, verbatim
+    rlhf_checkpoint.json   family, true and padded vocabulary, dtype, the TP/PP it was saved at
+
+Each rank reads only its own slices of the HF safetensors. Output directories appear
+atomically: everything is written under `<out>.partial` and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from rlhf.models.builder import build_model, load_hf_weights
+from rlhf.models.families import ModelArch, load_arch
+from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
+from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
+
+log = logging.getLogger(__name__)
+
+META_NAME = "rlhf_checkpoint.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def copy_hf_side_files(src: Path, dst: Path) -> None:
+    """Config, generation config and tokenizer files: everything but weights and their index."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name != INDEX_NAME:
+            shutil.copy2(path, dst / path.name)
+
+
+def checkpoint_dtype(reader: HFCheckpointReader) -> torch.dtype:
+    """The dtype of the HF weights (taken from the embedding)."""
+    return reader.read("model.embed_tokens.weight", rows=(0, 1)).dtype
+
+
+def read_meta(mcore_dir: str | Path) -> dict:
+    path = Path(mcore_dir) / META_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: not found; is {mcore_dir} a checkpoint written by rlhf-convert?"
+        )
+    return json.loads(path.read_text())
+
+
+def _publish(partial: Path, out: Path) -> None:
+    """fsync and rename the finished directory into place."""
+    for path in partial.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    os.replace(partial, out)
+    fd = os.open(out.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def hf_to_mcore(hf_dir: Path, out_dir: Path, placement: Placement) -> None:
+    """Convert on every rank of the current TP x PP world (call on all ranks)."""
+    from megatron.core import dist_checkpointing
+
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another OUT_DIR")
+    arch = load_arch(hf_dir)
+    reader = HFCheckpointReader(hf_dir)
+    dtype = checkpoint_dtype(reader)
+    model = build_model(arch, placement, params_dtype=dtype)
+    load_hf_weights(model, reader, arch, placement, progress=_is_main())
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    if _is_main():
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / "model").mkdir(parents=True)
+    _barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(partial / "model"))
+    if _is_main():
+        copy_hf_side_files(hf_dir, partial / "hf")
+        meta = {
+            "format": "megatron-core-dist",
+            "family": arch.family,
+            "vocab_size": arch.vocab_size,
+            "padded_vocab_size": model.padded_vocab_size,
+            "dtype": str(dtype).removeprefix("torch."),
+            "saved_tensor_model_parallel_size": placement.tp_size,
+            "saved_pipeline_model_parallel_size": placement.pp_size,
+        }
+        (partial / META_NAME).write_text(json.dumps(meta, indent=2))
+        _publish(partial, out_dir)
+    _barrier()
+
+
+def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype | None = None):
+    """Build this rank's model from a converted checkpoint's config and load its weights."""
+    from megatron.core import dist_checkpointing
+
+    meta = read_meta(mcore_dir)
+    arch = load_arch(mcore_dir / "hf")
+    model = build_model(
+        arch,
+        placement,
+        padded_vocab=meta["padded_vocab_size"],
+        params_dtype=params_dtype or DTYPES[meta["dtype"]],
+    )
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(mcore_dir / "model"))
+    model.load_state_dict(state)
+    return model, arch
+
+
+def export_hf_tensors(model, arch: ModelArch, placement: Placement, progress: bool = False):
+    """(HF name, tensor) pairs from an unsharded (TP = PP = 1) Megatron model."""
+    assert placement.tp_size == 1 and placement.pp_size == 1
+    params = list(model.named_parameters())
+    for name, param in tqdm(params, desc="export HF tensors", disable=not progress, unit="tensor"):
+        rule, layer = resolve(arch, name, placement)
+        if not skip_on_export(arch, rule):
+            yield from shards_to_hf(rule, layer, [param.detach()], arch)
+
+
+def mcore_to_hf(mcore_dir: Path, out_dir: Path, max_shard_bytes: int) -> None:
+    """Write sharded safetensors + index + config + tokenizer (single process, TP = PP = 1)."""
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another OUT_DIR")
+    placement = Placement()
+    model, arch = load_mcore(mcore_dir, placement)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    tensors = export_hf_tensors(model, arch, placement, progress=True)
+    write_sharded_safetensors(tensors, partial, max_shard_bytes=max_shard_bytes)
+    copy_hf_side_files(mcore_dir / "hf", partial)
+    _publish(partial, out_dir)
+
+
+def random_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Reference logits from HF transformers in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits

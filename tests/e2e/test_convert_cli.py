@@ -1,0 +1,140 @@
+"""rlhf-convert as a user runs it: HF -> Megatron (TP2) -> HF is bitwise, a TP2 checkpoint
+loads at TP1 and PP2 with identical logits, verify catches corruption, inputs fail clearly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+
+CONVERT = str(Path(sys.executable).with_name("rlhf-convert"))
+
+
+def rlhf_convert(*args) -> subprocess.CompletedProcess:
+    cmd = [CONVERT, *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def read_all(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory) -> Path:
+    spec = TinyModelSpec(family="qwen2", tie_word_embeddings=True, seed=7)
+    return save_tiny_model(tmp_path_factory.mktemp("tied"), spec)
+
+
+@pytest.fixture(scope="module")
+def tp2_checkpoint(tiny_qwen2_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mcore") / "tp2"
+    proc = rlhf_convert("hf-to-mcore", tiny_qwen2_dir, out, "--tp", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_round_trip_through_tp2_is_bitwise(
+    which, tiny_qwen2_dir, tied_dir, tp2_checkpoint, tmp_path
+):
+    hf_dir = tiny_qwen2_dir if which == "untied" else tied_dir
+    mcore = tp2_checkpoint
+    if which == "tied":
+        mcore = tmp_path / "mcore"
+        assert rlhf_convert("hf-to-mcore", hf_dir, mcore, "--tp", 2).returncode == 0
+    meta = json.loads((mcore / "rlhf_checkpoint.json").read_text())
+    assert meta["saved_tensor_model_parallel_size"] == 2 and meta["padded_vocab_size"] % 256 == 0
+    back = tmp_path / "hf_back"
+    proc = rlhf_convert("mcore-to-hf", mcore, back)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    original, restored = read_all(hf_dir), read_all(back)
+    assert sorted(original) == sorted(restored)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, restored[name]), name
+    assert json.loads((back / "config.json").read_text()) == json.loads(
+        (hf_dir / "config.json").read_text()
+    )
+    assert (back / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(original)
+
+
+def test_tp2_checkpoint_loads_at_tp1_and_pp2_with_identical_logits(
+    tiny_qwen2_dir, tp2_checkpoint, tmp_path
+):
+    dumps = {}
+    for name, layout in {"tp1": [], "pp2": ["--pp", 2], "tp2": ["--tp", 2]}.items():
+        dumps[name] = tmp_path / f"{name}.pt"
+        proc = rlhf_convert(
+            "verify", tiny_qwen2_dir, tp2_checkpoint, *layout, "--dump-logits", dumps[name]
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "max |logit diff|" in proc.stdout and ": OK" in proc.stdout
+    tp1 = torch.load(dumps["tp1"])
+    assert torch.equal(tp1, torch.load(dumps["pp2"]))
+    torch.testing.assert_close(tp1, torch.load(dumps["tp2"]), rtol=0, atol=1e-5)
+
+
+def test_verify_fails_on_corrupted_checkpoint(tiny_qwen2_dir, tmp_path):
+    corrupted = tmp_path / "corrupted_hf"
+    shutil.copytree(tiny_qwen2_dir, corrupted)
+    tensors = load_file(corrupted / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"][3] += 0.5  # one head dimension of one layer
+    save_file(tensors, corrupted / "model.safetensors", metadata={"format": "pt"})
+    mcore = tmp_path / "mcore"
+    assert rlhf_convert("hf-to-mcore", corrupted, mcore).returncode == 0
+    proc = rlhf_convert("verify", tiny_qwen2_dir, mcore)
+    assert proc.returncode == 1
+    assert "FAILED" in proc.stdout
+
+
+def test_clear_errors_for_bad_inputs(tiny_qwen2_dir, tp2_checkpoint, tmp_path):
+    # a shard listed in the index is missing
+    missing = tmp_path / "missing_shard"
+    shutil.copytree(tiny_qwen2_dir, missing)
+    weights = load_file(missing / "model.safetensors")
+    (missing / "model.safetensors").unlink()
+    save_file(weights, missing / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {name: "model-00001-of-00002.safetensors" for name in weights}}
+    (missing / "model.safetensors.index.json").write_text(json.dumps(index))
+    proc = rlhf_convert("hf-to-mcore", missing, tmp_path / "a")
+    assert proc.returncode == 2
+    assert "model-00001-of-00002.safetensors" in proc.stderr and "is missing" in proc.stderr
+
+    # config and tensors disagree: the error names the tensor
+    mismatch = tmp_path / "mismatch"
+    shutil.copytree(tiny_qwen2_dir, mismatch)
+    config = json.loads((mismatch / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (mismatch / "config.json").write_text(json.dumps(config))
+    proc = rlhf_convert("hf-to-mcore", mismatch, tmp_path / "b")
+    assert proc.returncode == 2
+    assert "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [128, 64]" in proc.stderr
+    assert "the config implies [96, 64]" in proc.stderr
+
+    # unsupported family
+    other = tmp_path / "gpt2"
+    shutil.copytree(tiny_qwen2_dir, other)
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    proc = rlhf_convert("hf-to-mcore", other, tmp_path / "c")
+    assert proc.returncode == 2
+    assert "unsupported model family 'gpt2'" in proc.stderr and "llama, qwen2, qwen3" in proc.stderr
+
+    # never overwrite, and a missing Megatron checkpoint is named
+    proc = rlhf_convert("hf-to-mcore", tiny_qwen2_dir, tp2_checkpoint)
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+    proc = rlhf_convert("mcore-to-hf", tmp_path / "nothing", tmp_path / "d")
+    assert proc.returncode == 2 and "rlhf_checkpoint.json: not found" in proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
