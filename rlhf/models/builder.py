@@ -113,7 +113,7 @@ def attach_value_head(model: nn.Module, arch: ModelArch, seed: int = 0) -> nn.Mo
 
 @torch.no_grad()
 def load_score_head(model: nn.Module, reader: HFCheckpointReader) -> None:
-    """Value head from an HF `*ForSequenceClassification` checkpoint's `score.weight` (row 0)."""
+    """Value head from an HF `*ForSequenceClassification` checkpoint's `score.weight`."""
     if not getattr(model, "post_process", False):
         return
     score = reader.read("score.weight")
@@ -121,4 +121,24 @@ def load_score_head(model: nn.Module, reader: HFCheckpointReader) -> None:
         raise ValueError(
             f"score.weight has {score.shape[0]} labels; a value/reward model needs exactly 1"
         )
-    model.output_layer.weight.copy_(score)
+    model.output_layer.weight.copy_(score.to(model.output_layer.weight.dtype))
+
+
+def value_model_from_hf(
+    hf_dir, placement: Placement, *, seed: int = 0, params_dtype: torch.dtype = torch.float32
+):
+    """Critic / reward model from an HF directory.
+
+    The trunk comes from the checkpoint; the scalar head from its `score.weight` when it is a
+    `*ForSequenceClassification` checkpoint, otherwise it is freshly initialised (critic
+    started from the actor). Returns (model, arch).
+    """
+    from rlhf.models.families import load_arch
+
+    arch = load_arch(hf_dir)
+    reader = HFCheckpointReader(hf_dir)
+    model = attach_value_head(build_model(arch, placement, params_dtype=params_dtype), arch, seed)
+    load_hf_weights(model, reader, arch, placement, skip=("output_layer.weight",))
+    if "score.weight" in reader:
+        load_score_head(model, reader)
+    return model, arch

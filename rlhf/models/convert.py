@@ -129,6 +129,14 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
     return model, arch
 
 
+def value_model_from_mcore(mcore_dir: Path, placement: Placement, seed: int = 0):
+    """Critic initialised from a converted actor checkpoint: same trunk, fresh scalar head."""
+    from rlhf.models.builder import attach_value_head
+
+    model, arch = load_mcore(mcore_dir, placement)
+    return attach_value_head(model, arch, seed), arch
+
+
 def export_hf_tensors(model, arch: ModelArch, placement: Placement, progress: bool = False):
     """(HF name, tensor) pairs from an unsharded (TP = PP = 1) Megatron model."""
     assert placement.tp_size == 1 and placement.pp_size == 1

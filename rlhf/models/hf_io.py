@@ -17,6 +17,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 SINGLE_NAME = "model.safetensors"
 
 
@@ -27,6 +39,7 @@ class HFCheckpointReader:
         self.model_dir = Path(model_dir)
         self.weight_map = self._weight_map()
         self._handles: dict[str, object] = {}
+        self.bytes_read = 0  # what this reader has pulled from disk, for tests and benchmarks
 
     def _weight_map(self) -> dict[str, str]:
         index = self.model_dir / INDEX_NAME
@@ -76,11 +89,23 @@ class HFCheckpointReader:
             )
         view = self._handle(name).get_slice(name)
         if rows is None and cols is None:
-            return view[:]
-        r0, r1 = rows if rows is not None else (0, shape[0])
-        if cols is None:
-            return view[r0:r1]
-        return view[r0:r1, cols[0] : cols[1]]
+            tensor = view[:]
+        else:
+            r0, r1 = rows if rows is not None else (0, shape[0])
+            tensor = view[r0:r1] if cols is None else view[r0:r1, cols[0] : cols[1]]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def total_bytes(self) -> int:
+        """Size of all tensors in the checkpoint (from the headers; nothing is read)."""
+        total = 0
+        for name in self.weight_map:
+            view = self._handle(name).get_slice(name)
+            numel = 1
+            for dim in view.get_shape():
+                numel *= dim
+            total += numel * DTYPE_BYTES[view.get_dtype()]
+        return total
 
 
 def write_sharded_safetensors(

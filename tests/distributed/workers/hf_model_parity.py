@@ -7,6 +7,7 @@ For each `--model NAME=DIR`, the rank holding TP rank 0 of the last pipeline sta
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -45,7 +46,10 @@ def main() -> None:
         name, hf_dir = spec.split("=", 1)
         arch = load_arch(hf_dir)
         model = build_model(arch, placement)
-        load_hf_weights(model, HFCheckpointReader(hf_dir), arch, placement)
+        reader = HFCheckpointReader(hf_dir)
+        load_hf_weights(model, reader, arch, placement)
+        read = {"bytes_read": reader.bytes_read, "total_bytes": reader.total_bytes()}
+        Path(args.out_dir, f"{name}.read.{env.rank}.json").write_text(json.dumps(read))
         logits = forward_logits(model.eval(), tokens, micro_batch_size=1)
         if logits is not None:
             full = gather_vocab(logits, ps.get_tensor_model_parallel_group(), arch.vocab_size)
