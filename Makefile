@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart test test-unit test-distributed test-e2e test-gpu lint format lock clean
+.PHONY: setup quickstart test test-unit test-distributed test-e2e test-gpu lint format bench lock clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,9 @@ test: setup
 
 test-unit test-distributed test-e2e test-gpu: setup
 	$(PY) -m pytest tests -m $(subst test-,,$@) $(PYTEST_ARGS)
+
+bench: setup
+	for script in benchmarks/*.py; do $(PY) $$script || exit 1; done
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -30,11 +30,13 @@ def build_model(
     padded_vocab: int | None = None,
     params_dtype: torch.dtype = torch.float32,
     cp: int = 1,
+    initialize: bool = True,
 ):
-    """This pipeline stage's `GPTModel` for `arch` (untrained weights).
+    """This pipeline stage's `GPTModel` for `arch`.
 
     `padded_vocab` defaults to the vocabulary padded to a multiple of 128 x TP; a model
     that will load a Megatron checkpoint passes the checkpoint's padded size instead.
+    `initialize=False` leaves the weights uninitialised (they are loaded next).
     """
     vocab = padded_vocab or padded_vocab_size(
         arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, placement.tp_size
@@ -42,7 +44,12 @@ def build_model(
     if vocab % placement.tp_size:
         raise ValueError(f"padded vocabulary {vocab} is not divisible by TP {placement.tp_size}")
     config = transformer_config(
-        arch, tp=placement.tp_size, pp=placement.pp_size, cp=cp, params_dtype=params_dtype
+        arch,
+        tp=placement.tp_size,
+        pp=placement.pp_size,
+        cp=cp,
+        params_dtype=params_dtype,
+        perform_initialization=initialize,
     )
     model = build_gpt_model(
         config,
@@ -137,7 +144,8 @@ def value_model_from_hf(
 
     arch = load_arch(hf_dir)
     reader = HFCheckpointReader(hf_dir)
-    model = attach_value_head(build_model(arch, placement, params_dtype=params_dtype), arch, seed)
+    policy = build_model(arch, placement, params_dtype=params_dtype, initialize=False)
+    model = attach_value_head(policy, arch, seed)
     load_hf_weights(model, reader, arch, placement, skip=("output_layer.weight",))
     if "score.weight" in reader:
         load_score_head(model, reader)

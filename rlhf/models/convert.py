@@ -88,7 +88,7 @@ def hf_to_mcore(hf_dir: Path, out_dir: Path, placement: Placement) -> None:
     arch = load_arch(hf_dir)
     reader = HFCheckpointReader(hf_dir)
     dtype = checkpoint_dtype(reader)
-    model = build_model(arch, placement, params_dtype=dtype)
+    model = build_model(arch, placement, params_dtype=dtype, initialize=False)
     load_hf_weights(model, reader, arch, placement, progress=_is_main())
     partial = out_dir.with_name(out_dir.name + ".partial")
     if _is_main():
@@ -123,6 +123,7 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
         placement,
         padded_vocab=meta["padded_vocab_size"],
         params_dtype=params_dtype or DTYPES[meta["dtype"]],
+        initialize=False,
     )
     state = dist_checkpointing.load(model.sharded_state_dict(), str(mcore_dir / "model"))
     model.load_state_dict(state)

@@ -160,8 +160,13 @@ def transformer_config(
     cp: int = 1,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool = True,
+    perform_initialization: bool = True,
 ):
-    """The one mapping from `ModelArch` to Megatron-Core's `TransformerConfig`."""
+    """The one mapping from `ModelArch` to Megatron-Core's `TransformerConfig`.
+
+    `perform_initialization=False` skips Megatron's random init for models whose weights
+    are about to be loaded from a checkpoint.
+    """
     from megatron.core.transformer import TransformerConfig
 
     if arch.num_query_groups % tp:
@@ -198,6 +203,7 @@ def transformer_config(
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=perform_initialization,
     )
 
 
