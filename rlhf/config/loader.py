@@ -92,6 +92,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if tp is type(None):
+        return "None"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -116,7 +118,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        return _coerce(value, args[0], path)
+        if len(args) == 1:
+            return _coerce(value, args[0], path)  # keeps the inner error (e.g. a list item)
+        for arg in args:
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     if origin is typing.Literal:
         choices = typing.get_args(tp)
         if value not in choices:

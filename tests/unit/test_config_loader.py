@@ -37,6 +37,17 @@ def test_overrides_parse_each_type():
     assert cfg.trainer.experiment_name == "007"  # string keys keep the text as given
 
 
+def test_union_keys_take_each_member_type():
+    cfg = load_config(
+        QUICKSTART, ["data.train_files=[a.parquet,b.parquet]", "data.val_files=v/*.parquet"]
+    )
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.data.val_files == "v/*.parquet"
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICKSTART, ["data.train_files=3"])
+    assert str(err.value) == "data.train_files: expected str | list[str] | None, got 3"
+
+
 def test_null_override_and_bool_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("global_profiler:\n  steps: [2]\n")
