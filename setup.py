@@ -46,7 +46,8 @@ setup(
         "console_scripts": [
             "rlhf-train=rlhf.train:main",
             "rlhf-convert=rlhf_tools.convert_checkpoint:main",
-            # rlhf-preprocess and rlhf-doctor join as their tools land.
+            "rlhf-preprocess=rlhf_tools.preprocess:main",
+            # rlhf-doctor joins with the launch/deploy tools.
         ]
     },
 )

@@ -27,6 +27,38 @@ class DataConfig:
     max_prompt_length: int = doc(128, "longest prompt in tokens", gt=0)
     max_response_length: int = doc(32, "most tokens generated per response", gt=0)
     seed: int = doc(1, "seed of the prompt order")
+    train_files: str | list[str] | None = doc(
+        None, "training Parquet: a path, a list, a glob or a URI (hdfs://, s3://, ...)"
+    )
+    val_files: str | list[str] | None = doc(None, "validation Parquet (same forms as train_files)")
+    prompt_key: str = doc("prompt", "column holding the prompt (chat messages or a string)")
+    apply_chat_template: bool = doc(True, "format prompts with the tokenizer's chat template")
+    filter_overlong_prompts: bool = doc(
+        False, "drop (and count) prompts longer than max_prompt_length"
+    )
+    truncation: Literal["left", "right", "error"] = doc(
+        "error", "overlong prompts that are not filtered: keep the end, keep the start, or fail"
+    )
+    bad_rows: Literal["error", "skip"] = doc(
+        "error", "invalid Parquet rows: fail naming them, or skip them (count + first rows logged)"
+    )
+
+
+@dataclass
+class RewardConfig:
+    """Rule rewards (per data_source) and user reward functions."""
+
+    custom_fn: str | None = doc(
+        None, "'path/to/file.py:function' replacing the rule rewards (runs that file's code)"
+    )
+    gsm8k_method: Literal["strict", "flexible"] = doc(
+        "strict", "gsm8k rule: answer after '####' (strict) or the last number (flexible)"
+    )
+    format_score: float = doc(0.0, "rule rewards: score of a well-formed but wrong answer")
+    correct_score: float = doc(1.0, "rule rewards: score of a correct answer")
+    model_path: str | None = doc(
+        None, "HF *ForSequenceClassification dir scoring reward_model.style=model rows"
+    )
 
 
 @dataclass
@@ -83,6 +115,18 @@ class RolloutConfig:
     server_startup_timeout_s: float = doc(
         300.0, "seconds to wait for a server to become healthy", gt=0
     )
+    num_servers: int = doc(1, "SGLang servers to launch (ignored when server_urls is set)", gt=0)
+    server_urls: list[str] | None = doc(
+        None, "running SGLang servers to use instead of launching (never restarted)"
+    )
+    use_router: bool = doc(False, "send /generate through an sglang-router in front of the servers")
+    max_concurrent_requests: int = doc(64, "most /generate requests in flight at once", gt=0)
+    request_timeout_s: float = doc(600.0, "seconds one /generate request may take", gt=0)
+    request_retries: int = doc(
+        3, "retries of a request after a connection error, 5xx or timeout", ge=0
+    )
+    retry_backoff_s: float = doc(1.0, "delay before the first retry; doubles per retry", gt=0)
+    max_server_restarts: int = doc(2, "restarts allowed per launched server before failing", ge=0)
 
 
 @dataclass
@@ -150,6 +194,7 @@ class RLHFConfig:
     """The whole run."""
 
     data: DataConfig = doc(DataConfig, "prompt data")
+    reward: RewardConfig = doc(RewardConfig, "rule, custom and model rewards")
     actor_rollout_ref: ActorRolloutRefConfig = doc(ActorRolloutRefConfig, "policy, rollout, ref")
     critic: CriticConfig = doc(CriticConfig, "value model")
     algorithm: AlgorithmConfig = doc(AlgorithmConfig, "PPO algorithm")

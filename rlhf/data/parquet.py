@@ -1,0 +1,276 @@
+"""Prompt Parquet files in verl's schema: reading, validation that names file/row/column, writing.
+
+A bad row found mid-run (a null prompt at row 91,000) would waste the run that reaches it, so
+every file is checked completely when it is loaded and each problem says where it is. The
+same checks back `rlhf-preprocess check`. Schema (one row per prompt):
+
+| column | type | required |
+|---|---|---|
+| `data_source` | string, selects the reward function | yes |
+| `prompt` (`data.prompt_key`) | list of {role, content} messages, or a string | yes |
+| `reward_model` | {style: 'rule' or 'model', ground_truth} | yes |
+| `ability` | string | no ('' when absent) |
+| `extra_info` | struct, passed to reward functions | no ({} when absent) |
+| `images` | anything; carried through untouched | no |
+
+Row numbers count from 0, as in pyarrow and pandas. File-level problems (not Parquet, empty,
+a missing or wrongly typed column) are always errors; `bad_rows="skip"` skips only bad rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf.data.files import DataFile, resolve_files
+
+log = logging.getLogger(__name__)
+
+REWARD_STYLES = ("rule", "model")
+MAX_PROBLEMS_IN_MESSAGE = 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a data file; `row`/`column` are None when not row/column-specific."""
+
+    file: str
+    row: int | None
+    column: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = [f"row {self.row}"] if self.row is not None else []
+        where += [f"column '{self.column}'"] if self.column is not None else []
+        return f"{self.file}: {', '.join(where) + ': ' if where else ''}{self.message}"
+
+
+class DataError(ValueError):
+    """Invalid prompt data; `problems` lists every problem found."""
+
+    def __init__(self, problems: Sequence[Problem]):
+        self.problems = list(problems)
+        lines = [str(p) for p in self.problems[:MAX_PROBLEMS_IN_MESSAGE]]
+        if len(self.problems) > MAX_PROBLEMS_IN_MESSAGE:
+            lines.append(f"... and {len(self.problems) - MAX_PROBLEMS_IN_MESSAGE} more")
+        super().__init__("invalid prompt data:\n  " + "\n  ".join(lines))
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One validated prompt row, and where it came from."""
+
+    data_source: str
+    prompt: str | list[dict[str, str]]
+    reward_model: dict[str, Any]
+    ability: str = ""
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    images: Any = None
+    file: str = ""
+    row: int = -1
+
+    @property
+    def style(self) -> str:
+        return self.reward_model["style"]
+
+    @property
+    def ground_truth(self) -> Any:
+        return self.reward_model.get("ground_truth")
+
+
+@dataclass
+class FileReport:
+    """What one file holds: valid rows per data source, and its problems."""
+
+    file: str
+    num_rows: int = 0
+    data_sources: Counter = field(default_factory=Counter)
+    problems: list[Problem] = field(default_factory=list)
+
+
+def _is_str(tp: pa.DataType) -> bool:
+    return pa.types.is_string(tp) or pa.types.is_large_string(tp) or pa.types.is_null(tp)
+
+
+def _is_messages(tp: pa.DataType) -> bool:
+    if not (pa.types.is_list(tp) or pa.types.is_large_list(tp)):
+        return False
+    item = tp.value_type
+    return pa.types.is_struct(item) and {"role", "content"} <= {f.name for f in item}
+
+
+def _column_problems(schema: pa.Schema, prompt_key: str) -> list[tuple[str, str]]:
+    """(column, message) for every missing or wrongly typed column."""
+    expected = {
+        "data_source": (_is_str, "a string"),
+        prompt_key: (
+            lambda t: _is_str(t) or _is_messages(t),
+            "a string or a list of {role, content} messages",
+        ),
+        "reward_model": (
+            lambda t: pa.types.is_struct(t) and {"style", "ground_truth"} <= {f.name for f in t},
+            "a struct {style, ground_truth}",
+        ),
+        "ability": (_is_str, "a string"),
+        "extra_info": (
+            lambda t: pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_null(t),
+            "a struct (dict)",
+        ),
+    }
+    problems = []
+    for column, (ok, what) in expected.items():
+        if column not in schema.names:
+            if column in ("ability", "extra_info"):
+                continue
+            problems.append((column, f"missing column (the file has: {', '.join(schema.names)})"))
+        elif not ok(schema.field(column).type):
+            problems.append((column, f"wrong type {schema.field(column).type}; expected {what}"))
+    return problems
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    if prompt is None:
+        return "null prompt"
+    if isinstance(prompt, str):
+        return "empty prompt" if not prompt.strip() else None
+    if not prompt:
+        return "empty prompt (no messages)"
+    for i, message in enumerate(prompt):
+        if message is None:
+            return f"message {i} is null"
+        for part in ("role", "content"):
+            if not isinstance(message.get(part), str):
+                return f"message {i} has no {part}"
+        if not message["role"].strip():
+            return f"message {i} has an empty role"
+    if not any(m["content"].strip() for m in prompt):
+        return "empty prompt (every message has empty content)"
+    return None
+
+
+def _row_problems(values: dict[str, Any], prompt_key: str) -> list[tuple[str, str]]:
+    problems = []
+    source = values["data_source"]
+    if source is None or not source.strip():
+        what = "null" if source is None else "empty"
+        problems.append(("data_source", f"{what} data_source"))
+    message = _prompt_problem(values[prompt_key])
+    if message:
+        problems.append((prompt_key, message))
+    reward = values["reward_model"]
+    if reward is None:
+        problems.append(("reward_model", "null reward_model"))
+    elif reward.get("style") not in REWARD_STYLES:
+        style = reward.get("style")
+        problems.append(("reward_model", f"style must be 'rule' or 'model', got {style!r}"))
+    elif reward["style"] == "rule" and reward.get("ground_truth") is None:
+        problems.append(("reward_model", "null ground_truth (style 'rule' needs one)"))
+    return problems
+
+
+def _make_row(values: dict[str, Any], prompt_key: str, file: str, row: int) -> PromptRow:
+    extra = values.get("extra_info") or {}
+    if isinstance(extra, list):  # a Parquet map arrives as (key, value) pairs
+        extra = dict(extra)
+    return PromptRow(
+        data_source=values["data_source"],
+        prompt=values[prompt_key],
+        reward_model=dict(values["reward_model"]),
+        ability=values.get("ability") or "",
+        extra_info=extra,
+        images=values.get("images"),
+        file=file,
+        row=row,
+    )
+
+
+def _read_table(data_file: DataFile, report: FileReport) -> pa.Table | None:
+    def fail(message: str) -> None:
+        report.problems.append(Problem(data_file.name, None, None, message))
+
+    try:
+        if data_file.size() == 0:
+            return fail("file is empty (0 bytes)")
+        table = pq.read_table(data_file.path, filesystem=data_file.filesystem)
+    except (pa.ArrowInvalid, OSError) as e:
+        return fail(f"not a Parquet file ({str(e).splitlines()[0]})")
+    if table.num_rows == 0:
+        return fail("file has no rows")
+    return table
+
+
+def read_file(
+    data_file: DataFile, prompt_key: str = "prompt"
+) -> tuple[list[PromptRow], FileReport]:
+    """Every valid row of one file, and the file's report (with every problem found)."""
+    report = FileReport(data_file.name)
+    table = _read_table(data_file, report)
+    if table is None:
+        return [], report
+    for column, message in _column_problems(table.schema, prompt_key):
+        report.problems.append(Problem(data_file.name, None, column, message))
+    if report.problems:
+        return [], report
+    rows = []
+    for i, values in enumerate(table.to_pylist()):
+        found = _row_problems(values, prompt_key)
+        report.problems.extend(Problem(data_file.name, i, c, m) for c, m in found)
+        if not found:
+            rows.append(_make_row(values, prompt_key, data_file.name, i))
+            report.data_sources[values["data_source"]] += 1
+    report.num_rows = len(rows)
+    return rows, report
+
+
+def check_files(
+    spec: str | Sequence[str], prompt_key: str = "prompt", key: str = "data.train_files"
+) -> list[FileReport]:
+    """A report per file named by `spec` (path, list, glob or URI)."""
+    return [read_file(f, prompt_key)[1] for f in resolve_files(spec, key)]
+
+
+def read_prompt_rows(
+    spec: str | Sequence[str] | None,
+    *,
+    prompt_key: str = "prompt",
+    bad_rows: Literal["error", "skip"] = "error",
+    key: str = "data.train_files",
+) -> list[PromptRow]:
+    """Valid rows of every file named by `spec`; raises `DataError` listing every problem.
+
+    With `bad_rows="skip"` bad rows are dropped (count and the first few logged); problems
+    with a whole file still raise. `key` is the config key named in messages.
+    """
+    rows, fatal, skipped = [], [], []
+    for data_file in resolve_files(spec, key):
+        file_rows, report = read_file(data_file, prompt_key)
+        rows.extend(file_rows)
+        for problem in report.problems:
+            (fatal if problem.row is None or bad_rows == "error" else skipped).append(problem)
+    if fatal:
+        raise DataError(fatal)
+    if skipped:
+        bad = len({(p.file, p.row) for p in skipped})
+        first = "; ".join(str(p) for p in skipped[:5])
+        log.warning("%s: skipped %d invalid rows (data.bad_rows=skip); first: %s", key, bad, first)
+    if not rows:
+        raise ValueError(f"{key}: no valid rows left ({len(skipped)} problems skipped)")
+    return rows
+
+
+def write_rows(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Write schema rows (dicts) to a Parquet file atomically (temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,165 @@
+"""Prompt rows -> token ids: chat template (or raw text) and the prompt-length policy.
+
+Rollouts send token ids to SGLang, so the prompt is tokenized once here, with the policy
+model's own tokenizer and chat template (generation prompt added), and its length is settled
+before any batch is formed: overlong prompts are dropped and counted
+(`data.filter_overlong_prompts`), or cut from the left or right, or rejected with the file
+and row (`data.truncation`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rlhf.data.parquet import PromptRow, read_prompt_rows
+
+log = logging.getLogger(__name__)
+
+Truncation = Literal["left", "right", "error"]
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt row and its token ids (at most `data.max_prompt_length` of them)."""
+
+    row: PromptRow
+    input_ids: list[int]
+    truncated: bool = False
+
+
+@dataclass
+class PromptDataset:
+    """Encoded prompts in file order, and how many were dropped or cut for length."""
+
+    prompts: list[EncodedPrompt]
+    num_filtered: int = 0
+    num_truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> EncodedPrompt:
+        return self.prompts[index]
+
+
+def load_tokenizer(path: str | Path):
+    """The HF tokenizer in a local model directory (no hub access)."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {path} (a local model dir)")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _messages(prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def prompt_text(
+    prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool
+) -> str:
+    """The text the model sees: chat template + generation prompt, or the raw text.
+
+    Raw mode uses a string prompt as is and joins the contents of a message list with
+    newlines; the tokenizer then adds its usual special tokens (e.g. BOS).
+    """
+    if not apply_chat_template:
+        return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "data.apply_chat_template is true but the tokenizer has no chat template; "
+            "set data.apply_chat_template=false to use the raw prompt text"
+        )
+    return tokenizer.apply_chat_template(
+        _messages(prompt), add_generation_prompt=True, tokenize=False
+    )
+
+
+def encode_prompts(
+    prompts: Sequence[str | list[dict[str, str]]], tokenizer: Any, apply_chat_template: bool
+) -> list[list[int]]:
+    """Token ids of each prompt (templated text is tokenized without extra special tokens)."""
+    texts = [prompt_text(p, tokenizer, apply_chat_template) for p in prompts]
+    if not texts:
+        return []
+    encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)
+    return [list(ids) for ids in encoded["input_ids"]]
+
+
+def fit_length(ids: list[int], max_length: int, truncation: Truncation) -> list[int] | None:
+    """`ids` cut to `max_length` ('left' keeps the end, 'right' the start); None for 'error'."""
+    if len(ids) <= max_length:
+        return ids
+    if truncation == "left":
+        return ids[-max_length:]
+    if truncation == "right":
+        return ids[:max_length]
+    if truncation == "error":
+        return None
+    raise ValueError(f"data.truncation must be left, right or error, got {truncation!r}")
+
+
+def build_prompt_dataset(
+    rows: Sequence[PromptRow],
+    tokenizer: Any,
+    *,
+    max_prompt_length: int,
+    apply_chat_template: bool = True,
+    filter_overlong_prompts: bool = False,
+    truncation: Truncation = "error",
+    prompt_key: str = "prompt",
+) -> PromptDataset:
+    """Encode `rows` and apply the length policy (filtering first, then truncation)."""
+    dataset = PromptDataset(prompts=[])
+    encoded = encode_prompts([r.prompt for r in rows], tokenizer, apply_chat_template)
+    for row, ids in zip(rows, encoded):
+        if len(ids) > max_prompt_length and filter_overlong_prompts:
+            dataset.num_filtered += 1
+            continue
+        fitted = fit_length(ids, max_prompt_length, truncation)
+        if fitted is None:
+            raise ValueError(
+                f"{row.file}: row {row.row}, column '{prompt_key}': prompt is {len(ids)} tokens, "
+                f"longer than data.max_prompt_length={max_prompt_length}; set "
+                "data.filter_overlong_prompts=true to drop such prompts or "
+                "data.truncation=left|right to cut them"
+            )
+        dataset.num_truncated += fitted is not ids
+        dataset.prompts.append(EncodedPrompt(row, fitted, truncated=fitted is not ids))
+    if dataset.num_filtered:
+        log.info(
+            "dropped %d of %d prompts longer than data.max_prompt_length=%d",
+            dataset.num_filtered, len(rows), max_prompt_length,
+        )  # fmt: skip
+    if not dataset.prompts:
+        raise ValueError(
+            f"no prompts left: all {len(rows)} are longer than data.max_prompt_length="
+            f"{max_prompt_length} (data.filter_overlong_prompts=true)"
+        )
+    return dataset
+
+
+def prompt_dataset_from_config(
+    data_cfg: Any, tokenizer: Any, split: Literal["train", "val"]
+) -> PromptDataset:
+    """The `PromptDataset` of `data.train_files` or `data.val_files`, per the `data.*` keys."""
+    key = f"data.{split}_files"
+    rows = read_prompt_rows(
+        getattr(data_cfg, f"{split}_files"),
+        prompt_key=data_cfg.prompt_key,
+        bad_rows=data_cfg.bad_rows,
+        key=key,
+    )
+    return build_prompt_dataset(
+        rows,
+        tokenizer,
+        max_prompt_length=data_cfg.max_prompt_length,
+        apply_chat_template=data_cfg.apply_chat_template,
+        filter_overlong_prompts=data_cfg.filter_overlong_prompts,
+        truncation=data_cfg.truncation,
+        prompt_key=data_cfg.prompt_key,
+    )

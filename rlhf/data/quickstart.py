@@ -1,0 +1,29 @@
+"""Quickstart prompt files: the seeded arithmetic problems written as train/val Parquet.
+
+The CPU quickstart and the tests need prompt data without any dataset download; these files
+go through exactly the same reader and checks as real data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf.data.arithmetic import make_problems
+from rlhf.data.parquet import write_rows
+
+
+def write_quickstart_data(
+    out_dir: str | Path, num_train: int = 256, num_val: int = 64, seed: int = 0
+) -> tuple[Path, Path]:
+    """Write `train.parquet` and `val.parquet` (disjoint rows of one seeded draw) to `out_dir`."""
+    if num_train < 1 or num_val < 1:
+        raise ValueError(f"num_train ({num_train}) and num_val ({num_val}) must be >= 1")
+    rows = make_problems(num_train + num_val, seed)
+    for row in rows[num_train:]:
+        row["extra_info"] = {**row["extra_info"], "split": "val"}
+    for row in rows[:num_train]:
+        row["extra_info"] = {**row["extra_info"], "split": "train"}
+    out = Path(out_dir)
+    train = write_rows(rows[:num_train], out / "train.parquet")
+    val = write_rows(rows[num_train:], out / "val.parquet")
+    return train, val

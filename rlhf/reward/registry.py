@@ -1,0 +1,154 @@
+"""Which reward function scores a row: rule rewards by `data_source`, or the user's own.
+
+Every row names its `data_source`; the registry maps it to a rule (gsm8k `####`, math
+`\\boxed{}`), so one run can mix datasets. `reward.custom_fn=path/to/file.py:function`
+replaces the rules with a user function: that file is imported and executed as ordinary
+Python with the trainer's permissions, so only point it at code you trust. All reward
+functions are called as `fn(data_source=, solution_str=, ground_truth=, extra_info=)` and
+return a number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rlhf.reward import gsm8k, math
+
+RewardFn = Callable[..., float]
+
+
+@dataclass(frozen=True)
+class RuleSettings:
+    """Settings shared by the rule rewards (`reward.*`)."""
+
+    gsm8k_method: Literal["strict", "flexible"] = "strict"
+    format_score: float = 0.0
+    correct_score: float = 1.0
+
+
+def _gsm8k_rule(solution: str, ground_truth: Any, settings: RuleSettings) -> float:
+    return gsm8k.compute_score(
+        solution,
+        ground_truth,
+        method=settings.gsm8k_method,
+        format_score=settings.format_score,
+        correct_score=settings.correct_score,
+    )
+
+
+def _math_rule(solution: str, ground_truth: Any, settings: RuleSettings) -> float:
+    return math.compute_score(
+        solution,
+        str(ground_truth),
+        format_score=settings.format_score,
+        correct_score=settings.correct_score,
+    )
+
+
+RuleFn = Callable[[str, Any, RuleSettings], float]
+_RULES: dict[str, RuleFn] = {
+    "openai/gsm8k": _gsm8k_rule,
+    "gsm8k": _gsm8k_rule,
+    "arithmetic": _gsm8k_rule,  # the quickstart problems (rlhf/data/arithmetic.py)
+    "lighteval/MATH": _math_rule,
+    "DigitalLearningGmbH/MATH-lighteval": _math_rule,
+    "HuggingFaceH4/MATH-500": _math_rule,
+    "math": _math_rule,
+}
+
+
+def register_rule(data_source: str, rule: RuleFn) -> None:
+    """Score rows of `data_source` with `rule(solution, ground_truth, settings)`."""
+    _RULES[data_source] = rule
+
+
+def known_sources() -> list[str]:
+    return sorted(_RULES)
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
+    settings: RuleSettings = RuleSettings(),
+) -> float:
+    """The rule reward of one response; unknown `data_source` is a ValueError."""
+    rule = _RULES.get(data_source)
+    if rule is None:
+        raise ValueError(
+            f"no rule reward for data_source {data_source!r}; known: {', '.join(known_sources())}"
+            " (or set reward.custom_fn=path/to/file.py:function)"
+        )
+    return float(rule(solution_str, ground_truth, settings))
+
+
+def load_custom_fn(spec: str) -> RewardFn:
+    """The function named by 'path/to/file.py:function' (imports, i.e. runs, that file)."""
+    path_text, sep, name = spec.rpartition(":")
+    if not sep or not path_text or not name.isidentifier():
+        raise ValueError(
+            f"reward.custom_fn={spec!r} must look like 'path/to/file.py:function_name'"
+        )
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"reward.custom_fn: file not found: {path}")
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    module_name = f"rlhf_custom_reward_{digest}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"reward.custom_fn: {path} cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's code may raise anything; say where it came from
+        raise ValueError(f"reward.custom_fn: importing {path} failed: {e!r}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and k[0] != "_")
+        raise ValueError(
+            f"reward.custom_fn: {path} has no function {name!r} "
+            f"(it defines: {', '.join(defined) or 'none'})"
+        )
+    return _checked(fn, spec)
+
+
+def _checked(fn: Callable[..., Any], spec: str) -> RewardFn:
+    """Call `fn` by keyword; accept a number or a dict with 'score'."""
+
+    def call(data_source: str, solution_str: str, ground_truth: Any, extra_info=None) -> float:
+        result = fn(
+            data_source=data_source,
+            solution_str=solution_str,
+            ground_truth=ground_truth,
+            extra_info=extra_info or {},
+        )
+        if isinstance(result, dict) and "score" in result:
+            result = result["score"]
+        if isinstance(result, bool) or not isinstance(result, int | float):
+            raise ValueError(f"reward.custom_fn {spec} returned {result!r}; expected a number")
+        return float(result)
+
+    return call
+
+
+def build_reward_fn(reward_cfg: Any) -> RewardFn:
+    """The reward function the `reward` config section asks for (custom, else the rules)."""
+    if reward_cfg.custom_fn:
+        return load_custom_fn(reward_cfg.custom_fn)
+    settings = RuleSettings(
+        gsm8k_method=reward_cfg.gsm8k_method,
+        format_score=reward_cfg.format_score,
+        correct_score=reward_cfg.correct_score,
+    )
+
+    def rules(data_source: str, solution_str: str, ground_truth: Any, extra_info=None) -> float:
+        return compute_score(data_source, solution_str, ground_truth, extra_info, settings=settings)
+
+    return rules
