@@ -1,10 +1,57 @@
-"""Minimal synchronous client for SGLang's /generate: token ids in, tokens + log-probs out."""
+"""Async client for SGLang's /generate: token ids in, tokens + log-probs + finish reasons out.
+
+A rollout batch must be complete or the step must fail loudly, so every request (one per
+prompt, carrying `n`) is retried with exponential backoff after a connection error, a 5xx,
+a timeout or a server-side abort. Before a retry the client asks its `recover` hook (the
+server group) for the URL to use next; the group restarts a dead server there or names a
+healthy one. The last failure raises `GenerateError` naming the URL and the attempt count.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-import requests
+import aiohttp
+
+from rlhf.config.schema import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+RETRIES_KEY = "actor_rollout_ref.rollout.request_retries"
+
+# Given the URL a request just failed on, return the URL to retry it on (may block while a
+# dead server is restarted; raises when there is none to retry on).
+Recover = Callable[[str], str]
+
+
+class GenerateError(RuntimeError):
+    """A /generate request failed for good (bad request, bad response, or retries exhausted)."""
+
+
+class _Retryable(Exception):
+    """A failure worth retrying: the server may come back or another one may answer."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a failed request is re-issued."""
+
+    retries: int = 3
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> RetryPolicy:
+        return cls(retries=rollout.request_retries, backoff_s=rollout.retry_backoff_s)
+
+    def delay_s(self, retry: int) -> float:
+        """Seconds to wait before retry number `retry` (1-based): backoff_s * 2**(retry-1)."""
+        return min(self.backoff_s * 2 ** (retry - 1), self.max_backoff_s)
 
 
 @dataclass(frozen=True)
@@ -14,35 +61,183 @@ class Generation:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    engine_latency_s: float | None = None  # SGLang's meta_info.e2e_latency
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """The `n` generations of one request and what it took to get them."""
+
+    generations: list[Generation]
+    url: str  # where the successful attempt went
+    attempts: int
+    request_s: float  # client-side time of the successful attempt
+    engine_s: float | None  # SGLang-reported time inside the server (max over the samples)
+    tried_urls: list[str] = field(default_factory=list)
+
+
+def generate_payload(prompt_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
+    """The /generate body for one prompt (its `n` samples come back as a list)."""
+    return {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
+
+
+def parse_response(body: Any, expected: int, url: str) -> list[Generation]:
+    """SGLang's /generate answer -> `expected` generations; raise on any other shape."""
+    items = body if isinstance(body, list) else [body]
+    aborted = [_abort_message(item) for item in items if _abort_message(item) is not None]
+    if aborted:
+        raise _Retryable(f"request aborted by the server: {aborted[0]}")
+    if len(items) != expected:
+        raise GenerateError(
+            f"SGLang at {url} returned {len(items)} samples for a request with n={expected}"
+        )
+    return [_parse_item(item, url) for item in items]
+
+
+def _abort_message(item: Any) -> str | None:
+    """The server's message when it aborted this sample (e.g. for a weight update)."""
+    finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        return str(finish.get("message", ""))
+    return None
+
+
+def _parse_item(item: Any, url: str) -> Generation:
+    try:
+        meta = item["meta_info"]
+        output_ids = [int(t) for t in item["output_ids"]]
+        logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise GenerateError(
+            f"unexpected /generate response from {url} ({type(e).__name__}: {e}); "
+            f"expected output_ids and meta_info.output_token_logprobs: {str(item)[:300]}"
+        ) from e
+    finish = meta.get("finish_reason")
+    reason = finish.get("type", "unknown") if isinstance(finish, dict) else str(finish)
+    if len(logprobs) != len(output_ids):
+        raise GenerateError(
+            f"SGLang at {url} returned {len(output_ids)} tokens but {len(logprobs)} log-probs"
+        )
+    latency = meta.get("e2e_latency")
+    return Generation(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=reason,
+        engine_latency_s=float(latency) if latency is not None else None,
+    )
+
+
+class GenerateClient:
+    """Sends one /generate per payload over `urls` (round-robin) with bounded concurrency."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        max_concurrent: int = 64,
+        timeout_s: float = 600.0,
+        retry: RetryPolicy | None = None,
+        recover: Recover | None = None,
+    ):
+        if not urls:
+            raise ValueError("GenerateClient needs at least one server URL")
+        self.urls = list(urls)
+        self.max_concurrent = max_concurrent
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self.recover = recover
+
+    def generate(self, payloads: list[dict[str, Any]]) -> list[RequestResult]:
+        """Blocking `generate_async` (one event loop per batch)."""
+        return asyncio.run(self.generate_async(payloads))
+
+    async def generate_async(self, payloads: list[dict[str, Any]]) -> list[RequestResult]:
+        """One result per payload, in payload order; raises if any request fails for good."""
+        limit = asyncio.Semaphore(self.max_concurrent)
+        connector = aiohttp.TCPConnector(limit=self.max_concurrent)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            tasks = [
+                asyncio.create_task(self._request(session, limit, i, payload))
+                for i, payload in enumerate(payloads)
+            ]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+    async def _request(
+        self, session: aiohttp.ClientSession, limit: asyncio.Semaphore, index: int, payload: dict
+    ) -> RequestResult:
+        url = self.urls[index % len(self.urls)]
+        attempts = self.retry.retries + 1
+        tried: list[str] = []
+        for attempt in range(1, attempts + 1):
+            tried.append(url)
+            try:
+                async with limit:
+                    return await self._post(session, url, payload, attempt, tried)
+            except _Retryable as e:
+                error = e
+            if attempt == attempts:
+                break
+            next_url = await asyncio.to_thread(self.recover, url) if self.recover else url
+            delay = self.retry.delay_s(attempt)
+            log.warning(
+                "re-issuing /generate request %d: attempt %d/%d at %s failed (%s); "
+                "retrying at %s in %.1f s",
+                index, attempt, attempts, url, error, next_url, delay,
+            )  # fmt: skip
+            url = next_url
+            await asyncio.sleep(delay)
+        where = ", ".join(dict.fromkeys(tried))
+        raise GenerateError(
+            f"/generate at {where} failed after {attempts} attempts ({RETRIES_KEY}="
+            f"{self.retry.retries}); last error: {error}"
+        )
+
+    async def _post(
+        self, session: aiohttp.ClientSession, url: str, payload: dict, attempt: int, tried: list
+    ) -> RequestResult:
+        start = time.perf_counter()
+        try:
+            async with session.post(f"{url}/generate", json=payload) as response:
+                if response.status >= 500:
+                    raise _Retryable(f"HTTP {response.status}: {(await response.text())[:300]}")
+                if response.status != 200:
+                    raise GenerateError(
+                        f"SGLang /generate at {url} rejected the request with HTTP "
+                        f"{response.status}: {(await response.text())[:500]}"
+                    )
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from e
+        except TimeoutError as e:
+            raise _Retryable(f"no answer within {self.timeout_s:g} s") from e
+        elapsed = time.perf_counter() - start
+        expected = int(payload.get("sampling_params", {}).get("n", 1))
+        generations = parse_response(body, expected, url)
+        latencies = [g.engine_latency_s for g in generations if g.engine_latency_s is not None]
+        return RequestResult(
+            generations=generations,
+            url=url,
+            attempts=attempt,
+            request_s=elapsed,
+            engine_s=max(latencies) if latencies else None,
+            tried_urls=list(tried),
+        )
 
 
 def generate(
     url: str,
     prompts: list[list[int]],
-    sampling_params: dict,
+    sampling_params: dict[str, Any],
     timeout_s: float = 300.0,
 ) -> list[Generation]:
-    """Generate for a batch of token-id prompts; with `n` > 1, samples of a prompt are adjacent."""
-    payload = {"input_ids": prompts, "sampling_params": sampling_params, "return_logprob": True}
-    try:
-        response = requests.post(f"{url}/generate", json=payload, timeout=timeout_s)
-    except requests.RequestException as e:
-        raise ConnectionError(f"SGLang server at {url} unreachable: {e}") from e
-    if response.status_code != 200:
-        raise RuntimeError(
-            f"SGLang server at {url} answered {response.status_code}: {response.text}"
-        )
-    items = response.json()
-    items = items if isinstance(items, list) else [items]
-    return [_parse(item) for item in items]
-
-
-def _parse(item: dict) -> Generation:
-    meta = item["meta_info"]
-    logprobs = [float(lp) for lp, _token, *_ in meta["output_token_logprobs"]]
-    finish = meta.get("finish_reason") or {}
-    return Generation(
-        output_ids=list(item["output_ids"]),
-        logprobs=logprobs,
-        finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
-    )
+    """Generate for a batch of token-id prompts on one server; samples of a prompt are adjacent."""
+    client = GenerateClient([url], timeout_s=timeout_s)
+    results = client.generate([generate_payload(p, sampling_params) for p in prompts])
+    return [g for result in results for g in result.generations]

@@ -1,6 +1,7 @@
-"""Launch, health-check and stop SGLang server processes.
+"""Launch, health-check and stop SGLang server (and sglang-router) processes.
 
-`build_server_args` is the one place that turns our config into SGLang's command line.
+`build_server_args` is the one place that turns our config into SGLang's command line, and
+`build_router_args` the one place for sglang-router's.
 Each server runs in its own process group with its log in the run directory; stopping it
 kills the whole group (scheduler and detokenizer subprocesses included), and every server
 still running is stopped when this process exits.
@@ -83,6 +84,37 @@ def build_server_args(
     return ServerLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
 
 
+def build_router_args(
+    worker_urls: list[str],
+    *,
+    port: int,
+    metrics_port: int,
+    host: str = "127.0.0.1",
+    startup_timeout_s: float = 300.0,
+) -> ServerLaunch:
+    """The `sglang_router.launch_router` command line routing /generate over `worker_urls`.
+
+    Round-robin, because each request already carries all `n` samples of its prompt; the
+    router's circuit breaker is off since the server group restarts dead workers itself.
+    """
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls", *worker_urls,
+        "--host", host,
+        "--port", str(port),
+        "--policy", "round_robin",
+        "--prometheus-host", host,
+        "--prometheus-port", str(metrics_port),
+        "--worker-startup-timeout-secs", str(max(1, round(startup_timeout_s))),
+        "--worker-startup-check-interval", "1",
+        "--disable-circuit-breaker",
+        "--shutdown-grace-period-secs", "5",
+    ]  # fmt: skip
+    return ServerLaunch(argv=argv, env={}, url=f"http://{host}:{port}")
+
+
 def _die_with_parent() -> None:
     """In the child: receive SIGTERM if the launching process dies (Linux prctl)."""
     with contextlib.suppress(OSError):
@@ -153,16 +185,17 @@ class SGLangServer:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL it after `grace_s`; idempotent."""
         _RUNNING.discard(self)
-        if self.proc is None:
+        proc = self.proc  # a local: a SIGTERM handler may call stop() while stop() runs
+        if proc is None:
             return
-        pgid = self.proc.pid
+        pgid = proc.pid
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
                 break
             try:
-                self.proc.wait(timeout=wait_s)
+                proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 continue
             if not _group_alive(pgid):

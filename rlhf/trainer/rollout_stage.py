@@ -1,15 +1,14 @@
 """The rollout stage of a PPO step: prompts -> SGLang server(s) -> responses with log-probs.
 
 Until the PPO update lands, `rlhf-train` runs this stage once: it is the first real piece
-of the loop (config -> distributed bootstrap -> tokenised prompts -> generation on a
-launched SGLang server -> records in the run directory).
+of the loop (config -> distributed bootstrap -> tokenised prompts -> generation with the
+SGLang rollout engine -> records in the run directory).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,9 +16,7 @@ from transformers import AutoTokenizer
 
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.arithmetic import make_problems
-from rlhf.distributed.bootstrap import free_port
-from rlhf.rollout.client import Generation, generate
-from rlhf.rollout.sglang_server import SGLangServer, build_server_args
+from rlhf.rollout.engine import RolloutSample, SamplingParams, SGLangEngine
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +33,9 @@ class RolloutRecord:
     response_text: str
 
 
-def sampling_params(cfg: RLHFConfig) -> dict:
-    """SGLang sampling parameters from `actor_rollout_ref.rollout` and `data`."""
-    rollout = cfg.actor_rollout_ref.rollout
-    return {
-        "n": rollout.n,
-        "temperature": rollout.temperature,
-        "top_p": rollout.top_p,
-        "top_k": rollout.top_k,
-        "max_new_tokens": cfg.data.max_response_length,
-    }
+def sampling_params(cfg: RLHFConfig) -> SamplingParams:
+    """Sampling parameters from `actor_rollout_ref.rollout` and `data.max_response_length`."""
+    return SamplingParams.from_config(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length)
 
 
 def kv_cache_tokens(cfg: RLHFConfig) -> int:
@@ -64,7 +54,7 @@ def tokenize_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
 
 
 def rollout_once(cfg: RLHFConfig, run_dir: Path, device: str) -> list[RolloutRecord]:
-    """Launch a server for the policy, generate one step's batch, stop the server."""
+    """Start the rollout engine for the policy, generate one step's batch, stop it."""
     model_path = cfg.actor_rollout_ref.model.path
     if not Path(model_path, "config.json").is_file():
         raise FileNotFoundError(
@@ -73,40 +63,35 @@ def rollout_once(cfg: RLHFConfig, run_dir: Path, device: str) -> list[RolloutRec
         )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = tokenize_prompts(tokenizer, make_problems(cfg.data.train_batch_size, cfg.data.seed))
-    launch = build_server_args(
+    with SGLangEngine(
         cfg.actor_rollout_ref.rollout,
         model_path,
-        port=free_port(),
+        log_dir=run_dir / "logs",
         device=device,
-        max_total_tokens=kv_cache_tokens(cfg) if device == "cpu" else None,
         seed=cfg.data.seed,
-    )
-    with SGLangServer(launch, run_dir / "logs" / "sglang_server_0.log").start() as server:
-        server.wait_healthy(cfg.actor_rollout_ref.rollout.server_startup_timeout_s)
-        start = time.perf_counter()
-        generations = generate(server.url, prompts, sampling_params(cfg))
-        elapsed = time.perf_counter() - start
-    n = cfg.actor_rollout_ref.rollout.n
-    records = [_record(i // n, prompts[i // n], g, tokenizer) for i, g in enumerate(generations)]
-    num_tokens = sum(len(r.response_ids) for r in records)
+        max_total_tokens=kv_cache_tokens(cfg) if device == "cpu" else None,
+    ) as engine:
+        samples = engine.generate(prompts, sampling_params(cfg))
+        stats = engine.last_stats
+    records = [_record(s, prompts[s.prompt_index], tokenizer) for s in samples]
     log.info(
         "rollout: %d samples, %d response tokens in %.2f s (%.1f tokens/s)",
-        len(records),
-        num_tokens,
-        elapsed,
-        num_tokens / elapsed,
+        stats.samples,
+        stats.generated_tokens,
+        stats.wall_s,
+        stats.tokens_per_s,
     )
     return records
 
 
-def _record(index: int, prompt: list[int], gen: Generation, tokenizer) -> RolloutRecord:
+def _record(sample: RolloutSample, prompt: list[int], tokenizer) -> RolloutRecord:
     return RolloutRecord(
-        prompt_index=index,
+        prompt_index=sample.prompt_index,
         prompt_ids=prompt,
-        response_ids=gen.output_ids,
-        response_logprobs=gen.logprobs,
-        finish_reason=gen.finish_reason,
-        response_text=tokenizer.decode(gen.output_ids, skip_special_tokens=True),
+        response_ids=sample.response_ids,
+        response_logprobs=sample.logprobs,
+        finish_reason=sample.finish_reason,
+        response_text=tokenizer.decode(sample.response_ids, skip_special_tokens=True),
     )
 
 

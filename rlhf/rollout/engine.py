@@ -1,0 +1,231 @@
+"""The rollout engine contract and its SGLang implementation.
+
+The trainer only needs "token-id prompts in, `n` samples per prompt with log-probs out",
+plus health and shutdown; `RolloutEngine` is that contract, so the PPO loop does not
+depend on how servers are launched, routed or restarted. `SGLangEngine` fulfils it with a
+`ServerGroup` (processes) and a `GenerateClient` (HTTP, retries). Weight updates are not
+part of it: they go to `server_urls`, and `on_restart(url)` says when a restarted server
+needs the current weights again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from rlhf.config.schema import RolloutConfig
+from rlhf.rollout.client import GenerateClient, RequestResult, RetryPolicy, generate_payload
+from rlhf.rollout.server_group import ServerGroup
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; `to_sglang()` gives SGLang's names.
+
+    `seed` is the base of per-sample seeds (sample j of prompt i uses seed + i*n + j);
+    SGLang honours `sampling_seed` only on servers run with deterministic inference.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.n > 0, "n must be > 0"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k > 0, "top_k must be -1 (off) or > 0"),
+            (self.max_new_tokens > 0, "max_new_tokens must be > 0"),
+        ]
+        errors = [message for ok, message in checks if not ok]
+        if errors:
+            raise ValueError(f"invalid SamplingParams ({'; '.join(errors)}): {self}")
+
+    @classmethod
+    def from_config(
+        cls, rollout: RolloutConfig, max_new_tokens: int, seed: int | None = None
+    ) -> SamplingParams:
+        """From `actor_rollout_ref.rollout` (n, temperature, top_p, top_k) and a length."""
+        return cls(
+            n=rollout.n,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+        )
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The `sampling_params` object of SGLang's /generate."""
+        params: dict[str, Any] = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        return params
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    """One response to prompt `prompt_index`: its tokens, their log-probs, why it stopped."""
+
+    prompt_index: int
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    """What one `generate` call cost; `engine_share` = engine_s / request_s."""
+
+    requests: int
+    samples: int
+    generated_tokens: int
+    wall_s: float  # the whole batch, client side
+    request_s: float  # sum over requests of the client-side time of the answered attempt
+    engine_s: float | None  # sum of SGLang's meta_info.e2e_latency (None if not reported)
+    retried_requests: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def engine_share(self) -> float | None:
+        if self.engine_s is None or self.request_s <= 0:
+            return None
+        return self.engine_s / self.request_s
+
+    @classmethod
+    def of(cls, results: list[RequestResult], wall_s: float) -> RolloutStats:
+        engine = [r.engine_s for r in results]
+        return cls(
+            requests=len(results),
+            samples=sum(len(r.generations) for r in results),
+            generated_tokens=sum(len(g.output_ids) for r in results for g in r.generations),
+            wall_s=wall_s,
+            request_s=sum(r.request_s for r in results),
+            engine_s=None if None in engine else sum(engine),
+            retried_requests=sum(r.attempts > 1 for r in results),
+        )
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates `n` samples per prompt; samples of a prompt are adjacent, in prompt order."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutSample]:
+        """Samples for token-id `prompts`; complete, or an exception."""
+        ...
+
+    def health(self) -> dict[str, bool]:
+        """Server URL -> healthy."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every process the engine started; idempotent."""
+        ...
+
+
+def request_payloads(
+    prompts: list[list[int]], params: SamplingParams
+) -> list[tuple[int, dict[str, Any]]]:
+    """(prompt index, /generate body) per request, in sample order.
+
+    One request per prompt carries all `n` samples. With a seed, SGLang would give all `n`
+    samples of a request the same seed (identical samples), so each sample gets a request.
+    """
+    if params.seed is None:
+        sampling = params.to_sglang()
+        return [(i, generate_payload(p, sampling)) for i, p in enumerate(prompts)]
+    payloads = []
+    for i, prompt in enumerate(prompts):
+        for j in range(params.n):
+            one = dataclasses.replace(params, n=1, seed=params.seed + i * params.n + j)
+            payloads.append((i, generate_payload(prompt, one.to_sglang())))
+    return payloads
+
+
+class SGLangEngine:
+    """`RolloutEngine` on SGLang servers; starts them on construction, use with `with`."""
+
+    def __init__(
+        self,
+        rollout: RolloutConfig,
+        model_path: str | Path | None = None,
+        *,
+        log_dir: str | Path,
+        device: str = "cuda",
+        seed: int = 0,
+        max_total_tokens: int | None = None,
+        on_restart: Callable[[str], None] | None = None,
+    ):
+        self.group = ServerGroup(
+            rollout,
+            model_path,
+            log_dir=log_dir,
+            device=device,
+            seed=seed,
+            max_total_tokens=max_total_tokens,
+            on_restart=on_restart,
+        ).start()
+        self.client = GenerateClient(
+            self.group.generate_urls,
+            max_concurrent=rollout.max_concurrent_requests,
+            timeout_s=rollout.request_timeout_s,
+            retry=RetryPolicy.from_config(rollout),
+            recover=self.group.recover,
+        )
+        self.last_stats: RolloutStats | None = None
+
+    @property
+    def server_urls(self) -> list[str]:
+        """Every SGLang server: weight updates go to each."""
+        return self.group.server_urls
+
+    @property
+    def generate_urls(self) -> list[str]:
+        """Where /generate goes (the router when there is one)."""
+        return self.group.generate_urls
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutSample]:
+        empty = [i for i, p in enumerate(prompts) if not p]
+        if empty:
+            raise ValueError(f"prompts {empty[:10]} have no tokens")
+        requests = request_payloads(prompts, params)
+        start = time.perf_counter()
+        results = self.client.generate([payload for _, payload in requests]) if requests else []
+        self.last_stats = RolloutStats.of(results, time.perf_counter() - start)
+        return [
+            RolloutSample(index, g.output_ids, g.logprobs, g.finish_reason)
+            for (index, _), result in zip(requests, results)
+            for g in result.generations
+        ]
+
+    def health(self) -> dict[str, bool]:
+        return self.group.health()
+
+    def shutdown(self) -> None:
+        self.group.stop()
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
