@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from rlhf.distributed.bootstrap import free_port
@@ -23,9 +24,14 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 60
         str(WORKERS / script), *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    # Output goes to a file, not a pipe: helper daemons a worker leaves behind (e.g. torch's
+    # shared-memory manager, which lives as long as an SGLang server uses its tensors)
+    # would keep a pipe open and make the wait hang.
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        log.seek(0)
+        output = log.read()
     if proc.returncode != 0:
         raise AssertionError(
-            f"{script} on {nproc} ranks exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-            f"{proc.stderr[-6000:]}"
+            f"{script} on {nproc} ranks exited {proc.returncode}:\n{output[-8000:]}"
         )

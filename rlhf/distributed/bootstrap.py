@@ -142,3 +142,21 @@ def current_placement():
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
     )
+
+
+def sync_topology():
+    """Groups and roles for weight sync (see `rlhf.weight_sync.gather.SyncTopology`)."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf.weight_sync.gather import SyncTopology
+
+    placement = current_placement()
+    pp_group = ps.get_pipeline_model_parallel_group() if placement.pp_size > 1 else None
+    leaders = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else ()
+    return SyncTopology(
+        placement=placement,
+        tp_group=ps.get_tensor_model_parallel_group() if placement.tp_size > 1 else None,
+        pp_group=pp_group,
+        pp_leader_ranks=leaders,
+        in_sync_replica=ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
+    )

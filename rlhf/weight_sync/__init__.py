@@ -1,0 +1,1 @@
+"""Megatron shards -> HF-named full tensors -> SGLang servers, after every training step."""

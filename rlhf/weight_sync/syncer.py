@@ -1,0 +1,79 @@
+"""One weight sync: every rank walks the model, the sender pushes buckets to every server.
+
+    syncer = WeightSyncer(transport, server_urls, arch, topology, bucket_bytes)
+    stats = syncer.sync(model, version=step)      # on every rank of the training job
+
+The servers get `begin_weight_update` ... `end_weight_update` around the buckets (SGLang
+0.5.23 refuses tensor/distributed updates outside such a window), the KV cache is flushed
+with the last bucket, and the servers report `version` as their weight version.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from rlhf.models.families import ModelArch
+from rlhf.weight_sync.gather import SyncTopology, iter_buckets
+from rlhf.weight_sync.http import get, post
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one sync moved (counted on the sender; zeros elsewhere)."""
+
+    seconds: float
+    num_bytes: int
+    num_tensors: int
+    num_buckets: int
+    max_bucket_bytes: int
+
+
+class WeightSyncer:
+    def __init__(
+        self,
+        transport,
+        server_urls: list[str],
+        arch: ModelArch,
+        topology: SyncTopology,
+        bucket_bytes: int,
+    ):
+        self.transport = transport
+        self.server_urls = server_urls
+        self.arch = arch
+        self.topology = topology
+        self.bucket_bytes = bucket_bytes
+
+    def sync(self, model, version: int) -> SyncStats:
+        start = time.perf_counter()
+        sender = self.topology.is_sender
+        if sender:
+            for url in self.server_urls:
+                post(url, "begin_weight_update")
+            self.transport.open(version)
+        num_bytes = num_tensors = num_buckets = max_bucket = 0
+        pending = None  # hold one bucket back so the last one is known when sent
+        for bucket in iter_buckets(model, self.arch, self.topology, self.bucket_bytes):
+            if pending is not None:
+                self.transport.send(pending, False, version)
+            pending = bucket
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            num_bytes, num_tensors = num_bytes + size, num_tensors + len(bucket)
+            num_buckets, max_bucket = num_buckets + 1, max(max_bucket, size)
+        if sender:
+            self.transport.send(pending, True, version)
+            self.transport.close(version)
+            for url in self.server_urls:
+                post(url, "end_weight_update")
+        if dist.is_initialized():
+            dist.barrier()
+        return SyncStats(
+            time.perf_counter() - start, num_bytes, num_tensors, num_buckets, max_bucket
+        )
+
+
+def server_weight_version(url: str) -> str | None:
+    """The weight version a server reports (`/model_info`)."""
+    return get(url, "model_info").get("weight_version")

@@ -1,0 +1,186 @@
+"""Three ways to move HF-named buckets into SGLang servers (run on the sender rank only).
+
+- `tensor`: `update_weights_from_tensor` with one flattened bucket per call; tensors travel
+  as shared-memory handles (CUDA IPC on GPU, the file_system sharing strategy on CPU), so
+  the server must share this machine.
+- `distributed`: a process group per server with the sender as rank 0
+  (`init_weights_update_group`); each bucket is one broadcast of a flat uint8 buffer while
+  `update_weights_from_distributed` tells the server what to expect. gloo on CPU, nccl on GPU.
+- `disk`: each bucket becomes a safetensors shard of a checkpoint directory, then
+  `update_weights_from_disk` loads it (shared storage, any placement).
+
+Every transport gets `open(version)`, `send(bucket, last)` and `close(version)`; the
+`WeightSyncer` wraps them in begin/end_weight_update.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from rlhf.weight_sync.gather import Bucket
+from rlhf.weight_sync.http import post
+
+TRANSPORTS = ("tensor", "distributed", "disk")
+
+
+def _flattened(bucket: Bucket):
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    return FlattenedTensorBucket(named_tensors=bucket)
+
+
+class TensorTransport:
+    """update_weights_from_tensor with flattened buckets (same-machine servers)."""
+
+    def __init__(self, server_urls: list[str], server_tp_size: int):
+        self.server_urls = server_urls
+        self.server_tp_size = server_tp_size
+
+    def open(self, version: int) -> None:
+        if not torch.cuda.is_available():
+            torch.multiprocessing.set_sharing_strategy("file_system")
+
+    def send(self, bucket: Bucket, last: bool, version: int) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        flat = _flattened(bucket)
+        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+        blob = MultiprocessingSerializer.serialize(payload, output_str=True)
+        request = {
+            "serialized_named_tensors": [blob] * self.server_tp_size,
+            "load_format": "flattened_bucket",
+            "flush_cache": last,
+            "weight_version": str(version) if last else None,
+        }
+        for url in self.server_urls:
+            post(url, "update_weights_from_tensor", request)
+
+    def close(self, version: int) -> None:
+        pass
+
+
+class DistributedTransport:
+    """Broadcast buckets over one custom process group per server."""
+
+    def __init__(self, server_urls: list[str], server_tp_size: int, master_address: str):
+        self.server_urls = server_urls
+        self.server_tp_size = server_tp_size
+        self.master_address = master_address
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.groups: dict[str, object] = {}
+
+    def _group_name(self, index: int) -> str:
+        return f"rlhf_weight_sync_{index}"
+
+    def open(self, version: int) -> None:
+        if self.groups:
+            return
+        from sglang.srt.utils.common import init_custom_process_group
+
+        from rlhf.distributed.bootstrap import free_port
+
+        for i, url in enumerate(self.server_urls):
+            port, name = free_port(), self._group_name(i)
+            request = {
+                "master_address": self.master_address,
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 1 + self.server_tp_size,
+                "group_name": name,
+                "backend": self.backend,
+            }
+            with ThreadPoolExecutor(1) as pool:
+                joined = pool.submit(post, url, "init_weights_update_group", request)
+                self.groups[url] = init_custom_process_group(
+                    backend=self.backend,
+                    init_method=f"tcp://{self.master_address}:{port}",
+                    world_size=1 + self.server_tp_size,
+                    rank=0,
+                    group_name=name,
+                )
+                joined.result()
+
+    def send(self, bucket: Bucket, last: bool, version: int) -> None:
+        flat = _flattened(bucket).get_flattened_tensor()
+        if self.backend == "nccl":
+            flat = flat.cuda()
+        request = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "load_format": "flattened_bucket",
+            "flush_cache": last,
+            "weight_version": str(version) if last else None,
+        }
+        for i, url in enumerate(self.server_urls):
+            with ThreadPoolExecutor(1) as pool:
+                done = pool.submit(
+                    post,
+                    url,
+                    "update_weights_from_distributed",
+                    {**request, "group_name": self._group_name(i)},
+                )
+                torch.distributed.broadcast(flat, src=0, group=self.groups[url])
+                done.result()
+
+    def close(self, version: int) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        for i, url in enumerate(list(self.groups)):
+            post(url, "destroy_weights_update_group", {"group_name": self._group_name(i)})
+            torch.distributed.destroy_process_group(self.groups.pop(url))
+
+
+class DiskTransport:
+    """Write an HF checkpoint directory per version, then update_weights_from_disk."""
+
+    def __init__(
+        self, server_urls: list[str], out_root: Path, hf_side_files_dir: Path, keep: int = 1
+    ):
+        self.server_urls = server_urls
+        self.out_root = Path(out_root)
+        self.side_files = Path(hf_side_files_dir)
+        self.keep = keep
+        self._weight_map: dict[str, str] = {}
+
+    def _dir(self, version: int) -> Path:
+        return self.out_root / f"v{version:06d}"
+
+    def open(self, version: int) -> None:
+        from rlhf.models.convert import copy_hf_side_files
+
+        partial = self._dir(version).with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        copy_hf_side_files(self.side_files, partial)
+        self._weight_map = {}
+
+    def send(self, bucket: Bucket, last: bool, version: int) -> None:
+        from safetensors.torch import save_file
+
+        partial = self._dir(version).with_suffix(".partial")
+        file = f"model-{len(set(self._weight_map.values())) + 1:05d}.safetensors"
+        save_file(dict(bucket), partial / file, metadata={"format": "pt"})
+        self._weight_map.update(dict.fromkeys((n for n, _ in bucket), file))
+
+    def close(self, version: int) -> None:
+        partial, final = self._dir(version).with_suffix(".partial"), self._dir(version)
+        index = {"metadata": {}, "weight_map": self._weight_map}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        request = {
+            "model_path": str(final.resolve()),
+            "weight_version": str(version),
+            "flush_cache": True,
+        }
+        for url in self.server_urls:
+            post(url, "update_weights_from_disk", request)
+        for old in sorted(self.out_root.glob("v*"))[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""Worker: a TP/PP actor perturbs its weights, syncs them into a running SGLang server
+through one transport, and reports the probe diff, the server's weight version, the
+exported HF weights (for an HF greedy reference) and, optionally, its recomputation of
+SGLang's sampled log-probs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rlhf.config.validate import ParallelDims
+from rlhf.distributed import bootstrap
+
+
+def perturb(model, placement) -> None:
+    """Deterministic noise; replicated parameters get the same noise on every TP rank."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            sharded = getattr(param, "tensor_model_parallel", False)
+            seed = zlib.crc32(name.encode()) + (placement.tp_rank if sharded else 0)
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
+            param.add_(0.05 * noise.to(param.dtype))
+
+
+def make_transport(kind: str, url: str, out_dir: Path, hf_dir: str):
+    from rlhf.weight_sync import transports
+
+    if kind == "tensor":
+        return transports.TensorTransport([url], server_tp_size=1)
+    if kind == "distributed":
+        return transports.DistributedTransport([url], server_tp_size=1, master_address="127.0.0.1")
+    return transports.DiskTransport([url], out_dir / "disk_weights", Path(hf_dir))
+
+
+def recompute_sampled_logprobs(model, arch, topo, url: str, prompts: list[list[int]]) -> float:
+    """Max |SGLang sampled log-prob - actor log-prob| over n=2 samples of each prompt."""
+    from rlhf.weight_sync.http import post
+    from rlhf.weight_sync.probe import actor_prompt_logprobs
+
+    request = {
+        "input_ids": prompts,
+        "sampling_params": {"n": 2, "temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 3},
+        "return_logprob": True,
+    }
+    worst = torch.zeros(1)
+    samples = post(url, "generate", request) if topo.is_sender else None
+    samples = bootstrap_broadcast(samples)
+    for i, sample in enumerate(samples):
+        prompt = prompts[i // 2]
+        sglang = torch.tensor([lp for lp, *_ in sample["meta_info"]["output_token_logprobs"]])
+        actor = actor_prompt_logprobs(model, arch, topo, prompt + sample["output_ids"])
+        worst = torch.maximum(worst, (actor[len(prompt) - 1 :] - sglang).abs().max())
+    return worst.item()
+
+
+def bootstrap_broadcast(obj):
+    holder = [obj]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for flag in ("--hf-dir", "--server-url", "--transport", "--out-dir"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--version", type=int, default=1)
+    parser.add_argument("--check-sampling", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out_dir)
+    env = bootstrap.init_distributed("cpu")
+    bootstrap.init_model_parallel(ParallelDims(world_size=env.world_size, tp=args.tp, pp=args.pp))
+    bootstrap.seed_everything(0)
+    from rlhf.models.builder import build_model, load_hf_weights
+    from rlhf.models.families import load_arch
+    from rlhf.models.hf_io import HFCheckpointReader
+    from rlhf.weight_sync.gather import iter_buckets
+    from rlhf.weight_sync.probe import logprob_diff_max, probe_tokens
+    from rlhf.weight_sync.syncer import WeightSyncer, server_weight_version
+
+    topo = bootstrap.sync_topology()
+    arch = load_arch(args.hf_dir)
+    model = build_model(arch, topo.placement, initialize=False)
+    load_hf_weights(model, HFCheckpointReader(args.hf_dir), arch, topo.placement)
+    perturb(model, topo.placement)
+    model.eval()
+    transport = make_transport(args.transport, args.server_url, out, args.hf_dir)
+    syncer = WeightSyncer(transport, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
+    stats = syncer.sync(model, version=args.version)
+    diff = logprob_diff_max(model, arch, topo, args.server_url, probe_tokens(arch.vocab_size))
+    report = {
+        "probe_diff": diff,
+        "num_buckets": stats.num_buckets,
+        "max_bucket_bytes": stats.max_bucket_bytes,
+    }
+    if args.check_sampling:
+        prompts = [probe_tokens(arch.vocab_size, 10, seed=s) for s in (5, 6)]
+        report["sampled_logprob_diff"] = recompute_sampled_logprobs(
+            model, arch, topo, args.server_url, prompts
+        )
+    exported = [t for bucket in iter_buckets(model, arch, topo, 1 << 30) for t in bucket]
+    if topo.is_sender:
+        report["weight_version"] = server_weight_version(args.server_url)
+        save_file({n: t.contiguous() for n, t in exported}, out / "exported.safetensors")
+        (out / "report.json").write_text(json.dumps(report))
+    if args.transport == "distributed" and topo.is_sender:
+        transport.shutdown()
+    bootstrap.teardown()
+
+
+if __name__ == "__main__":
+    main()
