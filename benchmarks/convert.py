@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 
 def make_checkpoint(out: Path, hidden: int, layers: int, vocab: int) -> int:
-    from rlhf.models.tiny_hf import TinyModelSpec, tiny_hf_config
+    """A random Qwen2-shaped fp32 checkpoint (with the tiny tokenizer); returns its bytes."""
+    from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
 
     spec = TinyModelSpec(
         family="qwen2",
@@ -35,9 +35,7 @@ def make_checkpoint(out: Path, hidden: int, layers: int, vocab: int) -> int:
         num_attention_heads=hidden // 64,
         num_key_value_heads=max(1, hidden // 256),
     )
-    config = tiny_hf_config(spec, vocab, 0, 1)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    save_tiny_model(out, spec, vocab_size=vocab)
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 

@@ -127,6 +127,21 @@ class RolloutConfig:
     )
     retry_backoff_s: float = doc(1.0, "delay before the first retry; doubles per retry", gt=0)
     max_server_restarts: int = doc(2, "restarts allowed per launched server before failing", ge=0)
+    weight_sync_transport: Literal["tensor", "distributed", "disk"] = doc(
+        "tensor", "how synced weights reach SGLang: shared memory, a process group, or files"
+    )
+    update_weights_bucket_megabytes: int = doc(
+        512, "size bound of one weight-sync bucket (the extra memory a sync needs)", gt=0
+    )
+    weight_sync_snapshot: bool = doc(
+        True, "keep the last synced weights on disk so a restarted server can be re-synced"
+    )
+    weight_sync_master_address: str = doc(
+        "127.0.0.1", "address SGLang servers use to reach rank 0 (distributed transport)"
+    )
+    logprob_diff_threshold: float | None = doc(
+        None, "fail the step when rollout/logprob_diff_max exceeds this (null: only log)", gt=0
+    )
 
 
 @dataclass

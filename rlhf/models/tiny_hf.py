@@ -60,12 +60,18 @@ def tiny_hf_config(spec: TinyModelSpec, vocab_size: int, pad_token_id: int, eos_
     )
 
 
-def save_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write tokenizer + randomly initialised model (safetensors) for `spec` into `out_dir`."""
+def save_tiny_model(
+    out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), vocab_size: int | None = None
+) -> Path:
+    """Write tokenizer + randomly initialised model (safetensors) for `spec` into `out_dir`.
+
+    `vocab_size` larger than the tokenizer's gives a bigger embedding (for benchmarks).
+    """
     out = Path(out_dir)
     tokenizer = build_tiny_tokenizer()
     tokenizer.save_pretrained(out)
-    config = tiny_hf_config(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    vocab = max(vocab_size or 0, len(tokenizer))
+    config = tiny_hf_config(spec, vocab, tokenizer.pad_token_id, tokenizer.eos_token_id)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)

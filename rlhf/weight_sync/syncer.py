@@ -6,6 +6,11 @@
 The servers get `begin_weight_update` ... `end_weight_update` around the buckets (SGLang
 0.5.23 refuses tensor/distributed updates outside such a window), the KV cache is flushed
 with the last bucket, and the servers report `version` as their weight version.
+
+A server that dies and is restarted comes back with the *initial* weights. With a
+`snapshot` (a `DiskTransport` that talks to no server) the sender also keeps the last
+synced weights on disk, and `resync_server(url)` loads them into the restarted server
+without involving the other ranks; the disk transport is its own snapshot.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.distributed as dist
 from rlhf.models.families import ModelArch
 from rlhf.weight_sync.gather import SyncTopology, iter_buckets
 from rlhf.weight_sync.http import get, post
+from rlhf.weight_sync.transports import DiskTransport
 
 
 @dataclass(frozen=True)
@@ -39,39 +45,62 @@ class WeightSyncer:
         arch: ModelArch,
         topology: SyncTopology,
         bucket_bytes: int,
+        snapshot: DiskTransport | None = None,
     ):
         self.transport = transport
         self.server_urls = server_urls
         self.arch = arch
         self.topology = topology
         self.bucket_bytes = bucket_bytes
+        self.snapshot = transport if isinstance(transport, DiskTransport) else snapshot
+        self.version: int | None = None
 
     def sync(self, model, version: int) -> SyncStats:
         start = time.perf_counter()
         sender = self.topology.is_sender
+        writers = [self.transport] + (
+            [self.snapshot] if self.snapshot not in (None, self.transport) else []
+        )
         if sender:
             for url in self.server_urls:
                 post(url, "begin_weight_update")
-            self.transport.open(version)
+            for writer in writers:
+                writer.open(version)
         num_bytes = num_tensors = num_buckets = max_bucket = 0
         pending = None  # hold one bucket back so the last one is known when sent
         for bucket in iter_buckets(model, self.arch, self.topology, self.bucket_bytes):
             if pending is not None:
-                self.transport.send(pending, False, version)
+                for writer in writers:
+                    writer.send(pending, False, version)
             pending = bucket
             size = sum(t.numel() * t.element_size() for _, t in bucket)
             num_bytes, num_tensors = num_bytes + size, num_tensors + len(bucket)
             num_buckets, max_bucket = num_buckets + 1, max(max_bucket, size)
         if sender:
-            self.transport.send(pending, True, version)
-            self.transport.close(version)
+            for writer in writers:
+                writer.send(pending, True, version)
+                writer.close(version)
             for url in self.server_urls:
                 post(url, "end_weight_update")
+        self.version = version
         if dist.is_initialized():
             dist.barrier()
         return SyncStats(
             time.perf_counter() - start, num_bytes, num_tensors, num_buckets, max_bucket
         )
+
+    def resync_server(self, url: str) -> None:
+        """Load the last synced weights into a restarted server (sender rank only)."""
+        if self.version is None:
+            return  # nothing synced yet: the restarted server's initial weights are current
+        if self.snapshot is None:
+            raise RuntimeError(
+                f"SGLang server {url} restarted with its initial weights and cannot be re-synced: "
+                "enable actor_rollout_ref.rollout.weight_sync_snapshot or use the disk transport"
+            )
+        post(url, "begin_weight_update")
+        self.snapshot.load_into(url, self.version)
+        post(url, "end_weight_update")
 
 
 def server_weight_version(url: str) -> str | None:

@@ -175,12 +175,13 @@ class DiskTransport:
         (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        request = {
-            "model_path": str(final.resolve()),
-            "weight_version": str(version),
-            "flush_cache": True,
-        }
         for url in self.server_urls:
-            post(url, "update_weights_from_disk", request)
+            self.load_into(url, version)
         for old in sorted(self.out_root.glob("v*"))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def load_into(self, url: str, version: int) -> None:
+        """update_weights_from_disk of a version written earlier."""
+        path = str(self._dir(version).resolve())
+        request = {"model_path": path, "weight_version": str(version), "flush_cache": True}
+        post(url, "update_weights_from_disk", request)

@@ -95,3 +95,15 @@ def test_sync_makes_sglang_match_exported_weights(
         original["model.layers.0.mlp.up_proj.weight"], synced["model.layers.0.mlp.up_proj.weight"]
     )
     assert sglang_greedy(server.url) == hf_greedy(exported)
+
+
+def test_restarted_server_gets_the_synced_weights_back(tiny_qwen2_dir, tmp_path):
+    run_torchrun(
+        "weight_sync_restart.py", 1, ["--hf-dir", str(tiny_qwen2_dir), "--out-dir", str(tmp_path)]
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["samples"] == 4
+    assert report["before"] < 1e-3 and report["after"] < 1e-3, report
+    assert report["version"] == "7"
+    assert list(report["restarts"].values()) == [1], report
+    assert (tmp_path / "weights_snapshot" / "v000007" / "model.safetensors.index.json").is_file()

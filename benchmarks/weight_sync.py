@@ -1,0 +1,108 @@
+"""Weight-sync throughput per transport next to a same-run memory copy of the same bytes.
+
+    python benchmarks/weight_sync.py [--hidden 512 --layers 8 --vocab 8000 --bucket-mb 64]
+
+One process (TP = PP = 1) holds a Megatron actor built from a random Qwen2-shaped HF
+checkpoint and a real SGLang server on the same machine. Each transport syncs the full
+model once (version 1, 2, 3); the log-prob probe checks every sync. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    args = parser.parse_args()
+
+    from rlhf.config.schema import RolloutConfig
+    from rlhf.config.validate import ParallelDims
+    from rlhf.distributed import bootstrap
+    from rlhf.models.builder import build_model, load_hf_weights
+    from rlhf.models.families import load_arch
+    from rlhf.models.hf_io import HFCheckpointReader
+    from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+    from rlhf.rollout.engine import SGLangEngine
+    from rlhf.weight_sync.factory import build_weight_syncer
+    from rlhf.weight_sync.probe import logprob_diff_max, probe_tokens
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        hf_dir = root / "hf"
+        spec = TinyModelSpec(
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 11 // 4,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.hidden // 64,
+            num_key_value_heads=max(1, args.hidden // 256),
+        )
+        save_tiny_model(hf_dir, spec, vocab_size=args.vocab)
+        env = bootstrap.init_distributed("auto")
+        bootstrap.init_model_parallel(ParallelDims(world_size=env.world_size))
+        bootstrap.seed_everything(0)
+        topo = bootstrap.sync_topology()
+        arch = load_arch(hf_dir)
+        model = build_model(arch, topo.placement, initialize=False)
+        load_hf_weights(model, HFCheckpointReader(hf_dir), arch, topo.placement)
+        params = [p.detach() for p in model.parameters()]
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        start = time.perf_counter()
+        _copies = [p.clone() for p in params]
+        memcpy_s = time.perf_counter() - start
+        del _copies
+
+        results = {}
+        rollout = RolloutConfig(dtype="float32", update_weights_bucket_megabytes=args.bucket_mb)
+        with SGLangEngine(
+            rollout, hf_dir, log_dir=root / "logs", device=device, max_total_tokens=4096
+        ) as engine:
+            for version, kind in enumerate(("tensor", "distributed", "disk"), start=1):
+                cfg = RolloutConfig(**{**rollout.__dict__, "weight_sync_transport": kind})
+                cfg.weight_sync_snapshot = False
+                syncer = build_weight_syncer(
+                    cfg, engine.server_urls, arch, topo, run_dir=root, model_path=hf_dir
+                )
+                stats = syncer.sync(model, version=version)
+                diff = logprob_diff_max(
+                    model, arch, topo, engine.server_urls[0], probe_tokens(arch.vocab_size)
+                )
+                results[kind] = {
+                    "seconds": round(stats.seconds, 3),
+                    "gb_per_s": round(stats.num_bytes / 1e9 / stats.seconds, 3),
+                    "buckets": stats.num_buckets,
+                    "probe_logprob_diff_max": diff,
+                }
+                if kind == "distributed":
+                    syncer.transport.shutdown()
+        bootstrap.teardown()
+    print(
+        json.dumps(
+            {
+                "benchmark": "weight_sync",
+                "device": device,
+                "model_gb": round(nbytes / 1e9, 4),
+                "bucket_mb": args.bucket_mb,
+                "memcpy": {
+                    "seconds": round(memcpy_s, 4),
+                    "gb_per_s": round(nbytes / 1e9 / memcpy_s, 3),
+                },
+                "transports": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

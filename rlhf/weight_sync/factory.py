@@ -1,0 +1,48 @@
+"""Build the `WeightSyncer` a run's config asks for (`actor_rollout_ref.rollout.*`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf.config.schema import RolloutConfig
+from rlhf.models.families import ModelArch
+from rlhf.weight_sync.gather import SyncTopology
+from rlhf.weight_sync.syncer import WeightSyncer
+from rlhf.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
+
+
+def build_weight_syncer(
+    rollout: RolloutConfig,
+    server_urls: list[str],
+    arch: ModelArch,
+    topology: SyncTopology,
+    *,
+    run_dir: str | Path,
+    model_path: str | Path,
+) -> WeightSyncer:
+    """Transport, bucket size and restart snapshot from the rollout config.
+
+    Disk weights go under `<run_dir>/weights/` (the snapshot under `weights_snapshot/`);
+    `model_path` supplies the config and tokenizer files copied next to them.
+    """
+    run_dir = Path(run_dir)
+    kind = rollout.weight_sync_transport
+    if kind == "tensor":
+        transport = TensorTransport(server_urls, rollout.tensor_model_parallel_size)
+    elif kind == "distributed":
+        transport = DistributedTransport(
+            server_urls, rollout.tensor_model_parallel_size, rollout.weight_sync_master_address
+        )
+    else:
+        transport = DiskTransport(server_urls, run_dir / "weights", Path(model_path))
+    snapshot = None
+    if rollout.weight_sync_snapshot and kind != "disk":
+        snapshot = DiskTransport([], run_dir / "weights_snapshot", Path(model_path))
+    return WeightSyncer(
+        transport,
+        server_urls,
+        arch,
+        topology,
+        bucket_bytes=rollout.update_weights_bucket_megabytes * 1024 * 1024,
+        snapshot=snapshot,
+    )
