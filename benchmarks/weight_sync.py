@@ -35,7 +35,6 @@ def main() -> None:
     from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
     from rlhf.rollout.engine import SGLangEngine
     from rlhf.weight_sync.factory import build_weight_syncer
-    from rlhf.weight_sync.probe import logprob_diff_max, probe_tokens
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,14 +74,11 @@ def main() -> None:
                     cfg, engine.server_urls, arch, topo, run_dir=root, model_path=hf_dir
                 )
                 stats = syncer.sync(model, version=version)
-                diff = logprob_diff_max(
-                    model, arch, topo, engine.server_urls[0], probe_tokens(arch.vocab_size)
-                )
                 results[kind] = {
                     "seconds": round(stats.seconds, 3),
                     "gb_per_s": round(stats.num_bytes / 1e9 / stats.seconds, 3),
                     "buckets": stats.num_buckets,
-                    "probe_logprob_diff_max": diff,
+                    "probe_logprob_diff_max": stats.logprob_diff_max,
                 }
                 if kind == "distributed":
                     syncer.transport.shutdown()

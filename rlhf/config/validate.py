@@ -38,16 +38,16 @@ def _world_size(cfg: RLHFConfig, world_size: int | None) -> int:
     return planned
 
 
+def _role_section(role: str, cfg: RLHFConfig):
+    """The trained model's config section ('actor' or 'critic') and its dotted prefix."""
+    if role == "actor":
+        return cfg.actor_rollout_ref.actor, f"{AR}.actor"
+    return cfg.critic, "critic"
+
+
 def parallel_dims(role: str, cfg: RLHFConfig, world_size: int) -> ParallelDims:
     """The parallel layout of `role` ('actor' or 'critic'), checked against the world size."""
-    section, prefix = (
-        (cfg.actor_rollout_ref.actor, f"{AR}.actor")
-        if role == "actor"
-        else (
-            cfg.critic,
-            "critic",
-        )
-    )
+    section, prefix = _role_section(role, cfg)
     tp = section.megatron.tensor_model_parallel_size
     pp = section.megatron.pipeline_model_parallel_size
     cp = section.ulysses_sequence_parallel_size
@@ -62,14 +62,7 @@ def parallel_dims(role: str, cfg: RLHFConfig, world_size: int) -> ParallelDims:
 
 
 def _check_batches(role: str, cfg: RLHFConfig, dims: ParallelDims) -> None:
-    section, prefix = (
-        (cfg.actor_rollout_ref.actor, f"{AR}.actor")
-        if role == "actor"
-        else (
-            cfg.critic,
-            "critic",
-        )
-    )
+    section, prefix = _role_section(role, cfg)
     n = cfg.actor_rollout_ref.rollout.n
     step_samples = cfg.data.train_batch_size * n
     mini_samples = section.ppo_mini_batch_size * n

@@ -134,6 +134,10 @@ class RolloutEngine(Protocol):
         """Samples for token-id `prompts`; complete, or an exception."""
         ...
 
+    def update_weights(self, model, version: int):
+        """Push the trainer's current weights (all training ranks call this)."""
+        ...
+
     def health(self) -> dict[str, bool]:
         """Server URL -> healthy."""
         ...
@@ -217,6 +221,17 @@ class SGLangEngine:
             for (index, _), result in zip(requests, results)
             for g in result.generations
         ]
+
+    def attach_weight_syncer(self, syncer) -> None:
+        """Use `syncer` (rlhf.weight_sync) for updates and to re-sync restarted servers."""
+        self.syncer = syncer
+        self.group.on_restart = syncer.resync_server
+
+    def update_weights(self, model, version: int):
+        """One weight sync (every training rank calls); returns its `SyncStats`."""
+        if getattr(self, "syncer", None) is None:
+            raise RuntimeError("update_weights needs attach_weight_syncer(...) first")
+        return self.syncer.sync(model, version)
 
     def health(self) -> dict[str, bool]:
         return self.group.health()

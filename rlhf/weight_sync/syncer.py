@@ -15,6 +15,7 @@ without involving the other ranks; the disk transport is its own snapshot.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,10 @@ import torch.distributed as dist
 from rlhf.models.families import ModelArch
 from rlhf.weight_sync.gather import SyncTopology, iter_buckets
 from rlhf.weight_sync.http import get, post
+from rlhf.weight_sync.probe import check_parity, logprob_diff_max, probe_tokens
 from rlhf.weight_sync.transports import DiskTransport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class SyncStats:
     num_tensors: int
     num_buckets: int
     max_bucket_bytes: int
+    logprob_diff_max: float | None = None  # the parity probe, when run
 
 
 class WeightSyncer:
@@ -46,6 +51,8 @@ class WeightSyncer:
         topology: SyncTopology,
         bucket_bytes: int,
         snapshot: DiskTransport | None = None,
+        probe: bool = True,
+        probe_threshold: float | None = None,
     ):
         self.transport = transport
         self.server_urls = server_urls
@@ -54,6 +61,8 @@ class WeightSyncer:
         self.bucket_bytes = bucket_bytes
         self.snapshot = transport if isinstance(transport, DiskTransport) else snapshot
         self.version: int | None = None
+        self.probe = probe
+        self.probe_threshold = probe_threshold
 
     def sync(self, model, version: int) -> SyncStats:
         start = time.perf_counter()
@@ -85,9 +94,20 @@ class WeightSyncer:
         self.version = version
         if dist.is_initialized():
             dist.barrier()
-        return SyncStats(
-            time.perf_counter() - start, num_bytes, num_tensors, num_buckets, max_bucket
+        seconds = time.perf_counter() - start
+        diff = self._probe(model) if self.probe else None
+        return SyncStats(seconds, num_bytes, num_tensors, num_buckets, max_bucket, diff)
+
+    def _probe(self, model) -> float:
+        """rollout/logprob_diff_max over every server; raises above the threshold."""
+        tokens = probe_tokens(self.arch.vocab_size)
+        diff = max(
+            logprob_diff_max(model, self.arch, self.topology, url, tokens)
+            for url in self.server_urls
         )
+        log.info("weight sync v%s: rollout/logprob_diff_max = %.3e", self.version, diff)
+        check_parity(diff, self.probe_threshold)
+        return diff
 
     def resync_server(self, url: str) -> None:
         """Load the last synced weights into a restarted server (sender rank only)."""

@@ -27,6 +27,19 @@ def perturb(model, placement) -> None:
             param.add_(0.05 * noise.to(param.dtype))
 
 
+def perturbed_actor(hf_dir: str, topo):
+    """The HF model loaded into this rank's Megatron shard, then perturbed; with its arch."""
+    from rlhf.models.builder import build_model, load_hf_weights
+    from rlhf.models.families import load_arch
+    from rlhf.models.hf_io import HFCheckpointReader
+
+    arch = load_arch(hf_dir)
+    model = build_model(arch, topo.placement, initialize=False)
+    load_hf_weights(model, HFCheckpointReader(hf_dir), arch, topo.placement)
+    perturb(model, topo.placement)
+    return model.eval(), arch
+
+
 def make_transport(kind: str, url: str, out_dir: Path, hf_dir: str):
     from rlhf.weight_sync import transports
 
@@ -77,25 +90,17 @@ def main() -> None:
     env = bootstrap.init_distributed("cpu")
     bootstrap.init_model_parallel(ParallelDims(world_size=env.world_size, tp=args.tp, pp=args.pp))
     bootstrap.seed_everything(0)
-    from rlhf.models.builder import build_model, load_hf_weights
-    from rlhf.models.families import load_arch
-    from rlhf.models.hf_io import HFCheckpointReader
     from rlhf.weight_sync.gather import iter_buckets
-    from rlhf.weight_sync.probe import logprob_diff_max, probe_tokens
+    from rlhf.weight_sync.probe import probe_tokens
     from rlhf.weight_sync.syncer import WeightSyncer, server_weight_version
 
     topo = bootstrap.sync_topology()
-    arch = load_arch(args.hf_dir)
-    model = build_model(arch, topo.placement, initialize=False)
-    load_hf_weights(model, HFCheckpointReader(args.hf_dir), arch, topo.placement)
-    perturb(model, topo.placement)
-    model.eval()
+    model, arch = perturbed_actor(args.hf_dir, topo)
     transport = make_transport(args.transport, args.server_url, out, args.hf_dir)
     syncer = WeightSyncer(transport, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
-    stats = syncer.sync(model, version=args.version)
-    diff = logprob_diff_max(model, arch, topo, args.server_url, probe_tokens(arch.vocab_size))
+    stats = syncer.sync(model, version=args.version)  # runs the parity probe
     report = {
-        "probe_diff": diff,
+        "probe_diff": stats.logprob_diff_max,
         "num_buckets": stats.num_buckets,
         "max_bucket_bytes": stats.max_bucket_bytes,
     }

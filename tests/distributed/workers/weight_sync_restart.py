@@ -12,7 +12,7 @@ from pathlib import Path
 from rlhf.config.schema import RolloutConfig
 from rlhf.config.validate import ParallelDims
 from rlhf.distributed import bootstrap
-from tests.distributed.workers.weight_sync_parity import perturb
+from tests.distributed.workers.weight_sync_parity import perturbed_actor
 
 
 def main() -> None:
@@ -24,20 +24,13 @@ def main() -> None:
     env = bootstrap.init_distributed("cpu")
     bootstrap.init_model_parallel(ParallelDims(world_size=env.world_size))
     bootstrap.seed_everything(0)
-    from rlhf.models.builder import build_model, load_hf_weights
-    from rlhf.models.families import load_arch
-    from rlhf.models.hf_io import HFCheckpointReader
     from rlhf.rollout.engine import SamplingParams, SGLangEngine
     from rlhf.weight_sync.factory import build_weight_syncer
     from rlhf.weight_sync.probe import logprob_diff_max, probe_tokens
     from rlhf.weight_sync.syncer import server_weight_version
 
     topo = bootstrap.sync_topology()
-    arch = load_arch(args.hf_dir)
-    model = build_model(arch, topo.placement, initialize=False)
-    load_hf_weights(model, HFCheckpointReader(args.hf_dir), arch, topo.placement)
-    perturb(model, topo.placement)
-    model.eval()
+    model, arch = perturbed_actor(args.hf_dir, topo)
     rollout = RolloutConfig(dtype="float32", max_server_restarts=1, retry_backoff_s=0.5)
     with SGLangEngine(
         rollout, args.hf_dir, log_dir=out / "logs", device="cpu", max_total_tokens=2048
@@ -46,8 +39,8 @@ def main() -> None:
         syncer = build_weight_syncer(
             rollout, [url], arch, topo, run_dir=out, model_path=args.hf_dir
         )
-        engine.group.on_restart = syncer.resync_server
-        syncer.sync(model, version=7)
+        engine.attach_weight_syncer(syncer)
+        engine.update_weights(model, version=7)
         probe = probe_tokens(arch.vocab_size)
         before = logprob_diff_max(model, arch, topo, url, probe)
         os.killpg(engine.group.servers[0].proc.pid, signal.SIGKILL)

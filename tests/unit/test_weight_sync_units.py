@@ -1,0 +1,63 @@
+"""Weight-sync pieces that need no server: bucketing, the parity threshold, the factory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.config.schema import RolloutConfig
+from rlhf.models.families import ModelArch
+from rlhf.models.mapping import Placement
+from rlhf.weight_sync.factory import build_weight_syncer
+from rlhf.weight_sync.gather import SyncTopology, bucketize
+from rlhf.weight_sync.probe import LogprobMismatchError, check_parity
+from rlhf.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
+
+ARCH = ModelArch("qwen2", 100, 64, 128, 2, 4, 2, 16, 1e-6, 1e4, 256, False)
+TOPO = SyncTopology(Placement(), None, None, (), True)
+
+
+def test_bucketize_bounds_bucket_size_and_keeps_order():
+    tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 20, 5, 40, 1])]  # fp32
+    buckets = list(bucketize(iter(tensors), bucket_bytes=100))
+    assert [[n for n, _ in b] for b in buckets] == [["t0"], ["t1", "t2"], ["t3"], ["t4"]]
+    # a tensor larger than the bound travels alone
+    assert all(sum(t.numel() * 4 for _, t in b) <= 100 or len(b) == 1 for b in buckets)
+
+
+def test_parity_threshold_fails_loudly():
+    check_parity(1e-3, None)  # no threshold: only logged
+    check_parity(1e-3, 1e-2)
+    with pytest.raises(
+        LogprobMismatchError, match=r"rollout/logprob_diff_max = 5\.000e-02 exceeds"
+    ):
+        check_parity(0.05, 1e-2)
+
+
+@pytest.mark.parametrize(
+    ("kind", "transport_type"),
+    [("tensor", TensorTransport), ("distributed", DistributedTransport), ("disk", DiskTransport)],
+)
+def test_factory_reads_the_rollout_config(tmp_path, kind, transport_type):
+    rollout = RolloutConfig(
+        weight_sync_transport=kind, update_weights_bucket_megabytes=3, logprob_diff_threshold=0.1
+    )
+    syncer = build_weight_syncer(
+        rollout, ["http://h:1"], ARCH, TOPO, run_dir=tmp_path, model_path=tmp_path
+    )
+    assert isinstance(syncer.transport, transport_type)
+    assert syncer.bucket_bytes == 3 * 1024 * 1024
+    assert syncer.probe_threshold == 0.1
+    assert isinstance(syncer.snapshot, DiskTransport)  # the disk transport is its own snapshot
+    no_snapshot = RolloutConfig(weight_sync_transport=kind, weight_sync_snapshot=False)
+    syncer = build_weight_syncer(no_snapshot, [], ARCH, TOPO, run_dir=tmp_path, model_path=tmp_path)
+    assert (syncer.snapshot is None) == (kind != "disk")
+
+
+def test_resync_without_snapshot_is_a_clear_error(tmp_path):
+    rollout = RolloutConfig(weight_sync_transport="tensor", weight_sync_snapshot=False)
+    syncer = build_weight_syncer(rollout, [], ARCH, TOPO, run_dir=tmp_path, model_path=tmp_path)
+    syncer.resync_server("http://h:1")  # nothing synced yet: nothing to do
+    syncer.version = 3
+    with pytest.raises(RuntimeError, match="http://h:1 restarted with its initial weights"):
+        syncer.resync_server("http://h:1")
