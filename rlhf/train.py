@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validate_config
+from rlhf.rollout.client import GenerateError
 
 log = logging.getLogger("rlhf.train")
 
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlhf-train: error: {e}", file=sys.stderr)
         return 2
+    except (GenerateError, TimeoutError) as e:  # servers unreachable or never healthy
+        print(f"rlhf-train: rollout failed: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

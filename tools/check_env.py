@@ -29,7 +29,15 @@ def read_pins(path: Path) -> dict[str, str]:
 
 
 def installed_versions() -> dict[str, str]:
-    return {canonical(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    """Name -> version of what `import` would find: the first distribution on sys.path.
+
+    Later duplicates are vendored copies (setuptools puts its `_vendor` folder, with its
+    own packaging, on sys.path once imported) and must not shadow the installed one.
+    """
+    versions: dict[str, str] = {}
+    for dist in metadata.distributions():
+        versions.setdefault(canonical(dist.metadata["Name"]), dist.version)
+    return versions
 
 
 def mismatches(pins: dict[str, str], installed: dict[str, str]) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -228,7 +228,3 @@ def llama3_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.
         wavelen >= orig / scaling.high_freq_factor
     )
     return torch.where(medium, interpolated, scaled)
-
-
-def with_vocab(arch: ModelArch, vocab_size: int) -> ModelArch:
-    return replace(arch, vocab_size=vocab_size)

@@ -4,7 +4,7 @@ One table (`param_rules`) says which HF tensors make each Megatron parameter and
 Megatron parameter is laid out across tensor-parallel ranks:
 
 - `REPLICATED`: same on every TP rank (norm weights).
-- `COLUMN` / `ROW`: split along dim 0 / dim 1 (output / input features).
+- `ROW`: split along dim 1 (input features of a row-parallel linear).
 - `QKV`: `linear_qkv` is grouped per query group: for each KV head g, the q heads of g,
   then k_g, then v_g. Each TP rank holds whole groups, in order.
 - `GATE_UP`: `linear_fc1` is [gate_shard; up_shard] on each TP rank.
@@ -29,7 +29,6 @@ from rlhf.models.hf_io import HFCheckpointReader
 
 class Layout(enum.Enum):
     REPLICATED = "replicated"
-    COLUMN = "column"
     ROW = "row"
     QKV = "qkv"
     GATE_UP = "gate_up"
@@ -189,8 +188,6 @@ def load_shard(
 
     if rule.layout is Layout.REPLICATED:
         return read(names[0])
-    if rule.layout is Layout.COLUMN:
-        return read(names[0], rows=_rows(reader.shape(names[0])[0], placement))
     if rule.layout is Layout.ROW:
         shape = reader.shape(names[0])
         return read(names[0], cols=_rows(shape[1], placement))
@@ -235,8 +232,6 @@ def shards_to_hf(
     names = hf_names(rule, layer)
     if rule.layout is Layout.REPLICATED:
         return [(names[0], shards[0])]
-    if rule.layout is Layout.COLUMN:
-        return [(names[0], torch.cat(shards, dim=0))]
     if rule.layout is Layout.ROW:
         return [(names[0], torch.cat(shards, dim=1))]
     if rule.layout is Layout.VOCAB:

@@ -49,3 +49,14 @@ def test_mismatch_exits_nonzero(tmp_path, capsys):
     lock.write_text("# comment\ntorch==0.0.1\n")
     assert main([str(lock)]) == 1
     assert "torch: pinned 0.0.1" in capsys.readouterr().err
+
+
+def test_vendored_duplicates_do_not_shadow_the_installed_package(monkeypatch):
+    from types import SimpleNamespace
+
+    import rlhf_tools.check_env as check_env
+
+    installed = SimpleNamespace(metadata={"Name": "packaging"}, version="26.4")
+    vendored = SimpleNamespace(metadata={"Name": "packaging"}, version="26.3")  # later on sys.path
+    monkeypatch.setattr(check_env.metadata, "distributions", lambda: [installed, vendored])
+    assert check_env.installed_versions() == {"packaging": "26.4"}
