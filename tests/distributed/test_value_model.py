@@ -43,9 +43,16 @@ def test_values_match_hf(models, tmp_path, tp, pp):
         str(tmp_path),
     ]
     run_torchrun(
-        "value_model_parity.py",
+        "hf_model_parity.py",
         tp * pp,
-        [*args, "--model", f"reward={reward_dir}", "--model", f"critic={actor_dir}"],
+        [
+            *args,
+            "--value-model",
+            "--model",
+            f"reward={reward_dir}",
+            "--model",
+            f"critic={actor_dir}",
+        ],
     )
     reward = AutoModelForSequenceClassification.from_pretrained(reward_dir).eval()
     with torch.no_grad():

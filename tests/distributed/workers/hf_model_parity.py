@@ -1,7 +1,9 @@
-"""Worker: load HF checkpoints into Megatron at a TP/PP layout and save full logits.
+"""Worker: load HF checkpoints into Megatron at a TP/PP layout and save what they compute.
 
 For each `--model NAME=DIR`, the rank holding TP rank 0 of the last pipeline stage writes
-`OUT_DIR/NAME.pt` with logits [b, s, vocab] for the tokens in `--tokens`.
+`OUT_DIR/NAME.pt`: logits [b, s, vocab] for the tokens in `--tokens`, or with
+`--value-model` {"values": [b, s], "head": [1, h]} of the value model built from DIR.
+Every rank also writes how many checkpoint bytes it read (`NAME.read.RANK.json`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,22 @@ from rlhf.distributed.bootstrap import (
 )
 
 
+def build(hf_dir: str, placement, value_model: bool):
+    """(model, arch, reader): the policy with its HF reader, or the value model (seed 11)."""
+    from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
+    from rlhf.models.families import load_arch
+    from rlhf.models.hf_io import HFCheckpointReader
+
+    if value_model:
+        model, arch = value_model_from_hf(hf_dir, placement, seed=11)
+        return model, arch, None
+    arch = load_arch(hf_dir)
+    model = build_model(arch, placement)
+    reader = HFCheckpointReader(hf_dir)
+    load_hf_weights(model, reader, arch, placement)
+    return model, arch, reader
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", action="append", required=True, help="NAME=HF_DIR")
@@ -29,32 +47,32 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--tokens", required=True)
     parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--value-model", action="store_true")
     args = parser.parse_args()
     env = init_distributed("cpu")
     init_model_parallel(ParallelDims(world_size=env.world_size, tp=args.tp, pp=args.pp))
     seed_everything(0)
     from megatron.core import parallel_state as ps
 
-    from rlhf.models.builder import build_model, load_hf_weights
-    from rlhf.models.families import load_arch
     from rlhf.models.forward import forward_logits, gather_vocab
-    from rlhf.models.hf_io import HFCheckpointReader
 
     placement = current_placement()
     tokens = torch.load(args.tokens)
     for spec in args.model:
         name, hf_dir = spec.split("=", 1)
-        arch = load_arch(hf_dir)
-        model = build_model(arch, placement)
-        reader = HFCheckpointReader(hf_dir)
-        load_hf_weights(model, reader, arch, placement)
-        read = {"bytes_read": reader.bytes_read, "total_bytes": reader.total_bytes()}
-        Path(args.out_dir, f"{name}.read.{env.rank}.json").write_text(json.dumps(read))
-        logits = forward_logits(model.eval(), tokens, micro_batch_size=1)
-        if logits is not None:
-            full = gather_vocab(logits, ps.get_tensor_model_parallel_group(), arch.vocab_size)
-            if placement.tp_rank == 0:
-                torch.save(full, Path(args.out_dir) / f"{name}.pt")
+        model, arch, reader = build(hf_dir, placement, args.value_model)
+        if reader is not None:
+            read = {"bytes_read": reader.bytes_read, "total_bytes": reader.total_bytes()}
+            Path(args.out_dir, f"{name}.read.{env.rank}.json").write_text(json.dumps(read))
+        output = forward_logits(model.eval(), tokens, micro_batch_size=1)
+        if output is None:
+            continue
+        if args.value_model:
+            result = {"values": output[..., 0], "head": model.output_layer.weight.detach()}
+        else:
+            result = gather_vocab(output, ps.get_tensor_model_parallel_group(), arch.vocab_size)
+        if placement.tp_rank == 0:
+            torch.save(result, Path(args.out_dir) / f"{name}.pt")
     teardown()
 
 
