@@ -22,6 +22,7 @@ $(STAMP): requirements/cpu.in requirements/cpu.lock setup.py
 
 quickstart: setup
 	$(PY) tools/make_tiny_model.py runs/quickstart/model
+	$(VENV)/bin/rlhf-preprocess quickstart --local_dir runs/quickstart/data
 	$(VENV)/bin/rlhf-train --config configs/quickstart_cpu.yaml
 
 test: setup

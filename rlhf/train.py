@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validate_config
+from rlhf.data.parquet import DataError
 from rlhf.rollout.client import GenerateError
 
 log = logging.getLogger("rlhf.train")
@@ -60,7 +61,7 @@ def run(cfg: RLHFConfig) -> Path:
             records = rollout_once(cfg, run_dir, env.device.type)
             write_records(records, run_dir / "rollouts_step0.jsonl")
             for r in records[: cfg.actor_rollout_ref.rollout.n * 2]:
-                log.info("prompt %d -> %r", r.prompt_index, r.response_text)
+                log.info("prompt %d -> %r (score %.1f)", r.prompt_index, r.response_text, r.score)
             log.info("wrote %d rollouts to %s", len(records), run_dir / "rollouts_step0.jsonl")
     finally:
         bootstrap.teardown()
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         run(cfg)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"rlhf-train: error: {e}", file=sys.stderr)
         return 2
     except (GenerateError, TimeoutError) as e:  # servers unreachable or never healthy

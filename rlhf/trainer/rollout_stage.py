@@ -1,8 +1,9 @@
-"""The rollout stage of a PPO step: prompts -> SGLang server(s) -> responses with log-probs.
+"""The rollout and reward stages of a PPO step: prompts -> SGLang -> scored responses.
 
-Until the PPO update lands, `rlhf-train` runs this stage once: it is the first real piece
-of the loop (config -> distributed bootstrap -> tokenised prompts -> generation with the
-SGLang rollout engine -> records in the run directory).
+Until the PPO update lands, `rlhf-train` runs these stages once: it is the first real piece
+of the loop (config -> distributed bootstrap -> Parquet prompts through the sampler ->
+generation with the SGLang rollout engine -> rule/custom rewards -> records in the run
+directory).
 """
 
 from __future__ import annotations
@@ -12,25 +13,27 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from rlhf.config.schema import RLHFConfig
-from rlhf.data.arithmetic import make_problems
-from rlhf.rollout.engine import RolloutSample, SamplingParams, SGLangEngine
+from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
+from rlhf.data.sampler import PromptSampler
+from rlhf.reward import build_reward_fn
+from rlhf.rollout.engine import SamplingParams, SGLangEngine
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RolloutRecord:
-    """One sample: prompt index, prompt and response token ids, response log-probs."""
+    """One scored sample: its prompt (dataset index, uid, ids), response ids and log-probs."""
 
     prompt_index: int
+    uid: str
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
     finish_reason: str
     response_text: str
+    score: float
 
 
 def sampling_params(cfg: RLHFConfig) -> SamplingParams:
@@ -44,55 +47,60 @@ def kv_cache_tokens(cfg: RLHFConfig) -> int:
     return max(2048, cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n * per_sample)
 
 
-def tokenize_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
-    return [
-        tokenizer.apply_chat_template(
-            row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        for row in rows
-    ]
-
-
 def rollout_once(cfg: RLHFConfig, run_dir: Path, device: str) -> list[RolloutRecord]:
-    """Start the rollout engine for the policy, generate one step's batch, stop it."""
+    """Sample one step's prompts, generate `rollout.n` responses each, score them."""
     model_path = cfg.actor_rollout_ref.model.path
     if not Path(model_path, "config.json").is_file():
         raise FileNotFoundError(
             f"actor_rollout_ref.model.path={model_path}: no config.json there (an HF model "
             "directory is expected; 'make quickstart' builds a tiny one)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = tokenize_prompts(tokenizer, make_problems(cfg.data.train_batch_size, cfg.data.seed))
+    tokenizer = load_tokenizer(model_path)
+    dataset = prompt_dataset_from_config(cfg.data, tokenizer, "train")
+    rollout = cfg.actor_rollout_ref.rollout
+    batch = PromptSampler(
+        len(dataset.prompts), cfg.data.train_batch_size, rollout.n, cfg.data.seed
+    ).next_batch()
+    prompts = [dataset.prompts[i] for i in batch.prompt_indices]
     with SGLangEngine(
-        cfg.actor_rollout_ref.rollout,
+        rollout,
         model_path,
         log_dir=run_dir / "logs",
         device=device,
         seed=cfg.data.seed,
         max_total_tokens=kv_cache_tokens(cfg) if device == "cpu" else None,
     ) as engine:
-        samples = engine.generate(prompts, sampling_params(cfg))
+        samples = engine.generate([p.input_ids for p in prompts], sampling_params(cfg))
         stats = engine.last_stats
-    records = [_record(s, prompts[s.prompt_index], tokenizer) for s in samples]
+    reward_fn = build_reward_fn(cfg.reward)
+    records = []
+    for sample in samples:
+        prompt = prompts[sample.prompt_index]
+        text = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        row = prompt.row
+        score = reward_fn(row.data_source, text, row.ground_truth, row.extra_info)
+        records.append(
+            RolloutRecord(
+                prompt_index=batch.prompt_indices[sample.prompt_index],
+                uid=batch.uids[sample.prompt_index],
+                prompt_ids=prompt.input_ids,
+                response_ids=sample.response_ids,
+                response_logprobs=sample.logprobs,
+                finish_reason=sample.finish_reason,
+                response_text=text,
+                score=float(score),
+            )
+        )
+    mean_score = sum(r.score for r in records) / len(records)
     log.info(
-        "rollout: %d samples, %d response tokens in %.2f s (%.1f tokens/s)",
+        "rollout: %d samples, %d response tokens in %.2f s (%.1f tokens/s); mean score %.3f",
         stats.samples,
         stats.generated_tokens,
         stats.wall_s,
         stats.tokens_per_s,
+        mean_score,
     )
     return records
-
-
-def _record(sample: RolloutSample, prompt: list[int], tokenizer) -> RolloutRecord:
-    return RolloutRecord(
-        prompt_index=sample.prompt_index,
-        prompt_ids=prompt,
-        response_ids=sample.response_ids,
-        response_logprobs=sample.logprobs,
-        finish_reason=sample.finish_reason,
-        response_text=tokenizer.decode(sample.response_ids, skip_special_tokens=True),
-    )
 
 
 def write_records(records: list[RolloutRecord], path: Path) -> None:

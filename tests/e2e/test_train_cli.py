@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from rlhf.config import load_config
+from rlhf.data.quickstart import write_quickstart_data
 from tests.helpers import REPO
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
@@ -60,6 +61,16 @@ def test_config_errors_are_one_line_without_traceback(override, expected):
     assert "Traceback" not in proc.stderr
 
 
+def test_missing_data_file_is_a_clear_error(tiny_qwen2_dir, tmp_path):
+    proc = rlhf_train(
+        f"actor_rollout_ref.model.path={tiny_qwen2_dir}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"data.train_files={tmp_path / 'missing.parquet'}",
+    )
+    assert proc.returncode == 2
+    assert "missing.parquet" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_missing_model_is_a_clear_error(tmp_path):
     proc = rlhf_train(
         f"actor_rollout_ref.model.path={tmp_path / 'nothing'}",
@@ -72,9 +83,11 @@ def test_missing_model_is_a_clear_error(tmp_path):
 
 def test_run_writes_config_and_rollouts_and_leaves_no_server(tiny_qwen2_dir, tmp_path):
     run_dir = tmp_path / "run"
+    train, _ = write_quickstart_data(tmp_path / "data", num_train=20, num_val=4)
     overrides = [
         f"actor_rollout_ref.model.path={tiny_qwen2_dir}",
         f"trainer.default_local_dir={run_dir}",
+        f"data.train_files={train}",
     ]
     proc = rlhf_train(*overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -84,10 +97,12 @@ def test_run_writes_config_and_rollouts_and_leaves_no_server(tiny_qwen2_dir, tmp
         json.loads(line) for line in (run_dir / "rollouts_step0.jsonl").read_text().splitlines()
     ]
     assert len(records) == 8 * 2  # data.train_batch_size x rollout.n
-    assert sorted({r["prompt_index"] for r in records}) == list(range(8))
+    assert len({r["uid"] for r in records}) == 8  # 8 sampled prompts, n samples each
+    assert all(0 <= r["prompt_index"] < 20 for r in records)
     for r in records:
         assert 1 <= len(r["response_ids"]) <= 16
         assert len(r["response_logprobs"]) == len(r["response_ids"])
+        assert r["score"] in (0.0, 1.0)  # the arithmetic rule reward
     assert (run_dir / "logs" / "sglang_server_0.log").stat().st_size > 0
     leftovers = [
         p.pid
