@@ -43,7 +43,8 @@ def resolve(args: argparse.Namespace) -> RLHFConfig:
 def run(cfg: RLHFConfig) -> Path:
     """Bootstrap the process group and Megatron's parallel state, then run the pipeline."""
     from rlhf.distributed import bootstrap
-    from rlhf.trainer.rollout_stage import rollout_once, write_records
+    from rlhf.logging import MetricTracker, Timer
+    from rlhf.trainer.rollout_stage import rollout_metrics, rollout_once, write_records
 
     run_dir = Path(cfg.trainer.default_local_dir)
     env = bootstrap.init_distributed(cfg.trainer.device)
@@ -58,8 +59,13 @@ def run(cfg: RLHFConfig) -> Path:
                 "world %d (%s): TP %d x PP %d x CP %d x DP %d; run dir %s",
                 env.world_size, env.backend, dims.tp, dims.pp, dims.cp, dims.dp, run_dir,
             )  # fmt: skip
-            records = rollout_once(cfg, run_dir, env.device.type)
+            timer = Timer()
+            with timer.stage("gen"):
+                records = rollout_once(cfg, run_dir, env.device.type)
             write_records(records, run_dir / "rollouts_step0.jsonl")
+            metrics = rollout_metrics(records, cfg.data.max_response_length) | timer.metrics()
+            with MetricTracker.from_config(cfg) as tracker:
+                tracker.log(metrics, step=0)
             for r in records[: cfg.actor_rollout_ref.rollout.n * 2]:
                 log.info("prompt %d -> %r (score %.1f)", r.prompt_index, r.response_text, r.score)
             log.info("wrote %d rollouts to %s", len(records), run_dir / "rollouts_step0.jsonl")

@@ -195,6 +195,10 @@ class TrainerConfig:
     nnodes: int = doc(1, "number of nodes", gt=0)
     n_gpus_per_node: int = doc(1, "processes per node (GPUs, or CPU ranks on CPU)", gt=0)
     device: Literal["auto", "cuda", "cpu"] = doc("auto", "cuda if available, else cpu")
+    logger: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = doc(
+        lambda: ["console", "tensorboard"],
+        "metric backends (metrics.jsonl in the run directory is always written)",
+    )
 
 
 @dataclass

@@ -103,5 +103,17 @@ def rollout_once(cfg: RLHFConfig, run_dir: Path, device: str) -> list[RolloutRec
     return records
 
 
+def rollout_metrics(records: list[RolloutRecord], max_response_length: int) -> dict[str, float]:
+    """verl-named metrics of one rollout batch."""
+    lengths = [len(r.response_ids) for r in records]
+    return {
+        "critic/score/mean": sum(r.score for r in records) / len(records),
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": max(lengths),
+        "response_length/clip_ratio": sum(n >= max_response_length for n in lengths) / len(lengths),
+        "prompt_length/mean": sum(len(r.prompt_ids) for r in records) / len(records),
+    }
+
+
 def write_records(records: list[RolloutRecord], path: Path) -> None:
     path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))

@@ -104,6 +104,12 @@ def test_run_writes_config_and_rollouts_and_leaves_no_server(tiny_qwen2_dir, tmp
         assert len(r["response_logprobs"]) == len(r["response_ids"])
         assert r["score"] in (0.0, 1.0)  # the arithmetic rule reward
     assert (run_dir / "logs" / "sglang_server_0.log").stat().st_size > 0
+    (metrics,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["step"] == 0
+    assert metrics["critic/score/mean"] == sum(r["score"] for r in records) / len(records)
+    assert metrics["response_length/max"] == max(len(r["response_ids"]) for r in records)
+    assert metrics["timing_s/gen"] > 0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     leftovers = [
         p.pid
         for p in psutil.process_iter(["cmdline"])
