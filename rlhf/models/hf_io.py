@@ -8,6 +8,7 @@ materialises the full model.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -101,10 +102,7 @@ class HFCheckpointReader:
         total = 0
         for name in self.weight_map:
             view = self._handle(name).get_slice(name)
-            numel = 1
-            for dim in view.get_shape():
-                numel *= dim
-            total += numel * DTYPE_BYTES[view.get_dtype()]
+            total += math.prod(view.get_shape()) * DTYPE_BYTES[view.get_dtype()]
         return total
 
 

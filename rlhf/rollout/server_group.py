@@ -31,20 +31,17 @@ import requests
 from rlhf.config.schema import RolloutConfig
 from rlhf.distributed.bootstrap import free_port
 from rlhf.rollout.client import RETRIES_KEY, RetryPolicy
-from rlhf.rollout.sglang_server import SGLangServer, build_router_args, build_server_args
+from rlhf.rollout.sglang_server import (
+    HEALTH_TIMEOUT_S,
+    SGLangServer,
+    build_router_args,
+    build_server_args,
+    http_healthy,
+)
 
 log = logging.getLogger(__name__)
 
 KEY = "actor_rollout_ref.rollout"
-HEALTH_TIMEOUT_S = 5.0
-
-
-def http_healthy(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
-    """Whether GET `url`/health answers 200."""
-    try:
-        return requests.get(f"{url}/health", timeout=timeout_s).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def free_ports(count: int) -> list[int]:

@@ -62,7 +62,7 @@ def recompute_sampled_logprobs(model, arch, topo, url: str, prompts: list[list[i
     }
     worst = torch.zeros(1)
     samples = post(url, "generate", request) if topo.is_sender else None
-    samples = bootstrap_broadcast(samples)
+    samples = broadcast_from_rank0(samples)
     for i, sample in enumerate(samples):
         prompt = prompts[i // 2]
         sglang = torch.tensor([lp for lp, *_ in sample["meta_info"]["output_token_logprobs"]])
@@ -71,7 +71,7 @@ def recompute_sampled_logprobs(model, arch, topo, url: str, prompts: list[list[i
     return worst.item()
 
 
-def bootstrap_broadcast(obj):
+def broadcast_from_rank0(obj):
     holder = [obj]
     torch.distributed.broadcast_object_list(holder, src=0)
     return holder[0]
