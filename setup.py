@@ -47,6 +47,7 @@ setup(
             "rlhf-train=rlhf.train:main",
             "rlhf-convert=rlhf_tools.convert_checkpoint:main",
             "rlhf-preprocess=rlhf_tools.preprocess:main",
+            "rlhf-plot=rlhf_tools.plot_metrics:main",
             # rlhf-doctor joins with the launch/deploy tools.
         ]
     },

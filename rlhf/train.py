@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -41,13 +42,18 @@ def resolve(args: argparse.Namespace) -> RLHFConfig:
 
 
 def run(cfg: RLHFConfig) -> Path:
-    """Bootstrap the process group and Megatron's parallel state, then run the pipeline."""
+    """Bootstrap the process group and Megatron's parallel state, then train."""
     from rlhf.distributed import bootstrap
-    from rlhf.logging import MetricTracker, Timer
-    from rlhf.trainer.rollout_stage import rollout_metrics, rollout_once, write_records
+    from rlhf.trainer.ppo_trainer import PPOTrainer
 
     run_dir = Path(cfg.trainer.default_local_dir)
     env = bootstrap.init_distributed(cfg.trainer.device)
+    if env.device.type == "cpu":
+        rollout = cfg.actor_rollout_ref.rollout
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        servers = 0 if rollout.server_urls else rollout.num_servers
+        bootstrap.share_cpu_cores(local_ranks + servers)
+    trainer = None
     try:
         dims = validate_config(cfg, env.world_size)["actor"]
         bootstrap.init_model_parallel(dims)
@@ -59,19 +65,23 @@ def run(cfg: RLHFConfig) -> Path:
                 "world %d (%s): TP %d x PP %d x CP %d x DP %d; run dir %s",
                 env.world_size, env.backend, dims.tp, dims.pp, dims.cp, dims.dp, run_dir,
             )  # fmt: skip
-            timer = Timer()
-            with timer.stage("gen"):
-                records = rollout_once(cfg, run_dir, env.device.type)
-            write_records(records, run_dir / "rollouts_step0.jsonl")
-            metrics = rollout_metrics(records, cfg.data.max_response_length) | timer.metrics()
-            with MetricTracker.from_config(cfg) as tracker:
-                tracker.log(metrics, step=0)
-            for r in records[: cfg.actor_rollout_ref.rollout.n * 2]:
-                log.info("prompt %d -> %r (score %.1f)", r.prompt_index, r.response_text, r.score)
-            log.info("wrote %d rollouts to %s", len(records), run_dir / "rollouts_step0.jsonl")
+        trainer = PPOTrainer(cfg, env, run_dir)
+        last = trainer.fit()
+        if env.is_main:
+            report(run_dir, last)
     finally:
+        if trainer is not None:
+            trainer.close()
         bootstrap.teardown()
     return run_dir
+
+
+def report(run_dir: Path, step: int) -> None:
+    """Where the results are."""
+    print(f"rlhf-train: finished at step {step}", flush=True)
+    print(f"  metrics:     {run_dir / 'metrics.jsonl'}", flush=True)
+    print(f"  tensorboard: tensorboard --logdir {run_dir}", flush=True)
+    print(f"  checkpoints: {run_dir / 'checkpoints'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

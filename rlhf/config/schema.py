@@ -78,11 +78,45 @@ class MegatronParallelConfig:
 
 
 @dataclass
+class OptimConfig:
+    """Adam with a learning-rate schedule (Megatron's optimizer and scheduler)."""
+
+    lr: float = doc(1e-6, "peak learning rate", gt=0)
+    lr_warmup_steps: int = doc(0, "optimizer steps of linear warmup from 0 to lr", ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = doc(
+        "constant", "decay after warmup, over the run's optimizer steps"
+    )
+    min_lr_ratio: float = doc(0.0, "lr decays to lr x min_lr_ratio", ge=0, le=1)
+    weight_decay: float = doc(0.01, "decoupled weight decay (AdamW)", ge=0)
+    betas: list[float] = doc(lambda: [0.9, 0.999], "Adam beta1, beta2")
+
+
+@dataclass
 class ActorConfig:
     """The trained policy."""
 
     ppo_mini_batch_size: int = doc(4, "prompts per optimizer step (x rollout.n samples)", gt=0)
-    ppo_micro_batch_size_per_gpu: int = doc(2, "samples per forward/backward on one rank", gt=0)
+    ppo_micro_batch_size_per_gpu: int = doc(
+        2, "sizes the default micro-batch token budget (x the longest prompt + response)", gt=0
+    )
+    ppo_max_token_len_per_gpu: int | None = doc(
+        None,
+        "token budget of one packed micro-batch (null: ppo_micro_batch_size_per_gpu x "
+        "(data.max_prompt_length + data.max_response_length))",
+        gt=0,
+    )
+    ppo_epochs: int = doc(1, "passes over each step's rollouts", gt=0)
+    clip_ratio: float = doc(0.2, "PPO clip epsilon", gt=0, le=1)
+    clip_ratio_low: float | None = doc(None, "lower clip epsilon (null: clip_ratio)", ge=0)
+    clip_ratio_high: float | None = doc(None, "upper clip epsilon (null: clip_ratio)", ge=0)
+    clip_ratio_c: float | None = doc(3.0, "dual-clip bound for negative advantages (null: off)")
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = doc("token-mean", "how per-token losses are aggregated (rlhf/algo/losses.py)")
+    entropy_coeff: float = doc(0.0, "weight of the entropy bonus", ge=0)
+    grad_clip: float = doc(1.0, "clip the global gradient norm to this (0: off)", ge=0)
+    param_offload: bool = doc(False, "GPU: keep the frozen reference model on CPU between its uses")
+    optim: OptimConfig = doc(OptimConfig, "optimizer")
     ulysses_sequence_parallel_size: int = doc(
         1, "Ulysses SP size; mapped onto Megatron's context-parallel group", gt=0
     )
@@ -94,8 +128,22 @@ class RefConfig:
     """The frozen reference policy; sharded like the actor."""
 
     log_prob_micro_batch_size_per_gpu: int = doc(
-        4, "samples per reference forward on one rank", gt=0
+        4, "sizes the default reference forward token budget (x the longest sequence)", gt=0
     )
+    log_prob_max_token_len_per_gpu: int | None = doc(
+        None, "token budget of one reference forward micro-batch (null: see above)", gt=0
+    )
+
+
+@dataclass
+class ValKwargs:
+    """Sampling for validation (verl's `rollout.val_kwargs`)."""
+
+    do_sample: bool = doc(False, "sample (true) or decode greedily (false)")
+    n: int = doc(1, "responses per validation prompt", gt=0)
+    temperature: float = doc(1.0, "sampling temperature when do_sample", ge=0)
+    top_p: float = doc(1.0, "nucleus threshold when do_sample", gt=0, le=1)
+    top_k: int = doc(-1, "top-k when do_sample; -1 disables", ge=-1)
 
 
 @dataclass
@@ -142,6 +190,7 @@ class RolloutConfig:
     logprob_diff_threshold: float | None = doc(
         None, "fail the step when rollout/logprob_diff_max exceeds this (null: only log)", gt=0
     )
+    val_kwargs: ValKwargs = doc(ValKwargs, "validation sampling")
 
 
 @dataclass
@@ -161,7 +210,23 @@ class CriticConfig:
     ppo_mini_batch_size: int = doc(
         4, "prompts per critic optimizer step (x rollout.n samples)", gt=0
     )
-    ppo_micro_batch_size_per_gpu: int = doc(2, "samples per forward/backward on one rank", gt=0)
+    ppo_micro_batch_size_per_gpu: int = doc(
+        2, "sizes the default micro-batch token budget (x the longest prompt + response)", gt=0
+    )
+    ppo_max_token_len_per_gpu: int | None = doc(
+        None, "token budget of one packed micro-batch (null: as for the actor)", gt=0
+    )
+    model: ModelConfig = doc(
+        lambda: ModelConfig(path="${actor_rollout_ref.model.path}"),
+        "critic trunk (an HF causal LM or *ForSequenceClassification directory)",
+    )
+    ppo_epochs: int = doc(1, "passes over each step's rollouts", gt=0)
+    cliprange_value: float | None = doc(0.5, "value clipping around the old values (null: off)")
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = doc("token-mean", "how per-token value losses are aggregated")
+    grad_clip: float = doc(1.0, "clip the global gradient norm to this (0: off)", ge=0)
+    optim: OptimConfig = doc(lambda: OptimConfig(lr=1e-5), "optimizer")
     ulysses_sequence_parallel_size: int = doc(1, "Ulysses SP size for the critic", gt=0)
     megatron: MegatronParallelConfig = doc(MegatronParallelConfig, "Megatron parallel layout")
 
@@ -180,7 +245,40 @@ class KLControlConfig:
 class AlgorithmConfig:
     """PPO algorithm settings."""
 
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus"] = doc(
+        "gae", "advantage estimator (gae uses the critic)"
+    )
+    gamma: float = doc(1.0, "discount", ge=0, le=1)
+    lam: float = doc(1.0, "GAE lambda", ge=0, le=1)
+    use_kl_in_reward: bool = doc(True, "subtract kl_coef x KL(actor || ref) from the rewards")
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = doc(
+        "kl", "per-token KL estimator used in the reward"
+    )
     kl_ctrl: KLControlConfig = doc(KLControlConfig, "KL penalty controller")
+
+
+@dataclass
+class EarlyStopConfig:
+    """When a run stops or rolls back by itself (every event is logged with its reason)."""
+
+    kl_threshold: float | None = doc(
+        None, "mean KL per step counted as too high (null: 2 x algorithm.kl_ctrl.target_kl)", gt=0
+    )
+    kl_patience: int = doc(0, "stop after this many consecutive high-KL steps (0: off)", ge=0)
+    reward_plateau_patience: int = doc(
+        0, "stop when the training reward has not improved for this many steps (0: off)", ge=0
+    )
+    reward_plateau_min_delta: float = doc(0.01, "smallest reward gain counted as improvement", ge=0)
+    rollback_val_ratio: float | None = doc(
+        0.9,
+        "roll back to the last good checkpoint when the validation reward falls below this "
+        "ratio of the training reward since the previous validation (null: off)",
+        gt=0,
+        le=1,
+    )
+    ppo_kl_bound: float | None = doc(
+        None, "stop a step's PPO epochs early once a mini-batch's ppo_kl exceeds this", gt=0
+    )
 
 
 @dataclass
@@ -199,6 +297,20 @@ class TrainerConfig:
         lambda: ["console", "tensorboard"],
         "metric backends (metrics.jsonl in the run directory is always written)",
     )
+    total_epochs: int = doc(1, "passes over the training prompts", gt=0)
+    total_training_steps: int | None = doc(
+        None, "steps to run (null: total_epochs x steps per epoch)", gt=0
+    )
+    test_freq: int = doc(-1, "validate every this many steps (-1: never; also at the end)")
+    val_before_train: bool = doc(True, "validate once before the first step")
+    save_freq: int = doc(-1, "checkpoint every this many steps (-1: only at the end)")
+    resume_mode: str = doc(
+        "auto", "auto (latest checkpoint in the run dir), disable, or a checkpoint path"
+    )
+    max_actor_ckpt_to_keep: int | None = doc(
+        None, "keep only the newest K checkpoints (null: keep all)", gt=0
+    )
+    early_stop: EarlyStopConfig = doc(EarlyStopConfig, "early stopping and rollback")
 
 
 @dataclass

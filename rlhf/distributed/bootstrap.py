@@ -60,6 +60,21 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def share_cpu_cores(processes_per_node: int) -> int:
+    """CPU runs: split this node's cores between the processes sharing them.
+
+    Trainer ranks and SGLang servers run side by side on CPU; with every process using all
+    cores, OpenMP threads spin against each other and a step gets ~40x slower (measured on
+    2 cores). An explicit OMP_NUM_THREADS wins. Children (servers) inherit the setting.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    threads = max(1, (os.cpu_count() or 1) // max(1, processes_per_node))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv:
     """Initialise torch.distributed from torchrun's variables (or as a 1-process world).
 
@@ -159,4 +174,42 @@ def sync_topology():
         pp_group=pp_group,
         pp_leader_ranks=leaders,
         in_sync_replica=ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
+    )
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups and coordinates the trainer passes around explicitly.
+
+    dp_group: ranks holding different samples (same TP/PP/CP coordinates); dp_cp_size: the
+    ranks Megatron's DDP averages gradients over (DP x CP); pp_group is None without PP.
+    """
+
+    tp_group: object | None
+    tp_rank: int
+    tp_size: int
+    pp_group: object | None
+    is_last_stage: bool
+    dp_group: object
+    dp_rank: int
+    dp_size: int
+    dp_cp_size: int
+
+
+def parallel_groups() -> ParallelGroups:
+    """This rank's groups from Megatron's parallel state (after init_model_parallel)."""
+    from megatron.core import parallel_state as ps
+
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    return ParallelGroups(
+        tp_group=ps.get_tensor_model_parallel_group() if tp_size > 1 else None,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=tp_size,
+        pp_group=ps.get_pipeline_model_parallel_group() if pp_size > 1 else None,
+        is_last_stage=ps.is_pipeline_last_stage(),
+        dp_group=ps.get_data_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
     )

@@ -1,5 +1,6 @@
-"""Metrics (console, metrics.jsonl, TensorBoard, W&B, MLflow) and stage timers."""
+"""Metrics (console, metrics.jsonl, TensorBoard, W&B, MLflow), stage timers and profiling."""
 
+from rlhf.logging.profiler import StepProfiler, stage_range
 from rlhf.logging.tracker import LOGGERS, MetricTracker, Timer
 
-__all__ = ["LOGGERS", "MetricTracker", "Timer"]
+__all__ = ["LOGGERS", "MetricTracker", "StepProfiler", "Timer", "stage_range"]

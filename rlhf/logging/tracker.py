@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlhf.logging.profiler import stage_range
+
 log = logging.getLogger(__name__)
 
 LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
@@ -136,7 +138,10 @@ class MetricTracker:
 
 
 class Timer:
-    """Wall time of named stages, reported as `timing_s/<name>` metrics."""
+    """Wall time of named stages, reported as `timing_s/<name>` metrics.
+
+    Each stage is also an NVTX range (`stage_range`) on CUDA, so Nsight Systems shows it.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -145,7 +150,8 @@ class Timer:
     def stage(self, name: str):
         start = time.perf_counter()
         try:
-            yield
+            with stage_range(name):
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 

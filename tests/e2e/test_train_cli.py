@@ -81,21 +81,23 @@ def test_missing_model_is_a_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_run_writes_config_and_rollouts_and_leaves_no_server(tiny_qwen2_dir, tmp_path):
+def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_path):
     run_dir = tmp_path / "run"
     train, _ = write_quickstart_data(tmp_path / "data", num_train=20, num_val=4)
     overrides = [
         f"actor_rollout_ref.model.path={tiny_qwen2_dir}",
         f"trainer.default_local_dir={run_dir}",
         f"data.train_files={train}",
+        "data.val_files=null",
+        "trainer.total_training_steps=1",
     ]
     proc = rlhf_train(*overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"checkpoints: {run_dir / 'checkpoints'}" in proc.stdout
 
     assert load_config(run_dir / "config.yaml") == load_config(CONFIG, overrides)
-    records = [
-        json.loads(line) for line in (run_dir / "rollouts_step0.jsonl").read_text().splitlines()
-    ]
+    lines = (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
     assert len(records) == 8 * 2  # data.train_batch_size x rollout.n
     assert len({r["uid"] for r in records}) == 8  # 8 sampled prompts, n samples each
     assert all(0 <= r["prompt_index"] < 20 for r in records)
@@ -105,11 +107,14 @@ def test_run_writes_config_and_rollouts_and_leaves_no_server(tiny_qwen2_dir, tmp
         assert r["score"] in (0.0, 1.0)  # the arithmetic rule reward
     assert (run_dir / "logs" / "sglang_server_0.log").stat().st_size > 0
     (metrics,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert metrics["step"] == 0
-    assert metrics["critic/score/mean"] == sum(r["score"] for r in records) / len(records)
+    assert metrics["step"] == 1
+    assert metrics["critic/score/mean"] == pytest.approx(
+        sum(r["score"] for r in records) / len(records)
+    )
     assert metrics["response_length/max"] == max(len(r["response_ids"]) for r in records)
     assert metrics["timing_s/gen"] > 0
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "checkpoints" / "global_step_1" / "COMPLETE").is_file()
     leftovers = [
         p.pid
         for p in psutil.process_iter(["cmdline"])

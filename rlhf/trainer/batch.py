@@ -1,0 +1,84 @@
+"""One step's experience: scored rollouts plus everything the PPO update computes from them.
+
+Every rank holds the whole batch (rank 0 generates and broadcasts it), so per-sample tensors
+are [B, R]: B samples, R = the longest response of the step, right-padded and masked by
+`mask_bt`. Which rank processes which sample is decided later by the micro-batch plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RolloutBatch:
+    """B scored samples of one step (prompt i of the step has `rollout.n` samples).
+
+    prompt_ids / response_ids: token ids per sample; scores_b: [B] rewards from the reward
+    functions; data_sources, uids: per sample (uid identifies the prompt, for GRPO/RLOO).
+    The tensors below are filled by the trainer stages ([B, R] fp32 unless noted).
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    scores_b: Tensor
+    data_sources: list[str]
+    uids: list[str]
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sizes = {len(self.prompt_ids), len(self.response_ids), len(self.data_sources)}
+        sizes |= {len(self.uids), int(self.scores_b.numel())}
+        if len(sizes) != 1:
+            raise ValueError(f"RolloutBatch fields disagree on the number of samples: {sizes}")
+
+    @property
+    def size(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_width(self) -> int:
+        """R: the longest response (at least 1 so that tensors are never empty)."""
+        return max(1, max(len(r) for r in self.response_ids))
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        """Prompt + response tokens per sample (what the models process)."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+
+    def mask_bt(self) -> Tensor:
+        """[B, R] bool: True on response tokens."""
+        lengths = torch.tensor([len(r) for r in self.response_ids])
+        return torch.arange(self.response_width)[None, :] < lengths[:, None]
+
+    def num_response_tokens(self, indices: list[int] | None = None) -> int:
+        rows = range(self.size) if indices is None else indices
+        return sum(len(self.response_ids[i]) for i in rows)
+
+    def num_responses(self, indices: list[int] | None = None) -> int:
+        """Non-empty responses among `indices` (what sequence-level losses count)."""
+        rows = range(self.size) if indices is None else indices
+        return sum(1 for i in rows if self.response_ids[i])
+
+    def to_objects(self) -> dict:
+        """Plain objects for `broadcast_object_list` (tensors filled later are not sent)."""
+        return {
+            "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids,
+            "scores": self.scores_b.tolist(),
+            "data_sources": self.data_sources,
+            "uids": self.uids,
+        }
+
+    @classmethod
+    def from_objects(cls, obj: dict) -> RolloutBatch:
+        return cls(
+            prompt_ids=obj["prompt_ids"],
+            response_ids=obj["response_ids"],
+            scores_b=torch.tensor(obj["scores"], dtype=torch.float32),
+            data_sources=obj["data_sources"],
+            uids=obj["uids"],
+        )

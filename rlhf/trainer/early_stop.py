@@ -1,0 +1,251 @@
+"""When to end a PPO run early, and when to go back to the last good checkpoint.
+
+A run whose KL to the reference keeps growing has left the region the KL penalty is meant to
+keep it in; a run whose reward stopped improving only spends GPU hours; a run whose validation
+reward falls far below its training reward is reward hacking, and its latest checkpoints are
+worse than an earlier one. These rules decide that from per-step numbers the trainer already
+logs. They are plain Python (no torch) so each rule is unit-tested on its own, and their
+counters go into the checkpoint (`state_dict`) so a resumed run continues counting exactly
+where the interrupted one stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlhf.config.schema import doc
+
+# Ziegler et al.'s adaptive controller clips its proportional error at +-20% per step, so a
+# KL that stays at twice the target is one the controller is not bringing back.
+KL_THRESHOLD_FACTOR = 2.0
+
+_STATE_KEYS = (
+    "high_kl_streak",
+    "best_score",
+    "steps_since_best",
+    "score_sum",
+    "score_count",
+    "last_good_step",
+)
+
+
+def _require(ok: bool, key: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"trainer.early_stop.{key} must be {rule}, got {value}")
+
+
+@dataclass(frozen=True)
+class EarlyStopSettings:
+    """The three rules; each is off when its first setting is None."""
+
+    kl_threshold: float | None = doc(
+        None, "mean KL (policy vs reference) of a step above which the step is high-KL", gt=0
+    )
+    kl_patience: int = doc(3, "stop after this many consecutive high-KL steps", ge=1)
+    reward_plateau_patience: int | None = doc(
+        None, "stop when the best mean training score has not improved for this many steps", ge=1
+    )
+    reward_plateau_min_delta: float = doc(
+        0.0, "an improvement must beat the best score by more than this", ge=0
+    )
+    rollback_val_ratio: float | None = doc(
+        None,
+        "roll back when validation < ratio x mean training score since the last one",
+        gt=0,
+        le=1,
+    )
+
+    def __post_init__(self) -> None:
+        kl, patience, plateau = self.kl_threshold, self.kl_patience, self.reward_plateau_patience
+        delta, ratio = self.reward_plateau_min_delta, self.rollback_val_ratio
+        _require(kl is None or kl > 0, "kl_threshold", "> 0", kl)
+        _require(patience >= 1, "kl_patience", ">= 1", patience)
+        _require(plateau is None or plateau >= 1, "reward_plateau_patience", ">= 1", plateau)
+        _require(delta >= 0, "reward_plateau_min_delta", ">= 0", delta)
+        _require(ratio is None or 0 < ratio <= 1, "rollback_val_ratio", "in (0, 1]", ratio)
+
+    @classmethod
+    def from_config(cls, cfg) -> EarlyStopSettings:
+        """The settings of the `trainer.early_stop` config section (not of `ppo_kl_bound`).
+
+        There a patience of 0 turns its rule off and a null `kl_threshold` means
+        `KL_THRESHOLD_FACTOR` x `algorithm.kl_ctrl.target_kl`.
+        """
+        section = cfg.trainer.early_stop
+        overrides: dict[str, Any] = {
+            "reward_plateau_patience": section.reward_plateau_patience or None,
+            "reward_plateau_min_delta": section.reward_plateau_min_delta,
+            "rollback_val_ratio": section.rollback_val_ratio,
+        }
+        if section.kl_patience == 0:
+            overrides["kl_threshold"] = None
+        else:
+            overrides["kl_patience"] = section.kl_patience
+            if section.kl_threshold is not None:
+                overrides["kl_threshold"] = section.kl_threshold
+        return cls.from_target_kl(cfg.algorithm.kl_ctrl.target_kl, **overrides)
+
+    @classmethod
+    def from_target_kl(cls, target_kl: float, **overrides: Any) -> EarlyStopSettings:
+        """Settings whose KL threshold is `KL_THRESHOLD_FACTOR` (2) x the controller's target.
+
+        `target_kl` is `algorithm.kl_ctrl.target_kl`; an explicit `kl_threshold` in
+        `overrides` wins over the derived one.
+        """
+        if not target_kl > 0:
+            raise ValueError(f"algorithm.kl_ctrl.target_kl must be > 0, got {target_kl}")
+        overrides.setdefault("kl_threshold", KL_THRESHOLD_FACTOR * target_kl)
+        return cls(**overrides)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the trainer should do after `step`; `reason` is for the log and the user."""
+
+    action: Literal["stop", "rollback"]
+    reason: str
+    step: int
+
+
+def _number(value: float | None) -> str:
+    return "none (no finite score yet)" if value is None else f"{value:.4g}"
+
+
+def should_stop_epochs(approx_kl: float, bound: float | None) -> bool:
+    """True when the PPO epochs of the current step should end now.
+
+    Checked after every mini-batch update: `approx_kl` is the approximate KL between the
+    rollout policy and the policy being updated (`actor/ppo_kl`) on that mini-batch. Once it
+    exceeds `bound`, the remaining mini-batches and epochs of this step are skipped, so one
+    batch cannot move the policy arbitrarily far. A non-finite KL also stops; `bound=None`
+    never stops.
+    """
+    if bound is None:
+        return False
+    return not math.isfinite(approx_kl) or approx_kl > bound
+
+
+class EarlyStopper:
+    """Applies `EarlyStopSettings` to the numbers of each step and each validation.
+
+    Call `observe_step` once per training step and `observe_validation` after each
+    validation; a returned `Decision` is the trainer's to act on. Call `mark_good(step)` once
+    the checkpoint of `step` is saved and its validation passed: a rollback goes to
+    `last_good_step` (None when no checkpoint has passed yet).
+    """
+
+    def __init__(self, settings: EarlyStopSettings) -> None:
+        self.settings = settings
+        self._high_kl_streak = 0
+        self._best_score: float | None = None
+        self._steps_since_best = 0
+        self._score_sum = 0.0  # training scores since the last validation
+        self._score_count = 0
+        self._last_good_step: int | None = None
+
+    @property
+    def last_good_step(self) -> int | None:
+        return self._last_good_step
+
+    def mark_good(self, step: int) -> None:
+        self._last_good_step = step
+
+    def observe_step(self, step: int, mean_kl: float, mean_score: float) -> Decision | None:
+        """Record one training step; a stop `Decision` when a rule fires (KL rule first).
+
+        A non-finite KL counts as high; a non-finite score is never an improvement and is
+        left out of the training mean that validation is compared with.
+        """
+        if math.isfinite(mean_score):
+            self._score_sum += mean_score
+            self._score_count += 1
+        kl_decision = self._check_kl(step, mean_kl)
+        plateau_decision = self._check_plateau(step, mean_score)
+        return kl_decision or plateau_decision
+
+    def _check_kl(self, step: int, mean_kl: float) -> Decision | None:
+        threshold = self.settings.kl_threshold
+        if threshold is None:
+            return None
+        high = not math.isfinite(mean_kl) or mean_kl > threshold
+        self._high_kl_streak = self._high_kl_streak + 1 if high else 0
+        if self._high_kl_streak < self.settings.kl_patience:
+            return None
+        reason = (
+            f"mean KL {mean_kl:.4g} above {threshold:.4g} for "
+            f"{self._high_kl_streak} consecutive steps (patience {self.settings.kl_patience})"
+        )
+        return Decision("stop", reason, step)
+
+    def _check_plateau(self, step: int, mean_score: float) -> Decision | None:
+        patience = self.settings.reward_plateau_patience
+        if patience is None:
+            return None
+        delta = self.settings.reward_plateau_min_delta
+        best = self._best_score
+        if math.isfinite(mean_score) and (best is None or mean_score > best + delta):
+            self._best_score = mean_score
+            self._steps_since_best = 0
+            return None
+        self._steps_since_best += 1
+        if self._steps_since_best < patience:
+            return None
+        reason = (
+            f"best mean score {_number(best)} not improved by more than {delta:.4g} "
+            f"for {self._steps_since_best} steps (patience {patience}); last {mean_score:.4g}"
+        )
+        return Decision("stop", reason, step)
+
+    def observe_validation(self, step: int, val_score: float) -> Decision | None:
+        """Compare a validation score with the training scores since the previous validation.
+
+        The limit is `ratio x train_mean` for a positive training mean and
+        `train_mean - (1 - ratio) x |train_mean|` in general, so a negative mean (reward
+        model scores) gets a limit below it, not above. No training step since the previous
+        validation means nothing to compare: no decision.
+        """
+        count, total = self._score_count, self._score_sum
+        self._score_sum, self._score_count = 0.0, 0
+        ratio = self.settings.rollback_val_ratio
+        if ratio is None or count == 0:
+            return None
+        train_mean = total / count
+        limit = train_mean - (1.0 - ratio) * abs(train_mean)
+        if math.isfinite(val_score) and val_score >= limit:
+            return None
+        target = (
+            f"roll back to step {self._last_good_step}"
+            if self._last_good_step is not None
+            else "no checkpoint has passed validation yet"
+        )
+        reason = (
+            f"validation score {val_score:.4g} below {limit:.4g} (ratio {ratio:g} of the mean "
+            f"training score {train_mean:.4g} over the last {count} steps); {target}"
+        )
+        return Decision("rollback", reason, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters as JSON-able values, for the checkpoint."""
+        return {
+            "high_kl_streak": self._high_kl_streak,
+            "best_score": self._best_score,
+            "steps_since_best": self._steps_since_best,
+            "score_sum": self._score_sum,
+            "score_count": self._score_count,
+            "last_good_step": self._last_good_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"early-stop state is missing {missing}; expected {list(_STATE_KEYS)}")
+        self._high_kl_streak = int(state["high_kl_streak"])
+        best = state["best_score"]
+        self._best_score = None if best is None else float(best)
+        self._steps_since_best = int(state["steps_since_best"])
+        self._score_sum = float(state["score_sum"])
+        self._score_count = int(state["score_count"])
+        good = state["last_good_step"]
+        self._last_good_step = None if good is None else int(good)

@@ -1,0 +1,239 @@
+"""One model of the PPO trio on Megatron-Core: schedule-driven forwards, updates, checkpoints.
+
+Every forward and backward goes through Megatron's forward-backward schedule, so pipeline
+parallelism works for all three models. Losses arrive already normalised by the *global*
+token/sequence counts of their mini-batch (`rlhf.algo.losses`), so the mini-batch loss is
+the plain sum over micro-batches and DP ranks. Megatron divides each micro-batch loss by
+the number of micro-batches and averages gradients over DP x CP; `loss_scale` undoes both.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlhf.config.schema import OptimConfig
+from rlhf.distributed.bootstrap import ParallelGroups
+from rlhf.trainer.micro_batch import MicroBatch
+
+log = logging.getLogger(__name__)
+
+# (output of the last stage, micro-batch) -> (loss or None, detached metrics / outputs)
+HeadFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor | None, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What the optimizer and LR schedule of one trained model need."""
+
+    optim: OptimConfig
+    grad_clip: float
+    total_steps: int  # optimizer steps of the whole run (LR decay horizon)
+
+
+def run_schedule(
+    model, micro_batches: list[MicroBatch], head: HeadFn, forward_only: bool, loss_scale: float
+) -> list[dict[str, torch.Tensor]]:
+    """Megatron's forward(-backward) over `micro_batches`; head outputs (last stage only)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        output = chunk(
+            mb.tokens,
+            mb.position_ids,
+            mb.attention_mask,
+            packed_seq_params=mb.packed_seq_params,
+        )
+
+        def loss_func(output_tensor):
+            loss, outputs = head(output_tensor, mb)
+            if loss is None:  # forward only: Megatron still wants a scalar
+                loss = output_tensor.sum() * 0.0
+            return loss * loss_scale, outputs
+
+        return output, loss_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=max(mb.num_tokens for mb in micro_batches),
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+
+
+class MegatronModel:
+    """A frozen model (reference policy): forward passes only, optionally offloaded."""
+
+    def __init__(self, module, groups: ParallelGroups, offload: bool = False):
+        self.module = module
+        self.groups = groups
+        self.offload = offload and torch.cuda.is_available()
+        if offload and not self.offload:
+            log.warning("param_offload only applies on GPU; ignored on CPU")
+        for p in module.parameters():
+            p.requires_grad_(False)
+        if module.config.pipeline_model_parallel_size > 1:
+            module.config.variable_seq_lengths = True  # packed rows differ in length
+        if self.offload:
+            module.to("cpu")
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[MicroBatch], head: HeadFn) -> list[dict]:
+        if self.offload:
+            self.module.to("cuda")
+        self.module.eval()
+        try:
+            return run_schedule(self.module, micro_batches, head, True, 1.0)
+        finally:
+            if self.offload:
+                self.module.to("cpu")
+                torch.cuda.empty_cache()
+
+
+class TrainableMegatronModel(MegatronModel):
+    """Actor or critic: DDP, Megatron optimizer (Adam, grad clip) and LR schedule."""
+
+    def __init__(self, module, groups: ParallelGroups, settings: OptimizerSettings):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        self.module, self.groups = module, groups
+        self.offload = False
+        config = module.config
+        if config.pipeline_model_parallel_size > 1:
+            config.variable_seq_lengths = True
+        self.ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), module)
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer, self.scheduler = build_optimizer(self.ddp, settings)
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[MicroBatch], head: HeadFn) -> list[dict]:
+        self.ddp.eval()
+        return run_schedule(self.ddp, micro_batches, head, True, 1.0)
+
+    def train_mini_batch(self, micro_batches: list[MicroBatch], head: HeadFn) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches of a mini-batch.
+
+        Returns the summed head metrics (over micro-batches and DP ranks, i.e. the
+        mini-batch values) plus `grad_norm` and `lr`; identical on every rank.
+        """
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        scale = len(micro_batches) * self.groups.dp_cp_size
+        outputs = run_schedule(self.ddp, micro_batches, head, False, scale)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        self.scheduler.step(increment=1)
+        metrics = reduce_metrics(outputs, self.groups)
+        metrics["grad_norm"] = float(grad_norm)
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict:
+        model_sd = self.module.sharded_state_dict()
+        return {
+            "model": model_sd,
+            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading),
+        }
+
+    def save(self, directory: Path) -> None:
+        """Model + optimizer in Megatron's distributed format (all ranks call)."""
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(self.sharded_state_dict(), str(directory))
+
+    def load(self, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        if not Path(directory).is_dir():
+            raise FileNotFoundError(f"no model checkpoint at {directory}")
+        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def build_optimizer(ddp, settings: OptimizerSettings):
+    """Megatron's Adam(W) over `ddp` and its LR/weight-decay scheduler."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optim = settings.optim
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.lr * optim.min_lr_ratio,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        clip_grad=settings.grad_clip,
+        params_dtype=next(ddp.module.parameters()).dtype,
+        use_distributed_optimizer=False,  # its checkpoints do not resume on CPU (facts)
+    )
+    optimizer = get_megatron_optimizer(config, [ddp])
+    decay_steps = max(settings.total_steps, optim.lr_warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.lr * optim.min_lr_ratio,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, float]:
+    """Sum per-micro-batch metrics over micro-batches, DP ranks and (from the last) PP stage."""
+    names = sorted(outputs[0]) if outputs else []
+    names = broadcast_names(names, groups)
+    total = torch.zeros(len(names), dtype=torch.float64)
+    for out in outputs:
+        total += torch.stack([out[n].double().reshape(()) for n in names])
+    if groups.dp_size > 1:
+        dist.all_reduce(total, group=groups.dp_group)
+    if groups.pp_group is not None:
+        dist.all_reduce(total, group=groups.pp_group)
+    return dict(zip(names, total.tolist()))
+
+
+def broadcast_names(names: list[str], groups: ParallelGroups) -> list[str]:
+    """The metric names the last pipeline stage produced, on every stage."""
+    if groups.pp_group is None:
+        return names
+    holder = [names if groups.is_last_stage else None]
+    last = dist.get_process_group_ranks(groups.pp_group)[-1]
+    dist.broadcast_object_list(holder, src=last, group=groups.pp_group)
+    return holder[0]
+
+
+def gather_per_sample(
+    outputs: list[dict], micro_batches: list[MicroBatch], key: str, shape: tuple[int, int], groups
+) -> torch.Tensor:
+    """[B, R] step tensor from the per-micro-batch [n, R] outputs `key` of every rank."""
+    result = torch.zeros(shape, dtype=torch.float32)
+    for mb, out in zip(micro_batches, outputs):
+        result[mb.sample_ids] = out[key].float()
+    if groups.dp_size > 1:
+        dist.all_reduce(result, group=groups.dp_group)
+    if groups.pp_group is not None:
+        dist.all_reduce(result, group=groups.pp_group)
+    return result

@@ -1,0 +1,102 @@
+"""Worker: the trainer's old-log-prob stage and one actor update at any TP/PP/DP layout.
+
+On a fixed synthetic batch (varied prompt and response lengths, a small token budget so
+several packed micro-batches are needed), rank 0 writes to OUT:
+`logprobs_before` [B, R], the update's `metrics` (pg_loss, grad_norm, ...) and
+`logprobs_after` [B, R] (the old-log-prob stage re-run after the optimizer step).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from rlhf.config import load_config
+from rlhf.config.validate import ParallelDims
+from rlhf.distributed.bootstrap import (
+    init_distributed,
+    init_model_parallel,
+    parallel_groups,
+    seed_everything,
+    teardown,
+)
+
+NUM_SAMPLES = 8
+
+
+def synthetic_batch(vocab_size: int):
+    from rlhf.trainer.batch import RolloutBatch
+
+    gen = torch.Generator().manual_seed(7)
+    prompts, responses = [], []
+    for _ in range(NUM_SAMPLES):
+        p = int(torch.randint(3, 20, (1,), generator=gen))
+        r = int(torch.randint(1, 12, (1,), generator=gen))
+        prompts.append(torch.randint(3, vocab_size, (p,), generator=gen).tolist())
+        responses.append(torch.randint(3, vocab_size, (r,), generator=gen).tolist())
+    return RolloutBatch(
+        prompt_ids=prompts,
+        response_ids=responses,
+        scores_b=torch.rand(NUM_SAMPLES, generator=gen),
+        data_sources=["synthetic"] * NUM_SAMPLES,
+        uids=[str(i // 2) for i in range(NUM_SAMPLES)],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    args = parser.parse_args()
+    env = init_distributed("cpu")
+    try:
+        init_model_parallel(ParallelDims(env.world_size, tp=args.tp, pp=args.pp))
+        seed_everything(0)
+        run(args, env)
+    finally:
+        teardown()
+
+
+def run(args, env) -> None:
+    from rlhf.trainer import stages
+    from rlhf.trainer.setup import build_models, load_arch_of, vocab_shard
+
+    cfg = load_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={args.model}",
+            "actor_rollout_ref.actor.optim.lr=0.01",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.clip_ratio_c=null",
+            "data.train_batch_size=4",
+        ],
+    )
+    groups = parallel_groups()
+    arch = load_arch_of(cfg)
+    actor, _, _ = build_models(cfg, arch, groups, env, total=1)
+    ctx = stages.StageContext(cfg, groups, vocab_shard(arch, actor.module, groups, 1.0), False)
+    batch = synthetic_batch(arch.vocab_size)
+    budget = 40  # a few samples per micro-batch: several packed micro-batches per rank
+    stages.compute_old_logprobs(actor, batch, ctx, budget)
+    before = batch.tensors["old_logprobs"].clone()
+    gen = torch.Generator().manual_seed(3)
+    batch.tensors["advantages"] = torch.randn(before.shape, generator=gen) * batch.mask_bt()
+    metrics = stages.update_actor(actor, batch, ctx, budget)
+    stages.compute_old_logprobs(actor, batch, ctx, budget)
+    if env.rank == 0:
+        result = {
+            "logprobs_before": before,
+            "logprobs_after": batch.tensors["old_logprobs"],
+            "metrics": metrics,
+            "batch": batch.to_objects(),
+        }
+        torch.save(result, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Whole PPO runs of `rlhf-train` on CPU with a real SGLang server.
+
+- A run killed (SIGKILL) while it writes a checkpoint resumes from the previous checkpoint
+  and then logs exactly the per-step metrics of an uninterrupted run (greedy rollouts make
+  SGLang's sampling deterministic): losses, grad norms, LR, KL coefficient, rewards.
+- 2-process torchrun runs (DP=2, TP=2) complete and log the same metric names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf.data.quickstart import write_quickstart_data
+from rlhf.distributed.bootstrap import free_port
+from tests.helpers import REPO
+
+CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
+# Timing and throughput differ between runs; everything else must not.
+VOLATILE = ("timing_s/", "perf/throughput", "perf/mfu")
+REQUIRED = [
+    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
+    "actor/lr", "critic/vf_loss", "critic/vf_clipfrac", "critic/score/mean",
+    "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
+    "critic/values/mean", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
+    "response_length/mean", "response_length/max", "response_length/clip_ratio",
+    "prompt_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob",
+    "timing_s/ref", "timing_s/values", "timing_s/adv", "timing_s/update_critic",
+    "timing_s/update_actor", "timing_s/update_weights", "timing_s/step", "perf/throughput",
+    "perf/total_num_tokens", "perf/mfu", "rollout/logprob_diff_max",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_quickstart_data(tmp_path_factory.mktemp("data"), num_train=32, num_val=8)
+
+
+def overrides(model_dir, data, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    train, val = data
+    return [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=2",
+        "trainer.test_freq=2",
+        "trainer.logger=[console]",
+        "actor_rollout_ref.rollout.temperature=0",  # greedy: deterministic rollouts
+        "actor_rollout_ref.actor.optim.lr=1e-3",  # large enough that every step matters
+        *extra,
+    ]
+
+
+def train_command(args: list[str], nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "rlhf.train", "--config", CONFIG, *args]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "rlhf.train", "--config", CONFIG, *args,
+    ]  # fmt: skip
+
+
+def run_train(args: list[str], run_dir: Path, nproc: int = 1) -> str:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            train_command(args, nproc), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+    text = log.read_text()
+    assert proc.returncode == 0, text[-6000:]
+    return text
+
+
+def metrics_by_step(run_dir: Path) -> dict[int, dict]:
+    """The last logged metrics of every step (a resumed run re-logs the steps it redoes)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows}
+
+
+def kill_during_checkpoint(args: list[str], run_dir: Path, step: int) -> None:
+    """Start a run and SIGKILL it (and its servers) while it writes checkpoint `step`."""
+    run_dir.mkdir(parents=True)
+    partial = run_dir / "checkpoints" / f".tmp_global_step_{step}"
+    with open(run_dir.parent / f"{run_dir.name}.killed.log", "w") as log:
+        proc = subprocess.Popen(
+            train_command(args), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        deadline = time.monotonic() + 600
+        while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert partial.exists(), "the run ended before writing the checkpoint it was to be killed in"
+
+
+def test_killed_run_resumes_and_matches_uninterrupted(tiny_qwen2_dir, data, tmp_path):
+    full = tmp_path / "full"
+    run_train(overrides(tiny_qwen2_dir, data, full, 4), full)
+    reference = metrics_by_step(full)
+    assert sorted(reference) == [0, 1, 2, 3, 4]
+
+    resumed = tmp_path / "resumed"
+    args = overrides(tiny_qwen2_dir, data, resumed, 4)
+    kill_during_checkpoint(args, resumed, step=4)
+    checkpoints = sorted(p.name for p in (resumed / "checkpoints").iterdir())
+    assert "global_step_2" in checkpoints and "global_step_4" not in checkpoints
+    text = run_train(args, resumed)
+    assert "resumed from" in text and "(step 2)" in text
+
+    got = metrics_by_step(resumed)
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    for step in (3, 4):
+        for key, value in reference[step].items():
+            if key.startswith(VOLATILE):
+                continue
+            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+    assert (
+        reference[4]["actor/reward_kl_penalty_coeff"]
+        != reference[1]["actor/reward_kl_penalty_coeff"]
+    )  # the adaptive controller moved, and the resumed run continued from its state
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_two_process_run_logs_the_same_metrics(tiny_qwen2_dir, data, tmp_path, layout):
+    run_dir = tmp_path / layout
+    extra = ["trainer.n_gpus_per_node=2"]
+    if layout == "tp2":
+        extra += [
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "critic.megatron.tensor_model_parallel_size=2",
+        ]
+    run_train(overrides(tiny_qwen2_dir, data, run_dir, 2, *extra), run_dir, nproc=2)
+    rows = metrics_by_step(run_dir)
+    assert sorted(rows) == [0, 1, 2]
+    missing = [k for k in REQUIRED if k not in rows[2]]
+    assert not missing
+    assert "val/test_score/arithmetic" in rows[2]
+    assert (run_dir / "checkpoints" / "global_step_2" / "COMPLETE").is_file()
