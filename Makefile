@@ -21,9 +21,10 @@ $(STAMP): requirements/cpu.in requirements/cpu.lock setup.py
 	touch $(STAMP)
 
 quickstart: setup
-	$(PY) tools/make_tiny_model.py runs/quickstart/model
+	$(PY) tools/make_tiny_model.py runs/quickstart/model --warm-start
 	$(VENV)/bin/rlhf-preprocess quickstart --local_dir runs/quickstart/data
 	$(VENV)/bin/rlhf-train --config configs/quickstart_cpu.yaml
+	$(VENV)/bin/rlhf-plot runs/quickstart
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -27,9 +27,9 @@ from transformers import AutoTokenizer
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.data.arithmetic import make_problems
+from rlhf.data.prompts import encode_prompts
 from rlhf.models.tiny_hf import save_tiny_model
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
-from rlhf.trainer.rollout_stage import tokenize_prompts
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,7 +45,8 @@ def parse_args() -> argparse.Namespace:
 def measure(args: argparse.Namespace, workdir: Path) -> dict:
     model_dir = save_tiny_model(workdir / "model")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = tokenize_prompts(tokenizer, make_problems(args.prompts, seed=0))
+    rows = make_problems(args.prompts, seed=0)
+    prompts = encode_prompts([r["prompt"] for r in rows], tokenizer, apply_chat_template=True)
     params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     longest = max(len(p) for p in prompts) + args.max_new_tokens

@@ -8,6 +8,7 @@ Works as a single process or under torchrun. Config errors print one line and ex
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -77,11 +78,17 @@ def run(cfg: RLHFConfig) -> Path:
 
 
 def report(run_dir: Path, step: int) -> None:
-    """Where the results are."""
+    """Where the results are, and how validation moved."""
     print(f"rlhf-train: finished at step {step}", flush=True)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [(r["step"], r["val/test_score/all"]) for r in rows if "val/test_score/all" in r]
+    if len(val) >= 2:
+        (s0, v0), (s1, v1) = val[0], val[-1]
+        print(f"  validation:  {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})", flush=True)
     print(f"  metrics:     {run_dir / 'metrics.jsonl'}", flush=True)
     print(f"  tensorboard: tensorboard --logdir {run_dir}", flush=True)
     print(f"  checkpoints: {run_dir / 'checkpoints'}", flush=True)
+    print(f"  plot:        rlhf-plot {run_dir}  (writes {run_dir / 'metrics.png'})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,6 +94,12 @@ def validate_config(cfg: RLHFConfig, world_size: int | None = None) -> dict[str,
     dims = {role: parallel_dims(role, cfg, world) for role in ("actor", "critic")}
     for role, role_dims in dims.items():
         _check_batches(role, cfg, role_dims)
+    if dims["critic"] != dims["actor"]:
+        raise ConfigError(
+            f"critic.megatron / critic.ulysses_sequence_parallel_size give {dims['critic']}, "
+            f"the actor's give {dims['actor']}: actor, critic and reference share one Megatron "
+            "parallel layout; set the critic's sizes like the actor's"
+        )
     for i, step in enumerate(cfg.global_profiler.steps or []):
         if step < 1:
             raise ConfigError(f"global_profiler.steps[{i}]: steps count from 1, got {step}")

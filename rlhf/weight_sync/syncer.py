@@ -105,7 +105,7 @@ class WeightSyncer:
             logprob_diff_max(model, self.arch, self.topology, url, tokens)
             for url in self.server_urls
         )
-        log.info("weight sync v%s: rollout/logprob_diff_max = %.3e", self.version, diff)
+        log.debug("weight sync v%s: rollout/logprob_diff_max = %.3e", self.version, diff)
         check_parity(diff, self.probe_threshold)
         return diff
 

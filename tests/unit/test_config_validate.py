@@ -18,12 +18,13 @@ def test_quickstart_is_valid_and_layouts_derive_dp():
         [
             "trainer.n_gpus_per_node=4",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "critic.megatron.tensor_model_parallel_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "critic.ppo_micro_batch_size_per_gpu=2",
         ]
     )
     assert (dims["actor"].tp, dims["actor"].dp) == (2, 2)
-    assert (dims["critic"].tp, dims["critic"].dp) == (1, 4)
+    assert dims["critic"] == dims["actor"]
 
 
 def test_parallel_sizes_must_divide_world_size():

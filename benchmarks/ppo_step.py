@@ -1,0 +1,175 @@
+"""Time one PPO step's trainer stages, its MFU and the framework overhead.
+
+    python benchmarks/ppo_step.py [--hidden 256 --layers 4 --samples 32 --prompt 64 --response 64]
+
+A synthetic step (random prompts and responses of varied length, scores in [0, 1]) runs the
+trainer's own stages on a tiny HF-initialised Qwen2 model in one process: old log-probs,
+reference, values, advantages, critic update, actor update (one mini-batch, one epoch).
+Generation and weight sync need SGLang servers and are measured by benchmarks/rollout.py
+and benchmarks/weight_sync.py; a real run logs all of them as `timing_s/*`.
+
+Prints one JSON object:
+- stage_s: mean seconds per stage over the timed steps (after one warm-up step);
+- mfu: model FLOPs of the stages / their time / a matmul rate measured in the same run;
+- overhead: update_actor time / the time of a plain loop (forward, log-prob loss, backward,
+  Adam step) over the same packed micro-batches on the same model — what the schedule,
+  loss bookkeeping and metric reductions cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf.config import load_config
+from rlhf.config.validate import ParallelDims
+from rlhf.distributed import bootstrap
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=64, help="longest prompt")
+    parser.add_argument("--response", type=int, default=64, help="longest response")
+    parser.add_argument("--budget", type=int, default=1024, help="tokens per micro-batch")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    return parser.parse_args()
+
+
+def random_ids(gen: torch.Generator, min_len: int, max_len: int, vocab: int) -> list[int]:
+    length = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+    return torch.randint(3, vocab, (length,), generator=gen).tolist()
+
+
+def synthetic_batch(args, vocab: int):
+    from rlhf.trainer.batch import RolloutBatch
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [random_ids(gen, args.prompt // 2, args.prompt, vocab) for _ in range(args.samples)]
+    responses = [random_ids(gen, 1, args.response, vocab) for _ in range(args.samples)]
+    return RolloutBatch(
+        prompt_ids=prompts,
+        response_ids=responses,
+        scores_b=torch.rand(args.samples, generator=gen),
+        data_sources=["synthetic"] * args.samples,
+        uids=[str(i // 2) for i in range(args.samples)],
+    )
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_stages(actor, ref, critic, batch, ctx, budget, kl_coef) -> dict[str, float]:
+    from rlhf.trainer import stages
+
+    seconds = {
+        "old_log_prob": timed(lambda: stages.compute_old_logprobs(actor, batch, ctx, budget)),
+        "ref": timed(lambda: stages.compute_ref_logprobs(ref, batch, ctx, budget)),
+        "values": timed(lambda: stages.compute_values(critic, batch, ctx, budget)),
+        "adv": timed(lambda: stages.compute_rewards_and_advantages(batch, ctx.cfg, kl_coef)),
+        "update_critic": timed(lambda: stages.update_critic(critic, batch, ctx, budget)),
+        "update_actor": timed(lambda: stages.update_actor(actor, batch, ctx, budget)),
+    }
+    seconds["step"] = sum(seconds.values())
+    return seconds
+
+
+def plain_update_seconds(module, micro_batches, vocab) -> float:
+    """Forward, log-prob loss, backward, Adam step over `micro_batches`: nothing else."""
+    from rlhf.trainer.heads import token_logprobs
+
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-6)
+
+    def one_step():
+        optimizer.zero_grad()
+        for mb in micro_batches:
+            logits = module(mb.tokens, mb.position_ids, mb.attention_mask)
+            logp, _ = token_logprobs(logits, mb, vocab)
+            (-logp.sum() / max(1, int(mb.mask.sum()))).backward()
+        optimizer.step()
+
+    one_step()  # warm-up
+    return min(timed(one_step) for _ in range(3))
+
+
+def measure(args, model_dir: Path) -> dict:
+    from rlhf.trainer import stages
+    from rlhf.trainer.perf import measure_matmul_flops, ppo_step_flops
+    from rlhf.trainer.setup import build_models, load_arch_of, vocab_shard
+
+    n_samples = args.samples
+    cfg = load_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"data.train_batch_size={n_samples // 2}",
+            "actor_rollout_ref.rollout.n=2",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={n_samples // 2}",
+            f"critic.ppo_mini_batch_size={n_samples // 2}",
+            f"data.max_prompt_length={args.prompt}",
+            f"data.max_response_length={args.response}",
+        ],
+    )
+    env = bootstrap.init_distributed("cpu" if not torch.cuda.is_available() else "auto")
+    bootstrap.init_model_parallel(ParallelDims(1))
+    bootstrap.seed_everything(0)
+    groups = bootstrap.parallel_groups()
+    arch = load_arch_of(cfg)
+    actor, ref, critic = build_models(cfg, arch, groups, env, total=args.steps + 1)
+    ctx = stages.StageContext(cfg, groups, vocab_shard(arch, actor.module, groups, 1.0), False)
+    batch = synthetic_batch(args, arch.vocab_size)
+    run_stages(actor, ref, critic, batch, ctx, args.budget, 0.001)  # warm-up
+    runs = [
+        run_stages(actor, ref, critic, batch, ctx, args.budget, 0.001) for _ in range(args.steps)
+    ]
+    stage_s = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    tokens = sum(batch.sequence_lengths)
+    flops = ppo_step_flops(arch, tokens, tokens / batch.size, {"actor": 1, "critic": 1})
+    peak = measure_matmul_flops(env.device, torch.float32)
+    (micro_batches,) = stages.plan(batch, ctx, args.budget, None)
+    plain_s = plain_update_seconds(actor.module, micro_batches, ctx.vocab)
+    num_params = sum(p.numel() for p in actor.module.parameters())
+    bootstrap.teardown()
+    return {
+        "model": {"hidden": args.hidden, "layers": args.layers, "params": num_params},
+        "samples": n_samples,
+        "tokens_per_step": tokens,
+        "micro_batches": len(micro_batches),
+        "stage_s": {k: round(v, 4) for k, v in stage_s.items()},
+        "matmul_flops_per_s": peak,
+        "mfu": flops / stage_s["step"] / peak,
+        "plain_update_s": round(plain_s, 4),
+        "overhead": stage_s["update_actor"] / plain_s,
+        "device": env.device.type,
+        "threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
+def main() -> None:
+    from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+
+    args = parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = TinyModelSpec(
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 4,
+            num_hidden_layers=args.layers,
+            num_attention_heads=max(4, args.hidden // 64),
+            num_key_value_heads=max(2, args.hidden // 128),
+        )
+        model_dir = save_tiny_model(Path(tmp) / "model", spec)
+        print(json.dumps(measure(args, model_dir), indent=2))
+
+
+if __name__ == "__main__":
+    main()

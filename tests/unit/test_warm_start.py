@@ -1,0 +1,103 @@
+"""The warm start: its targets by hand, and a short run that teaches the answer format."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlhf.data.arithmetic import make_problems
+from rlhf.data.tiny_tokenizer import build_tiny_tokenizer
+from rlhf.models.tiny_hf import save_tiny_model
+from rlhf.models.warm_start import (
+    WarmStartConfig,
+    answer_distribution,
+    build_examples,
+    mix_weight,
+    path_targets,
+    sampled_accuracy,
+    warm_start,
+)
+
+WRONG = 0.65 / 18  # probability of each wrong answer when p_correct = 0.35
+
+
+@pytest.fixture(scope="module")
+def responses() -> list[list[int]]:
+    tokenizer = build_tiny_tokenizer()
+    return [
+        [*tokenizer(f"#### {a}", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+        for a in range(19)
+    ]
+
+
+def test_answer_distribution_puts_p_on_the_truth():
+    probs = answer_distribution(7, 0.35)
+    assert len(probs) == 19 and math.isclose(sum(probs), 1.0)
+    assert probs[7] == 0.35 and all(math.isclose(p, WRONG) for i, p in enumerate(probs) if i != 7)
+
+
+def test_path_targets_of_a_one_digit_answer(responses):
+    tokenizer = build_tiny_tokenizer()
+    digit = {d: tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+    targets = path_targets(responses, answer_distribution(3, 0.35), 3, len(tokenizer))
+    assert torch.allclose(targets.sum(dim=-1), torch.ones(len(responses[3])))
+    for step in (0, 1, 2, 4):  # '##', '##', ' ', eos: every answer agrees on them
+        assert targets[step, responses[3][step]] == pytest.approx(1.0)
+    first = targets[3]
+    assert first[digit[3]] == pytest.approx(0.35)
+    assert first[digit[1]] == pytest.approx(10 * WRONG)  # 1 and 10..18 all start with '1'
+    assert first[digit[5]] == pytest.approx(WRONG)
+
+
+def test_path_targets_of_a_two_digit_answer_multiply_to_p(responses):
+    tokenizer = build_tiny_tokenizer()
+    targets = path_targets(responses, answer_distribution(12, 0.35), 12, len(tokenizer))
+    path = responses[12]
+    assert targets[3, path[3]] == pytest.approx(0.35 + 9 * WRONG)  # '1' of 1, 10..18
+    assert targets[4, path[4]] == pytest.approx(0.35 / (0.35 + 9 * WRONG))  # '2' after '1'
+    sequence_prob = math.prod(targets[step, tok].item() for step, tok in enumerate(path))
+    assert sequence_prob == pytest.approx(0.35)
+
+
+def test_examples_mark_only_response_tokens():
+    tokenizer = build_tiny_tokenizer()
+    cfg = WarmStartConfig(num_problems=8)
+    examples = build_examples(tokenizer, cfg, len(tokenizer))
+    row = make_problems(8, cfg.data_seed)[0]
+    response_ids = tokenizer(f"#### {row['reward_model']['ground_truth']}<|im_end|>")["input_ids"]
+    num_resp = int(examples.mask_nr[0].sum())
+    assert examples.labels_nr[0, :num_resp].tolist() == response_ids
+    predicted = examples.input_ids_nt[0, examples.position_nr[0, :num_resp] + 1]
+    assert predicted.tolist() == response_ids
+
+
+def test_mix_weight_moves_from_clean_to_mixed():
+    cfg = WarmStartConfig(num_steps=100, clean_fraction=0.4, anneal_fraction=0.2)
+    assert [mix_weight(s, cfg) for s in (0, 39, 40, 50, 60, 99)] == [0, 0, 0, 0.5, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "bad", [{"p_correct": 1.5}, {"clean_fraction": 0.9, "anneal_fraction": 0.2}, {"lr": 0.0}]
+)
+def test_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="warm_start"):
+        WarmStartConfig(**bad)
+
+
+def test_short_warm_start_teaches_the_answer_format(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = make_problems(320, seed=0)[256:272]
+    untrained = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert sampled_accuracy(untrained, tokenizer, rows, num_samples=4).format_rate < 0.1
+    cfg = WarmStartConfig(num_problems=512, num_steps=150, batch_size=32, warmup_steps=5)
+    result = warm_start(model_dir, cfg)
+    assert result.num_steps == 150
+    assert result.final_loss < 1.0  # a random model starts near ln(vocab) = 5.9
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # the weights were saved
+    sampled = sampled_accuracy(model, tokenizer, rows, num_samples=4, seed=0)
+    assert sampled.num_responses == 64
+    assert sampled.format_rate >= 0.9
