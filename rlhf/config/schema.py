@@ -133,6 +133,9 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int | None = doc(
         None, "token budget of one reference forward micro-batch (null: see above)", gt=0
     )
+    ulysses_sequence_parallel_size: int | None = doc(
+        None, "Ulysses SP size of the reference (null: the actor's, which it must equal)", gt=0
+    )
 
 
 @dataclass

@@ -94,6 +94,13 @@ def validate_config(cfg: RLHFConfig, world_size: int | None = None) -> dict[str,
     dims = {role: parallel_dims(role, cfg, world) for role in ("actor", "critic")}
     for role, role_dims in dims.items():
         _check_batches(role, cfg, role_dims)
+    ref_sp = cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size
+    if ref_sp is not None and ref_sp != dims["actor"].cp:
+        raise ConfigError(
+            f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} differs from "
+            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={dims['actor'].cp}: the "
+            "reference shares the actor's parallel layout (leave it null)"
+        )
     if dims["critic"] != dims["actor"]:
         raise ConfigError(
             f"critic.megatron / critic.ulysses_sequence_parallel_size give {dims['critic']}, "

@@ -163,9 +163,11 @@ def sync_topology():
     """Groups and roles for weight sync (see `rlhf.weight_sync.gather.SyncTopology`)."""
     from megatron.core import parallel_state as ps
 
+    from rlhf.parallel.ulysses import SequenceShard
     from rlhf.weight_sync.gather import SyncTopology
 
     placement = current_placement()
+    cp_size = ps.get_context_parallel_world_size()
     pp_group = ps.get_pipeline_model_parallel_group() if placement.pp_size > 1 else None
     leaders = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else ()
     return SyncTopology(
@@ -174,6 +176,11 @@ def sync_topology():
         pp_group=pp_group,
         pp_leader_ranks=leaders,
         in_sync_replica=ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
+        sp=SequenceShard(
+            ps.get_context_parallel_group() if cp_size > 1 else None,
+            ps.get_context_parallel_rank(),
+            cp_size,
+        ),
     )
 
 
@@ -194,6 +201,10 @@ class ParallelGroups:
     dp_rank: int
     dp_size: int
     dp_cp_size: int
+    cp_group: object | None  # Ulysses sequence parallelism (None without it)
+    cp_rank: int
+    cp_size: int
+    device: torch.device  # where tensors for collectives live (cuda with nccl, cpu with gloo)
 
 
 def parallel_groups() -> ParallelGroups:
@@ -202,6 +213,7 @@ def parallel_groups() -> ParallelGroups:
 
     tp_size = ps.get_tensor_model_parallel_world_size()
     pp_size = ps.get_pipeline_model_parallel_world_size()
+    cp_size = ps.get_context_parallel_world_size()
     return ParallelGroups(
         tp_group=ps.get_tensor_model_parallel_group() if tp_size > 1 else None,
         tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -212,4 +224,10 @@ def parallel_groups() -> ParallelGroups:
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+        cp_group=ps.get_context_parallel_group() if cp_size > 1 else None,
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=cp_size,
+        device=torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu"),
     )

@@ -54,6 +54,8 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # pinned host memory needs a CUDA driver
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type:

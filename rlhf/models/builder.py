@@ -132,7 +132,12 @@ def load_score_head(model: nn.Module, reader: HFCheckpointReader) -> None:
 
 
 def value_model_from_hf(
-    hf_dir, placement: Placement, *, seed: int = 0, params_dtype: torch.dtype = torch.float32
+    hf_dir,
+    placement: Placement,
+    *,
+    seed: int = 0,
+    params_dtype: torch.dtype = torch.float32,
+    cp: int = 1,
 ):
     """Critic / reward model from an HF directory.
 
@@ -144,7 +149,7 @@ def value_model_from_hf(
 
     arch = load_arch(hf_dir)
     reader = HFCheckpointReader(hf_dir)
-    policy = build_model(arch, placement, params_dtype=params_dtype, initialize=False)
+    policy = build_model(arch, placement, params_dtype=params_dtype, cp=cp, initialize=False)
     model = attach_value_head(policy, arch, seed)
     load_hf_weights(model, reader, arch, placement, skip=("output_layer.weight",))
     if "score.weight" in reader:

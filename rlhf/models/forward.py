@@ -16,11 +16,15 @@ def gather_vocab(logits_local: torch.Tensor, tp_group, vocab_size: int) -> torch
 
 
 @torch.no_grad()
-def forward_logits(model, tokens_bs: torch.Tensor, micro_batch_size: int | None = None):
+def forward_logits(model, tokens_bs: torch.Tensor, micro_batch_size: int | None = None, sp=None):
     """Local-vocabulary logits [b, s, V_local] on the last pipeline stage, None elsewhere.
 
-    Runs Megatron's forward-only schedule over micro-batches, so any PP size works.
+    Runs Megatron's forward-only schedule over micro-batches, so any PP size works. With
+    Ulysses (`sp`, a `SequenceShard` of size > 1) each rank feeds its zig-zag slice of the
+    (padded) rows and the whole rows' logits are combined over the SP group.
     """
+    if sp is not None and sp.size > 1:
+        return _sequence_parallel_logits(model, tokens_bs, micro_batch_size, sp)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batch, seq = tokens_bs.shape
@@ -49,3 +53,17 @@ def forward_logits(model, tokens_bs: torch.Tensor, micro_batch_size: int | None 
     if not outputs:
         return None
     return torch.cat([o["logits"] for o in outputs], dim=0)
+
+
+def _sequence_parallel_logits(model, tokens_bs: torch.Tensor, micro_batch_size, sp):
+    from rlhf.data.packing import round_up
+    from rlhf.parallel.ulysses import combine_positions, zigzag_positions
+
+    seq = tokens_bs.shape[1]
+    padded = round_up(seq, 2 * sp.size)
+    rows = torch.nn.functional.pad(tokens_bs, (0, padded - seq))
+    positions = zigzag_positions(padded, sp.size, sp.rank)
+    local = forward_logits(model, rows[:, positions].contiguous(), micro_batch_size)
+    if local is None:
+        return None
+    return combine_positions(local, positions, padded, sp.group)[:, :seq]

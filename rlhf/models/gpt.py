@@ -6,6 +6,7 @@ Transformer Engine is used when it is importable and CUDA is present; otherwise 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -20,14 +21,27 @@ def transformer_engine_usable() -> bool:
 
 
 def gpt_layer_spec(config: TransformerConfig, qk_layernorm: bool = False) -> ModuleSpec:
-    """The transformer-layer spec for `config`: TE layers on GPU, local layers otherwise."""
+    """The transformer-layer spec for `config`: TE layers on GPU, local layers otherwise.
+
+    With a context-parallel size > 1 the core attention is wrapped in Ulysses sequence
+    parallelism (`rlhf.parallel.ulysses`), whatever the attention implementation.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine_usable():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        normalization=config.normalization, qk_layernorm=qk_layernorm
-    )
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            normalization=config.normalization, qk_layernorm=qk_layernorm
+        )
+    if config.context_parallel_size > 1:
+        from rlhf.parallel.ulysses import UlyssesAttention
+
+        attention = spec.submodules.self_attention.submodules
+        attention.core_attention = functools.partial(
+            UlyssesAttention, inner=attention.core_attention
+        )
+    return spec
 
 
 def build_gpt_model(

@@ -68,7 +68,12 @@ class ServerGroup:
         max_total_tokens: int | None = None,
         on_restart: Callable[[str], None] | None = None,
         host: str = "127.0.0.1",
+        base_port: int | None = None,
+        router_port: int | None = None,
+        spread_gpus: bool = False,
     ):
+        """`base_port`/`router_port`: fixed ports (server i on base_port + i) instead of free
+        ones; `spread_gpus`: server i starts at GPU i x its TP size instead of all at GPU 0."""
         if not rollout.server_urls and model_path is None:
             raise ValueError(f"a model path is needed to launch servers ({KEY}.server_urls unset)")
         bad = [u for u in rollout.server_urls or [] if not u.startswith(("http://", "https://"))]
@@ -82,6 +87,9 @@ class ServerGroup:
         self.max_total_tokens = max_total_tokens
         self.on_restart = on_restart
         self.host = host
+        self.base_port = base_port
+        self.router_port = router_port
+        self.spread_gpus = spread_gpus
         self.external = [u.rstrip("/") for u in rollout.server_urls or []]
         self.servers: list[SGLangServer] = []
         self.router: SGLangServer | None = None
@@ -119,7 +127,13 @@ class ServerGroup:
         return self
 
     def _launch_servers(self) -> None:
-        for i, port in enumerate(free_ports(self.rollout.num_servers)):
+        num, tp = self.rollout.num_servers, self.rollout.tensor_model_parallel_size
+        ports = (
+            free_ports(num)
+            if self.base_port is None
+            else range(self.base_port, self.base_port + num)
+        )
+        for i, port in enumerate(ports):
             launch = build_server_args(
                 self.rollout,
                 self.model_path,
@@ -128,6 +142,7 @@ class ServerGroup:
                 host=self.host,
                 max_total_tokens=self.max_total_tokens,
                 seed=self.seed + i,  # distinct sampling streams per server
+                base_gpu_id=i * tp if self.spread_gpus else None,
             )
             self.servers.append(SGLangServer(launch, self.log_dir / f"sglang_server_{i}.log"))
             self.servers[-1].start()
@@ -150,7 +165,9 @@ class ServerGroup:
         )
 
     def _launch_router(self) -> None:
-        port, metrics_port = free_ports(2)
+        free = [p for p in free_ports(3) if p != self.router_port]
+        port = self.router_port or free[0]
+        metrics_port = free[1]
         launch = build_router_args(
             self.server_urls,
             port=port,

@@ -51,8 +51,13 @@ def build_server_args(
     host: str = "127.0.0.1",
     max_total_tokens: int | None = None,
     seed: int = 0,
+    base_gpu_id: int | None = None,
 ) -> ServerLaunch:
-    """The `sglang.launch_server` command line and environment for `rollout` on `device`."""
+    """The `sglang.launch_server` command line and environment for `rollout` on `device`.
+
+    `base_gpu_id`: first GPU of this server (several servers on one node take
+    `tensor_model_parallel_size` GPUs each); None leaves SGLang's default, GPU 0.
+    """
     argv = [
         sys.executable,
         "-m",
@@ -82,6 +87,8 @@ def build_server_args(
             )
     if max_total_tokens is not None:
         argv += ["--max-total-tokens", str(max_total_tokens)]
+    if base_gpu_id is not None:
+        argv += ["--base-gpu-id", str(base_gpu_id)]
     return ServerLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
 
 

@@ -4,7 +4,9 @@ Every forward and backward goes through Megatron's forward-backward schedule, so
 parallelism works for all three models. Losses arrive already normalised by the *global*
 token/sequence counts of their mini-batch (`rlhf.algo.losses`), so the mini-batch loss is
 the plain sum over micro-batches and DP ranks. Megatron divides each micro-batch loss by
-the number of micro-batches and averages gradients over DP x CP; `loss_scale` undoes both.
+the number of micro-batches, multiplies it by the CP size (it expects each CP rank's loss to
+cover only its own tokens; ours is the whole loss on every SP rank) and averages gradients
+over DP x CP; `loss_scale` undoes all three.
 """
 
 from __future__ import annotations
@@ -132,7 +134,9 @@ class TrainableMegatronModel(MegatronModel):
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        scale = len(micro_batches) * self.groups.dp_cp_size
+        # Megatron divides by the micro-batch count and multiplies by the CP size in the
+        # schedule, then averages gradients over DP x CP: undo all of it.
+        scale = len(micro_batches) * self.groups.dp_cp_size / self.groups.cp_size
         outputs = run_schedule(self.ddp, micro_batches, head, False, scale)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
@@ -205,9 +209,9 @@ def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, flo
     """Sum per-micro-batch metrics over micro-batches, DP ranks and (from the last) PP stage."""
     names = sorted(outputs[0]) if outputs else []
     names = broadcast_names(names, groups)
-    total = torch.zeros(len(names), dtype=torch.float64)
+    total = torch.zeros(len(names), dtype=torch.float64, device=groups.device)
     for out in outputs:
-        total += torch.stack([out[n].double().reshape(()) for n in names])
+        total += torch.stack([out[n].double().reshape(()) for n in names]).to(groups.device)
     if groups.dp_size > 1:
         dist.all_reduce(total, group=groups.dp_group)
     if groups.pp_group is not None:
@@ -229,11 +233,11 @@ def gather_per_sample(
     outputs: list[dict], micro_batches: list[MicroBatch], key: str, shape: tuple[int, int], groups
 ) -> torch.Tensor:
     """[B, R] step tensor from the per-micro-batch [n, R] outputs `key` of every rank."""
-    result = torch.zeros(shape, dtype=torch.float32)
+    result = torch.zeros(shape, dtype=torch.float32, device=groups.device)
     for mb, out in zip(micro_batches, outputs):
-        result[mb.sample_ids] = out[key].float()
+        result[mb.sample_ids] = out[key].float().to(groups.device)
     if groups.dp_size > 1:
         dist.all_reduce(result, group=groups.dp_group)
     if groups.pp_group is not None:
         dist.all_reduce(result, group=groups.pp_group)
-    return result
+    return result.cpu()

@@ -17,12 +17,17 @@ sample starting at offset o with prompt length P is scored at position o + P - 1
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from rlhf.data.packing import round_up
+from rlhf.parallel.ulysses import SequenceShard, combine_positions, held_positions
 from rlhf.trainer.batch import RolloutBatch
+
+CU_SEQLENS_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
 @dataclass
@@ -44,13 +49,24 @@ class MicroBatch:
     gather_index: Tensor
     mask: Tensor
     sample_ids: list[int]
+    row_len: int = 0  # T, the whole row (tokens hold only this rank's slice under SP)
+    local_positions: Tensor | None = None  # Ulysses: the row positions this SP rank holds
+    sp_group: object | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
 
     def gather(self, per_position: Tensor) -> Tensor:
-        """[1, T, ...] per-position values -> [n, R, ...] per response token (0 when masked)."""
+        """[1, T, ...] per-position values -> [n, R, ...] per response token (0 when masked).
+
+        Under Ulysses SP the values of this rank's slice are first combined into the whole
+        row over the SP group (differentiably: each rank's gradient reaches its own slice).
+        """
+        if self.local_positions is not None:
+            per_position = combine_positions(
+                per_position, self.local_positions, self.row_len, self.sp_group
+            )
         flat = per_position[0]
         picked = flat[self.gather_index.reshape(-1)].reshape(
             *self.gather_index.shape, *flat.shape[1:]
@@ -59,8 +75,32 @@ class MicroBatch:
         return torch.where(mask, picked, torch.zeros((), dtype=picked.dtype))
 
     def select(self, batch_tensor: Tensor) -> Tensor:
-        """Rows of a [B, R] step tensor for this micro-batch's samples: [n, R]."""
-        return batch_tensor[self.sample_ids]
+        """Rows of a [B, R] step tensor for this micro-batch's samples: [n, R], on its device."""
+        return batch_tensor[self.sample_ids].to(self.tokens.device)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with its tensors on `device`."""
+        if self.tokens.device == device:
+            return self
+        params = self.packed_seq_params
+        if params is not None:
+            params = dataclasses.replace(
+                params,
+                **{k: getattr(params, k).to(device) for k in CU_SEQLENS_FIELDS},
+            )
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        local = None if self.local_positions is None else self.local_positions.to(device)
+        return dataclasses.replace(
+            self,
+            local_positions=local,
+            tokens=self.tokens.to(device),
+            position_ids=self.position_ids.to(device),
+            attention_mask=mask,
+            packed_seq_params=params,
+            labels=self.labels.to(device),
+            gather_index=self.gather_index.to(device),
+            mask=self.mask.to(device),
+        )
 
 
 def block_causal_mask(lengths: list[int]) -> Tensor:
@@ -72,39 +112,70 @@ def block_causal_mask(lengths: list[int]) -> Tensor:
     return (~allowed)[None, None]
 
 
-def build_micro_batch(batch: RolloutBatch, sample_ids: list[int], thd: bool = False) -> MicroBatch:
-    """Pack `sample_ids` of `batch` into one row (mask-based, or THD when `thd`)."""
-    width = batch.response_width
+def _row_layout(lengths: list[int], multiple: int, thd: bool) -> tuple[list[int], int]:
+    """Start of each sample in the row, and the row length (padded for SP)."""
+    padded = [round_up(n, multiple) for n in lengths] if thd else lengths
+    starts = [sum(padded[:i]) for i in range(len(padded))]
+    return starts, round_up(sum(padded), 1 if thd else multiple)
+
+
+def build_micro_batch(
+    batch: RolloutBatch, sample_ids: list[int], thd: bool = False, sp: SequenceShard | None = None
+) -> MicroBatch:
+    """Pack `sample_ids` of `batch` into one row (mask-based, or THD when `thd`).
+
+    Under Ulysses SP (`sp.size` > 1) the row is padded to a multiple of 2 x SP (THD: every
+    sample) and the tokens keep only this rank's zig-zag slice; masks stay whole-row.
+    """
+    multiple = 2 * sp.size if sp is not None and sp.size > 1 else 1
     sequences = [batch.prompt_ids[i] + batch.response_ids[i] for i in sample_ids]
-    lengths = [len(s) for s in sequences]
-    tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    lengths = [len(seq) for seq in sequences]
+    starts, row_len = _row_layout(lengths, multiple, thd)
+    tokens = torch.zeros(row_len, dtype=torch.long)
+    width = batch.response_width
     gather_index = torch.zeros(len(sample_ids), width, dtype=torch.long)
     mask = torch.zeros(len(sample_ids), width, dtype=torch.bool)
-    offset = 0
-    for row, i in enumerate(sample_ids):
+    for row, (i, start) in enumerate(zip(sample_ids, starts)):
+        tokens[start : start + lengths[row]] = torch.tensor(sequences[row])
         prompt, response = len(batch.prompt_ids[i]), len(batch.response_ids[i])
-        start = offset + prompt - 1
-        gather_index[row, :response] = torch.arange(start, start + response)
+        gather_index[row, :response] = torch.arange(
+            start + prompt - 1, start + prompt - 1 + response
+        )
         mask[row, :response] = True
-        offset += lengths[row]
     labels = torch.roll(tokens, -1)
+    params, mask_4d, cu_padded = None, None, None
     if thd:
         from rlhf.data.packed import pack_sequences
 
-        packed = pack_sequences([torch.tensor(s) for s in sequences], indices=sample_ids)
-        positions, mask_4d, params = packed.position_ids, None, packed.packed_seq_params()
+        packed = pack_sequences(
+            [torch.tensor(q) for q in sequences], pad_to_multiple_of=multiple, indices=sample_ids
+        )
+        positions, params, cu_padded = (
+            packed.position_ids,
+            packed.packed_seq_params(),
+            packed.cu_seqlens_padded,
+        )
     else:
-        positions = torch.arange(tokens.numel())
-        mask_4d, params = block_causal_mask(lengths), None
-    return MicroBatch(
-        tokens=tokens[None],
-        position_ids=positions[None],
-        attention_mask=mask_4d,
-        packed_seq_params=params,
-        labels=labels[None],
-        gather_index=gather_index,
-        mask=mask,
-        sample_ids=list(sample_ids),
+        positions = torch.arange(row_len)
+        padding = row_len - sum(lengths)
+        mask_4d = block_causal_mask(lengths + ([padding] if padding else []))
+    mb = MicroBatch(
+        tokens=tokens[None], position_ids=positions[None], attention_mask=mask_4d,
+        packed_seq_params=params, labels=labels[None], gather_index=gather_index, mask=mask,
+        sample_ids=list(sample_ids), row_len=row_len,
+    )  # fmt: skip
+    return mb if multiple == 1 else _slice_for_rank(mb, sp, cu_padded)
+
+
+def _slice_for_rank(mb: MicroBatch, sp: SequenceShard, cu_padded: Tensor | None) -> MicroBatch:
+    local = held_positions(mb.row_len, sp.size, sp.rank, cu_padded)
+    return dataclasses.replace(
+        mb,
+        tokens=mb.tokens[:, local],
+        position_ids=mb.position_ids[:, local],
+        labels=mb.labels[:, local],
+        local_positions=local,
+        sp_group=sp.group,
     )
 
 

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import torch
 
+from rlhf.config import ConfigError
 from rlhf.config.schema import RLHFConfig
 from rlhf.distributed.bootstrap import DistEnv, ParallelGroups, current_placement
 from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
+from rlhf.parallel.ulysses import kv_repeats
 from rlhf.trainer.heads import VocabShard
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
 from rlhf.trainer.micro_batch import default_token_budget
@@ -56,9 +58,9 @@ def optimizer_steps(cfg: RLHFConfig, total_steps: int, mini_batch_size: int, epo
     return total_steps * epochs * max(1, cfg.data.train_batch_size // mini_batch_size)
 
 
-def build_policy(arch: ModelArch, model_path: str, device: torch.device):
+def build_policy(arch: ModelArch, model_path: str, device: torch.device, cp: int = 1):
     placement = current_placement()
-    model = build_model(arch, placement)
+    model = build_model(arch, placement, cp=cp)
     load_hf_weights(model, HFCheckpointReader(model_path), arch, placement)
     return model.to(device)
 
@@ -81,13 +83,15 @@ def build_models(
         optimizer_steps(cfg, total, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs),
     )
     actor = TrainableMegatronModel(
-        build_policy(arch, aro.model.path, env.device), groups, actor_settings
+        build_policy(arch, aro.model.path, env.device, groups.cp_size), groups, actor_settings
     )
     ref = MegatronModel(
-        build_policy(arch, aro.model.path, env.device), groups, offload=aro.actor.param_offload
+        build_policy(arch, aro.model.path, env.device, groups.cp_size),
+        groups,
+        offload=aro.actor.param_offload,
     )
     critic_module, _ = value_model_from_hf(
-        cfg.critic.model.path, current_placement(), seed=cfg.critic.megatron.seed
+        cfg.critic.model.path, current_placement(), seed=cfg.critic.megatron.seed, cp=groups.cp_size
     )
     critic = TrainableMegatronModel(critic_module.to(env.device), groups, critic_settings)
     return actor, ref, critic
@@ -109,5 +113,18 @@ def use_thd(env: DistEnv) -> bool:
 
 
 def load_arch_of(cfg: RLHFConfig) -> ModelArch:
+    """The policy's architecture, checked against the Ulysses and TP sizes."""
     check_model_dir(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
-    return load_arch(cfg.actor_rollout_ref.model.path)
+    arch = load_arch(cfg.actor_rollout_ref.model.path)
+    actor = cfg.actor_rollout_ref.actor
+    sp, tp = actor.ulysses_sequence_parallel_size, actor.megatron.tensor_model_parallel_size
+    if sp > 1:
+        try:
+            kv_repeats(arch.num_attention_heads // tp, max(1, arch.num_query_groups // tp), sp)
+        except ValueError as e:
+            raise ConfigError(
+                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} with "
+                f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp} and "
+                f"{arch.num_attention_heads} attention heads: {e}"
+            ) from None
+    return arch

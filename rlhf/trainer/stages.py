@@ -12,12 +12,14 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from rlhf.algo import compute_advantages, kl_penalty, masked_mean, token_level_rewards
 from rlhf.algo.losses import BatchCounts
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.packing import plan_micro_batches
 from rlhf.distributed.bootstrap import ParallelGroups
+from rlhf.parallel.ulysses import SequenceShard
 from rlhf.trainer.batch import RolloutBatch
 from rlhf.trainer.early_stop import should_stop_epochs
 from rlhf.trainer.heads import (
@@ -47,15 +49,18 @@ def plan(
     batch: RolloutBatch, ctx: StageContext, budget: int, mini_batch_size: int | None
 ) -> list[list[MicroBatch]]:
     """This rank's micro-batches per mini-batch (`mini_batch_size` in samples; None: one)."""
+    groups = ctx.groups
+    sp = SequenceShard(groups.cp_group, groups.cp_rank, groups.cp_size)
     micro = plan_micro_batches(
         batch.sequence_lengths,
-        max_tokens_per_micro_batch=budget,
-        dp_size=ctx.groups.dp_size,
+        max_tokens_per_micro_batch=budget * sp.size,  # a row is spread over the SP ranks
+        dp_size=groups.dp_size,
         mini_batch_size=mini_batch_size,
+        pad_to_multiple_of=2 * sp.size if sp.size > 1 else 1,
     )
     return [
-        [build_micro_batch(batch, ids, ctx.thd) for ids in mini]
-        for mini in micro.for_rank(ctx.groups.dp_rank)
+        [build_micro_batch(batch, ids, ctx.thd, sp).to(groups.device) for ids in mini]
+        for mini in micro.for_rank(groups.dp_rank)
     ]
 
 
@@ -129,12 +134,9 @@ def compute_rewards_and_advantages(batch: RolloutBatch, cfg: RLHFConfig, kl_coef
 def counts_of(batch: RolloutBatch, micro_plan: list[MicroBatch], ctx) -> BatchCounts:
     """Response tokens / responses of a whole mini-batch (all DP ranks)."""
     ids = torch.tensor([i for mb in micro_plan for i in mb.sample_ids], dtype=torch.long)
-    counts = torch.zeros(2, dtype=torch.int64)
     lengths = torch.tensor([len(r) for r in batch.response_ids])[ids]
-    counts[0], counts[1] = lengths.sum(), (lengths > 0).sum()
+    counts = torch.stack([lengths.sum(), (lengths > 0).sum()]).to(ctx.groups.device)
     if ctx.groups.dp_size > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(counts, group=ctx.groups.dp_group)
     return BatchCounts(num_tokens=int(counts[0]), num_seqs=int(counts[1]))
 

@@ -31,6 +31,7 @@ class SyncTopology:
     pp_group: object | None  # None when PP = 1
     pp_leader_ranks: tuple[int, ...]  # global ranks of my pipeline's stages, stage order
     in_sync_replica: bool  # data-parallel rank 0 (and context-parallel rank 0)
+    sp: object | None = None  # Ulysses `SequenceShard` for forwards (the parity probe)
 
     @property
     def is_stage_leader(self) -> bool:

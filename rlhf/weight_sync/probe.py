@@ -46,7 +46,7 @@ def actor_prompt_logprobs(
 ) -> torch.Tensor:
     """The same log-probs from the Megatron actor, available on every rank."""
     ids = torch.tensor([tokens])
-    logits = forward_logits(model, ids)
+    logits = forward_logits(model, ids, sp=topo.sp)
     result = torch.zeros(len(tokens) - 1)
     if logits is not None and topo.in_sync_replica:
         local_vocab = logits.shape[-1]

@@ -3,7 +3,8 @@
 - Old log-probs from packed micro-batches (block-diagonal masks, several per rank) equal
   per-sample HF transformers log-probs (fp32, 1e-5).
 - One actor update (PPO loss through Megatron's schedule, Adam, grad clip) gives the same
-  pg_loss, grad norm and post-update log-probs at DP2, TP2 and PP2 as on one rank.
+  pg_loss, grad norm and post-update log-probs at DP2, TP2, PP2 and Ulysses SP2 as on one
+  rank, and with SP2 the same updated weights.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import run_torchrun
 
-LAYOUTS = {"1rank": (1, []), "dp2": (2, []), "tp2": (2, ["--tp", "2"]), "pp2": (2, ["--pp", "2"])}
+LAYOUTS = {
+    "1rank": (1, []),
+    "dp2": (2, []),
+    "tp2": (2, ["--tp", "2"]),
+    "pp2": (2, ["--pp", "2"]),
+    "sp2": (2, ["--sp", "2"]),  # Ulysses
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,7 @@ def test_packed_logprobs_match_hf(results, tiny_qwen2_dir):
     torch.testing.assert_close(one["logprobs_before"], reference, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "sp2"])
 def test_update_matches_one_rank(results, layout):
     one, other = results["1rank"], results[layout]
     torch.testing.assert_close(other["logprobs_before"], one["logprobs_before"], atol=1e-5, rtol=0)
@@ -58,3 +65,22 @@ def test_update_matches_one_rank(results, layout):
     torch.testing.assert_close(other["logprobs_after"], one["logprobs_after"], atol=1e-4, rtol=0)
     # the update changed the policy (the comparison above is not of two untouched models)
     assert (one["logprobs_after"] - one["logprobs_before"]).abs().max() > 1e-3
+
+
+def test_ulysses_update_gives_the_same_weights(results, tiny_qwen2_dir):
+    """Same weights after the Adam step (lr 1e-2), up to fp32 summation order.
+
+    Adam's first step is ~lr x sign(g): where a gradient is ~0, the order in which SP ranks
+    sum their parts can move an element by a few 1e-5. The update itself is ~1e-2, so the
+    tolerance (1e-4) is 1% of it and a wrong gradient (e.g. counted twice) fails.
+    """
+    one, sp2 = results["1rank"]["weights"], results["sp2"]["weights"]
+    assert one.keys() == sp2.keys()
+    for name, value in one.items():
+        torch.testing.assert_close(
+            sp2[name], value, atol=1e-4, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    first = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    before = first.model.embed_tokens.weight
+    after = one["embedding.word_embeddings.weight"][: before.shape[0]]
+    assert float((after - before).abs().max()) > 5e-3  # the step moved the weights

@@ -3,7 +3,7 @@
 - A run killed (SIGKILL) while it writes a checkpoint resumes from the previous checkpoint
   and then logs exactly the per-step metrics of an uninterrupted run (greedy rollouts make
   SGLang's sampling deterministic): losses, grad norms, LR, KL coefficient, rewards.
-- 2-process torchrun runs (DP=2, TP=2) complete and log the same metric names.
+- 2-process torchrun runs (DP=2, TP=2, Ulysses SP=2) complete and log the same metric names.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_killed_run_resumes_and_matches_uninterrupted(tiny_qwen2_dir, data, tmp_
     )  # the adaptive controller moved, and the resumed run continued from its state
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "sp2"])
 def test_two_process_run_logs_the_same_metrics(tiny_qwen2_dir, data, tmp_path, layout):
     run_dir = tmp_path / layout
     extra = ["trainer.n_gpus_per_node=2"]
@@ -141,6 +141,11 @@ def test_two_process_run_logs_the_same_metrics(tiny_qwen2_dir, data, tmp_path, l
         extra += [
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "critic.megatron.tensor_model_parallel_size=2",
+        ]
+    if layout == "sp2":  # Ulysses
+        extra += [
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "critic.ulysses_sequence_parallel_size=2",
         ]
     run_train(overrides(tiny_qwen2_dir, data, run_dir, 2, *extra), run_dir, nproc=2)
     rows = metrics_by_step(run_dir)

@@ -12,7 +12,7 @@ QUICKSTART = "configs/quickstart_cpu.yaml"
 
 def test_quickstart_config_loads_with_its_values():
     cfg = load_config(QUICKSTART)
-    assert cfg.data.train_batch_size == 8
+    assert cfg.data.train_batch_size == 16
     assert cfg.actor_rollout_ref.rollout.dtype == "float32"
     assert cfg.algorithm.kl_ctrl.type == "adaptive"
     assert cfg.trainer.default_local_dir == "runs/quickstart"

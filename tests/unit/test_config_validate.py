@@ -55,7 +55,13 @@ def test_critic_layout_checked_too():
 
 def test_step_batch_must_split_into_mini_batches():
     with pytest.raises(ConfigError) as err:
-        check(["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+        check(
+            [
+                "data.train_batch_size=6",
+                "actor_rollout_ref.rollout.n=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            ]
+        )
     message = str(err.value)
     assert message.startswith(
         "data.train_batch_size (6) x actor_rollout_ref.rollout.n (2) = 12 samples"
@@ -65,7 +71,15 @@ def test_step_batch_must_split_into_mini_batches():
 
 def test_mini_batch_must_split_over_dp_and_micro_batches():
     with pytest.raises(ConfigError) as err:
-        check(["trainer.n_gpus_per_node=2", "critic.ppo_micro_batch_size_per_gpu=3"])
+        check(
+            [
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.rollout.n=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "critic.ppo_mini_batch_size=4",
+                "critic.ppo_micro_batch_size_per_gpu=3",
+            ]
+        )
     message = str(err.value)
     assert "critic.ppo_mini_batch_size (4) x actor_rollout_ref.rollout.n (2) = 8 samples" in message
     assert "data-parallel size 2" in message

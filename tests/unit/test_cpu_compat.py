@@ -63,6 +63,25 @@ def test_cuda_device_tensors_land_on_cpu():
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
 
 
+def test_pinned_host_tensors_need_no_driver():
+    # Megatron's context-parallel RoPE slicing builds its index with pin_memory=True
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    t = torch.tensor([1, 2], device="cpu", pin_memory=True).cuda(non_blocking=True)
+    assert t.tolist() == [1, 2] and not t.is_pinned()
+
+    class FakeGroup:  # rank 1 of 2: zig-zag chunks 1 and 2 of 4
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    emb = torch.arange(8.0).reshape(8, 1, 1, 1)
+    local = get_pos_emb_on_this_cp_rank(emb, 0, FakeGroup())
+    assert local.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]
+
+
 def test_cuda_method_and_type_names():
     x = torch.ones(2)
     assert x.cuda() is x

@@ -3,7 +3,8 @@
 On a fixed synthetic batch (varied prompt and response lengths, a small token budget so
 several packed micro-batches are needed), rank 0 writes to OUT:
 `logprobs_before` [B, R], the update's `metrics` (pg_loss, grad_norm, ...) and
-`logprobs_after` [B, R] (the old-log-prob stage re-run after the optimizer step).
+`logprobs_after` [B, R] (the old-log-prob stage re-run after the optimizer step) and, when
+every rank holds whole weights (no TP/PP), the updated `weights`.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel size")
     args = parser.parse_args()
     env = init_distributed("cpu")
     try:
-        init_model_parallel(ParallelDims(env.world_size, tp=args.tp, pp=args.pp))
+        init_model_parallel(ParallelDims(env.world_size, tp=args.tp, pp=args.pp, cp=args.sp))
         seed_everything(0)
         run(args, env)
     finally:
@@ -74,6 +76,7 @@ def run(args, env) -> None:
             "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.clip_ratio_c=null",
             "data.train_batch_size=4",
+            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={args.sp}",
         ],
     )
     groups = parallel_groups()
@@ -95,6 +98,8 @@ def run(args, env) -> None:
             "metrics": metrics,
             "batch": batch.to_objects(),
         }
+        if args.tp == args.pp == 1:  # rank 0 holds every weight
+            result["weights"] = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
         torch.save(result, Path(args.out))
 
 

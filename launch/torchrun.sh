@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Launch rlhf.train under torchrun on this node (one process per GPU, or per CPU rank).
+#
+# Usage:
+#   launch/torchrun.sh [--dry-run] --config configs/gsm8k_8gpu.yaml [key=value ...] [--print-config]
+#
+#   # two nodes: run on each node with its own NODE_RANK
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/torchrun.sh --config configs/gsm8k_2node.yaml
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 launch/torchrun.sh --config configs/gsm8k_2node.yaml
+#
+# Environment (defaults in brackets):
+#   NNODES         number of nodes [1]
+#   NODE_RANK      this node's rank, 0 .. NNODES-1 [0]
+#   MASTER_ADDR    address of node 0, reachable from every node [127.0.0.1]
+#   MASTER_PORT    free TCP port on node 0 for the rendezvous [29500]
+#   GPUS_PER_NODE  processes on this node [GPUs listed by nvidia-smi, or 1 without GPUs]
+#   PYTHON         interpreter [the active environment's python]
+#
+# The launcher's sizes win over the config file: trainer.nnodes=$NNODES and
+# trainer.n_gpus_per_node=$GPUS_PER_NODE are appended to the overrides (set the environment
+# variables, not these keys, on the command line). The resolved command is printed first (on
+# stderr); --dry-run prints it on stdout and exits. Check a node first with `rlhf-doctor --config ...`.
+set -euo pipefail
+
+dry_run=0
+options=()
+overrides=()
+while (($#)); do
+    case "$1" in
+        --dry-run) dry_run=1 ;;
+        -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        --config)
+            (($# >= 2)) || { echo "torchrun.sh: --config needs a file" >&2; exit 2; }
+            options+=("$1" "$2")
+            shift
+            ;;
+        -*) options+=("$1") ;;
+        trainer.nnodes=* | trainer.n_gpus_per_node=*)
+            echo "torchrun.sh: set NNODES / GPUS_PER_NODE instead of '$1'" >&2
+            exit 2
+            ;;
+        *) overrides+=("$1") ;;
+    esac
+    shift
+done
+
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+if [[ -z "${GPUS_PER_NODE:-}" ]]; then
+    GPUS_PER_NODE=0
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        GPUS_PER_NODE="$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)"
+    fi
+    if ((GPUS_PER_NODE == 0)); then GPUS_PER_NODE=1; fi
+fi
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -n "${VIRTUAL_ENV:-}" ]]; then PYTHON="$VIRTUAL_ENV/bin/python"; else PYTHON=python3; fi
+fi
+
+cmd=(
+    "$PYTHON" -m torch.distributed.run
+    --nnodes "$NNODES"
+    --node-rank "$NODE_RANK"
+    --nproc-per-node "$GPUS_PER_NODE"
+    --master-addr "$MASTER_ADDR"
+    --master-port "$MASTER_PORT"
+    -m rlhf.train
+    "${options[@]}"
+    "${overrides[@]}"
+    "trainer.nnodes=$NNODES"
+    "trainer.n_gpus_per_node=$GPUS_PER_NODE"
+)
+line="$(printf '%q ' "${cmd[@]}")"
+if ((dry_run)); then
+    echo "${line% }"
+    exit 0
+fi
+echo "+ ${line% }" >&2  # stderr: keeps --print-config's YAML on stdout clean
+exec "${cmd[@]}"

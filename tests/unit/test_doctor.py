@@ -1,0 +1,219 @@
+"""rlhf-doctor: each check on a situation made for it (busy port, unwritable directory, URL
+with nothing behind it, ...), and the CLI's exit codes on the quickstart config."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf.config import load_config
+from rlhf.distributed.bootstrap import free_port
+from rlhf_tools.doctor_checks import (
+    FAIL,
+    PASS,
+    SKIP,
+    WARN,
+    check_config,
+    check_cuda,
+    check_inputs,
+    check_master_addr,
+    check_master_port,
+    check_packages,
+    check_run_dir,
+    check_sglang_urls,
+)
+from tests.helpers import REPO
+
+LOCK = REPO / "requirements" / "cpu.lock"
+QUICKSTART = REPO / "configs" / "quickstart_cpu.yaml"
+
+
+@pytest.fixture
+def listening_socket():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        yield sock
+
+
+def test_occupied_master_port_fails_naming_the_port(listening_socket):
+    port = listening_socket.getsockname()[1]
+    result = check_master_port(port, node_rank=0)
+    assert result.status == FAIL
+    assert f"MASTER_PORT {port} is in use" in result.detail
+    assert "MASTER_PORT" in result.fix
+
+
+def test_free_master_port_passes_and_other_nodes_skip(listening_socket):
+    assert check_master_port(free_port(), node_rank=0).status == PASS
+    assert check_master_port(listening_socket.getsockname()[1], node_rank=1).status == SKIP
+
+
+def test_master_addr(listening_socket):
+    port = listening_socket.getsockname()[1]
+    assert check_master_addr("127.0.0.1", port, node_rank=0, nnodes=1).status == PASS
+    assert check_master_addr("localhost", port, node_rank=0, nnodes=2).status == FAIL
+    assert check_master_addr("no-such-host.invalid", port, 0, 1).status == FAIL
+    assert check_master_addr("127.0.0.1", port, node_rank=1, nnodes=2).status == PASS
+    refused = check_master_addr("127.0.0.1", free_port(), node_rank=1, nnodes=2)
+    assert refused.status == WARN and "nothing listens" in refused.detail
+
+
+def test_run_dir_under_a_regular_file_fails(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    result = check_run_dir(tmp_path / "a_file" / "run")
+    assert result.status == FAIL
+    assert "is a file" in result.detail
+
+
+def test_run_dir_that_cannot_be_written_fails(tmp_path):
+    if os.geteuid() == 0:  # root writes through chmod 0o500; /proc refuses new files to all
+        target = Path("/proc/rlhf-doctor-test/run")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        target = locked / "run"
+    try:
+        result = check_run_dir(target)
+    finally:
+        if os.geteuid() != 0:
+            (tmp_path / "locked").chmod(0o700)
+    assert result.status == FAIL
+    assert "cannot write" in result.detail
+
+
+def test_run_dir_writable_passes_and_needs_room_for_checkpoints(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"0" * 1000)
+    assert check_run_dir(tmp_path / "new" / "run", tmp_path / "model").status == PASS
+    assert not list(tmp_path.glob(".rlhf-doctor-*"))  # the probe file is removed
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10, 10, 100 << 20))
+    result = check_run_dir(tmp_path / "run", tmp_path / "model")
+    assert result.status == FAIL and "0.1 GiB free" in result.detail
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_sglang_urls():
+    dead = f"http://127.0.0.1:{free_port()}"
+    result = check_sglang_urls([dead], num_servers=1)
+    assert result.status == FAIL and dead in result.detail
+    assert check_sglang_urls(None, num_servers=2).status == SKIP
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        alive = f"http://127.0.0.1:{server.server_address[1]}/"
+        assert check_sglang_urls([alive], num_servers=1).status == PASS
+        assert check_sglang_urls([alive, dead], num_servers=1).status == FAIL
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert check_cuda("cpu", 1).status == SKIP
+    assert check_cuda("auto", 1).status == WARN
+    assert check_cuda("cuda", 1).status == FAIL
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    result = check_cuda("cuda", 8)
+    assert result.status == FAIL and "2 GPU(s) visible" in result.detail
+
+
+def test_packages(tmp_path):
+    assert check_packages(LOCK).status == PASS
+    assert check_packages(tmp_path / "missing.lock").status == SKIP
+    lock = tmp_path / "other.lock"
+    lock.write_text("no-such-package-xyz==1.0\n")
+    assert check_packages(lock).status == WARN
+    lock.write_text("torch==0.0.1\n")
+    assert check_packages(lock).status == FAIL
+    gpu = tmp_path / "gpu.txt"
+    gpu.write_text("transformer-engine[pytorch]==2.11.0\n")
+    result = check_packages(LOCK, gpu)
+    assert result.status == FAIL and "transformer-engine: pinned 2.11.0" in result.detail
+
+
+def test_config_for_the_world_size_and_inputs(tmp_path, tiny_qwen2_dir):
+    cfg = load_config(QUICKSTART, [f"actor_rollout_ref.model.path={tmp_path / 'none'}"])
+    assert check_config(cfg, world_size=1).status == PASS
+    wrong = check_config(cfg, world_size=2)
+    assert wrong.status == FAIL and "WORLD_SIZE" in wrong.detail
+    inputs = check_inputs(cfg)
+    assert inputs.status == FAIL and "no config.json" in inputs.detail
+
+    cfg = load_config(QUICKSTART, _overrides(tmp_path, tiny_qwen2_dir))
+    assert check_inputs(cfg).status == PASS
+
+
+def _overrides(tmp_path: Path, model_dir: Path) -> list[str]:
+    for name in ("train.parquet", "val.parquet"):
+        (tmp_path / name).write_bytes(b"")  # only their existence is checked
+    return [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files={tmp_path / 'train.parquet'}",
+        f"data.val_files={tmp_path / 'val.parquet'}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    ]
+
+
+def _doctor(args: list[str], as_file: bool = False) -> subprocess.CompletedProcess:
+    entry = [str(REPO / "tools" / "doctor.py")] if as_file else ["-m", "rlhf_tools.doctor"]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key in ("NODE_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, *entry, "--config", str(QUICKSTART), *args],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+
+
+def test_cli_exit_codes(tmp_path, tiny_qwen2_dir):
+    overrides = _overrides(tmp_path, tiny_qwen2_dir)
+    ok = _doctor(overrides)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "FAIL" not in ok.stdout and "rlhf-doctor: no check failed" in ok.stdout
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    failing = _doctor([*overrides, f"actor_rollout_ref.rollout.server_urls=[{dead}]"], True)
+    assert failing.returncode == 1, failing.stdout + failing.stderr
+    assert "FAIL" in failing.stdout and dead in failing.stdout
+
+    bad = _doctor(["actor_rollout_ref.rollout.temprature=1"])
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlhf-doctor: config error: unknown config key")
+
+
+def test_run_checks_reads_the_launch_environment(tmp_path, tiny_qwen2_dir, listening_socket):
+    from rlhf_tools.doctor import run_checks
+
+    cfg = load_config(QUICKSTART, _overrides(tmp_path, tiny_qwen2_dir))
+    port = str(listening_socket.getsockname()[1])
+    checks = {c.name: c for c in run_checks(cfg, None, {"MASTER_PORT": port})}
+    assert checks["master port"].status == FAIL and port in checks["master port"].detail
+    assert checks["config"].status == PASS
+    assert checks["sglang servers"].status == SKIP
