@@ -159,8 +159,19 @@ def current_placement():
     )
 
 
-def sync_topology():
-    """Groups and roles for weight sync (see `rlhf.weight_sync.gather.SyncTopology`)."""
+def nodes() -> tuple[int, int]:
+    """(this node's index, number of nodes): torchrun gives each node contiguous ranks."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return dist.get_rank() // local, dist.get_world_size() // local
+
+
+def sync_topology(per_node: bool = False):
+    """Groups and roles for weight sync (see `rlhf.weight_sync.gather.SyncTopology`).
+
+    `per_node`: every node syncs its own colocated servers from the data-parallel replica
+    that holds its local rank 0 (needs whole replicas per node: PP = 1, TP x CP dividing the
+    node's processes); otherwise global rank 0's replica syncs every server.
+    """
     from megatron.core import parallel_state as ps
 
     from rlhf.parallel.ulysses import SequenceShard
@@ -168,6 +179,9 @@ def sync_topology():
 
     placement = current_placement()
     cp_size = ps.get_context_parallel_world_size()
+    dp_rank, cp_rank = ps.get_data_parallel_rank(), ps.get_context_parallel_rank()
+    dp_size = ps.get_data_parallel_world_size()
+    replicas_per_sync = dp_size // nodes()[1] if per_node else dp_size
     pp_group = ps.get_pipeline_model_parallel_group() if placement.pp_size > 1 else None
     leaders = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else ()
     return SyncTopology(
@@ -175,7 +189,8 @@ def sync_topology():
         tp_group=ps.get_tensor_model_parallel_group() if placement.tp_size > 1 else None,
         pp_group=pp_group,
         pp_leader_ranks=leaders,
-        in_sync_replica=ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0,
+        in_sync_replica=dp_rank % replicas_per_sync == 0 and cp_rank == 0,
+        in_probe_replica=dp_rank == 0 and cp_rank == 0,
         sp=SequenceShard(
             ps.get_context_parallel_group() if cp_size > 1 else None,
             ps.get_context_parallel_rank(),

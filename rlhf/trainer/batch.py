@@ -74,6 +74,17 @@ class RolloutBatch:
         }
 
     @classmethod
+    def concat(cls, parts: list[RolloutBatch]) -> RolloutBatch:
+        """The samples of `parts`, in order (tensors filled later are not kept)."""
+        return cls(
+            prompt_ids=[p for b in parts for p in b.prompt_ids],
+            response_ids=[r for b in parts for r in b.response_ids],
+            scores_b=torch.cat([b.scores_b for b in parts]),
+            data_sources=[d for b in parts for d in b.data_sources],
+            uids=[u for b in parts for u in b.uids],
+        )
+
+    @classmethod
     def from_objects(cls, obj: dict) -> RolloutBatch:
         return cls(
             prompt_ids=obj["prompt_ids"],

@@ -1,6 +1,7 @@
 """The PPO loop: rollout -> reward -> log-probs/values -> advantages -> updates -> sync.
 
-SPMD: every rank runs this loop. Rank 0 also owns the SGLang engine (generation and
+SPMD: every rank runs this loop. Rank 0 (per node, when colocated on several nodes: see
+`rlhf.trainer.fleet`) also owns the SGLang engine (generation and
 validation) and the metric tracker, and broadcasts what it alone computes, so every
 decision (early stop, rollback, checkpoint) is taken identically on all ranks.
 """
@@ -20,17 +21,16 @@ from rlhf.checkpoint import CheckpointManager, load_trainer_state, save_trainer_
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
-from rlhf.distributed.bootstrap import DistEnv, parallel_groups, sync_topology
+from rlhf.distributed.bootstrap import DistEnv, parallel_groups
 from rlhf.logging import MetricTracker, StepProfiler, Timer
 from rlhf.reward import build_reward_fn
 from rlhf.trainer import stages
 from rlhf.trainer.early_stop import Decision, EarlyStopper, EarlyStopSettings
+from rlhf.trainer.fleet import RolloutFleet
 from rlhf.trainer.perf import measure_matmul_flops, ppo_step_flops
 from rlhf.trainer.rollout_stage import (
     broadcast_batch,
     broadcast_object,
-    generate_and_score,
-    kv_cache_tokens,
     rollout_metrics,
     sampling_params,
     score_by_source,
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 class PPOTrainer:
-    """Holds the run: models, data, engine (rank 0), controllers, checkpoints."""
+    """Holds the run: models, data, rollout fleet, controllers, checkpoints."""
 
     def __init__(self, cfg: RLHFConfig, env: DistEnv, run_dir: Path):
         self.cfg, self.env, self.run_dir = cfg, env, run_dir
@@ -82,54 +82,23 @@ class PPOTrainer:
         self.reward_fn = build_reward_fn(cfg.reward)
         self.profiler = StepProfiler.from_config(cfg)
         self.peak_flops = measure_matmul_flops(env.device, torch.float32)
-        self.engine = None
         self.tracker = MetricTracker.from_config(cfg) if env.is_main else None
-        self._start_engine()
-
-    # ---- rollout engine and weight sync -------------------------------------------------
-
-    def _start_engine(self) -> None:
-        from rlhf.rollout.engine import SGLangEngine
-        from rlhf.weight_sync.factory import build_weight_syncer
-
-        cfg = self.cfg
-        urls = None
-        if self.env.is_main:
-            num_val = len(self.val_data) if self.val_data is not None else 0
-            cpu = self.env.device.type == "cpu"
-            self.engine = SGLangEngine(
-                cfg.actor_rollout_ref.rollout,
-                cfg.actor_rollout_ref.model.path,
-                log_dir=self.run_dir / "logs",
-                device=self.env.device.type,
-                seed=cfg.data.seed,
-                max_total_tokens=kv_cache_tokens(cfg, max(cfg.data.train_batch_size, num_val))
-                if cpu
-                else None,
-            )
-            urls = self.engine.server_urls
-        urls = broadcast_object(urls)
-        self.syncer = build_weight_syncer(
-            cfg.actor_rollout_ref.rollout,
-            urls,
-            self.arch,
-            sync_topology(),
-            run_dir=self.run_dir,
-            model_path=cfg.actor_rollout_ref.model.path,
+        num_val = len(self.val_data) if self.val_data is not None else 0
+        self.fleet = RolloutFleet(
+            cfg, env, run_dir, self.arch, max(cfg.data.train_batch_size, num_val)
         )
-        if self.engine is not None:
-            self.engine.attach_weight_syncer(self.syncer)
+
+    # ---- weight sync ------------------------------------------------------------------
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        stats = self.syncer.sync(self.actor.module, version)
+        stats = self.fleet.sync(self.actor.module, version)
         metrics = {"perf/weight_sync_bytes": float(stats.num_bytes)}
         if stats.logprob_diff_max is not None:
             metrics["rollout/logprob_diff_max"] = stats.logprob_diff_max
         return metrics
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
+        self.fleet.shutdown()
         if self.tracker is not None:
             self.tracker.close()
 
@@ -137,14 +106,13 @@ class PPOTrainer:
 
     def rollout(self, step: int, timer: Timer):
         sampled = self.sampler.next_batch()  # every rank advances its sampler identically
-        batch = None
-        if self.env.is_main:
-            prompts = [self.train_data[i] for i in sampled.prompt_indices]
-            with timer.stage("gen"):
-                batch, records = generate_and_score(
-                    self.engine, self.tokenizer, self.reward_fn, prompts, sampled.uids,
-                    sampled.prompt_indices, sampling_params(self.cfg),
-                )  # fmt: skip
+        prompts = [self.train_data[i] for i in sampled.prompt_indices]
+        with timer.stage("gen"):
+            batch, records = self.fleet.generate(
+                self.tokenizer, self.reward_fn, prompts, sampled.uids,
+                sampled.prompt_indices, sampling_params(self.cfg),
+            )  # fmt: skip
+        if records is not None:
             write_records(records, self.run_dir / "rollouts" / f"step_{step}.jsonl")
         with timer.stage("reward"):  # scored with the generation; here: the broadcast
             return broadcast_batch(batch)
@@ -195,13 +163,13 @@ class PPOTrainer:
 
     def validate(self) -> dict[str, float]:
         metrics = None
-        if self.env.is_main:
-            prompts = list(self.val_data.prompts)
-            uids = [f"val-{i}" for i in range(len(prompts))]
-            batch, _ = generate_and_score(
-                self.engine, self.tokenizer, self.reward_fn, prompts, uids,
-                list(range(len(prompts))), val_sampling_params(self.cfg),
-            )  # fmt: skip
+        batch = self.fleet.validate(
+            self.tokenizer,
+            self.reward_fn,
+            list(self.val_data.prompts),
+            val_sampling_params(self.cfg),
+        )
+        if batch is not None:
             metrics = score_by_source(batch)
             metrics["val/test_score/all"] = float(batch.scores_b.mean())
         return broadcast_object(metrics)

@@ -30,8 +30,9 @@ class SyncTopology:
     tp_group: object | None  # None when TP = 1
     pp_group: object | None  # None when PP = 1
     pp_leader_ranks: tuple[int, ...]  # global ranks of my pipeline's stages, stage order
-    in_sync_replica: bool  # data-parallel rank 0 (and context-parallel rank 0)
+    in_sync_replica: bool  # the replica that gathers for this node's servers (see bootstrap)
     sp: object | None = None  # Ulysses `SequenceShard` for forwards (the parity probe)
+    in_probe_replica: bool | None = None  # computes the probe's log-probs (None: in_sync_replica)
 
     @property
     def is_stage_leader(self) -> bool:
@@ -39,8 +40,15 @@ class SyncTopology:
 
     @property
     def is_sender(self) -> bool:
-        """The rank that talks to SGLang: stage 0's leader, global rank 0."""
+        """A rank that talks to SGLang: stage 0's leader (global rank 0, or each node's
+        local rank 0 when every node syncs its own servers)."""
         return self.is_stage_leader and self.placement.pp_rank == 0
+
+    @property
+    def is_prober(self) -> bool:
+        """The one rank whose replica supplies the actor's probe log-probs."""
+        replica = self.in_sync_replica if self.in_probe_replica is None else self.in_probe_replica
+        return replica and self.placement.tp_rank == 0
 
 
 def _gather_tp(param: torch.Tensor, layout: Layout, topo: SyncTopology) -> list[torch.Tensor]:

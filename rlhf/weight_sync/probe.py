@@ -48,7 +48,8 @@ def actor_prompt_logprobs(
     ids = torch.tensor([tokens])
     logits = forward_logits(model, ids, sp=topo.sp)
     result = torch.zeros(len(tokens) - 1)
-    if logits is not None and topo.in_sync_replica:
+    probe_replica = topo.in_sync_replica if topo.in_probe_replica is None else topo.in_probe_replica
+    if logits is not None and probe_replica:
         local_vocab = logits.shape[-1]
         logp, _ = vocab_parallel_logprobs_entropy(
             logits[0, :-1],
@@ -57,7 +58,7 @@ def actor_prompt_logprobs(
             vocab_size=arch.vocab_size,
             group=topo.tp_group,
         )
-        if topo.placement.tp_rank == 0:
+        if topo.is_prober:
             result = logp.float()
     if dist.is_initialized():
         dist.all_reduce(result)  # exactly one rank contributed
@@ -67,13 +68,13 @@ def actor_prompt_logprobs(
 def logprob_diff_max(
     model, arch: ModelArch, topo: SyncTopology, url: str, tokens: list[int]
 ) -> float:
-    """Max |SGLang - actor| over the probe (every rank calls; rank 0 queries SGLang)."""
+    """Max |SGLang - actor| over the probe (every rank calls; each sender queries its `url`)."""
     actor = actor_prompt_logprobs(model, arch, topo, tokens)
     diff = torch.zeros(1)
     if topo.is_sender:
         diff[0] = (sglang_prompt_logprobs(url, tokens) - actor).abs().max()
     if dist.is_initialized():
-        dist.all_reduce(diff)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return diff.item()
 
 
