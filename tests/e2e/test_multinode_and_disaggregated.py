@@ -113,9 +113,9 @@ def test_two_simulated_nodes_match_one_node(tiny_qwen2_dir, data, tmp_path):
 
 
 def test_disaggregated_servers_from_the_launch_script(tiny_qwen2_dir, data, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable, "MODEL": str(tiny_qwen2_dir),
-           "NUM_SERVERS": "1", "DEVICE": "cpu", "BASE_PORT": str(free_port()),
-           "LOG_DIR": str(tmp_path / "server_logs")}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable,
+           "MODEL": str(tiny_qwen2_dir), "NUM_SERVERS": "1", "DEVICE": "cpu",
+           "BASE_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "server_logs")}  # fmt: skip
     servers_log = tmp_path / "servers.out"
     with open(servers_log, "w") as out:
         servers = subprocess.Popen(
