@@ -35,3 +35,29 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 60
         raise AssertionError(
             f"{script} on {nproc} ranks exited {proc.returncode}:\n{output[-8000:]}"
         )
+
+
+def ppo_overrides(model_dir, data, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    """A short, deterministic (greedy) quickstart PPO run on `data` = (train, val) Parquet."""
+    train, val = data
+    return [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=2",
+        "trainer.test_freq=2",
+        "trainer.logger=[console]",
+        "actor_rollout_ref.rollout.temperature=0",  # greedy: deterministic rollouts
+        "actor_rollout_ref.actor.optim.lr=1e-3",  # large enough that every step matters
+        *extra,
+    ]
+
+
+def metrics_by_step(run_dir: Path) -> dict[int, dict]:
+    """The last logged metrics of every step (a resumed run re-logs the steps it redoes)."""
+    import json
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows}

@@ -100,25 +100,28 @@ class RolloutFleet:
         return everyone[self.node * per_node]
 
     def generate(self, tokenizer, reward_fn, prompts, uids, indices, params: SamplingParams):
-        """(batch, records) of every prompt on rank 0; (None, None) elsewhere."""
+        """(batch, records, reward seconds) of every prompt on rank 0; Nones elsewhere."""
         if not self.per_node:
             if not self.env.is_main:
-                return None, None
+                return None, None, None
             return generate_and_score(
                 self.engine, tokenizer, reward_fn, prompts, uids, indices, params
             )
         mine = None
         if self.engine is not None:
             share = [split_evenly(x, self.num_nodes)[self.node] for x in (prompts, uids, indices)]
-            batch, records = generate_and_score(self.engine, tokenizer, reward_fn, *share, params)
-            mine = (batch.to_objects(), records)
+            batch, records, reward_s = generate_and_score(
+                self.engine, tokenizer, reward_fn, *share, params
+            )
+            mine = (batch.to_objects(), records, reward_s)
         gathered = [None] * dist.get_world_size() if self.env.is_main else None
         dist.gather_object(mine, gathered, dst=0)
         if not self.env.is_main:
-            return None, None
+            return None, None, None
         parts = [g for g in gathered if g is not None]  # node leaders, in rank (= node) order
-        batch = RolloutBatch.concat([RolloutBatch.from_objects(b) for b, _ in parts])
-        return batch, [r for _, records in parts for r in records]
+        batch = RolloutBatch.concat([RolloutBatch.from_objects(b) for b, _, _ in parts])
+        records = [r for _, node_records, _ in parts for r in node_records]
+        return batch, records, max(seconds for _, _, seconds in parts)
 
     def validate(
         self, tokenizer, reward_fn, prompts, params: SamplingParams
@@ -127,7 +130,7 @@ class RolloutFleet:
         if not self.env.is_main:
             return None
         uids = [f"val-{i}" for i in range(len(prompts))]
-        batch, _ = generate_and_score(
+        batch, _, _ = generate_and_score(
             self.engine, tokenizer, reward_fn, prompts, uids, list(range(len(prompts))), params
         )
         return batch

@@ -108,14 +108,15 @@ class PPOTrainer:
         sampled = self.sampler.next_batch()  # every rank advances its sampler identically
         prompts = [self.train_data[i] for i in sampled.prompt_indices]
         with timer.stage("gen"):
-            batch, records = self.fleet.generate(
+            batch, records, reward_s = self.fleet.generate(
                 self.tokenizer, self.reward_fn, prompts, sampled.uids,
                 sampled.prompt_indices, sampling_params(self.cfg),
             )  # fmt: skip
-        if records is not None:
+        if records is not None:  # rank 0: scoring ran inside the gen stage; report it apart
             write_records(records, self.run_dir / "rollouts" / f"step_{step}.jsonl")
-        with timer.stage("reward"):  # scored with the generation; here: the broadcast
-            return broadcast_batch(batch)
+            timer.seconds["gen"] -= reward_s
+            timer.seconds["reward"] = reward_s
+        return broadcast_batch(batch)
 
     def train_step(self, step: int) -> dict[str, float]:
         timer, ctx, budgets = Timer(), self.ctx, self.budgets

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,8 +66,12 @@ def generate_and_score(
     engine, tokenizer, reward_fn, prompts: list[EncodedPrompt], uids: list[str], indices: list[int],
     params: SamplingParams,
 ) -> tuple[RolloutBatch, list[RolloutRecord]]:  # fmt: skip
-    """Generate `params.n` responses per prompt and score each with `reward_fn`."""
+    """Generate `params.n` responses per prompt and score each with `reward_fn`.
+
+    Returns the batch, its records and the seconds spent in the reward function.
+    """
     samples = engine.generate([p.input_ids for p in prompts], params)
+    start = time.perf_counter()
     records, sources = [], []
     for sample in samples:
         prompt = prompts[sample.prompt_index]
@@ -93,7 +98,7 @@ def generate_and_score(
         data_sources=sources,
         uids=[r.uid for r in records],
     )
-    return batch, records
+    return batch, records, time.perf_counter() - start
 
 
 def broadcast_batch(batch: RolloutBatch | None) -> RolloutBatch:

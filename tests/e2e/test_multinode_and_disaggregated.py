@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -24,7 +23,7 @@ import pytest
 
 from rlhf.data.quickstart import write_quickstart_data
 from rlhf.distributed.bootstrap import free_port
-from tests.helpers import REPO
+from tests.helpers import REPO, metrics_by_step, ppo_overrides
 
 CONFIG = "configs/quickstart_cpu.yaml"
 VOLATILE = ("timing_s/", "perf/throughput", "perf/mfu")
@@ -33,23 +32,6 @@ VOLATILE = ("timing_s/", "perf/throughput", "perf/mfu")
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_quickstart_data(tmp_path_factory.mktemp("data"), num_train=32, num_val=8)
-
-
-def overrides(model_dir, data, run_dir: Path, *extra: str) -> list[str]:
-    train, val = data
-    return [
-        f"actor_rollout_ref.model.path={model_dir}",
-        f"data.train_files={train}",
-        f"data.val_files={val}",
-        f"trainer.default_local_dir={run_dir}",
-        "trainer.total_training_steps=2",
-        "trainer.test_freq=2",
-        "trainer.save_freq=2",
-        "trainer.logger=[console]",
-        "actor_rollout_ref.rollout.temperature=0",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        *extra,
-    ]
 
 
 def launch(args: list[str], log: Path, **env: str) -> subprocess.Popen:
@@ -78,16 +60,11 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float =
         assert code == 0, log.read_text()[-6000:]
 
 
-def metrics_by_step(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows}
-
-
 def test_two_simulated_nodes_match_one_node(tiny_qwen2_dir, data, tmp_path):
     single = tmp_path / "single"
     log = tmp_path / "single.log"
     wait_all(
-        [launch(overrides(tiny_qwen2_dir, data, single), log, NNODES="1", GPUS_PER_NODE="2",
+        [launch(ppo_overrides(tiny_qwen2_dir, data, single, 2), log, NNODES="1", GPUS_PER_NODE="2",
                 MASTER_PORT=str(free_port()))],
         [log],
     )  # fmt: skip
@@ -95,7 +72,7 @@ def test_two_simulated_nodes_match_one_node(tiny_qwen2_dir, data, tmp_path):
     port = str(free_port())
     logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
     procs = [
-        launch(overrides(tiny_qwen2_dir, data, two), logs[k], NNODES="2", NODE_RANK=str(k),
+        launch(ppo_overrides(tiny_qwen2_dir, data, two, 2), logs[k], NNODES="2", NODE_RANK=str(k),
                GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         for k in (0, 1)
     ]  # fmt: skip
@@ -133,8 +110,8 @@ def test_disaggregated_servers_from_the_launch_script(tiny_qwen2_dir, data, tmp_
             time.sleep(0.5)
         assert override, servers_log.read_text()[-3000:]
         run_dir = tmp_path / "run"
-        args = overrides(
-            tiny_qwen2_dir, data, run_dir, override,
+        args = ppo_overrides(
+            tiny_qwen2_dir, data, run_dir, 2, override,
             "actor_rollout_ref.rollout.weight_sync_transport=distributed",
             "actor_rollout_ref.rollout.logprob_diff_threshold=1e-3",
         )  # fmt: skip

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 
 from rlhf.data.quickstart import write_quickstart_data
 from rlhf.distributed.bootstrap import free_port
-from tests.helpers import REPO
+from tests.helpers import REPO, metrics_by_step, ppo_overrides
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 # Timing and throughput differ between runs; everything else must not.
@@ -41,23 +40,6 @@ REQUIRED = [
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_quickstart_data(tmp_path_factory.mktemp("data"), num_train=32, num_val=8)
-
-
-def overrides(model_dir, data, run_dir: Path, steps: int, *extra: str) -> list[str]:
-    train, val = data
-    return [
-        f"actor_rollout_ref.model.path={model_dir}",
-        f"data.train_files={train}",
-        f"data.val_files={val}",
-        f"trainer.default_local_dir={run_dir}",
-        f"trainer.total_training_steps={steps}",
-        "trainer.save_freq=2",
-        "trainer.test_freq=2",
-        "trainer.logger=[console]",
-        "actor_rollout_ref.rollout.temperature=0",  # greedy: deterministic rollouts
-        "actor_rollout_ref.actor.optim.lr=1e-3",  # large enough that every step matters
-        *extra,
-    ]
 
 
 def train_command(args: list[str], nproc: int = 1) -> list[str]:
@@ -83,12 +65,6 @@ def run_train(args: list[str], run_dir: Path, nproc: int = 1) -> str:
     return text
 
 
-def metrics_by_step(run_dir: Path) -> dict[int, dict]:
-    """The last logged metrics of every step (a resumed run re-logs the steps it redoes)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows}
-
-
 def kill_during_checkpoint(args: list[str], run_dir: Path, step: int) -> None:
     """Start a run and SIGKILL it (and its servers) while it writes checkpoint `step`."""
     run_dir.mkdir(parents=True)
@@ -108,12 +84,12 @@ def kill_during_checkpoint(args: list[str], run_dir: Path, step: int) -> None:
 
 def test_killed_run_resumes_and_matches_uninterrupted(tiny_qwen2_dir, data, tmp_path):
     full = tmp_path / "full"
-    run_train(overrides(tiny_qwen2_dir, data, full, 4), full)
+    run_train(ppo_overrides(tiny_qwen2_dir, data, full, 4), full)
     reference = metrics_by_step(full)
     assert sorted(reference) == [0, 1, 2, 3, 4]
 
     resumed = tmp_path / "resumed"
-    args = overrides(tiny_qwen2_dir, data, resumed, 4)
+    args = ppo_overrides(tiny_qwen2_dir, data, resumed, 4)
     kill_during_checkpoint(args, resumed, step=4)
     checkpoints = sorted(p.name for p in (resumed / "checkpoints").iterdir())
     assert "global_step_2" in checkpoints and "global_step_4" not in checkpoints
@@ -147,7 +123,7 @@ def test_two_process_run_logs_the_same_metrics(tiny_qwen2_dir, data, tmp_path, l
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
             "critic.ulysses_sequence_parallel_size=2",
         ]
-    run_train(overrides(tiny_qwen2_dir, data, run_dir, 2, *extra), run_dir, nproc=2)
+    run_train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 2, *extra), run_dir, nproc=2)
     rows = metrics_by_step(run_dir)
     assert sorted(rows) == [0, 1, 2]
     missing = [k for k in REQUIRED if k not in rows[2]]
