@@ -98,8 +98,10 @@ def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_
     assert load_config(run_dir / "config.yaml") == load_config(CONFIG, overrides)
     lines = (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert len(records) == 8 * 2  # data.train_batch_size x rollout.n
-    assert len({r["uid"] for r in records}) == 8  # 8 sampled prompts, n samples each
+    cfg = load_config(CONFIG)
+    prompts, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    assert len(records) == prompts * n
+    assert len({r["uid"] for r in records}) == prompts  # n samples of each sampled prompt
     assert all(0 <= r["prompt_index"] < 20 for r in records)
     for r in records:
         assert 1 <= len(r["response_ids"]) <= 16
