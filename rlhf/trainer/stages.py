@@ -165,8 +165,9 @@ def run_updates(
                     "early stop of PPO epochs: ppo_kl %.4f > bound %.4f at epoch %d",
                     kl, kl_bound, epoch,
                 )  # fmt: skip
-                totals["actor/ppo_epochs_stopped"] = 1.0 * steps
-                return {k: v / steps for k, v in totals.items()}
+                return {k: v / steps for k, v in totals.items()} | {
+                    "actor/ppo_kl_stop_after_updates": float(steps)
+                }
     return {k: v / steps for k, v in totals.items()}
 
 
