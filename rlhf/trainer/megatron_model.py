@@ -76,25 +76,31 @@ class MegatronModel:
     """A frozen model (reference policy): forward passes only, optionally offloaded."""
 
     def __init__(self, module, groups: ParallelGroups, offload: bool = False):
-        self.module = module
+        self.module = self.runner = module  # runner: what the schedule calls
         self.groups = groups
         self.offload = offload and torch.cuda.is_available()
         if offload and not self.offload:
             log.warning("param_offload only applies on GPU; ignored on CPU")
-        for p in module.parameters():
-            p.requires_grad_(False)
         if module.config.pipeline_model_parallel_size > 1:
             module.config.variable_seq_lengths = True  # packed rows differ in length
-        if self.offload:
+
+    @classmethod
+    def frozen(cls, module, groups: ParallelGroups, offload: bool = False) -> MegatronModel:
+        """The reference policy: no gradients, on the CPU between uses when `offload`."""
+        model = cls(module, groups, offload)
+        for p in module.parameters():
+            p.requires_grad_(False)
+        if model.offload:
             module.to("cpu")
+        return model
 
     @torch.no_grad()
     def forward(self, micro_batches: list[MicroBatch], head: HeadFn) -> list[dict]:
         if self.offload:
             self.module.to("cuda")
-        self.module.eval()
+        self.runner.eval()
         try:
-            return run_schedule(self.module, micro_batches, head, True, 1.0)
+            return run_schedule(self.runner, micro_batches, head, True, 1.0)
         finally:
             if self.offload:
                 self.module.to("cpu")
@@ -111,19 +117,13 @@ class TrainableMegatronModel(MegatronModel):
         )
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        self.module, self.groups = module, groups
-        self.offload = False
+        super().__init__(module, groups)
         config = module.config
-        if config.pipeline_model_parallel_size > 1:
-            config.variable_seq_lengths = True
-        self.ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), module)
+        self.ddp = self.runner = DistributedDataParallel(
+            config, DistributedDataParallelConfig(), module
+        )
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer, self.scheduler = build_optimizer(self.ddp, settings)
-
-    @torch.no_grad()
-    def forward(self, micro_batches: list[MicroBatch], head: HeadFn) -> list[dict]:
-        self.ddp.eval()
-        return run_schedule(self.ddp, micro_batches, head, True, 1.0)
 
     def train_mini_batch(self, micro_batches: list[MicroBatch], head: HeadFn) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches of a mini-batch.
@@ -212,11 +212,17 @@ def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, flo
     total = torch.zeros(len(names), dtype=torch.float64, device=groups.device)
     for out in outputs:
         total += torch.stack([out[n].double().reshape(()) for n in names]).to(groups.device)
+    return dict(zip(names, sum_over_dp_and_pp(total, groups).tolist()))
+
+
+def sum_over_dp_and_pp(tensor: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """Sum in place over DP ranks (different samples) and PP stages (only the last one holds
+    outputs; the others contribute zeros)."""
     if groups.dp_size > 1:
-        dist.all_reduce(total, group=groups.dp_group)
+        dist.all_reduce(tensor, group=groups.dp_group)
     if groups.pp_group is not None:
-        dist.all_reduce(total, group=groups.pp_group)
-    return dict(zip(names, total.tolist()))
+        dist.all_reduce(tensor, group=groups.pp_group)
+    return tensor
 
 
 def broadcast_names(names: list[str], groups: ParallelGroups) -> list[str]:
@@ -236,8 +242,4 @@ def gather_per_sample(
     result = torch.zeros(shape, dtype=torch.float32, device=groups.device)
     for mb, out in zip(micro_batches, outputs):
         result[mb.sample_ids] = out[key].float().to(groups.device)
-    if groups.dp_size > 1:
-        dist.all_reduce(result, group=groups.dp_group)
-    if groups.pp_group is not None:
-        dist.all_reduce(result, group=groups.pp_group)
-    return result.cpu()
+    return sum_over_dp_and_pp(result, groups).cpu()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf.algo import build_kl_controller
+from rlhf.algo import build_kl_controller, masked_mean
 from rlhf.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
@@ -142,7 +142,7 @@ class PPOTrainer:
         metrics |= timer.metrics() | {"timing_s/step": step_s}
         metrics |= self.perf_metrics(batch, step_s)
         metrics["actor/entropy_old"] = float(
-            (batch.tensors["old_entropy"] * batch.mask_bt()).sum() / batch.mask_bt().sum()
+            masked_mean(batch.tensors["old_entropy"], batch.mask_bt())
         )
         return metrics
 

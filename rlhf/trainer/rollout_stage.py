@@ -106,9 +106,7 @@ def broadcast_batch(batch: RolloutBatch | None) -> RolloutBatch:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         assert batch is not None
         return batch
-    holder = [batch.to_objects() if batch is not None else None]
-    dist.broadcast_object_list(holder, src=0)
-    return RolloutBatch.from_objects(holder[0])
+    return RolloutBatch.from_objects(broadcast_object(batch.to_objects() if batch else None))
 
 
 def broadcast_object(obj):

@@ -33,15 +33,15 @@ class TokenBudgets:
 
 
 def token_budgets(cfg: RLHFConfig) -> TokenBudgets:
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    longest = (cfg.data.max_prompt_length, cfg.data.max_response_length)
     actor, critic, ref = cfg.actor_rollout_ref.actor, cfg.critic, cfg.actor_rollout_ref.ref
     return TokenBudgets(
         actor=actor.ppo_max_token_len_per_gpu
-        or default_token_budget(actor.ppo_micro_batch_size_per_gpu, longest, 0),
+        or default_token_budget(actor.ppo_micro_batch_size_per_gpu, *longest),
         critic=critic.ppo_max_token_len_per_gpu
-        or default_token_budget(critic.ppo_micro_batch_size_per_gpu, longest, 0),
+        or default_token_budget(critic.ppo_micro_batch_size_per_gpu, *longest),
         ref=ref.log_prob_max_token_len_per_gpu
-        or default_token_budget(ref.log_prob_micro_batch_size_per_gpu, longest, 0),
+        or default_token_budget(ref.log_prob_micro_batch_size_per_gpu, *longest),
     )
 
 
@@ -85,7 +85,7 @@ def build_models(
     actor = TrainableMegatronModel(
         build_policy(arch, aro.model.path, env.device, groups.cp_size), groups, actor_settings
     )
-    ref = MegatronModel(
+    ref = MegatronModel.frozen(
         build_policy(arch, aro.model.path, env.device, groups.cp_size),
         groups,
         offload=aro.actor.param_offload,

@@ -12,10 +12,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from rlhf.algo import compute_advantages, kl_penalty, masked_mean, token_level_rewards
-from rlhf.algo.losses import BatchCounts
+from rlhf.algo.losses import BatchCounts, global_batch_counts
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.packing import plan_micro_batches
 from rlhf.distributed.bootstrap import ParallelGroups
@@ -131,14 +130,10 @@ def compute_rewards_and_advantages(batch: RolloutBatch, cfg: RLHFConfig, kl_coef
     return metrics
 
 
-def counts_of(batch: RolloutBatch, micro_plan: list[MicroBatch], ctx) -> BatchCounts:
-    """Response tokens / responses of a whole mini-batch (all DP ranks)."""
-    ids = torch.tensor([i for mb in micro_plan for i in mb.sample_ids], dtype=torch.long)
-    lengths = torch.tensor([len(r) for r in batch.response_ids])[ids]
-    counts = torch.stack([lengths.sum(), (lengths > 0).sum()]).to(ctx.groups.device)
-    if ctx.groups.dp_size > 1:
-        dist.all_reduce(counts, group=ctx.groups.dp_group)
-    return BatchCounts(num_tokens=int(counts[0]), num_seqs=int(counts[1]))
+def counts_of(micro_plan: list[MicroBatch], ctx) -> BatchCounts:
+    """Response tokens / responses of a whole mini-batch (this rank's micro-batches, all DP)."""
+    group = ctx.groups.dp_group if ctx.groups.dp_size > 1 else None
+    return global_batch_counts([mb.mask for mb in micro_plan], group)
 
 
 def run_updates(
@@ -154,7 +149,7 @@ def run_updates(
     steps = 0
     for epoch in range(epochs):
         for micro_batches in minis:
-            head = make_head(counts_of(batch, micro_batches, ctx))
+            head = make_head(counts_of(micro_batches, ctx))
             metrics = model.train_mini_batch(micro_batches, head)
             steps += 1
             for k, v in metrics.items():
@@ -171,6 +166,11 @@ def run_updates(
     return {k: v / steps for k, v in totals.items()}
 
 
+def with_optimizer_prefix(metrics: dict[str, float], role: str) -> dict[str, float]:
+    """`grad_norm` / `lr` from the optimizer step as `<role>/grad_norm`, `<role>/lr`."""
+    return {(f"{role}/{k}" if k in ("grad_norm", "lr") else k): v for k, v in metrics.items()}
+
+
 def update_critic(critic, batch, ctx, budget: int) -> dict[str, float]:
     cfg = ctx.cfg.critic
     n = ctx.cfg.actor_rollout_ref.rollout.n
@@ -182,10 +182,7 @@ def update_critic(critic, batch, ctx, budget: int) -> dict[str, float]:
     metrics = run_updates(
         critic, batch, ctx, budget, cfg.ppo_mini_batch_size * n, cfg.ppo_epochs, make_head
     )
-    return {
-        ("critic/grad_norm" if k == "grad_norm" else "critic/lr" if k == "lr" else k): v
-        for k, v in metrics.items()
-    }
+    return with_optimizer_prefix(metrics, "critic")
 
 
 def update_actor(actor, batch, ctx, budget: int) -> dict[str, float]:
@@ -200,7 +197,4 @@ def update_actor(actor, batch, ctx, budget: int) -> dict[str, float]:
         actor, batch, ctx, budget, cfg.ppo_mini_batch_size * n, cfg.ppo_epochs, make_head,
         ctx.cfg.trainer.early_stop.ppo_kl_bound,
     )  # fmt: skip
-    return {
-        ("actor/grad_norm" if k == "grad_norm" else "actor/lr" if k == "lr" else k): v
-        for k, v in metrics.items()
-    }
+    return with_optimizer_prefix(metrics, "actor")
