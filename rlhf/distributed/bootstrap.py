@@ -12,6 +12,7 @@ import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,8 +39,42 @@ class DistEnv:
         return self.rank == 0
 
 
+# Ports handed out by free_port: from here up to the kernel's ephemeral range.
+PORT_RANGE_LOW = 30000
+_port_rng = random.SystemRandom()  # unaffected by seed_everything: two seeded runs differ
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port that was free on localhost a moment ago."""
+    """A TCP port that was free a moment ago, below the kernel's ephemeral port range.
+
+    Callers hand the port to a process that binds it later, an SGLang server only after
+    loading its model. A port from bind(0) lies in the ephemeral range, which the kernel also
+    gives every outgoing connection and every gloo listener in the meantime; one of those
+    took such a port once in CI, and the server's warm-up then talked to a socket that never
+    answered. Below the range only explicit binds take ports.
+    """
+    high = _ephemeral_low() - 1
+    if high - PORT_RANGE_LOW >= 1000:
+        for _ in range(100):
+            port = _port_rng.randint(PORT_RANGE_LOW, high)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
