@@ -63,9 +63,16 @@ def synthetic_batch(args, vocab: int):
     )
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn) -> float:
+    synchronize()
     start = time.perf_counter()
     fn()
+    synchronize()
     return time.perf_counter() - start
 
 

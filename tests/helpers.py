@@ -23,7 +23,8 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 60
         "--master-port", str(free_port()),
         str(WORKERS / script), *args,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     # Output goes to a file, not a pipe: helper daemons a worker leaves behind (e.g. torch's
     # shared-memory manager, which lives as long as an SGLang server uses its tensors)
     # would keep a pipe open and make the wait hang.

@@ -1,7 +1,9 @@
 """Run Megatron-Core 0.16.1 on a machine without CUDA. The only module that patches it.
 
 Megatron-Core assumes CUDA in four ways (see shared facts/megatron-core-cpu.md); each has
-a CPU answer here, installed by `apply_cpu_compat()` only when CUDA is absent:
+a CPU answer here, installed by `apply_cpu_compat()` in a process that runs on the CPU (the
+bootstrap calls it for `trainer.device=cpu`, also on a machine with GPUs, which such a
+process then leaves alone):
 
 1. `torch.cuda.current_device()` used as a device -> returns 0, and device index 0 /
    "cuda" is mapped to the CPU by (4).
@@ -96,17 +98,19 @@ def _cpu_tracker_add(self, name: str, seed: int) -> None:
     torch.set_rng_state(orig)
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
+def is_applied() -> bool:
+    return _APPLIED
 
 
 def apply_cpu_compat() -> bool:
-    """Install the CPU answers (idempotent). Returns True if they are active."""
+    """Install the CPU answers for this whole process (idempotent); returns True.
+
+    Also on a machine with GPUs: Megatron would otherwise put CPU-initialised state (the
+    rotary frequencies, grad buffers) on GPU 0 next to a model on the CPU.
+    """
     global _APPLIED, _MODE
     if _APPLIED:
         return True
-    if cuda_available():
-        return False
     from megatron.core.tensor_parallel import random as mcore_random
 
     torch.cuda.current_device = lambda: 0

@@ -187,6 +187,8 @@ def tracker():
 
     from rlhf.distributed.cpu_compat import apply_cpu_compat
 
+    if torch.cuda.is_available():
+        pytest.skip("the CPU compatibility layer would patch this GPU process")
     apply_cpu_compat()
     tracker = get_cuda_rng_tracker()
     tracker.reset()

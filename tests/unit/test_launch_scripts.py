@@ -18,7 +18,7 @@ from rlhf.distributed.bootstrap import free_port
 from tests.helpers import REPO
 
 LAUNCH = REPO / "launch"
-SCRIPTS = sorted([*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.sbatch")])
+SCRIPTS = sorted([*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.sbatch"), *(REPO / "tools").glob("*.sh")])
 QUICKSTART = "configs/quickstart_cpu.yaml"
 
 

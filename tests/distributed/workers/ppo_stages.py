@@ -53,8 +53,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel size")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    env = init_distributed("cpu")
+    env = init_distributed(args.device)
     try:
         init_model_parallel(ParallelDims(env.world_size, tp=args.tp, pp=args.pp, cp=args.sp))
         seed_everything(0)
@@ -93,13 +94,16 @@ def run(args, env) -> None:
     stages.compute_old_logprobs(actor, batch, ctx, budget)
     if env.rank == 0:
         result = {
+            "device": env.device.type,
             "logprobs_before": before,
             "logprobs_after": batch.tensors["old_logprobs"],
             "metrics": metrics,
             "batch": batch.to_objects(),
         }
         if args.tp == args.pp == 1:  # rank 0 holds every weight
-            result["weights"] = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
+            result["weights"] = {
+                n: p.detach().cpu().clone() for n, p in actor.module.named_parameters()
+            }
         torch.save(result, Path(args.out))
 
 

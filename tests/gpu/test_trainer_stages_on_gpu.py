@@ -1,0 +1,50 @@
+"""The trainer's Megatron stages on CUDA (nccl) against the same stages on CPU and HF.
+
+The worker of tests/distributed/test_ppo_stages.py runs once with `--device cuda` and once
+with `--device cpu` (one rank each): packed old log-probs, one PPO actor update (Adam,
+grad clip) and the log-probs after it. fp32 on both; TF32 stays off (torch's default), so
+only summation order separates the devices. Skipped without CUDA (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_ppo_stages import hf_response_logprobs
+from tests.helpers import run_torchrun
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_stages")
+    found = {}
+    for device in ("cuda", "cpu"):
+        path = out / f"{device}.pt"
+        run_torchrun(
+            "ppo_stages.py",
+            1,
+            ["--model", str(tiny_qwen2_dir), "--out", str(path), "--device", device],
+        )
+        found[device] = torch.load(path, weights_only=False)
+    return found
+
+
+def test_stages_ran_on_cuda(runs):
+    assert runs["cuda"]["device"] == "cuda"
+    assert runs["cpu"]["device"] == "cpu"
+
+
+def test_packed_logprobs_on_cuda_match_hf(runs, tiny_qwen2_dir):
+    reference = hf_response_logprobs(tiny_qwen2_dir, runs["cuda"]["batch"])
+    torch.testing.assert_close(runs["cuda"]["logprobs_before"], reference, atol=1e-4, rtol=0)
+
+
+def test_update_on_cuda_matches_cpu(runs):
+    cuda, cpu = runs["cuda"], runs["cpu"]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/entropy"):
+        assert cuda["metrics"][key] == pytest.approx(cpu["metrics"][key], rel=1e-3, abs=1e-5), key
+    torch.testing.assert_close(cuda["logprobs_after"], cpu["logprobs_after"], atol=1e-3, rtol=0)
+    assert (cuda["logprobs_after"] - cuda["logprobs_before"]).abs().max() > 1e-3
+    for name, value in cpu["weights"].items():
+        torch.testing.assert_close(cuda["weights"][name], value, atol=1e-4, rtol=0, msg=name)

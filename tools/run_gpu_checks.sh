@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU tests (tests/gpu) and the PPO-step benchmark on CUDA, with the machine's own python3
+# (a GPU box with PyTorch already installed; no .venv, no network):
+#
+#   tools/run_gpu_checks.sh [OUT_DIR]     # default: $OUT, else runs/gpu_checks
+#
+# Wheels placed in .whl/ (e.g. megatron-core built for that python) are installed into a
+# private directory first. Writes gpu.txt (device and versions), pytest_gpu.log and
+# ppo_step_*.json to OUT_DIR; exits non-zero when any part failed.
+set -uo pipefail
+
+out=${1:-${OUT:-runs/gpu_checks}}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/rlhf_gpu_site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/rlhf_gpu_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+python3 -c 'import sys, torch, megatron.core as m, transformers as t
+print("python", sys.version.split()[0], "torch", torch.__version__, "megatron-core", m.__version__,
+      "transformers", t.__version__)' | tee -a "$out/gpu.txt"
+
+status=0
+python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$out/pytest_gpu.log" || status=1
+# the CPU benchmark's default size, then a ~100M-parameter model with long responses
+python3 benchmarks/ppo_step.py >"$out/ppo_step_small.json" || status=1
+python3 benchmarks/ppo_step.py --hidden 1024 --layers 8 --samples 64 --prompt 256 \
+    --response 512 --budget 4096 >"$out/ppo_step_large.json" || status=1
+cat "$out"/ppo_step_*.json
+exit $status
