@@ -10,7 +10,8 @@ and benchmarks/weight_sync.py; a real run logs all of them as `timing_s/*`.
 
 Prints one JSON object:
 - stage_s: mean seconds per stage over the timed steps (after one warm-up step);
-- mfu: model FLOPs of the stages / their time / a matmul rate measured in the same run;
+- mfu: model FLOPs of the stages / their time / a matmul rate measured in the same run, in
+  the training dtype (`--dtype`; bfloat16 is Megatron's mixed precision);
 - overhead: update_actor time / the time of a plain loop (forward, log-prob loss, backward,
   Adam step) over the same packed micro-batches on the same model — what the schedule,
   loss bookkeeping and metric reductions cost.
@@ -29,6 +30,7 @@ import torch
 from rlhf.config import load_config
 from rlhf.config.validate import ParallelDims
 from rlhf.distributed import bootstrap
+from rlhf.models.convert import DTYPES
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--response", type=int, default=64, help="longest response")
     parser.add_argument("--budget", type=int, default=1024, help="tokens per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     return parser.parse_args()
 
 
@@ -125,6 +128,8 @@ def measure(args, model_dir: Path) -> dict:
             f"critic.ppo_mini_batch_size={n_samples // 2}",
             f"data.max_prompt_length={args.prompt}",
             f"data.max_response_length={args.response}",
+            f"actor_rollout_ref.actor.megatron.dtype={args.dtype}",
+            f"critic.megatron.dtype={args.dtype}",
         ],
     )
     env = bootstrap.init_distributed("cpu" if not torch.cuda.is_available() else "auto")
@@ -142,7 +147,7 @@ def measure(args, model_dir: Path) -> dict:
     stage_s = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
     tokens = sum(batch.sequence_lengths)
     flops = ppo_step_flops(arch, tokens, tokens / batch.size, {"actor": 1, "critic": 1})
-    peak = measure_matmul_flops(env.device, torch.float32)
+    peak = measure_matmul_flops(env.device, DTYPES[args.dtype])
     (micro_batches,) = stages.plan(batch, ctx, args.budget, None)
     plain_s = plain_update_seconds(actor.module, micro_batches, ctx.vocab)
     num_params = sum(p.numel() for p in actor.module.parameters())
@@ -158,6 +163,7 @@ def measure(args, model_dir: Path) -> dict:
         "plain_update_s": round(plain_s, 4),
         "overhead": stage_s["update_actor"] / plain_s,
         "device": env.device.type,
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
     }  # fmt: skip
 

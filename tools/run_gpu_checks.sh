@@ -25,9 +25,12 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "megatron-co
 
 status=0
 python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$out/pytest_gpu.log" || status=1
-# the CPU benchmark's default size, then a ~100M-parameter model with long responses
+# a ~130M-parameter model with long responses in bf16 and fp32, then the CPU benchmark's size
+large=(--hidden 1024 --layers 8 --samples 64 --prompt 256 --response 512 --budget 4096)
+for dtype in bfloat16 float32; do
+    python3 benchmarks/ppo_step.py "${large[@]}" --dtype "$dtype" >"$out/ppo_step_large_$dtype.json" ||
+        status=1
+done
 python3 benchmarks/ppo_step.py >"$out/ppo_step_small.json" || status=1
-python3 benchmarks/ppo_step.py --hidden 1024 --layers 8 --samples 64 --prompt 256 \
-    --response 512 --budget 4096 >"$out/ppo_step_large.json" || status=1
 cat "$out"/ppo_step_*.json
 exit $status

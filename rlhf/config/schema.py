@@ -70,11 +70,16 @@ class ModelConfig:
 
 @dataclass
 class MegatronParallelConfig:
-    """How one model is sharded with Megatron-Core."""
+    """How one model is laid out with Megatron-Core: its shards and its training dtype."""
 
     tensor_model_parallel_size: int = doc(1, "TP: shards of every weight matrix", gt=0)
     pipeline_model_parallel_size: int = doc(1, "PP: consecutive groups of layers", gt=0)
     seed: int = doc(42, "seed for weight init and dropout (Megatron RNG tracker)")
+    dtype: Literal["float32", "bfloat16"] = doc(
+        "float32",
+        "weights and activations; bfloat16 keeps fp32 master weights, Adam state and "
+        "gradient reduction (Megatron's mixed precision; the reference follows the actor)",
+    )
 
 
 @dataclass

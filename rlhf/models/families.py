@@ -9,6 +9,7 @@ scaling, biases we do not map) is rejected with an error naming the HF key.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from collections.abc import Callable
@@ -202,6 +203,8 @@ def transformer_config(
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
+        # the fused masked softmax exists only as a compiled extension (Apex / TE builds)
+        masked_softmax_fusion=importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
     )

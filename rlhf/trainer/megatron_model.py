@@ -119,9 +119,9 @@ class TrainableMegatronModel(MegatronModel):
 
         super().__init__(module, groups)
         config = module.config
-        self.ddp = self.runner = DistributedDataParallel(
-            config, DistributedDataParallelConfig(), module
-        )
+        # bf16 weights keep fp32 gradient buffers (reduced in fp32) for the fp32 master copy
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.bf16)
+        self.ddp = self.runner = DistributedDataParallel(config, ddp_config, module)
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer, self.scheduler = build_optimizer(self.ddp, settings)
 
@@ -184,6 +184,7 @@ def build_optimizer(ddp, settings: OptimizerSettings):
         adam_beta1=optim.betas[0],
         adam_beta2=optim.betas[1],
         clip_grad=settings.grad_clip,
+        bf16=ddp.module.config.bf16,  # fp32 master weights and Adam state for bf16 weights
         params_dtype=next(ddp.module.parameters()).dtype,
         use_distributed_optimizer=False,  # its checkpoints do not resume on CPU (facts)
     )

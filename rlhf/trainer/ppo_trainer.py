@@ -12,7 +12,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -23,6 +22,7 @@ from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.bootstrap import DistEnv, parallel_groups
 from rlhf.logging import MetricTracker, StepProfiler, Timer
+from rlhf.models.convert import DTYPES
 from rlhf.reward import build_reward_fn
 from rlhf.trainer import stages
 from rlhf.trainer.early_stop import Decision, EarlyStopper, EarlyStopSettings
@@ -81,7 +81,9 @@ class PPOTrainer:
         )
         self.reward_fn = build_reward_fn(cfg.reward)
         self.profiler = StepProfiler.from_config(cfg)
-        self.peak_flops = measure_matmul_flops(env.device, torch.float32)
+        self.peak_flops = measure_matmul_flops(
+            env.device, DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
+        )
         self.tracker = MetricTracker.from_config(cfg) if env.is_main else None
         num_val = len(self.val_data) if self.val_data is not None else 0
         self.fleet = RolloutFleet(

@@ -12,6 +12,7 @@ from rlhf.config import ConfigError
 from rlhf.config.schema import RLHFConfig
 from rlhf.distributed.bootstrap import DistEnv, ParallelGroups, current_placement
 from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
+from rlhf.models.convert import DTYPES
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
@@ -58,9 +59,15 @@ def optimizer_steps(cfg: RLHFConfig, total_steps: int, mini_batch_size: int, epo
     return total_steps * epochs * max(1, cfg.data.train_batch_size // mini_batch_size)
 
 
-def build_policy(arch: ModelArch, model_path: str, device: torch.device, cp: int = 1):
+def build_policy(
+    arch: ModelArch,
+    model_path: str,
+    device: torch.device,
+    cp: int = 1,
+    dtype: torch.dtype = torch.float32,
+):
     placement = current_placement()
-    model = build_model(arch, placement, cp=cp)
+    model = build_model(arch, placement, params_dtype=dtype, cp=cp)
     load_hf_weights(model, HFCheckpointReader(model_path), arch, placement)
     return model.to(device)
 
@@ -82,16 +89,23 @@ def build_models(
         cfg.critic.grad_clip,
         optimizer_steps(cfg, total, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs),
     )
+    policy_dtype = DTYPES[aro.actor.megatron.dtype]
     actor = TrainableMegatronModel(
-        build_policy(arch, aro.model.path, env.device, groups.cp_size), groups, actor_settings
+        build_policy(arch, aro.model.path, env.device, groups.cp_size, policy_dtype),
+        groups,
+        actor_settings,
     )
     ref = MegatronModel.frozen(
-        build_policy(arch, aro.model.path, env.device, groups.cp_size),
+        build_policy(arch, aro.model.path, env.device, groups.cp_size, policy_dtype),
         groups,
         offload=aro.actor.param_offload,
     )
     critic_module, _ = value_model_from_hf(
-        cfg.critic.model.path, current_placement(), seed=cfg.critic.megatron.seed, cp=groups.cp_size
+        cfg.critic.model.path,
+        current_placement(),
+        seed=cfg.critic.megatron.seed,
+        params_dtype=DTYPES[cfg.critic.megatron.dtype],
+        cp=groups.cp_size,
     )
     critic = TrainableMegatronModel(critic_module.to(env.device), groups, critic_settings)
     return actor, ref, critic

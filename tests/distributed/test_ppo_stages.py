@@ -5,6 +5,10 @@
 - One actor update (PPO loss through Megatron's schedule, Adam, grad clip) gives the same
   pg_loss, grad norm and post-update log-probs at DP2, TP2, PP2 and Ulysses SP2 as on one
   rank, and with SP2 the same updated weights.
+- bf16 (Megatron mixed precision) keeps fp32 master weights and Adam state and gives the fp32
+  update up to bf16 rounding.
+- At every layout the actor saved after the update (Megatron distributed checkpoint: weights,
+  master weights, Adam moments) loads back equal into a freshly built actor.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ LAYOUTS = {
     "tp2": (2, ["--tp", "2"]),
     "pp2": (2, ["--pp", "2"]),
     "sp2": (2, ["--sp", "2"]),  # Ulysses
+    "bf16": (1, ["--dtype", "bfloat16"]),
 }
 
 
@@ -84,3 +89,21 @@ def test_ulysses_update_gives_the_same_weights(results, tiny_qwen2_dir):
     before = first.model.embed_tokens.weight
     after = one["embedding.word_embeddings.weight"][: before.shape[0]]
     assert float((after - before).abs().max()) > 5e-3  # the step moved the weights
+
+
+def test_bf16_update_keeps_fp32_master_weights(results):
+    one, bf16 = results["1rank"], results["bf16"]
+    assert one["param_dtypes"] == one["master_dtypes"] == {"torch.float32"}
+    assert bf16["param_dtypes"] == {"torch.bfloat16"}
+    assert bf16["master_dtypes"] == {"torch.float32"}
+    # bf16 keeps ~3 significant digits: log-probs of ~-6 to within ~1e-2
+    torch.testing.assert_close(bf16["logprobs_before"], one["logprobs_before"], atol=2e-2, rtol=0)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert bf16["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-2), key
+    moved = (one["logprobs_after"] - one["logprobs_before"]).abs().max()
+    assert (bf16["logprobs_after"] - one["logprobs_after"]).abs().max() < 0.1 * moved
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_actor_checkpoint_round_trip(results, layout):
+    assert results[layout]["checkpoint_round_trip"]

@@ -1,9 +1,10 @@
 """The trainer's Megatron stages on CUDA (nccl) against the same stages on CPU and HF.
 
-The worker of tests/distributed/test_ppo_stages.py runs once with `--device cuda` and once
-with `--device cpu` (one rank each): packed old log-probs, one PPO actor update (Adam,
-grad clip) and the log-probs after it. fp32 on both; TF32 stays off (torch's default), so
-only summation order separates the devices. Skipped without CUDA (tests/conftest.py).
+The worker of tests/distributed/test_ppo_stages.py runs with `--device cuda` (fp32 and
+bf16) and with `--device cpu` (fp32), one rank each: packed old log-probs, one PPO actor
+update (Adam, grad clip), the log-probs after it and a checkpoint round trip. In fp32 TF32
+stays off (torch's default), so only summation order separates the devices. Skipped
+without CUDA (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -19,20 +20,22 @@ from tests.helpers import run_torchrun
 def runs(tiny_qwen2_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_stages")
     found = {}
-    for device in ("cuda", "cpu"):
-        path = out / f"{device}.pt"
-        run_torchrun(
-            "ppo_stages.py",
-            1,
-            ["--model", str(tiny_qwen2_dir), "--out", str(path), "--device", device],
-        )
-        found[device] = torch.load(path, weights_only=False)
+    for name, device, dtype in (
+        ("cuda", "cuda", "float32"),
+        ("cpu", "cpu", "float32"),
+        ("cuda_bf16", "cuda", "bfloat16"),
+    ):
+        path = out / f"{name}.pt"
+        args = ["--model", str(tiny_qwen2_dir), "--out", str(path), "--device", device]
+        run_torchrun("ppo_stages.py", 1, [*args, "--dtype", dtype])
+        found[name] = torch.load(path, weights_only=False)
     return found
 
 
 def test_stages_ran_on_cuda(runs):
-    assert runs["cuda"]["device"] == "cuda"
+    assert runs["cuda"]["device"] == runs["cuda_bf16"]["device"] == "cuda"
     assert runs["cpu"]["device"] == "cpu"
+    assert all(run["checkpoint_round_trip"] for run in runs.values())
 
 
 def test_packed_logprobs_on_cuda_match_hf(runs, tiny_qwen2_dir):
@@ -48,3 +51,14 @@ def test_update_on_cuda_matches_cpu(runs):
     assert (cuda["logprobs_after"] - cuda["logprobs_before"]).abs().max() > 1e-3
     for name, value in cpu["weights"].items():
         torch.testing.assert_close(cuda["weights"][name], value, atol=1e-4, rtol=0, msg=name)
+
+
+def test_bf16_update_on_cuda_is_the_fp32_update_up_to_rounding(runs):
+    bf16, fp32 = runs["cuda_bf16"], runs["cpu"]
+    assert bf16["param_dtypes"] == {"torch.bfloat16"}
+    assert bf16["master_dtypes"] == {"torch.float32"}
+    torch.testing.assert_close(bf16["logprobs_before"], fp32["logprobs_before"], atol=2e-2, rtol=0)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert bf16["metrics"][key] == pytest.approx(fp32["metrics"][key], rel=1e-2), key
+    moved = (fp32["logprobs_after"] - fp32["logprobs_before"]).abs().max()
+    assert (bf16["logprobs_after"] - fp32["logprobs_after"]).abs().max() < 0.1 * moved

@@ -23,6 +23,13 @@ def test_config_validates_for_its_world(path):
     assert dims["actor"].world_size == cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
+@pytest.mark.parametrize("name", ["gsm8k_qwen2.5-0.5b_1gpu", "gsm8k_8gpu", "gsm8k_2node"])
+def test_gpu_configs_train_in_bf16(name):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    assert cfg.actor_rollout_ref.actor.megatron.dtype == "bfloat16"
+    assert cfg.critic.megatron.dtype == "bfloat16"
+
+
 def test_recommended_gsm8k_8gpu_values():
     cfg = load_config(REPO / "configs" / "gsm8k_8gpu.yaml")
     aro = cfg.actor_rollout_ref

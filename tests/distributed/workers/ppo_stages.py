@@ -4,7 +4,10 @@ On a fixed synthetic batch (varied prompt and response lengths, a small token bu
 several packed micro-batches are needed), rank 0 writes to OUT:
 `logprobs_before` [B, R], the update's `metrics` (pg_loss, grad_norm, ...) and
 `logprobs_after` [B, R] (the old-log-prob stage re-run after the optimizer step) and, when
-every rank holds whole weights (no TP/PP), the updated `weights`.
+every rank holds whole weights (no TP/PP), the updated `weights`. Also the dtypes of the
+model's parameters and of the optimizer's master parameters, and `checkpoint_round_trip`:
+whether the actor (weights, master weights, Adam moments) saved after the update and loaded
+into a freshly built actor comes back equal.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel size")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     env = init_distributed(args.device)
     try:
@@ -78,6 +82,7 @@ def run(args, env) -> None:
             "actor_rollout_ref.actor.clip_ratio_c=null",
             "data.train_batch_size=4",
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={args.sp}",
+            f"actor_rollout_ref.actor.megatron.dtype={args.dtype}",
         ],
     )
     groups = parallel_groups()
@@ -92,9 +97,15 @@ def run(args, env) -> None:
     batch.tensors["advantages"] = torch.randn(before.shape, generator=gen) * batch.mask_bt()
     metrics = stages.update_actor(actor, batch, ctx, budget)
     stages.compute_old_logprobs(actor, batch, ctx, budget)
+    round_trip = checkpoint_round_trip(actor, lambda: build_models(cfg, arch, groups, env, 1)[0])
     if env.rank == 0:
         result = {
             "device": env.device.type,
+            "param_dtypes": {str(p.dtype) for p in actor.module.parameters()},
+            "master_dtypes": {
+                str(p.dtype) for g in actor.optimizer.param_groups for p in g["params"]
+            },
+            "checkpoint_round_trip": round_trip,
             "logprobs_before": before,
             "logprobs_after": batch.tensors["old_logprobs"],
             "metrics": metrics,
@@ -102,9 +113,41 @@ def run(args, env) -> None:
         }
         if args.tp == args.pp == 1:  # rank 0 holds every weight
             result["weights"] = {
-                n: p.detach().cpu().clone() for n, p in actor.module.named_parameters()
+                n: p.detach().cpu().float() for n, p in actor.module.named_parameters()
             }
         torch.save(result, Path(args.out))
+
+
+def flat_tensors(value) -> list[torch.Tensor]:
+    """Every tensor inside nested dicts/lists, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k in sorted(value, key=str) for t in flat_tensors(value[k])]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in flat_tensors(v)]
+    return []
+
+
+def checkpoint_round_trip(actor, build_actor) -> bool:
+    """Save `actor`, load into `build_actor()`; True when every tensor is equal on all ranks."""
+    import tempfile
+
+    directory = [
+        tempfile.mkdtemp(prefix="actor_ckpt_") if torch.distributed.get_rank() == 0 else None
+    ]
+    torch.distributed.broadcast_object_list(directory)
+    actor.save(Path(directory[0]))
+    fresh = build_actor()
+    fresh.load(Path(directory[0]))
+    saved = flat_tensors(actor.module.state_dict()) + flat_tensors(actor.optimizer.state_dict())
+    loaded = flat_tensors(fresh.module.state_dict()) + flat_tensors(fresh.optimizer.state_dict())
+    same = len(saved) == len(loaded) and all(
+        a.shape == b.shape and torch.equal(a.cpu(), b.cpu()) for a, b in zip(saved, loaded)
+    )
+    verdict = torch.tensor([float(same)], device=actor.groups.device)
+    torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
+    return bool(verdict.item())
 
 
 if __name__ == "__main__":
