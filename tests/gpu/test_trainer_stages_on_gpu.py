@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_ppo_stages import hf_response_logprobs
+from tests.distributed.test_ppo_stages import assert_bf16_update_matches_fp32, hf_response_logprobs
 from tests.helpers import run_torchrun
 
 
@@ -54,11 +54,4 @@ def test_update_on_cuda_matches_cpu(runs):
 
 
 def test_bf16_update_on_cuda_is_the_fp32_update_up_to_rounding(runs):
-    bf16, fp32 = runs["cuda_bf16"], runs["cpu"]
-    assert bf16["param_dtypes"] == {"torch.bfloat16"}
-    assert bf16["master_dtypes"] == {"torch.float32"}
-    torch.testing.assert_close(bf16["logprobs_before"], fp32["logprobs_before"], atol=2e-2, rtol=0)
-    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
-        assert bf16["metrics"][key] == pytest.approx(fp32["metrics"][key], rel=1e-2), key
-    moved = (fp32["logprobs_after"] - fp32["logprobs_before"]).abs().max()
-    assert (bf16["logprobs_after"] - fp32["logprobs_after"]).abs().max() < 0.1 * moved
+    assert_bf16_update_matches_fp32(runs["cuda_bf16"], runs["cpu"])
