@@ -38,6 +38,23 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 60
         )
 
 
+def run_worker_layouts(
+    script: str, layouts: dict[str, tuple[int, list[str]]], model_dir: Path, out_dir: Path
+) -> dict[str, dict]:
+    """Run worker `script` on `model_dir` once per layout, name -> (ranks, extra arguments).
+
+    Each run writes `<out_dir>/<name>.pt` (its `--out`); returns them loaded, by name.
+    """
+    import torch
+
+    found = {}
+    for name, (nproc, extra) in layouts.items():
+        path = out_dir / f"{name}.pt"
+        run_torchrun(script, nproc, ["--model", str(model_dir), "--out", str(path), *extra])
+        found[name] = torch.load(path, weights_only=False)
+    return found
+
+
 def ppo_overrides(model_dir, data, run_dir: Path, steps: int, *extra: str) -> list[str]:
     """A short, deterministic (greedy) quickstart PPO run on `data` = (train, val) Parquet."""
     train, val = data

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import run_torchrun
+from tests.helpers import run_worker_layouts
 
 LAYOUTS = {
     "1rank": (1, []),
@@ -32,14 +32,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def results(tiny_qwen2_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_stages")
-    found = {}
-    for name, (nproc, extra) in LAYOUTS.items():
-        path = out / f"{name}.pt"
-        run_torchrun(
-            "ppo_stages.py", nproc, ["--model", str(tiny_qwen2_dir), "--out", str(path), *extra]
-        )
-        found[name] = torch.load(path, weights_only=False)
-    return found
+    return run_worker_layouts("ppo_stages.py", LAYOUTS, tiny_qwen2_dir, out)
 
 
 def hf_response_logprobs(model_dir, batch: dict) -> torch.Tensor:

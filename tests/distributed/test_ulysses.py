@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import run_torchrun
+from tests.helpers import run_worker_layouts
 
 LAYOUTS = {"sp1": (1, []), "sp2": (2, ["--sp", "2"]), "tp2sp2": (4, ["--sp", "2", "--tp", "2"])}
 
@@ -18,13 +18,7 @@ LAYOUTS = {"sp1": (1, []), "sp2": (2, ["--sp", "2"]), "tp2sp2": (4, ["--sp", "2"
 @pytest.fixture(scope="module")
 def results(tiny_qwen2_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ulysses")
-    found = {}
-    for name, (nproc, extra) in LAYOUTS.items():
-        path = out / f"{name}.pt"
-        args = ["--model", str(tiny_qwen2_dir), "--out", str(path), *extra]
-        run_torchrun("ulysses_parity.py", nproc, args)
-        found[name] = torch.load(path)
-    return found
+    return run_worker_layouts("ulysses_parity.py", LAYOUTS, tiny_qwen2_dir, out)
 
 
 def test_tiny_model_needs_kv_head_repeats(tiny_qwen2_dir):

@@ -13,23 +13,20 @@ import pytest
 import torch
 
 from tests.distributed.test_ppo_stages import assert_bf16_update_matches_fp32, hf_response_logprobs
-from tests.helpers import run_torchrun
+from tests.helpers import run_worker_layouts
+
+# one rank each: name -> (ranks, worker arguments)
+RUNS = {
+    "cuda": (1, ["--device", "cuda", "--dtype", "float32"]),
+    "cpu": (1, ["--device", "cpu", "--dtype", "float32"]),
+    "cuda_bf16": (1, ["--device", "cuda", "--dtype", "bfloat16"]),
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_qwen2_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_stages")
-    found = {}
-    for name, device, dtype in (
-        ("cuda", "cuda", "float32"),
-        ("cpu", "cpu", "float32"),
-        ("cuda_bf16", "cuda", "bfloat16"),
-    ):
-        path = out / f"{name}.pt"
-        args = ["--model", str(tiny_qwen2_dir), "--out", str(path), "--device", device]
-        run_torchrun("ppo_stages.py", 1, [*args, "--dtype", dtype])
-        found[name] = torch.load(path, weights_only=False)
-    return found
+    return run_worker_layouts("ppo_stages.py", RUNS, tiny_qwen2_dir, out)
 
 
 def test_stages_ran_on_cuda(runs):
