@@ -17,8 +17,7 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11,<3.12",
-    packages=[*find_packages(include=["rlhf", "rlhf.*"]), "rlhf_tools"],
-    package_dir={"rlhf_tools": "tools"},
+    packages=find_packages(include=["rlhf", "rlhf.*"]),
     package_data={"rlhf.rollout": ["cpu_shims/sgl_kernel/*.py"]},
     # The full CPU stack (SGLang and its runtime included) is installed by `make setup` from
     # requirements/cpu.in with requirements/cpu.lock as constraints; these are the imports
@@ -44,11 +43,11 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "rlhf-train=rlhf.train:main",
-            "rlhf-convert=rlhf_tools.convert_checkpoint:main",
-            "rlhf-preprocess=rlhf_tools.preprocess:main",
-            "rlhf-plot=rlhf_tools.plot_metrics:main",
-            "rlhf-doctor=rlhf_tools.doctor:main",
+            "rlhf-train=rlhf.cli.train:main",
+            "rlhf-convert=rlhf.cli.convert:main",
+            "rlhf-preprocess=rlhf.cli.preprocess:main",
+            "rlhf-plot=rlhf.cli.plot:main",
+            "rlhf-doctor=rlhf.cli.doctor:main",
         ]
     },
 )

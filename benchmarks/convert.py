@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 def make_checkpoint(out: Path, hidden: int, layers: int, vocab: int) -> int:
     """A random Qwen2-shaped fp32 checkpoint (with the tiny tokenizer); returns its bytes."""
-    from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
 
     spec = TinyModelSpec(
         family="qwen2",

@@ -30,7 +30,7 @@ import torch
 from rlhf.config import load_config
 from rlhf.config.validate import ParallelDims
 from rlhf.distributed import bootstrap
-from rlhf.models.convert import DTYPES
+from rlhf.utils import DTYPES
 
 
 def parse_args() -> argparse.Namespace:
@@ -169,7 +169,7 @@ def measure(args, model_dir: Path) -> dict:
 
 
 def main() -> None:
-    from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
 
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 
     python benchmarks/rollout.py [--prompts 32 --n 4 --max-new-tokens 64 --servers 1]
 
-Builds a tiny random Qwen2 (`rlhf.models.tiny_hf`) in a temporary directory, launches the
+Builds a tiny random Qwen2 (`rlhf.quickstart.tiny_model`) in a temporary directory, launches the
 server(s) (CPU without CUDA), runs one warm-up batch and then one measured batch of
 arithmetic prompts. Prints one JSON object:
   - tokens_per_s: generated tokens / wall time of the measured batch (client side);
@@ -26,9 +26,9 @@ import torch
 from transformers import AutoTokenizer
 
 from rlhf.config.schema import RolloutConfig
-from rlhf.data.arithmetic import make_problems
 from rlhf.data.prompts import encode_prompts
-from rlhf.models.tiny_hf import save_tiny_model
+from rlhf.quickstart.arithmetic import make_problems
+from rlhf.quickstart.tiny_model import save_tiny_model
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 
 

@@ -135,7 +135,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = TinyModelSpec(

@@ -32,7 +32,7 @@ def main() -> None:
     from rlhf.models.builder import build_model, load_hf_weights
     from rlhf.models.families import load_arch
     from rlhf.models.hf_io import HFCheckpointReader
-    from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
     from rlhf.rollout.engine import SGLangEngine
     from rlhf.weight_sync.factory import build_weight_syncer
 

@@ -3,7 +3,7 @@
 #
 # Usage:
 #   MODEL=/shared/models/Qwen2.5-7B-Instruct NUM_SERVERS=2 TP=4 HOST=0.0.0.0 \
-#     launch/sglang_servers.sh [extra flags of python -m rlhf.rollout.launch_servers]
+#     launch/sglang_servers.sh [extra flags of python -m rlhf.cli.launch_servers]
 #   MODEL=runs/quickstart/model DEVICE=cpu launch/sglang_servers.sh      # one CPU server
 #
 # Environment (defaults in brackets):
@@ -54,4 +54,4 @@ if [[ -n "${MAX_TOTAL_TOKENS:-}" ]]; then args+=(--max-total-tokens "$MAX_TOTAL_
 if [[ "${ROUTER:-0}" == 1 ]]; then args+=(--router --router-port "${ROUTER_PORT:-30100}"); fi
 
 # exec: SIGTERM / SIGINT reach the launcher itself, which stops every server it started.
-exec "$PYTHON" -m rlhf.rollout.launch_servers "${args[@]}" "$@"
+exec "$PYTHON" -m rlhf.cli.launch_servers "${args[@]}" "$@"

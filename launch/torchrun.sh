@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch rlhf.train under torchrun on this node (one process per GPU, or per CPU rank).
+# Launch rlhf.cli.train under torchrun on this node (one process per GPU, or per CPU rank).
 #
 # Usage:
 #   launch/torchrun.sh [--dry-run] --config configs/gsm8k_8gpu.yaml [key=value ...] [--print-config]
@@ -66,7 +66,7 @@ cmd=(
     --nproc-per-node "$GPUS_PER_NODE"
     --master-addr "$MASTER_ADDR"
     --master-port "$MASTER_PORT"
-    -m rlhf.train
+    -m rlhf.cli.train
     "${options[@]}"
     "${overrides[@]}"
     "trainer.nnodes=$NNODES"

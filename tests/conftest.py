@@ -27,6 +27,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2 model + tokenizer on disk (built once per session)."""
-    from rlhf.models.tiny_hf import save_tiny_model
+    from rlhf.quickstart.tiny_model import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"))

@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlhf.distributed.bootstrap import free_port
+from rlhf.utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "distributed" / "workers"

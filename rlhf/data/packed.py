@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.data.packing import round_up
+from rlhf.utils import round_up
 
 
 @dataclass(frozen=True)

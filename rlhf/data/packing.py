@@ -28,12 +28,9 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rlhf.utils import round_up
+
 BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
-
-
-def round_up(length: int, multiple: int) -> int:
-    """`length` padded up to a multiple of `multiple`."""
-    return -(-length // multiple) * multiple
 
 
 @dataclass(frozen=True)

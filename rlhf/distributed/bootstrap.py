@@ -9,10 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import random
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,6 +18,7 @@ import torch.distributed as dist
 
 from rlhf.config.validate import ParallelDims
 from rlhf.distributed.cpu_compat import apply_cpu_compat
+from rlhf.utils import free_port
 
 log = logging.getLogger(__name__)
 
@@ -39,47 +38,6 @@ class DistEnv:
         return self.rank == 0
 
 
-# Ports handed out by free_port: from here up to the kernel's ephemeral range.
-PORT_RANGE_LOW = 30000
-_port_rng = random.SystemRandom()  # unaffected by seed_everything: two seeded runs differ
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("0.0.0.0", port))  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago, below the kernel's ephemeral port range.
-
-    Callers hand the port to a process that binds it later, an SGLang server only after
-    loading its model. A port from bind(0) lies in the ephemeral range, which the kernel also
-    gives every outgoing connection and every gloo listener in the meantime; one of those
-    took such a port once in CI, and the server's warm-up then talked to a socket that never
-    answered. Below the range only explicit binds take ports.
-    """
-    high = _ephemeral_low() - 1
-    if high - PORT_RANGE_LOW >= 1000:
-        for _ in range(100):
-            port = _port_rng.randint(PORT_RANGE_LOW, high)
-            if _bindable(port):
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launched_world_size() -> int | None:
     """WORLD_SIZE when started by torchrun (or an equivalent launcher), else None."""
     value = os.environ.get("WORLD_SIZE")
@@ -93,21 +51,6 @@ def pick_device(requested: str = "auto") -> torch.device:
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def share_cpu_cores(processes_per_node: int) -> int:
-    """CPU runs: split this node's cores between the processes sharing them.
-
-    Trainer ranks and SGLang servers run side by side on CPU; with every process using all
-    cores, OpenMP threads spin against each other and a step gets ~40x slower (measured on
-    2 cores). An explicit OMP_NUM_THREADS wins. Children (servers) inherit the setting.
-    """
-    if "OMP_NUM_THREADS" in os.environ:
-        return torch.get_num_threads()
-    threads = max(1, (os.cpu_count() or 1) // max(1, processes_per_node))
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    return threads
 
 
 def init_distributed(device: str = "auto", timeout_minutes: int = 30) -> DistEnv:

@@ -26,12 +26,12 @@ from rlhf.models.builder import build_model, load_hf_weights
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
+from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
 
 META_NAME = "rlhf_checkpoint.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def copy_hf_side_files(src: Path, dst: Path) -> None:

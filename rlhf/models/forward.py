@@ -56,8 +56,8 @@ def forward_logits(model, tokens_bs: torch.Tensor, micro_batch_size: int | None 
 
 
 def _sequence_parallel_logits(model, tokens_bs: torch.Tensor, micro_batch_size, sp):
-    from rlhf.data.packing import round_up
     from rlhf.parallel.ulysses import combine_positions, zigzag_positions
+    from rlhf.utils import round_up
 
     seq = tokens_bs.shape[1]
     padded = round_up(seq, 2 * sp.size)

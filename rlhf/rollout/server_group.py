@@ -29,7 +29,6 @@ from typing import Any
 import requests
 
 from rlhf.config.schema import RolloutConfig
-from rlhf.distributed.bootstrap import free_port
 from rlhf.rollout.client import RETRIES_KEY, RetryPolicy
 from rlhf.rollout.sglang_server import (
     HEALTH_TIMEOUT_S,
@@ -38,20 +37,11 @@ from rlhf.rollout.sglang_server import (
     build_server_args,
     http_healthy,
 )
+from rlhf.utils import free_ports
 
 log = logging.getLogger(__name__)
 
 KEY = "actor_rollout_ref.rollout"
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports that were free a moment ago."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 class ServerGroup:

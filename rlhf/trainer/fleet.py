@@ -24,6 +24,7 @@ from rlhf.distributed.bootstrap import DistEnv, nodes, sync_topology
 from rlhf.rollout.engine import SamplingParams
 from rlhf.trainer.batch import RolloutBatch
 from rlhf.trainer.rollout_stage import generate_and_score, kv_cache_tokens
+from rlhf.utils import split_evenly
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,6 @@ def check_colocated_layout(cfg: RLHFConfig) -> None:
             f"({trainer.n_gpus_per_node}); otherwise run disaggregated servers "
             "(actor_rollout_ref.rollout.server_urls, see launch/sglang_servers.sh)"
         )
-
-
-def split_evenly(items: list, parts: int) -> list[list]:
-    """`items` in order, cut into `parts` contiguous pieces differing in size by at most one."""
-    base, extra = divmod(len(items), parts)
-    cuts = [0]
-    for k in range(parts):
-        cuts.append(cuts[-1] + base + (k < extra))
-    return [items[cuts[k] : cuts[k + 1]] for k in range(parts)]
 
 
 class RolloutFleet:

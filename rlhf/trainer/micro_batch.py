@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlhf.data.packing import round_up
 from rlhf.parallel.ulysses import SequenceShard, combine_positions, held_positions
 from rlhf.trainer.batch import RolloutBatch
+from rlhf.utils import round_up
 
 CU_SEQLENS_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 

@@ -22,7 +22,6 @@ from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.bootstrap import DistEnv, parallel_groups
 from rlhf.logging import MetricTracker, StepProfiler, Timer
-from rlhf.models.convert import DTYPES
 from rlhf.reward import build_reward_fn
 from rlhf.trainer import stages
 from rlhf.trainer.early_stop import Decision, EarlyStopper, EarlyStopSettings
@@ -38,6 +37,7 @@ from rlhf.trainer.rollout_stage import (
     write_records,
 )
 from rlhf.trainer.setup import build_models, load_arch_of, token_budgets, use_thd, vocab_shard
+from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from rlhf.config import ConfigError
 from rlhf.config.schema import RLHFConfig
 from rlhf.distributed.bootstrap import DistEnv, ParallelGroups, current_placement
 from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
-from rlhf.models.convert import DTYPES
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
@@ -20,6 +19,7 @@ from rlhf.parallel.ulysses import kv_repeats
 from rlhf.trainer.heads import VocabShard
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
 from rlhf.trainer.micro_batch import default_token_budget
+from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
 

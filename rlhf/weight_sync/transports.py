@@ -83,7 +83,7 @@ class DistributedTransport:
             return
         from sglang.srt.utils.common import init_custom_process_group
 
-        from rlhf.distributed.bootstrap import free_port
+        from rlhf.utils import free_port
 
         for i, url in enumerate(self.server_urls):
             port, name = free_port(), self._group_name(i)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
 from tests.helpers import run_torchrun
 
 LLAMA3_ROPE = {

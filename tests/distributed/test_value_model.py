@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model, tiny_hf_config
+from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model, tiny_hf_config
 from tests.helpers import run_torchrun
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
 
 CONVERT = str(Path(sys.executable).with_name("rlhf-convert"))
 

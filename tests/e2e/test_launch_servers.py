@@ -14,8 +14,8 @@ import time
 
 import psutil
 
-from rlhf.distributed.bootstrap import free_port
 from rlhf.rollout.sglang_server import http_healthy
+from rlhf.utils import free_port
 from tests.helpers import REPO
 
 STARTUP_S = 300  # a CPU server takes ~30 s here; bounded so a hang fails instead of waiting
@@ -102,7 +102,7 @@ def test_script_serves_until_sigterm_and_leaves_nothing(tiny_qwen2_dir, tmp_path
 
 def test_server_that_cannot_start_fails_naming_url_and_log(tmp_path):
     port = free_port()
-    argv = [sys.executable, "-m", "rlhf.rollout.launch_servers", "--device", "cpu"]
+    argv = [sys.executable, "-m", "rlhf.cli.launch_servers", "--device", "cpu"]
     argv += ["--model", str(tmp_path / "no_model"), "--base-port", str(port)]
     argv += ["--log-dir", str(tmp_path / "logs"), "--startup-timeout", str(STARTUP_S)]
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=STARTUP_S)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.data.quickstart import write_quickstart_data
-from rlhf.distributed.bootstrap import free_port
+from rlhf.quickstart.data import write_quickstart_data
+from rlhf.utils import free_port
 from tests.helpers import REPO, metrics_by_step, ppo_overrides
 
 CONFIG = "configs/quickstart_cpu.yaml"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.data.quickstart import write_quickstart_data
-from rlhf.distributed.bootstrap import free_port
+from rlhf.quickstart.data import write_quickstart_data
+from rlhf.utils import free_port
 from tests.helpers import REPO, metrics_by_step, ppo_overrides
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
@@ -44,11 +44,11 @@ def data(tmp_path_factory):
 
 def train_command(args: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
-        return [sys.executable, "-m", "rlhf.train", "--config", CONFIG, *args]
+        return [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args]
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "rlhf.train", "--config", CONFIG, *args,
+        "-m", "rlhf.cli.train", "--config", CONFIG, *args,
     ]  # fmt: skip
 
 

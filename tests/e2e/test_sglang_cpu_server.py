@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.config.schema import RolloutConfig
-from rlhf.distributed.bootstrap import free_port
 from rlhf.rollout.client import generate
 from rlhf.rollout.sglang_server import SGLangServer, build_server_args
+from rlhf.utils import free_port
 
 PROMPTS = [
     [{"role": "user", "content": "Sam has 3 apples and gets 4 more. How many apples now?"}],

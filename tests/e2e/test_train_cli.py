@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rlhf.config import load_config
-from rlhf.data.quickstart import write_quickstart_data
+from rlhf.quickstart.data import write_quickstart_data
 from tests.helpers import REPO
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
@@ -19,7 +19,7 @@ CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 
 def rlhf_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rlhf.train", "--config", CONFIG, *args],
+        [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args],
         cwd=REPO,
         capture_output=True,
         text=True,

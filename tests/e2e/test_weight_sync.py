@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlhf.config.schema import RolloutConfig
-from rlhf.distributed.bootstrap import free_port
 from rlhf.models.convert import copy_hf_side_files
 from rlhf.rollout.sglang_server import SGLangServer, build_server_args
+from rlhf.utils import free_port
 from rlhf.weight_sync.http import post
 from tests.helpers import run_torchrun
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_tools.check_env import canonical, main, mismatches, read_pins
+from rlhf.cli.check_env import canonical, main, mismatches, read_pins
 
 LOCK = Path(__file__).resolve().parents[2] / "requirements" / "cpu.lock"
 
@@ -54,7 +54,7 @@ def test_mismatch_exits_nonzero(tmp_path, capsys):
 def test_vendored_duplicates_do_not_shadow_the_installed_package(monkeypatch):
     from types import SimpleNamespace
 
-    import rlhf_tools.check_env as check_env
+    import rlhf.cli.check_env as check_env
 
     installed = SimpleNamespace(metadata={"Name": "packaging"}, version="26.4")
     vendored = SimpleNamespace(metadata={"Name": "packaging"}, version="26.3")  # later on sys.path

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf.data.parquet import DataError, read_prompt_rows, write_rows
-from rlhf.data.quickstart import write_quickstart_data
+from rlhf.quickstart.data import write_quickstart_data
 
 
 def row(**changes):

@@ -14,8 +14,8 @@ from rlhf.data.prompts import (
     load_tokenizer,
     prompt_dataset_from_config,
 )
-from rlhf.data.quickstart import write_quickstart_data
-from rlhf.data.tiny_tokenizer import build_tiny_tokenizer, save_tiny_tokenizer
+from rlhf.quickstart.data import write_quickstart_data
+from rlhf.quickstart.tokenizer import build_tiny_tokenizer, save_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_tools.check_env import canonical, read_pins
+from rlhf.cli.check_env import canonical, read_pins
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -369,7 +369,7 @@ KEPT = [
     "setup.py",
     "README.md",
     "tools/check_env.py",
-    "rlhf/train.py",
+    "rlhf/cli/train.py",
     "configs",
     "launch",
     "docker/Dockerfile",

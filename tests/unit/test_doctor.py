@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.config import load_config
-from rlhf.distributed.bootstrap import free_port
-from rlhf_tools.doctor_checks import (
+from rlhf.cli.doctor_checks import (
     FAIL,
     PASS,
     SKIP,
@@ -32,6 +30,8 @@ from rlhf_tools.doctor_checks import (
     check_run_dir,
     check_sglang_urls,
 )
+from rlhf.config import load_config
+from rlhf.utils import free_port
 from tests.helpers import REPO
 
 LOCK = REPO / "requirements" / "cpu.lock"
@@ -180,7 +180,7 @@ def _overrides(tmp_path: Path, model_dir: Path) -> list[str]:
 
 
 def _doctor(args: list[str], as_file: bool = False) -> subprocess.CompletedProcess:
-    entry = [str(REPO / "tools" / "doctor.py")] if as_file else ["-m", "rlhf_tools.doctor"]
+    entry = [str(REPO / "tools" / "doctor.py")] if as_file else ["-m", "rlhf.cli.doctor"]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for key in ("NODE_RANK", "WORLD_SIZE"):
         env.pop(key, None)
@@ -209,7 +209,7 @@ def test_cli_exit_codes(tmp_path, tiny_qwen2_dir):
 
 
 def test_run_checks_reads_the_launch_environment(tmp_path, tiny_qwen2_dir, listening_socket):
-    from rlhf_tools.doctor import run_checks
+    from rlhf.cli.doctor import run_checks
 
     cfg = load_config(QUICKSTART, _overrides(tmp_path, tiny_qwen2_dir))
     port = str(listening_socket.getsockname()[1])

@@ -6,8 +6,8 @@ import random
 import socket
 from pathlib import Path
 
-from rlhf.distributed import bootstrap
-from rlhf.distributed.bootstrap import PORT_RANGE_LOW, free_port
+from rlhf import utils
+from rlhf.utils import PORT_RANGE_LOW, free_port
 
 
 def test_port_is_below_the_ephemeral_range_and_bindable():
@@ -33,8 +33,8 @@ def test_taken_ports_are_skipped(monkeypatch):
     taken.listen()
     busy = taken.getsockname()[1]
     choices = iter([busy, busy, busy + 1 if busy + 1 < 65536 else busy - 1])
-    monkeypatch.setattr(bootstrap, "PORT_RANGE_LOW", 1024)
-    monkeypatch.setattr(bootstrap._port_rng, "randint", lambda lo, hi: next(choices))
+    monkeypatch.setattr(utils, "PORT_RANGE_LOW", 1024)
+    monkeypatch.setattr(utils._port_rng, "randint", lambda lo, hi: next(choices))
     try:
         assert free_port() != busy
     finally:
@@ -42,7 +42,7 @@ def test_taken_ports_are_skipped(monkeypatch):
 
 
 def test_falls_back_to_the_kernel_without_a_range_below_it(monkeypatch):
-    monkeypatch.setattr(bootstrap, "_ephemeral_low", lambda: PORT_RANGE_LOW + 10)
+    monkeypatch.setattr(utils, "_ephemeral_low", lambda: PORT_RANGE_LOW + 10)
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))

@@ -1,4 +1,4 @@
-"""rlhf.rollout.launch_servers with stand-in servers (tests/unit/test_rollout_server_group.py's
+"""rlhf.cli.launch_servers with stand-in servers (tests/unit/test_rollout_server_group.py's
 small HTTP script): fixed ports and GPUs per server, the announcement on stdout, a clean stop
 on SIGTERM, exit 1 naming the URL when a server dies. Real SGLang: tests/e2e."""
 
@@ -12,11 +12,12 @@ import time
 
 import pytest
 
+from rlhf.cli import launch_servers
 from rlhf.config.schema import RolloutConfig
-from rlhf.distributed.bootstrap import free_port
-from rlhf.rollout import launch_servers, server_group
+from rlhf.rollout import server_group
 from rlhf.rollout.server_group import ServerGroup
 from rlhf.rollout.sglang_server import build_server_args, http_healthy
+from rlhf.utils import free_port
 from tests.unit.test_rollout_server_group import STAND_IN, assert_gone, group_pids
 
 

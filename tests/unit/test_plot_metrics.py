@@ -8,7 +8,7 @@ import math
 import pytest
 from PIL import Image
 
-from rlhf_tools.plot_metrics import main, panels, plot_metrics, read_rows, series
+from rlhf.cli.plot import main, panels, plot_metrics, read_rows, series
 
 
 def synthetic_rows(num_steps: int = 12) -> list[dict[str, float]]:

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlhf.cli.preprocess import main
 from rlhf.data.gsm8k import DATA_SOURCE, INSTRUCTION, extract_ground_truth, preprocess_gsm8k
 from rlhf.data.parquet import read_prompt_rows
-from rlhf_tools.preprocess import main
 
 # Original-format records (our own text): question, and a worked answer ending in "#### N".
 RECORDS = {

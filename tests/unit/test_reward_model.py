@@ -8,7 +8,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf.config import load_config
 from rlhf.models.mapping import Placement
-from rlhf.models.tiny_hf import TinyModelSpec, tiny_hf_config
+from rlhf.quickstart.tiny_model import TinyModelSpec, tiny_hf_config
 from rlhf.reward import RewardInput, RewardScorer
 from rlhf.reward.model_reward import ModelReward, last_token_values, load_reward_model
 

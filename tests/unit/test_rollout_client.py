@@ -10,7 +10,6 @@ from collections.abc import Callable
 import pytest
 from aiohttp import web
 
-from rlhf.distributed.bootstrap import free_port
 from rlhf.rollout.client import (
     GenerateClient,
     GenerateError,
@@ -18,6 +17,7 @@ from rlhf.rollout.client import (
     generate_payload,
     parse_response,
 )
+from rlhf.utils import free_port
 
 FAST = RetryPolicy(retries=2, backoff_s=0.01)
 

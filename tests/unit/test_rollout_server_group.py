@@ -19,11 +19,11 @@ import psutil
 import pytest
 
 from rlhf.config.schema import RolloutConfig
-from rlhf.distributed.bootstrap import free_port
 from rlhf.rollout import server_group
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 from rlhf.rollout.server_group import ServerGroup
 from rlhf.rollout.sglang_server import ServerLaunch
+from rlhf.utils import free_port
 from tests.helpers import REPO
 
 STAND_IN = textwrap.dedent(

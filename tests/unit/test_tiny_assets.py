@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf.data.arithmetic import make_problems
-from rlhf.data.tiny_tokenizer import build_tiny_tokenizer
-from rlhf.models.tiny_hf import TinyModelSpec, save_tiny_model
+from rlhf.quickstart.arithmetic import make_problems
+from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
+from rlhf.quickstart.tokenizer import build_tiny_tokenizer
 
 
 def test_tokenizer_is_deterministic_and_lossless():

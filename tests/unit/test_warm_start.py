@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf.data.arithmetic import make_problems
-from rlhf.data.tiny_tokenizer import build_tiny_tokenizer
-from rlhf.models.tiny_hf import save_tiny_model
-from rlhf.models.warm_start import (
+from rlhf.quickstart.arithmetic import make_problems
+from rlhf.quickstart.tiny_model import save_tiny_model
+from rlhf.quickstart.tokenizer import build_tiny_tokenizer
+from rlhf.quickstart.warm_start import (
     WarmStartConfig,
     answer_distribution,
     build_examples,

@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rlhf.data.arithmetic import make_problems
+from rlhf.quickstart.arithmetic import make_problems
 
 PAD, BOS, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]

@@ -1,4 +1,4 @@
-"""The checks of `rlhf-doctor` (tools/doctor.py), one small function each.
+"""The checks of `rlhf-doctor` (rlhf/cli/doctor.py), one small function each.
 
 Each returns a `Check` row instead of raising or printing, so that the CLI can show every
 problem at once and each check can be tested alone with a hand-made situation (a busy port,
@@ -19,10 +19,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from rlhf.cli.check_env import lock_problems, read_pins
 from rlhf.config import ConfigError, RLHFConfig, validate_config
 from rlhf.data.files import resolve_files
 from rlhf.rollout.sglang_server import http_healthy
-from rlhf_tools.check_env import lock_problems, read_pins
 
 PASS, WARN, SKIP, FAIL = "PASS", "WARN", "SKIP", "FAIL"
 CORE_PACKAGES = ("torch", "megatron-core", "sglang", "sglang-router", "transformers")
@@ -48,7 +48,7 @@ def check_packages(lock: Path, gpu_requirements: Path | None = None) -> Check:
     """
     name = "packages"
     if not lock.is_file():
-        return Check(name, SKIP, f"{lock} not found (not a source checkout)")
+        return Check(name, SKIP, f"{lock} not found (pass --requirements DIR holding cpu.lock)")
     problems = lock_problems(lock)
     gpu = lock_problems(gpu_requirements) if gpu_requirements else []
     failing = [p for p in problems if p.split(":")[0] in CORE_PACKAGES] + gpu

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhf.data.arithmetic import make_problems
+from rlhf.quickstart.arithmetic import make_problems
 from rlhf.reward import compute_score
 
-MAX_ANSWER = 18  # the largest answer of rlhf.data.arithmetic (9 + 9)
+MAX_ANSWER = 18  # the largest answer of rlhf.quickstart.arithmetic (9 + 9)
 
 
 @dataclass(frozen=True)

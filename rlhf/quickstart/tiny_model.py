@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlhf.data.tiny_tokenizer import build_tiny_tokenizer
+from rlhf.quickstart.tokenizer import build_tiny_tokenizer
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 

@@ -1,6 +1,6 @@
-"""`python -m rlhf.rollout.launch_servers`: standalone SGLang servers for disaggregated rollouts.
+"""`python -m rlhf.cli.launch_servers`: standalone SGLang servers for disaggregated rollouts.
 
-    python -m rlhf.rollout.launch_servers --model DIR [--num-servers 2] [--tp 4]
+    python -m rlhf.cli.launch_servers --model DIR [--num-servers 2] [--tp 4]
         [--base-port 30000] [--host 0.0.0.0] [--device cuda|cpu] [--dtype bfloat16]
         [--router --router-port 30100] [--log-dir logs/sglang] [--startup-timeout 600]
 
@@ -30,8 +30,8 @@ from types import FrameType
 
 from rlhf.config.loader import ConfigError, build
 from rlhf.config.schema import RolloutConfig
-from rlhf.distributed.bootstrap import share_cpu_cores
 from rlhf.rollout.server_group import KEY, ServerGroup
+from rlhf.utils import share_cpu_cores
 
 log = logging.getLogger("rlhf.launch_servers")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf.data.arithmetic import make_problems
 from rlhf.data.parquet import write_rows
+from rlhf.quickstart.arithmetic import make_problems
 
 
 def write_quickstart_data(

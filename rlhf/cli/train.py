@@ -1,4 +1,4 @@
-"""`rlhf-train` / `python -m rlhf.train`: load and check the config, bootstrap, run.
+"""`rlhf-train` / `python -m rlhf.cli.train`: load and check the config, bootstrap, run.
 
     rlhf-train --config configs/quickstart_cpu.yaml [key=value ...] [--print-config]
 
@@ -18,7 +18,7 @@ from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validat
 from rlhf.data.parquet import DataError
 from rlhf.rollout.client import GenerateError
 
-log = logging.getLogger("rlhf.train")
+log = logging.getLogger("rlhf.cli.train")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +46,7 @@ def run(cfg: RLHFConfig) -> Path:
     """Bootstrap the process group and Megatron's parallel state, then train."""
     from rlhf.distributed import bootstrap
     from rlhf.trainer.ppo_trainer import PPOTrainer
+    from rlhf.utils import share_cpu_cores
 
     run_dir = Path(cfg.trainer.default_local_dir)
     env = bootstrap.init_distributed(cfg.trainer.device)
@@ -53,7 +54,7 @@ def run(cfg: RLHFConfig) -> Path:
         rollout = cfg.actor_rollout_ref.rollout
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
         servers = 0 if rollout.server_urls else rollout.num_servers
-        bootstrap.share_cpu_cores(local_ranks + servers)
+        share_cpu_cores(local_ranks + servers)
     trainer = None
     try:
         dims = validate_config(cfg, env.world_size)["actor"]

@@ -1,0 +1,1 @@
+"""Command-line entry points (console scripts and `python -m rlhf.cli.<name>`)."""

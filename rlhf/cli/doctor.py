@@ -1,0 +1,127 @@
+"""`rlhf-doctor`: preflight checks of one run, on the node that will run it.
+
+    rlhf-doctor --config configs/gsm8k_2node.yaml [key=value ...] [--world-size N]
+
+Why: a job that dies minutes into its allocation on a busy port, an unreachable master, a
+full disk, a dead SGLang server or a bad parallel layout wastes the queue wait; each of these
+can be seen from the node in seconds. Give it the config and overrides of the run, under the
+environment of the launch (NODE_RANK, MASTER_ADDR, MASTER_PORT, WORLD_SIZE as read by
+launch/torchrun.sh). Every check is a small function returning a `Check`; the CLI prints a
+table (check | status | detail | fix) and exits 1 if any check FAILs, 0 otherwise, and 2 with
+one line when the config cannot be loaded (as rlhf-train does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from rlhf.cli.doctor_checks import (
+    FAIL,
+    Check,
+    check_config,
+    check_cuda,
+    check_inputs,
+    check_master_addr,
+    check_master_port,
+    check_packages,
+    check_run_dir,
+    check_sglang_urls,
+)
+from rlhf.config import ConfigError, RLHFConfig, load_config
+
+DEFAULT_REQUIREMENTS = Path("requirements")  # a checkout's, when run from its root
+
+
+def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
+    value = environ.get(key) or str(default)
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value!r} is not an integer") from None
+
+
+def run_checks(
+    cfg: RLHFConfig,
+    world_size: int | None,
+    environ: Mapping[str, str] = os.environ,
+    requirements: Path = DEFAULT_REQUIREMENTS,
+) -> list[Check]:
+    """Every check for `cfg`, under the launch environment `environ`; installed packages
+    are compared with `requirements`/cpu.lock (and gpu.txt on a GPU machine)."""
+    node_rank = _env_int(environ, "NODE_RANK", 0)
+    port = _env_int(environ, "MASTER_PORT", 29500)
+    addr = environ.get("MASTER_ADDR") or "127.0.0.1"
+    trainer, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
+    gpu_txt = requirements / "gpu.txt" if torch.cuda.is_available() else None
+    model_path = cfg.actor_rollout_ref.model.path
+    model_dir = Path(model_path) if model_path else None
+    return [
+        check_packages(requirements / "cpu.lock", gpu_txt),
+        check_cuda(trainer.device, trainer.n_gpus_per_node),
+        check_master_port(port, node_rank),
+        check_master_addr(addr, port, node_rank, trainer.nnodes),
+        check_run_dir(Path(trainer.default_local_dir), model_dir),
+        check_sglang_urls(rollout.server_urls, rollout.num_servers),
+        check_config(cfg, world_size),
+        check_inputs(cfg),
+    ]
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, width, break_on_hyphens=False)
+
+
+def format_table(checks: list[Check], detail_width: int = 72, fix_width: int = 56) -> str:
+    """Rows `check | status | detail | fix` under a header; long texts wrap inside their column."""
+    rows = [("check", "status", "detail", "fix")]
+    rows += [(c.name, c.status, c.detail, c.fix) for c in checks]
+    limits = (None, None, detail_width, fix_width)
+    cells = [[_wrap(v, lim) if lim else [v] for v, lim in zip(row, limits)] for row in rows]
+    widths = [max(len(line) for row in cells for line in row[i]) for i in range(4)]
+    lines = []
+    for row in cells:
+        for parts in itertools.zip_longest(*row, fillvalue=""):
+            lines.append(" | ".join(v.ljust(w) for v, w in zip(parts, widths)).rstrip())
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf-doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML run config (see configs/)")
+    parser.add_argument("--world-size", type=int, help="processes of the run (default: launch)")
+    parser.add_argument(
+        "--requirements",
+        type=Path,
+        default=DEFAULT_REQUIREMENTS,
+        help="directory with cpu.lock and gpu.txt to check installed versions against "
+        "(default: ./requirements; the check is skipped when it is absent)",
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.seed=3")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        world_size = args.world_size or _env_int(os.environ, "WORLD_SIZE", 0) or None
+        checks = run_checks(cfg, world_size, requirements=args.requirements)
+    except ConfigError as e:
+        print(f"rlhf-doctor: config error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(checks))
+    failed = [c.name for c in checks if c.status == FAIL]
+    if failed:
+        print(f"rlhf-doctor: {len(failed)} check(s) failed: {', '.join(failed)}")
+        return 1
+    print("rlhf-doctor: no check failed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

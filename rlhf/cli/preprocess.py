@@ -1,0 +1,83 @@
+"""rlhf-preprocess: check prompt Parquet files, convert GSM8K, write the quickstart data.
+
+    rlhf-preprocess check FILE... [--prompt_key prompt]
+    rlhf-preprocess gsm8k --input DIR_OR_FILE --local_dir OUT
+    rlhf-preprocess quickstart --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
+
+`check` runs the loader's validation: for each file it prints the rows and data sources and
+exits 0, or prints every problem (file, row, column, what is wrong) and exits 1. FILE may be
+a path, a glob or a URI. `gsm8k` works offline on the original release (jsonl or Parquet).
+Errors in the inputs of `gsm8k`/`quickstart` print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlhf.data.gsm8k import preprocess_gsm8k
+from rlhf.data.parquet import FileReport, Problem, check_files
+from rlhf.quickstart.data import write_quickstart_data
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rlhf-preprocess", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="validate prompt Parquet files")
+    check.add_argument("files", nargs="+", help="paths, globs or URIs")
+    check.add_argument("--prompt_key", default="prompt", help="column holding the prompt")
+    gsm8k = sub.add_parser("gsm8k", help="GSM8K release -> train/test Parquet in our schema")
+    gsm8k.add_argument("--input", required=True, help="GSM8K directory or one train/test file")
+    gsm8k.add_argument("--local_dir", required=True, help="output directory")
+    quick = sub.add_parser("quickstart", help="write the arithmetic train/val Parquet files")
+    quick.add_argument("--local_dir", required=True, help="output directory")
+    quick.add_argument("--num_train", type=int, default=256)
+    quick.add_argument("--num_val", type=int, default=64)
+    quick.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def _reports(spec: str, prompt_key: str) -> list[FileReport]:
+    try:
+        return check_files(spec, prompt_key, key="FILE")
+    except (FileNotFoundError, ValueError) as e:
+        message = str(e).removeprefix("FILE: ")
+        return [FileReport(spec, problems=[Problem(spec, None, None, message)])]
+
+
+def run_check(files: list[str], prompt_key: str) -> int:
+    reports = [r for spec in files for r in _reports(spec, prompt_key)]
+    problems = [p for r in reports for p in r.problems]
+    for report in reports:
+        if not report.problems:
+            sources = ", ".join(f"{s} ({n})" for s, n in sorted(report.data_sources.items()))
+            print(f"{report.file}: {report.num_rows} rows; data sources: {sources}")
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if problems:
+        bad = len({p.file for p in problems})
+        print(f"{len(problems)} problem(s) in {bad} of {len(reports)} file(s)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "check":
+        return run_check(args.files, args.prompt_key)
+    try:
+        if args.command == "gsm8k":
+            written = preprocess_gsm8k(args.input, args.local_dir)
+        else:
+            paths = write_quickstart_data(args.local_dir, args.num_train, args.num_val, args.seed)
+            written = {"train": (paths[0], args.num_train), "val": (paths[1], args.num_val)}
+    except (FileNotFoundError, ValueError) as e:
+        print(f"rlhf-preprocess: error: {e}", file=sys.stderr)
+        return 2
+    for split, (path, rows) in written.items():
+        print(f"wrote {split}: {path} ({rows} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

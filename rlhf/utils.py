@@ -1,0 +1,97 @@
+"""Small helpers every layer may use: ports, CPU threads, dtype names, integer rounding.
+
+The bottom of the package: it imports nothing from `rlhf`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Ports handed out by free_port: from here up to the kernel's ephemeral range.
+PORT_RANGE_LOW = 30000
+_port_rng = random.SystemRandom()  # unaffected by seeding: two seeded runs differ
+
+
+def round_up(length: int, multiple: int) -> int:
+    """`length` padded up to a multiple of `multiple`."""
+    return -(-length // multiple) * multiple
+
+
+def split_evenly(items: list[T], parts: int) -> list[list[T]]:
+    """`items` in order, cut into `parts` contiguous pieces differing in size by at most one."""
+    base, extra = divmod(len(items), parts)
+    cuts = [0]
+    for k in range(parts):
+        cuts.append(cuts[-1] + base + (k < extra))
+    return [items[cuts[k] : cuts[k + 1]] for k in range(parts)]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago, below the kernel's ephemeral port range.
+
+    Callers hand the port to a process that binds it later, an SGLang server only after
+    loading its model. A port from bind(0) lies in the ephemeral range, which the kernel also
+    gives every outgoing connection and every gloo listener in the meantime; one of those
+    took such a port once in CI, and the server's warm-up then talked to a socket that never
+    answered. Below the range only explicit binds take ports.
+    """
+    high = _ephemeral_low() - 1
+    if high - PORT_RANGE_LOW >= 1000:
+        for _ in range(100):
+            port = _port_rng.randint(PORT_RANGE_LOW, high)
+            if _bindable(port):
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports that were free a moment ago."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def share_cpu_cores(processes_per_node: int) -> int:
+    """CPU runs: split this node's cores between the processes sharing them.
+
+    Trainer ranks and SGLang servers run side by side on CPU; with every process using all
+    cores, OpenMP threads spin against each other and a step gets ~40x slower (measured on
+    2 cores). An explicit OMP_NUM_THREADS wins. Children (servers) inherit the setting.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    threads = max(1, (os.cpu_count() or 1) // max(1, processes_per_node))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
