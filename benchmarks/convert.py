@@ -52,9 +52,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
 
-    from rlhf.config.validate import ParallelDims
     from rlhf.distributed import bootstrap
     from rlhf.models import convert
+    from rlhf.models.mapping import Placement
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -65,10 +65,9 @@ def main() -> None:
             load_file(file)
         plain_s = timed(lambda: [t.clone() for f in files for t in load_file(f).values()])
 
-        bootstrap.init_distributed("auto")
-        bootstrap.init_model_parallel(ParallelDims(world_size=1))
+        ctx = bootstrap.init_parallel("auto")
         bootstrap.seed_everything(0)
-        placement = bootstrap.current_placement()
+        placement = Placement.of(ctx)
         # The first Megatron save also starts its writer processes (a one-time cost).
         first_s = timed(lambda: convert.hf_to_mcore(hf_dir, root / "mcore_first", placement))
         to_mcore_s = timed(lambda: convert.hf_to_mcore(hf_dir, root / "mcore", placement))

@@ -20,6 +20,7 @@ Prints one JSON object:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -28,7 +29,6 @@ from pathlib import Path
 import torch
 
 from rlhf.config import load_config
-from rlhf.config.validate import ParallelDims
 from rlhf.distributed import bootstrap
 from rlhf.utils import DTYPES
 
@@ -52,7 +52,7 @@ def random_ids(gen: torch.Generator, min_len: int, max_len: int, vocab: int) -> 
 
 
 def synthetic_batch(args, vocab: int):
-    from rlhf.trainer.batch import RolloutBatch
+    from rlhf.rollout.batch import RolloutBatch
 
     gen = torch.Generator().manual_seed(0)
     prompts = [random_ids(gen, args.prompt // 2, args.prompt, vocab) for _ in range(args.samples)]
@@ -79,22 +79,42 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_stages(actor, ref, critic, batch, ctx, budget, kl_coef) -> dict[str, float]:
+def run_stages(models, batch, algorithm, budget: int, kl_coef: float) -> dict[str, float]:
+    """The trainer's stages of one step on `batch`, every model at token budget `budget`."""
+    import dataclasses
+
     from rlhf.trainer import stages
 
-    seconds = {
-        "old_log_prob": timed(lambda: stages.compute_old_logprobs(actor, batch, ctx, budget)),
-        "ref": timed(lambda: stages.compute_ref_logprobs(ref, batch, ctx, budget)),
-        "values": timed(lambda: stages.compute_values(critic, batch, ctx, budget)),
-        "adv": timed(lambda: stages.compute_rewards_and_advantages(batch, ctx.cfg, kl_coef)),
-        "update_critic": timed(lambda: stages.update_critic(critic, batch, ctx, budget)),
-        "update_actor": timed(lambda: stages.update_actor(actor, batch, ctx, budget)),
-    }
+    seconds: dict[str, float] = {}
+
+    def stage(name, fn):
+        synchronize()
+        start = time.perf_counter()
+        out = fn()
+        synchronize()
+        seconds[name] = time.perf_counter() - start
+        return out
+
+    m, planner = models, models.planner
+    old = stage(
+        "old_log_prob",
+        lambda: stages.compute_logprobs(m.actor, batch, planner, budget, m.logprob_head),
+    )
+    ref, _ = stage(
+        "ref", lambda: stages.compute_logprobs(m.ref, batch, planner, budget, m.logprob_head)
+    )
+    values = stage("values", lambda: stages.compute_values(m.critic, batch, planner, budget))
+    exp, _ = stage(
+        "adv", lambda: stages.build_experience(batch, old, ref, values, algorithm, kl_coef)
+    )
+    for role, spec in (("critic", m.critic_update), ("actor", m.actor_update)):
+        spec = dataclasses.replace(spec, token_budget=budget)
+        stage(f"update_{role}", lambda spec=spec: stages.run_updates(spec, exp, planner))
     seconds["step"] = sum(seconds.values())
     return seconds
 
 
-def plain_update_seconds(module, micro_batches, vocab) -> float:
+def plain_update_seconds(module, micro_batches, vocab, temperature: float) -> float:
     """Forward, log-prob loss, backward, Adam step over `micro_batches`: nothing else."""
     from rlhf.trainer.heads import token_logprobs
 
@@ -104,7 +124,7 @@ def plain_update_seconds(module, micro_batches, vocab) -> float:
         optimizer.zero_grad()
         for mb in micro_batches:
             logits = module(mb.tokens, mb.position_ids, mb.attention_mask)
-            logp, _ = token_logprobs(logits, mb, vocab)
+            logp, _ = token_logprobs(logits, mb, vocab, temperature)
             (-logp.sum() / max(1, int(mb.mask.sum()))).backward()
         optimizer.step()
 
@@ -113,9 +133,9 @@ def plain_update_seconds(module, micro_batches, vocab) -> float:
 
 
 def measure(args, model_dir: Path) -> dict:
-    from rlhf.trainer import stages
+    from rlhf.trainer.micro_batch import MicroBatchPlanner
     from rlhf.trainer.perf import measure_matmul_flops, ppo_step_flops
-    from rlhf.trainer.setup import build_models, load_arch_of, vocab_shard
+    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 
     n_samples = args.samples
     cfg = load_config(
@@ -132,25 +152,22 @@ def measure(args, model_dir: Path) -> dict:
             f"critic.megatron.dtype={args.dtype}",
         ],
     )
-    env = bootstrap.init_distributed("cpu" if not torch.cuda.is_available() else "auto")
-    bootstrap.init_model_parallel(ParallelDims(1))
+    env = bootstrap.init_parallel("cpu" if not torch.cuda.is_available() else "auto")
     bootstrap.seed_everything(0)
-    groups = bootstrap.parallel_groups()
-    arch = load_arch_of(cfg)
-    actor, ref, critic = build_models(cfg, arch, groups, env, total=args.steps + 1)
-    ctx = stages.StageContext(cfg, groups, vocab_shard(arch, actor.module, groups, 1.0), False)
+    arch = load_policy_arch(cfg)
+    models = build_ppo_models(cfg, arch, env, total_steps=args.steps + 1)
+    models = dataclasses.replace(models, planner=MicroBatchPlanner(env, thd=False))
     batch = synthetic_batch(args, arch.vocab_size)
-    run_stages(actor, ref, critic, batch, ctx, args.budget, 0.001)  # warm-up
-    runs = [
-        run_stages(actor, ref, critic, batch, ctx, args.budget, 0.001) for _ in range(args.steps)
-    ]
+    run_stages(models, batch, cfg.algorithm, args.budget, 0.001)  # warm-up
+    runs = [run_stages(models, batch, cfg.algorithm, args.budget, 0.001) for _ in range(args.steps)]
     stage_s = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
     tokens = sum(batch.sequence_lengths)
     flops = ppo_step_flops(arch, tokens, tokens / batch.size, {"actor": 1, "critic": 1})
     peak = measure_matmul_flops(env.device, DTYPES[args.dtype])
-    (micro_batches,) = stages.plan(batch, ctx, args.budget, None)
-    plain_s = plain_update_seconds(actor.module, micro_batches, ctx.vocab)
-    num_params = sum(p.numel() for p in actor.module.parameters())
+    (micro_batches,) = models.planner.plan(batch, args.budget)
+    head = models.logprob_head
+    plain_s = plain_update_seconds(models.actor.module, micro_batches, head.vocab, head.temperature)
+    num_params = sum(p.numel() for p in models.actor.module.parameters())
     bootstrap.teardown()
     return {
         "model": {"hidden": args.hidden, "layers": args.layers, "params": num_params},

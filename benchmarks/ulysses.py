@@ -59,26 +59,25 @@ def peak_memory_bytes(device: torch.device, rss_before: int) -> int:
 
 
 def worker(args) -> None:
-    from rlhf.config.validate import ParallelDims
     from rlhf.distributed import bootstrap
     from rlhf.models.builder import build_model, load_hf_weights
     from rlhf.models.families import load_arch
     from rlhf.models.hf_io import HFCheckpointReader
+    from rlhf.models.mapping import Placement
     from rlhf.parallel.ulysses import UlyssesAttention, combine_positions, zigzag_positions
 
-    env = bootstrap.init_distributed("auto")
-    sp = env.world_size
-    bootstrap.init_model_parallel(ParallelDims(sp, cp=sp))
+    sp = bootstrap.launched_world_size() or 1
+    env = bootstrap.init_parallel("auto", sp_size=sp)
     bootstrap.seed_everything(0)
-    groups = bootstrap.parallel_groups()
     arch = load_arch(args.model)
-    model = build_model(arch, bootstrap.current_placement(), cp=sp)
-    load_hf_weights(model, HFCheckpointReader(args.model), arch, bootstrap.current_placement())
+    placement = Placement.of(env)
+    model = build_model(arch, placement, sp=sp)
+    load_hf_weights(model, HFCheckpointReader(args.model), arch, placement)
     model = model.to(env.device)
     tokens = torch.randint(
         3, arch.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(0)
     )
-    positions = zigzag_positions(args.seq, sp, groups.cp_rank) if sp > 1 else torch.arange(args.seq)
+    positions = zigzag_positions(args.seq, sp, env.sp_rank) if sp > 1 else torch.arange(args.seq)
     local = tokens[:, positions].to(env.device)
     labels = torch.roll(tokens, -1, dims=1)[:, positions].to(env.device)
 
@@ -88,7 +87,7 @@ def worker(args) -> None:
             logits[0].float(), labels[0], reduction="none"
         )
         full = (
-            combine_positions(loss_local[None], positions, args.seq, groups.cp_group)
+            combine_positions(loss_local[None], positions, args.seq, env.sp_group)
             if sp > 1
             else loss_local[None]
         )

@@ -27,14 +27,19 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlhf.config.schema import RolloutConfig
-    from rlhf.config.validate import ParallelDims
     from rlhf.distributed import bootstrap
     from rlhf.models.builder import build_model, load_hf_weights
     from rlhf.models.families import load_arch
     from rlhf.models.hf_io import HFCheckpointReader
+    from rlhf.models.logprobs import VocabShard
     from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
     from rlhf.rollout.engine import SGLangEngine
+    from rlhf.trainer.heads import LogprobHead
+    from rlhf.trainer.megatron_model import MegatronModel
+    from rlhf.trainer.micro_batch import MicroBatchPlanner
+    from rlhf.trainer.stages import probe_logprobs
     from rlhf.weight_sync.factory import build_weight_syncer
+    from rlhf.weight_sync.gather import SyncTopology
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,13 +53,14 @@ def main() -> None:
             num_key_value_heads=max(1, args.hidden // 256),
         )
         save_tiny_model(hf_dir, spec, vocab_size=args.vocab)
-        env = bootstrap.init_distributed("auto")
-        bootstrap.init_model_parallel(ParallelDims(world_size=env.world_size))
+        ctx = bootstrap.init_parallel("auto")
         bootstrap.seed_everything(0)
-        topo = bootstrap.sync_topology()
+        topo = SyncTopology.of(ctx)
         arch = load_arch(hf_dir)
         model = build_model(arch, topo.placement, initialize=False)
         load_hf_weights(model, HFCheckpointReader(hf_dir), arch, topo.placement)
+        head = LogprobHead(VocabShard.of(ctx, model.padded_vocab_size, arch.vocab_size))
+        planner, actor = MicroBatchPlanner(ctx, thd=False), MegatronModel(model, ctx)
         params = [p.detach() for p in model.parameters()]
         nbytes = sum(p.numel() * p.element_size() for p in params)
         start = time.perf_counter()
@@ -74,14 +80,14 @@ def main() -> None:
                     cfg, engine.server_urls, arch, topo, run_dir=root, model_path=hf_dir
                 )
                 stats = syncer.sync(model, version=version)
+                probe = probe_logprobs(actor, syncer.probe_tokens, planner, head)
                 results[kind] = {
                     "seconds": round(stats.seconds, 3),
                     "gb_per_s": round(stats.num_bytes / 1e9 / stats.seconds, 3),
                     "buckets": stats.num_buckets,
-                    "probe_logprob_diff_max": stats.logprob_diff_max,
+                    "probe_logprob_diff_max": syncer.compare_probe(probe, ctx.device),
                 }
-                if kind == "distributed":
-                    syncer.transport.shutdown()
+                syncer.close()
         bootstrap.teardown()
     print(
         json.dumps(

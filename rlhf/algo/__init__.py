@@ -5,7 +5,6 @@ tensors with a response mask, so every formula can be tested against a hand comp
 """
 
 from rlhf.algo.advantages import (
-    ADV_ESTIMATORS,
     AdvantageOutput,
     compute_advantages,
     compute_gae,
@@ -14,7 +13,6 @@ from rlhf.algo.advantages import (
     compute_rloo_advantages,
 )
 from rlhf.algo.kl import (
-    KL_KINDS,
     AdaptiveKLController,
     FixedKLController,
     build_kl_controller,
@@ -22,7 +20,6 @@ from rlhf.algo.kl import (
     token_level_rewards,
 )
 from rlhf.algo.losses import (
-    LOSS_AGG_MODES,
     BatchCounts,
     PolicyLossOutput,
     ValueLossOutput,
@@ -44,9 +41,6 @@ from rlhf.algo.stats import (
 )
 
 __all__ = [
-    "ADV_ESTIMATORS",
-    "KL_KINDS",
-    "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "AdvantageOutput",
     "BatchCounts",

@@ -24,8 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhf.algo.stats import _as_bool, masked_whiten, response_ends
-
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
+from rlhf.config.choices import ADV_ESTIMATORS
 
 
 def _check_unit_interval(**kwargs: float) -> None:

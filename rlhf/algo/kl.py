@@ -27,11 +27,11 @@ import torch
 from torch import Tensor
 
 from rlhf.algo.stats import _as_bool, response_ends
+from rlhf.config.choices import KL_ESTIMATORS
 
 if TYPE_CHECKING:
     from rlhf.config.schema import KLControlConfig
 
-KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
 
 # exp(d) - d - 1 > 10 already for d > 2.6: clamping d at 20 before exp leaves the clamped
 # value unchanged but keeps exp finite, so the backward pass never sees inf * 0.
@@ -40,7 +40,7 @@ _LOW_VAR_CLAMP = 10.0
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
-    """Element-wise KL estimate of `kind` (one of KL_KINDS; formulas in the module docstring)."""
+    """Element-wise KL estimate of `kind` (one of KL_ESTIMATORS; formulas: module docstring)."""
     if kind == "kl":
         return logp - ref_logp
     if kind == "abs":
@@ -51,7 +51,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
         d = (ref_logp - logp).clamp(max=_LOW_VAR_D_MAX)
         return (torch.exp(d) - d - 1).clamp(-_LOW_VAR_CLAMP, _LOW_VAR_CLAMP)
     raise ValueError(
-        f"unknown KL estimator {kind!r} (kl_loss_type / kl_penalty): use one of {KL_KINDS}"
+        f"unknown KL estimator {kind!r} (kl_loss_type / kl_penalty): use one of {KL_ESTIMATORS}"
     )
 
 

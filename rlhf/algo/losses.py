@@ -32,13 +32,7 @@ from torch import Tensor
 
 from rlhf.algo.kl import kl_penalty
 from rlhf.algo.stats import _as_bool, response_ids, response_starts
-
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+from rlhf.config.choices import LOSS_AGG_MODES
 
 # exp() of a log-ratio beyond +-20 is irrelevant to a clipped objective but can overflow.
 _LOG_RATIO_CLAMP = 20.0
@@ -98,9 +92,9 @@ def aggregate_loss(
     if mode == "token-mean":
         n_tok = m.sum() if global_num_tokens is None else global_num_tokens
         return total / _denominator(n_tok, total)
-    n_seq = global_num_seqs
-    if n_seq is None:
-        n_seq = response_starts(m, segment_ids_bt).sum()
+    n_seq: int | Tensor = (
+        response_starts(m, segment_ids_bt).sum() if global_num_seqs is None else global_num_seqs
+    )
     if mode == "seq-mean-token-sum":
         return total / _denominator(n_seq, total)
     if mode == "seq-mean-token-mean":

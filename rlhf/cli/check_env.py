@@ -57,7 +57,8 @@ def lock_problems(path: Path) -> list[str]:
     return mismatches(read_pins(path), installed_versions())
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: check_env.py LOCK_FILE", file=sys.stderr)
         return 2
@@ -75,4 +76,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

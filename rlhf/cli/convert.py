@@ -55,51 +55,50 @@ def relaunch_under_torchrun(num_procs: int, argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf.config.validate import ParallelDims
     from rlhf.distributed import bootstrap
     from rlhf.models import convert
+    from rlhf.models.mapping import Placement
 
-    env = bootstrap.init_distributed("auto")
+    tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
+    ctx = bootstrap.init_parallel("auto", tp_size=tp, pp_size=pp)
     try:
-        tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
-        bootstrap.init_model_parallel(ParallelDims(env.world_size, tp=tp, pp=pp))
         bootstrap.seed_everything(0)
-        placement = bootstrap.current_placement()
+        placement = Placement.of(ctx)
         if args.command == "mcore-to-hf":
             convert.mcore_to_hf(args.mcore_dir, args.out_dir, args.max_shard_size_mb * 1024**2)
             print(f"wrote HF checkpoint to {args.out_dir}")
             return 0
         if args.command == "hf-to-mcore":
             convert.hf_to_mcore(args.hf_dir, args.out_dir, placement)
-            if env.is_main:
+            if ctx.is_main:
                 print(f"wrote Megatron checkpoint (TP {args.tp}, PP {args.pp}) to {args.out_dir}")
             return 0
-        return verify(args, placement)
+        return verify(args, ctx)
     finally:
         bootstrap.teardown()
 
 
-def verify(args: argparse.Namespace, placement) -> int:
+def verify(args: argparse.Namespace, ctx) -> int:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from rlhf.models import convert
     from rlhf.models.forward import forward_logits, gather_vocab
+    from rlhf.models.mapping import Placement
 
-    model, arch = convert.load_mcore(args.mcore_dir, placement)
+    model, arch = convert.load_mcore(args.mcore_dir, Placement.of(ctx))
     model = model.float().eval()
     tokens = convert.random_tokens(arch.vocab_size, args.batch, args.seq, args.seed)
     logits = forward_logits(model, tokens, micro_batch_size=1)
-    diff = torch.zeros(1)
+    diff = torch.zeros((), device=ctx.device)
     if logits is not None:
-        full = gather_vocab(logits, ps.get_tensor_model_parallel_group(), arch.vocab_size)
-        if placement.tp_rank == 0:
-            diff[0] = (full - convert.hf_logits(args.hf_dir, tokens)).abs().max()
+        full = gather_vocab(logits, ctx.tp_group, arch.vocab_size).cpu()
+        if ctx.tp_rank == 0:
+            diff = (full - convert.hf_logits(args.hf_dir, tokens)).abs().max().to(ctx.device)
             if args.dump_logits:
                 torch.save(full, args.dump_logits)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     ok = diff.item() <= args.tol
-    if dist.get_rank() == 0:
+    if ctx.is_main:
         verdict = "OK" if ok else "FAILED"
         print(
             f"verify: max |logit diff| = {diff.item():.3e} on {args.batch}x{args.seq} random "

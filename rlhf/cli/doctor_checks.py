@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from rlhf.cli.check_env import lock_problems, read_pins
-from rlhf.config import ConfigError, RLHFConfig, validate_config
+from rlhf.config import RLHFConfig, validate_config
 from rlhf.data.files import resolve_files
-from rlhf.rollout.sglang_server import http_healthy
+from rlhf.models.families import load_arch
+from rlhf.rollout import sglang_api
 
 PASS, WARN, SKIP, FAIL = "PASS", "WARN", "SKIP", "FAIL"
 CORE_PACKAGES = ("torch", "megatron-core", "sglang", "sglang-router", "transformers")
@@ -143,7 +144,8 @@ def check_master_addr(
     name = "master addr"
     fix = "set MASTER_ADDR to node 0's hostname or IP address"
     try:
-        ips = {info[4][0] for info in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)}
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+        ips = {str(info[4][0]) for info in infos}
     except (socket.gaierror, UnicodeError) as e:
         return Check(name, FAIL, f"MASTER_ADDR {addr!r} does not resolve ({e})", fix)
     shown = f"{addr} -> {', '.join(sorted(ips))}"
@@ -204,7 +206,7 @@ def check_sglang_urls(urls: list[str] | None, num_servers: int) -> Check:
     name = "sglang servers"
     if not urls:
         return Check(name, SKIP, f"launched by the job (rollout.num_servers={num_servers})")
-    down = [u for u in urls if not http_healthy(u.rstrip("/"))]
+    down = [u for u in urls if not sglang_api.healthy(u.rstrip("/"))]
     if down:
         detail = f"no healthy answer to GET /health from {', '.join(down)}"
         return Check(name, FAIL, detail, f"start them (launch/sglang_servers.sh) or fix {URLS_KEY}")
@@ -212,13 +214,15 @@ def check_sglang_urls(urls: list[str] | None, num_servers: int) -> Check:
 
 
 def check_config(cfg: RLHFConfig, world_size: int | None) -> Check:
-    """Cross-field rules for this world size (validate_config)."""
+    """Every cross-field rule for this world size (validate_config), with the model's
+    attention heads when its config.json is there."""
+    model_dir = Path(cfg.actor_rollout_ref.model.path or ".")
     try:
-        dims = validate_config(cfg, world_size)["actor"]
-    except ConfigError as e:
+        heads = load_arch(model_dir) if (model_dir / "config.json").is_file() else None
+        layout = validate_config(cfg, world_size, heads)
+    except ValueError as e:  # ConfigError, or a model config this project cannot read
         return Check("config", FAIL, str(e), "fix the keys named, or launch that many processes")
-    layout = f"TP {dims.tp} x PP {dims.pp} x CP {dims.cp} x DP {dims.dp}"
-    return Check("config", PASS, f"world size {dims.world_size}: {layout}")
+    return Check("config", PASS, f"world size {layout.world_size}: {layout.describe()}")
 
 
 def check_inputs(cfg: RLHFConfig) -> Check:

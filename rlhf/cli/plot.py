@@ -81,10 +81,10 @@ def panels(rows: Sequence[Row]) -> list[Panel]:
     return kept
 
 
-def _draw(ax: Axes, rows: Sequence[Row], keys: Sequence[str], **style: object) -> None:
+def _draw(ax: Axes, rows: Sequence[Row], keys: Sequence[str], **style: str) -> None:
     for key in keys:
         steps, values = series(rows, key)
-        ax.plot(steps, values, label=key, marker="." if len(steps) < 50 else None, **style)
+        ax.plot(steps, values, label=key, marker="." if len(steps) < 50 else None, **style)  # type: ignore[arg-type]
 
 
 def _draw_panel(ax: Axes, rows: Sequence[Row], panel: Panel) -> None:
@@ -96,7 +96,7 @@ def _draw_panel(ax: Axes, rows: Sequence[Row], panel: Panel) -> None:
         _draw(twin, rows, twin_keys, color="tab:gray", linestyle="--")
         twin.set_ylabel(", ".join(twin_keys), fontsize="small")
         lines += twin.get_lines()
-    ax.legend(lines, [line.get_label() for line in lines], fontsize="small")
+    ax.legend(lines, [str(line.get_label()) for line in lines], fontsize="small")
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

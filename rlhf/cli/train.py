@@ -43,33 +43,36 @@ def resolve(args: argparse.Namespace) -> RLHFConfig:
 
 
 def run(cfg: RLHFConfig) -> Path:
-    """Bootstrap the process group and Megatron's parallel state, then train."""
+    """Check the config against the launched world and the model, bootstrap, then train."""
     from rlhf.distributed import bootstrap
     from rlhf.trainer.ppo_trainer import PPOTrainer
+    from rlhf.trainer.setup import load_policy_arch
     from rlhf.utils import share_cpu_cores
 
     run_dir = Path(cfg.trainer.default_local_dir)
-    env = bootstrap.init_distributed(cfg.trainer.device)
-    if env.device.type == "cpu":
+    world = bootstrap.launched_world_size() or 1
+    layout = validate_config(cfg, world, load_policy_arch(cfg))
+    if bootstrap.pick_device(cfg.trainer.device).type == "cpu":
         rollout = cfg.actor_rollout_ref.rollout
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         servers = 0 if rollout.server_urls else rollout.num_servers
         share_cpu_cores(local_ranks + servers)
+    ctx = bootstrap.init_parallel(
+        cfg.trainer.device,
+        tp_size=layout.tp_size,
+        pp_size=layout.pp_size,
+        sp_size=layout.sp_size,
+    )
     trainer = None
     try:
-        dims = validate_config(cfg, env.world_size)["actor"]
-        bootstrap.init_model_parallel(dims)
         bootstrap.seed_everything(cfg.actor_rollout_ref.actor.megatron.seed)
-        if env.is_main:
+        if ctx.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-            log.info(
-                "world %d (%s): TP %d x PP %d x CP %d x DP %d; run dir %s",
-                env.world_size, env.backend, dims.tp, dims.pp, dims.cp, dims.dp, run_dir,
-            )  # fmt: skip
-        trainer = PPOTrainer(cfg, env, run_dir)
+            log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
+        trainer = PPOTrainer(cfg, ctx, run_dir)
         last = trainer.fit()
-        if env.is_main:
+        if ctx.is_main:
             report(run_dir, last)
     finally:
         if trainer is not None:

@@ -152,7 +152,7 @@ def _check_range(value: Any, meta: typing.Mapping, path: str) -> None:
     if value is None:
         return
     bounds = [("gt", ">", lambda v, b: v > b), ("ge", ">=", lambda v, b: v >= b)]
-    bounds += [("le", "<=", lambda v, b: v <= b)]
+    bounds += [("lt", "<", lambda v, b: v < b), ("le", "<=", lambda v, b: v <= b)]
     for name, sign, ok in bounds:
         if name in meta and not ok(value, meta[name]):
             raise ConfigError(f"{path}: must be {sign} {meta[name]}, got {value!r}")
@@ -171,7 +171,7 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
     kwargs = {}
     for name, value in data.items():
         path, tp = f"{prefix}{name}", hints[name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[name] = build(tp, value, path + ".")
         else:
             kwargs[name] = _coerce(value, tp, path)

@@ -1,15 +1,33 @@
 """The typed config tree. Key names follow verl's where verl has one.
 
 Every field carries a one-line doc in `metadata["doc"]` and, where it has one, its allowed
-range (`gt`, `ge`, `le`), checked by the loader so that the error names the full dotted key.
-Cross-field rules live in `rlhf.config.validate`. Only keys that some code reads belong here;
-the tree grows as features land. Strings may reference other keys as `${section.key}`.
+range (`gt`, `ge`, `lt`, `le`), checked by the loader so that the error names the full
+dotted key. Cross-field rules live in `rlhf.config.validate`, allowed-value lists in
+`rlhf.config.choices`. Only keys that some code reads belong here; the tree grows as
+features land. Strings may reference other keys as `${section.key}`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
+
+from rlhf.config.choices import (
+    AdvEstimator,
+    BadRows,
+    Device,
+    GSM8KMethod,
+    KLControlType,
+    KLEstimator,
+    Logger,
+    LossAggMode,
+    LRDecayStyle,
+    RolloutDtype,
+    RolloutName,
+    TrainDtype,
+    Truncation,
+    WeightSyncTransport,
+)
 
 
 def doc(default: Any, text: str, **kwargs: Any) -> Any:
@@ -36,10 +54,10 @@ class DataConfig:
     filter_overlong_prompts: bool = doc(
         False, "drop (and count) prompts longer than max_prompt_length"
     )
-    truncation: Literal["left", "right", "error"] = doc(
+    truncation: Truncation = doc(
         "error", "overlong prompts that are not filtered: keep the end, keep the start, or fail"
     )
-    bad_rows: Literal["error", "skip"] = doc(
+    bad_rows: BadRows = doc(
         "error", "invalid Parquet rows: fail naming them, or skip them (count + first rows logged)"
     )
 
@@ -51,7 +69,7 @@ class RewardConfig:
     custom_fn: str | None = doc(
         None, "'path/to/file.py:function' replacing the rule rewards (runs that file's code)"
     )
-    gsm8k_method: Literal["strict", "flexible"] = doc(
+    gsm8k_method: GSM8KMethod = doc(
         "strict", "gsm8k rule: answer after '####' (strict) or the last number (flexible)"
     )
     format_score: float = doc(0.0, "rule rewards: score of a well-formed but wrong answer")
@@ -75,7 +93,7 @@ class MegatronParallelConfig:
     tensor_model_parallel_size: int = doc(1, "TP: shards of every weight matrix", gt=0)
     pipeline_model_parallel_size: int = doc(1, "PP: consecutive groups of layers", gt=0)
     seed: int = doc(42, "seed for weight init and dropout (Megatron RNG tracker)")
-    dtype: Literal["float32", "bfloat16"] = doc(
+    dtype: TrainDtype = doc(
         "float32",
         "weights and activations; bfloat16 keeps fp32 master weights, Adam state and "
         "gradient reduction (Megatron's mixed precision; the reference follows the actor)",
@@ -88,7 +106,7 @@ class OptimConfig:
 
     lr: float = doc(1e-6, "peak learning rate", gt=0)
     lr_warmup_steps: int = doc(0, "optimizer steps of linear warmup from 0 to lr", ge=0)
-    lr_decay_style: Literal["constant", "linear", "cosine"] = doc(
+    lr_decay_style: LRDecayStyle = doc(
         "constant", "decay after warmup, over the run's optimizer steps"
     )
     min_lr_ratio: float = doc(0.0, "lr decays to lr x min_lr_ratio", ge=0, le=1)
@@ -112,12 +130,14 @@ class ActorConfig:
     )
     ppo_epochs: int = doc(1, "passes over each step's rollouts", gt=0)
     clip_ratio: float = doc(0.2, "PPO clip epsilon", gt=0, le=1)
-    clip_ratio_low: float | None = doc(None, "lower clip epsilon (null: clip_ratio)", ge=0)
+    clip_ratio_low: float | None = doc(None, "lower clip epsilon (null: clip_ratio)", ge=0, lt=1)
     clip_ratio_high: float | None = doc(None, "upper clip epsilon (null: clip_ratio)", ge=0)
-    clip_ratio_c: float | None = doc(3.0, "dual-clip bound for negative advantages (null: off)")
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = doc("token-mean", "how per-token losses are aggregated (rlhf/algo/losses.py)")
+    clip_ratio_c: float | None = doc(
+        3.0, "dual-clip bound for negative advantages (null: off)", gt=1
+    )
+    loss_agg_mode: LossAggMode = doc(
+        "token-mean", "how per-token losses are aggregated (rlhf/algo/losses.py)"
+    )
     entropy_coeff: float = doc(0.0, "weight of the entropy bonus", ge=0)
     grad_clip: float = doc(1.0, "clip the global gradient norm to this (0: off)", ge=0)
     param_offload: bool = doc(False, "GPU: keep the frozen reference model on CPU between its uses")
@@ -158,7 +178,7 @@ class ValKwargs:
 class RolloutConfig:
     """Generation with SGLang servers."""
 
-    name: Literal["sglang"] = doc("sglang", "rollout engine")
+    name: RolloutName = doc("sglang", "rollout engine")
     n: int = doc(2, "responses sampled per prompt", gt=0)
     temperature: float = doc(1.0, "sampling temperature", ge=0)
     top_p: float = doc(1.0, "nucleus sampling threshold", gt=0, le=1)
@@ -167,7 +187,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = doc(
         0.6, "share of GPU memory SGLang may take (mem fraction)", gt=0, le=1
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = doc("bfloat16", "weights/activation dtype")
+    dtype: RolloutDtype = doc("bfloat16", "weights/activation dtype")
     server_startup_timeout_s: float = doc(
         300.0, "seconds to wait for a server to become healthy", gt=0
     )
@@ -183,7 +203,7 @@ class RolloutConfig:
     )
     retry_backoff_s: float = doc(1.0, "delay before the first retry; doubles per retry", gt=0)
     max_server_restarts: int = doc(2, "restarts allowed per launched server before failing", ge=0)
-    weight_sync_transport: Literal["tensor", "distributed", "disk"] = doc(
+    weight_sync_transport: WeightSyncTransport = doc(
         "tensor", "how synced weights reach SGLang: shared memory, a process group, or files"
     )
     update_weights_bucket_megabytes: int = doc(
@@ -230,9 +250,7 @@ class CriticConfig:
     )
     ppo_epochs: int = doc(1, "passes over each step's rollouts", gt=0)
     cliprange_value: float | None = doc(0.5, "value clipping around the old values (null: off)")
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = doc("token-mean", "how per-token value losses are aggregated")
+    loss_agg_mode: LossAggMode = doc("token-mean", "how per-token value losses are aggregated")
     grad_clip: float = doc(1.0, "clip the global gradient norm to this (0: off)", ge=0)
     optim: OptimConfig = doc(lambda: OptimConfig(lr=1e-5), "optimizer")
     ulysses_sequence_parallel_size: int = doc(1, "Ulysses SP size for the critic", gt=0)
@@ -243,7 +261,7 @@ class CriticConfig:
 class KLControlConfig:
     """Coefficient of the KL penalty in the reward (Ziegler et al. 2019)."""
 
-    type: Literal["fixed", "adaptive"] = doc("adaptive", "fixed coefficient or adaptive controller")
+    type: KLControlType = doc("adaptive", "fixed coefficient or adaptive controller")
     kl_coef: float = doc(0.001, "initial (or fixed) KL coefficient beta", ge=0)
     target_kl: float = doc(0.1, "adaptive: KL the controller steers towards", gt=0)
     horizon: int = doc(10000, "adaptive: steps over which the error is corrected", gt=0)
@@ -253,15 +271,11 @@ class KLControlConfig:
 class AlgorithmConfig:
     """PPO algorithm settings."""
 
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus"] = doc(
-        "gae", "advantage estimator (gae uses the critic)"
-    )
+    adv_estimator: AdvEstimator = doc("gae", "advantage estimator (gae uses the critic)")
     gamma: float = doc(1.0, "discount", ge=0, le=1)
     lam: float = doc(1.0, "GAE lambda", ge=0, le=1)
     use_kl_in_reward: bool = doc(True, "subtract kl_coef x KL(actor || ref) from the rewards")
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = doc(
-        "kl", "per-token KL estimator used in the reward"
-    )
+    kl_penalty: KLEstimator = doc("kl", "per-token KL estimator used in the reward")
     kl_ctrl: KLControlConfig = doc(KLControlConfig, "KL penalty controller")
 
 
@@ -300,8 +314,8 @@ class TrainerConfig:
     )
     nnodes: int = doc(1, "number of nodes", gt=0)
     n_gpus_per_node: int = doc(1, "processes per node (GPUs, or CPU ranks on CPU)", gt=0)
-    device: Literal["auto", "cuda", "cpu"] = doc("auto", "cuda if available, else cpu")
-    logger: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = doc(
+    device: Device = doc("auto", "cuda if available, else cpu")
+    logger: list[Logger] = doc(
         lambda: ["console", "tensorboard"],
         "metric backends (metrics.jsonl in the run directory is always written)",
     )

@@ -1,30 +1,51 @@
-"""Cross-field rules: parallel sizes against the world size, batch-size divisibility.
+"""Every cross-field rule of a run config, in one place.
 
-Each violation is a `ConfigError` naming every key involved and the numbers it saw.
+`validate_config` applies them all: parallel sizes against the world size, batch-size
+divisibility, shared layouts, colocated multi-node placement, server URLs, and, when the
+model's architecture is given, its attention heads against the Ulysses and TP sizes. Single
+keys (types, allowed values, ranges) are checked earlier by the loader. Each violation is a
+`ConfigError` naming every key involved and the numbers it saw.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.schema import ActorConfig, CriticConfig, RLHFConfig
 
 AR = "actor_rollout_ref"
 
 
 @dataclass(frozen=True)
-class ParallelDims:
-    """Sizes of Megatron's process groups for one model: world = tp x cp x pp x dp."""
+class ParallelLayout:
+    """Sizes of Megatron's process groups for one model: world = tp x sp x pp x dp.
+
+    `sp_size` is Ulysses sequence parallelism, run on Megatron's context-parallel group.
+    """
 
     world_size: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    sp_size: int = 1
 
     @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp * self.cp)
+    def dp_size(self) -> int:
+        return self.world_size // (self.tp_size * self.pp_size * self.sp_size)
+
+    def describe(self) -> str:
+        return f"TP {self.tp_size} x PP {self.pp_size} x SP {self.sp_size} x DP {self.dp_size}"
+
+
+class AttentionHeads(Protocol):
+    """What the rules need of a model's architecture (`rlhf.models.families.ModelArch`)."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_query_groups(self) -> int: ...
 
 
 def _world_size(cfg: RLHFConfig, world_size: int | None) -> int:
@@ -38,30 +59,30 @@ def _world_size(cfg: RLHFConfig, world_size: int | None) -> int:
     return planned
 
 
-def _role_section(role: str, cfg: RLHFConfig):
+def _role_section(role: str, cfg: RLHFConfig) -> tuple[ActorConfig | CriticConfig, str]:
     """The trained model's config section ('actor' or 'critic') and its dotted prefix."""
     if role == "actor":
         return cfg.actor_rollout_ref.actor, f"{AR}.actor"
     return cfg.critic, "critic"
 
 
-def parallel_dims(role: str, cfg: RLHFConfig, world_size: int) -> ParallelDims:
+def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayout:
     """The parallel layout of `role` ('actor' or 'critic'), checked against the world size."""
     section, prefix = _role_section(role, cfg)
     tp = section.megatron.tensor_model_parallel_size
     pp = section.megatron.pipeline_model_parallel_size
-    cp = section.ulysses_sequence_parallel_size
-    if world_size % (tp * pp * cp):
+    sp = section.ulysses_sequence_parallel_size
+    if world_size % (tp * pp * sp):
         raise ConfigError(
             f"{prefix}.megatron.tensor_model_parallel_size ({tp}) x "
             f"{prefix}.megatron.pipeline_model_parallel_size ({pp}) x "
-            f"{prefix}.ulysses_sequence_parallel_size ({cp}) = {tp * pp * cp} does not divide the "
+            f"{prefix}.ulysses_sequence_parallel_size ({sp}) = {tp * pp * sp} does not divide the "
             f"world size {world_size} (trainer.nnodes x trainer.n_gpus_per_node)"
         )
-    return ParallelDims(world_size=world_size, tp=tp, pp=pp, cp=cp)
+    return ParallelLayout(world_size=world_size, tp_size=tp, pp_size=pp, sp_size=sp)
 
 
-def _check_batches(role: str, cfg: RLHFConfig, dims: ParallelDims) -> None:
+def _check_batches(role: str, cfg: RLHFConfig, layout: ParallelLayout) -> None:
     section, prefix = _role_section(role, cfg)
     n = cfg.actor_rollout_ref.rollout.n
     step_samples = cfg.data.train_batch_size * n
@@ -73,43 +94,90 @@ def _check_batches(role: str, cfg: RLHFConfig, dims: ParallelDims) -> None:
             f"({section.ppo_mini_batch_size}) x {AR}.rollout.n = {mini_samples} samples"
         )
     micro = section.ppo_micro_batch_size_per_gpu
-    if mini_samples % (dims.dp * micro):
+    if mini_samples % (layout.dp_size * micro):
         raise ConfigError(
             f"{prefix}.ppo_mini_batch_size ({section.ppo_mini_batch_size}) x {AR}.rollout.n ({n}) "
-            f"= {mini_samples} samples is not divisible by data-parallel size {dims.dp} x "
+            f"= {mini_samples} samples is not divisible by data-parallel size {layout.dp_size} x "
             f"{prefix}.ppo_micro_batch_size_per_gpu ({micro}); data-parallel size = world size "
-            f"{dims.world_size} / ({prefix}.megatron.tensor_model_parallel_size x "
+            f"{layout.world_size} / ({prefix}.megatron.tensor_model_parallel_size x "
             f"{prefix}.megatron.pipeline_model_parallel_size x "
             f"{prefix}.ulysses_sequence_parallel_size)"
         )
 
 
-def validate_config(cfg: RLHFConfig, world_size: int | None = None) -> dict[str, ParallelDims]:
-    """Check every cross-field rule; return the actor's and critic's parallel layouts.
-
-    `world_size` is the number of launched processes when known (torchrun); otherwise the
-    planned `trainer.nnodes x trainer.n_gpus_per_node` is used.
-    """
-    world = _world_size(cfg, world_size)
-    dims = {role: parallel_dims(role, cfg, world) for role in ("actor", "critic")}
-    for role, role_dims in dims.items():
-        _check_batches(role, cfg, role_dims)
+def _check_shared_layout(cfg: RLHFConfig, actor: ParallelLayout, critic: ParallelLayout) -> None:
     ref_sp = cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size
-    if ref_sp is not None and ref_sp != dims["actor"].cp:
+    if ref_sp is not None and ref_sp != actor.sp_size:
         raise ConfigError(
-            f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} differs from "
-            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={dims['actor'].cp}: the "
+            f"{AR}.ref.ulysses_sequence_parallel_size={ref_sp} differs from "
+            f"{AR}.actor.ulysses_sequence_parallel_size={actor.sp_size}: the "
             "reference shares the actor's parallel layout (leave it null)"
         )
-    if dims["critic"] != dims["actor"]:
+    if critic != actor:
         raise ConfigError(
-            f"critic.megatron / critic.ulysses_sequence_parallel_size give {dims['critic']}, "
-            f"the actor's give {dims['actor']}: actor, critic and reference share one Megatron "
+            f"critic.megatron / critic.ulysses_sequence_parallel_size give {critic}, "
+            f"the actor's give {actor}: actor, critic and reference share one Megatron "
             "parallel layout; set the critic's sizes like the actor's"
         )
+
+
+def _check_rollout_placement(cfg: RLHFConfig, layout: ParallelLayout) -> None:
+    """Server URLs look like URLs; servers launched on several nodes need whole replicas."""
+    rollout, trainer = cfg.actor_rollout_ref.rollout, cfg.trainer
+    bad = [u for u in rollout.server_urls or [] if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ConfigError(f"{AR}.rollout.server_urls: {bad} are not URLs like http://host:port")
+    if rollout.server_urls or trainer.nnodes == 1:
+        return
+    replica = layout.tp_size * layout.sp_size
+    if layout.pp_size > 1 or trainer.n_gpus_per_node % replica:
+        raise ConfigError(
+            f"trainer.nnodes={trainer.nnodes} with servers launched by the job (colocated) needs "
+            f"a whole model replica on every node: {AR}.actor.megatron."
+            f"pipeline_model_parallel_size must be 1 (is {layout.pp_size}) and "
+            f"tensor_model_parallel_size x ulysses_sequence_parallel_size ({replica}) must "
+            f"divide trainer.n_gpus_per_node ({trainer.n_gpus_per_node}); otherwise run "
+            f"disaggregated servers ({AR}.rollout.server_urls, see launch/sglang_servers.sh)"
+        )
+
+
+def _check_heads(layout: ParallelLayout, heads: AttentionHeads) -> None:
+    """Ulysses splits each TP rank's query heads over the SP ranks."""
+    per_tp_rank = heads.num_attention_heads // layout.tp_size
+    if layout.sp_size > 1 and per_tp_rank % layout.sp_size:
+        raise ConfigError(
+            f"{AR}.actor.ulysses_sequence_parallel_size={layout.sp_size} with "
+            f"{AR}.actor.megatron.tensor_model_parallel_size={layout.tp_size} and "
+            f"{heads.num_attention_heads} attention heads: {per_tp_rank} query heads per TP "
+            f"rank cannot be split over {layout.sp_size} Ulysses ranks (query heads per TP rank "
+            "must be a multiple of the SP size)"
+        )
+
+
+def _check_misc(cfg: RLHFConfig) -> None:
     for i, step in enumerate(cfg.global_profiler.steps or []):
         if step < 1:
             raise ConfigError(f"global_profiler.steps[{i}]: steps count from 1, got {step}")
     if not cfg.actor_rollout_ref.model.path:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
-    return dims
+
+
+def validate_config(
+    cfg: RLHFConfig, world_size: int | None = None, heads: AttentionHeads | None = None
+) -> ParallelLayout:
+    """Check every cross-field rule; return the parallel layout all three models share.
+
+    `world_size` is the number of launched processes when known (torchrun); otherwise the
+    planned `trainer.nnodes x trainer.n_gpus_per_node` is used. `heads` (the policy's
+    architecture) enables the rules on attention heads.
+    """
+    world = _world_size(cfg, world_size)
+    actor, critic = (parallel_layout(role, cfg, world) for role in ("actor", "critic"))
+    _check_batches("actor", cfg, actor)
+    _check_batches("critic", cfg, critic)
+    _check_shared_layout(cfg, actor, critic)
+    _check_rollout_placement(cfg, actor)
+    if heads is not None:
+        _check_heads(actor, heads)
+    _check_misc(cfg)
+    return actor

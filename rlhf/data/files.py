@@ -77,7 +77,9 @@ def _fsspec_filesystem(uri: str) -> tuple[Any, str] | None:
 
 
 def _remote(uri: str, key: str) -> list[DataFile]:
-    scheme = _SCHEME.match(uri).group(1)
+    match = _SCHEME.match(uri)
+    assert match is not None, f"{uri} was classified as a URI"
+    scheme = match.group(1)
     errors = []
     try:
         found = _fsspec_filesystem(uri)

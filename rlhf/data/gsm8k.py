@@ -50,8 +50,9 @@ def find_split_files(input_path: str | Path) -> dict[str, list[Path]]:
         return {split: [path]}
     found: dict[str, list[Path]] = {}
     for file in sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()):
-        if _split_of(file):
-            found.setdefault(_split_of(file), []).append(file)
+        split = _split_of(file)
+        if split:
+            found.setdefault(split, []).append(file)
     if not found:
         raise FileNotFoundError(
             f"--input: no train*/test* .jsonl or .parquet files under {path} "
@@ -112,6 +113,7 @@ def convert_split(files: list[Path], split: str) -> list[dict[str, Any]]:
             for name, value in (("question", question), ("answer", answer)):
                 if not isinstance(value, str) or not value.strip():
                     raise ValueError(f"{path}: {where}: '{name}' is missing or empty")
+            assert isinstance(question, str) and isinstance(answer, str)
             try:
                 rows.append(to_schema_row(question, answer, split, len(rows)))
             except ValueError as e:

@@ -133,7 +133,8 @@ def restore_order(
             if result[index] is not None:
                 raise ValueError(f"sequence {index} appears in more than one micro-batch")
             result[index] = value
-    missing = [i for i, v in enumerate(result) if v is None]
-    if missing:
+    found = [v for v in result if v is not None]
+    if len(found) != num_sequences:
+        missing = [i for i, v in enumerate(result) if v is None]
         raise ValueError(f"no micro-batch holds sequences {missing[:10]}")
-    return result
+    return found

@@ -112,9 +112,10 @@ def _place(
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     loads = [0] * num_bins
     for i in ordered:
+        slot: int | None
         if balance:
-            slot = min(range(num_bins), key=lambda b: loads[b])
-            slot = slot if loads[slot] + lengths[i] <= capacity else None
+            least = min(range(num_bins), key=lambda b: loads[b])
+            slot = least if loads[least] + lengths[i] <= capacity else None
         else:
             slot = next((b for b in range(num_bins) if loads[b] + lengths[i] <= capacity), None)
         if slot is None:
@@ -190,7 +191,8 @@ def plan_micro_batches(
         # rank can fill k non-empty micro-batches.
         count = max(first_fit_bins(r, padded, max_tokens_per_micro_batch) for r in ranks)
         bins = [fill_bins(r, padded, count, max_tokens_per_micro_batch) for r in ranks]
-        if any(b is None for b in bins):  # impossible by the argument above
+        filled = [b for b in bins if b is not None]
+        if len(filled) != len(bins):  # impossible by the argument above
             raise RuntimeError(f"could not pack mini-batch at {start} into {count} micro-batches")
-        assignments.append(bins)
+        assignments.append(filled)
     return MicroBatchPlan(assignments, padded, max_tokens_per_micro_batch, dp_size)

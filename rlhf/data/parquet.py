@@ -25,11 +25,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf.config.choices import BadRows
 from rlhf.data.files import DataFile, resolve_files
 
 log = logging.getLogger(__name__)
@@ -198,12 +199,15 @@ def _read_table(data_file: DataFile, report: FileReport) -> pa.Table | None:
 
     try:
         if data_file.size() == 0:
-            return fail("file is empty (0 bytes)")
+            fail("file is empty (0 bytes)")
+            return None
         table = pq.read_table(data_file.path, filesystem=data_file.filesystem)
     except (pa.ArrowInvalid, OSError) as e:
-        return fail(f"not a Parquet file ({str(e).splitlines()[0]})")
+        fail(f"not a Parquet file ({str(e).splitlines()[0]})")
+        return None
     if table.num_rows == 0:
-        return fail("file has no rows")
+        fail("file has no rows")
+        return None
     return table
 
 
@@ -241,7 +245,7 @@ def read_prompt_rows(
     spec: str | Sequence[str] | None,
     *,
     prompt_key: str = "prompt",
-    bad_rows: Literal["error", "skip"] = "error",
+    bad_rows: BadRows = "error",
     key: str = "data.train_files",
 ) -> list[PromptRow]:
     """Valid rows of every file named by `spec`; raises `DataError` listing every problem.
@@ -249,7 +253,9 @@ def read_prompt_rows(
     With `bad_rows="skip"` bad rows are dropped (count and the first few logged); problems
     with a whole file still raise. `key` is the config key named in messages.
     """
-    rows, fatal, skipped = [], [], []
+    rows: list[PromptRow] = []
+    fatal: list[Problem] = []
+    skipped: list[Problem] = []
     for data_file in resolve_files(spec, key):
         file_rows, report = read_file(data_file, prompt_key)
         rows.extend(file_rows)

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rlhf.config.choices import Truncation
 from rlhf.data.parquet import PromptRow, read_prompt_rows
 
 log = logging.getLogger(__name__)
-
-Truncation = Literal["left", "right", "error"]
 
 
 @dataclass(frozen=True)

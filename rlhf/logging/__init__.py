@@ -1,6 +1,6 @@
 """Metrics (console, metrics.jsonl, TensorBoard, W&B, MLflow), stage timers and profiling."""
 
 from rlhf.logging.profiler import StepProfiler, stage_range
-from rlhf.logging.tracker import LOGGERS, MetricTracker, Timer
+from rlhf.logging.tracker import MetricTracker, Timer
 
-__all__ = ["LOGGERS", "MetricTracker", "StepProfiler", "Timer", "stage_range"]
+__all__ = ["MetricTracker", "StepProfiler", "Timer", "stage_range"]

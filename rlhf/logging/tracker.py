@@ -18,11 +18,11 @@ from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlhf.config.choices import LOGGERS
 from rlhf.logging.profiler import stage_range
 
 log = logging.getLogger(__name__)
 
-LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
 CONSOLE_KEYS = (
     "critic/score/mean",
     "actor/pg_loss",

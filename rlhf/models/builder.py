@@ -6,6 +6,8 @@ to Megatron's initialisation when a Megatron checkpoint will be loaded into the 
 
 from __future__ import annotations
 
+from typing import Any  # Megatron's GPTModel: Megatron-Core ships no type information
+
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -29,7 +31,7 @@ def build_model(
     *,
     padded_vocab: int | None = None,
     params_dtype: torch.dtype = torch.float32,
-    cp: int = 1,
+    sp: int = 1,
     initialize: bool = True,
 ):
     """This pipeline stage's `GPTModel` for `arch`.
@@ -47,7 +49,7 @@ def build_model(
         arch,
         tp=placement.tp_size,
         pp=placement.pp_size,
-        cp=cp,
+        sp=sp,
         params_dtype=params_dtype,
         perform_initialization=initialize,
     )
@@ -71,7 +73,7 @@ def build_model(
 
 @torch.no_grad()
 def load_hf_weights(
-    model: nn.Module,
+    model: Any,
     reader: HFCheckpointReader,
     arch: ModelArch,
     placement: Placement,
@@ -107,7 +109,7 @@ class ValueHead(nn.Module):
         return hidden_sbh @ self.weight.t(), None
 
 
-def attach_value_head(model: nn.Module, arch: ModelArch, seed: int = 0) -> nn.Module:
+def attach_value_head(model: Any, arch: ModelArch, seed: int = 0) -> Any:
     """Turn a policy model into a value model (on the last stage); head initialised N(0, 1/h)."""
     if getattr(model, "post_process", False):
         head = ValueHead(arch.hidden_size, dtype=next(model.parameters()).dtype)
@@ -119,7 +121,7 @@ def attach_value_head(model: nn.Module, arch: ModelArch, seed: int = 0) -> nn.Mo
 
 
 @torch.no_grad()
-def load_score_head(model: nn.Module, reader: HFCheckpointReader) -> None:
+def load_score_head(model: Any, reader: HFCheckpointReader) -> None:
     """Value head from an HF `*ForSequenceClassification` checkpoint's `score.weight`."""
     if not getattr(model, "post_process", False):
         return
@@ -137,7 +139,7 @@ def value_model_from_hf(
     *,
     seed: int = 0,
     params_dtype: torch.dtype = torch.float32,
-    cp: int = 1,
+    sp: int = 1,
 ):
     """Critic / reward model from an HF directory.
 
@@ -149,7 +151,7 @@ def value_model_from_hf(
 
     arch = load_arch(hf_dir)
     reader = HFCheckpointReader(hf_dir)
-    policy = build_model(arch, placement, params_dtype=params_dtype, cp=cp, initialize=False)
+    policy = build_model(arch, placement, params_dtype=params_dtype, sp=sp, initialize=False)
     model = attach_value_head(policy, arch, seed)
     load_hf_weights(model, reader, arch, placement, skip=("output_layer.weight",))
     if "score.weight" in reader:

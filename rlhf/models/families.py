@@ -158,7 +158,7 @@ def transformer_config(
     *,
     tp: int = 1,
     pp: int = 1,
-    cp: int = 1,
+    sp: int = 1,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool = True,
     perform_initialization: bool = True,
@@ -199,7 +199,7 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
+        context_parallel_size=sp,  # Ulysses runs on the context-parallel group
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -21,8 +21,13 @@ Backward is written out, because each rank only sees its own slice of every sum:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from rlhf.distributed.context import ParallelContext
 
 
 def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -89,3 +94,26 @@ def vocab_parallel_logprobs_entropy(
         fp32 logprobs [...] and entropy [...], both differentiable w.r.t. `logits_local`.
     """
     return _VocabParallelLogprobEntropy.apply(logits_local, targets, vocab_start, vocab_size, group)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This TP rank's slice of the padded vocabulary, ids [start, start + V_local), and the
+    true vocabulary size (ids at or beyond it are padding)."""
+
+    start: int
+    vocab_size: int
+    group: ProcessGroup | None = None
+
+    @classmethod
+    def of(cls, ctx: ParallelContext, padded_vocab_size: int, vocab_size: int) -> VocabShard:
+        return cls(ctx.tp_rank * (padded_vocab_size // ctx.tp_size), vocab_size, ctx.tp_group)
+
+    def logprobs_entropy(
+        self, logits_local: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`vocab_parallel_logprobs_entropy` of `targets` under this rank's logits."""
+        return vocab_parallel_logprobs_entropy(
+            logits_local, targets, vocab_start=self.start, vocab_size=self.vocab_size,
+            group=self.group,
+        )  # fmt: skip

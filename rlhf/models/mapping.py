@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf.distributed.context import ParallelContext
 from rlhf.models.families import ModelArch
 from rlhf.models.hf_io import HFCheckpointReader
 
@@ -52,6 +53,12 @@ class Placement:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+
+    @classmethod
+    def of(cls, ctx: ParallelContext) -> Placement:
+        return cls(
+            tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size
+        )
 
     @property
     def is_first_stage(self) -> bool:

@@ -32,16 +32,23 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.distributed.nn.functional import all_to_all_single
+
+from rlhf.distributed.context import ParallelContext
 
 
 @dataclass(frozen=True)
 class SequenceShard:
     """This rank's place in the Ulysses (context-parallel) group."""
 
-    group: object | None
+    group: ProcessGroup | None
     rank: int
     size: int
+
+    @classmethod
+    def of(cls, ctx: ParallelContext) -> SequenceShard:
+        return cls(ctx.sp_group, ctx.sp_rank, ctx.sp_size)
 
 
 def zigzag_positions(seq_len: int, sp_size: int, sp_rank: int) -> Tensor:
@@ -115,8 +122,7 @@ class UlyssesAttention(MegatronModule):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, inner, **kwargs):
         super().__init__(config=config)
-        pg_collection = kwargs.get("pg_collection")
-        self.sp_group = pg_collection.cp if pg_collection is not None else _cp_group()
+        self.sp_group = kwargs["pg_collection"].cp  # Megatron's Attention always passes it
         sp = dist.get_world_size(self.sp_group)
         tp = config.tensor_model_parallel_size
         q_heads, kv_heads = config.num_attention_heads // tp, config.num_query_groups // tp
@@ -148,12 +154,6 @@ class UlyssesAttention(MegatronModule):
         context = context.reshape(s, b, q.shape[2], q.shape[3])
         self.exchanged_bytes += context.numel() * context.element_size()
         return _head_to_seq(context, self.sp_group, order).reshape(s // sp, b, -1)
-
-
-def _cp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_group()
 
 
 class _SumToAll(torch.autograd.Function):

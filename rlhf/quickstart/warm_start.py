@@ -26,7 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from rlhf.quickstart.arithmetic import make_problems
 from rlhf.reward import compute_score
@@ -260,7 +265,7 @@ def warm_start(model_dir: str | Path, cfg: WarmStartConfig = WarmStartConfig()) 
 
 @torch.no_grad()
 def sampled_accuracy(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict],
     *,
@@ -280,7 +285,7 @@ def sampled_accuracy(
     options = sampling if temperature > 0 else {"do_sample": False, "num_beams": 1}
     scores, formats = [], []
     for length, group in sorted(by_length.items()):
-        out_nt = model.generate(
+        out_nt = model.generate(  # type: ignore[operator]  # mypy reads nn.Module.__getattr__
             input_ids=torch.tensor([ids for ids, _ in group]),
             attention_mask=torch.ones(len(group), length, dtype=torch.long),
             max_new_tokens=max_new_tokens,

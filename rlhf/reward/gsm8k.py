@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Literal
 
-Method = Literal["strict", "flexible"]
+from rlhf.config.choices import GSM8KMethod
 
 # A number not glued to a preceding word or digit ("3-5" is 3 and 5, not 3 and -5): optional
 # minus and $ (either order), digits with optional thousands commas, optional decimals.
@@ -39,7 +38,7 @@ def normalize_number(text: str) -> str | None:
     return format(value.normalize(), "f")
 
 
-def extract_answer(solution: str, method: Method = "strict") -> str | None:
+def extract_answer(solution: str, method: GSM8KMethod = "strict") -> str | None:
     """The response's final answer as written (not normalised), or None."""
     if method == "strict":
         matches = _HASH_NUMBER.findall(solution)
@@ -54,7 +53,7 @@ def compute_score(
     solution: str,
     ground_truth: str | int | float,
     *,
-    method: Method = "strict",
+    method: GSM8KMethod = "strict",
     format_score: float = 0.0,
     correct_score: float = 1.0,
 ) -> float:

@@ -15,8 +15,9 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from rlhf.config.choices import GSM8KMethod
 from rlhf.reward import gsm8k, math
 
 RewardFn = Callable[..., float]
@@ -26,7 +27,7 @@ RewardFn = Callable[..., float]
 class RuleSettings:
     """Settings shared by the rule rewards (`reward.*`)."""
 
-    gsm8k_method: Literal["strict", "flexible"] = "strict"
+    gsm8k_method: GSM8KMethod = "strict"
     format_score: float = 0.0
     correct_score: float = 1.0
 

@@ -58,16 +58,19 @@ class RewardScorer:
         if model_rows:
             for i, value in zip(model_rows, self._model_scores([inputs[i] for i in model_rows])):
                 scores[i] = value
-        return scores
+        done = [s for s in scores if s is not None]
+        assert len(done) == len(scores), "every row is a rule or a model row"
+        return done
 
     def _model_scores(self, items: Sequence[RewardInput]) -> list[float]:
         if self.model_fn is None:
             raise ValueError(
                 "rows with reward_model.style=model need a reward model: set reward.model_path"
             )
-        if any(item.token_ids is None for item in items):
+        token_ids = [item.token_ids for item in items if item.token_ids is not None]
+        if len(token_ids) != len(items):
             raise ValueError("reward_model.style=model rows need their token ids to be scored")
-        values = self.model_fn([item.token_ids for item in items])
+        values = self.model_fn(token_ids)
         if values is None:
             raise ValueError("the reward model returned no scores on this rank (not last stage)")
         return [float(v) for v in values]

@@ -4,8 +4,8 @@ The trainer only needs "token-id prompts in, `n` samples per prompt with log-pro
 plus health and shutdown; `RolloutEngine` is that contract, so the PPO loop does not
 depend on how servers are launched, routed or restarted. `SGLangEngine` fulfils it with a
 `ServerGroup` (processes) and a `GenerateClient` (HTTP, retries). Weight updates are not
-part of it: they go to `server_urls`, and `on_restart(url)` says when a restarted server
-needs the current weights again.
+part of it: `rlhf.weight_sync` sends them to `server_urls`, and a handler registered with
+`on_server_restart` is told when a restarted server needs the current weights again.
 """
 
 from __future__ import annotations
@@ -114,14 +114,14 @@ class RolloutStats:
 
     @classmethod
     def of(cls, results: list[RequestResult], wall_s: float) -> RolloutStats:
-        engine = [r.engine_s for r in results]
+        engine = [r.engine_s for r in results if r.engine_s is not None]
         return cls(
             requests=len(results),
             samples=sum(len(r.generations) for r in results),
             generated_tokens=sum(len(g.output_ids) for r in results for g in r.generations),
             wall_s=wall_s,
             request_s=sum(r.request_s for r in results),
-            engine_s=None if None in engine else sum(engine),
+            engine_s=sum(engine) if len(engine) == len(results) else None,
             retried_requests=sum(r.attempts > 1 for r in results),
         )
 
@@ -132,10 +132,6 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutSample]:
         """Samples for token-id `prompts`; complete, or an exception."""
-        ...
-
-    def update_weights(self, model, version: int):
-        """Push the trainer's current weights (all training ranks call this)."""
         ...
 
     def health(self) -> dict[str, bool]:
@@ -222,16 +218,9 @@ class SGLangEngine:
             for g in result.generations
         ]
 
-    def attach_weight_syncer(self, syncer) -> None:
-        """Use `syncer` (rlhf.weight_sync) for updates and to re-sync restarted servers."""
-        self.syncer = syncer
-        self.group.on_restart = syncer.resync_server
-
-    def update_weights(self, model, version: int):
-        """One weight sync (every training rank calls); returns its `SyncStats`."""
-        if getattr(self, "syncer", None) is None:
-            raise RuntimeError("update_weights needs attach_weight_syncer(...) first")
-        return self.syncer.sync(model, version)
+    def on_server_restart(self, handler: Callable[[str], None]) -> None:
+        """Call `handler(url)` after a launched server was restarted (before requests resume)."""
+        self.group.on_restart = handler
 
     def health(self) -> dict[str, bool]:
         return self.group.health()

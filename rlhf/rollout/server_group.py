@@ -26,17 +26,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import requests
-
 from rlhf.config.schema import RolloutConfig
+from rlhf.rollout import sglang_api
 from rlhf.rollout.client import RETRIES_KEY, RetryPolicy
-from rlhf.rollout.sglang_server import (
-    HEALTH_TIMEOUT_S,
-    SGLangServer,
-    build_router_args,
-    build_server_args,
-    http_healthy,
-)
+from rlhf.rollout.sglang_server import SGLangServer, build_router_args, build_server_args
 from rlhf.utils import free_ports
 
 log = logging.getLogger(__name__)
@@ -66,9 +59,6 @@ class ServerGroup:
         ones; `spread_gpus`: server i starts at GPU i x its TP size instead of all at GPU 0."""
         if not rollout.server_urls and model_path is None:
             raise ValueError(f"a model path is needed to launch servers ({KEY}.server_urls unset)")
-        bad = [u for u in rollout.server_urls or [] if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"{KEY}.server_urls: {bad} are not URLs like http://host:port")
         self.rollout = rollout
         self.model_path = model_path
         self.log_dir = Path(log_dir)
@@ -123,6 +113,7 @@ class ServerGroup:
             if self.base_port is None
             else range(self.base_port, self.base_port + num)
         )
+        assert self.model_path is not None, "checked in __init__"
         for i, port in enumerate(ports):
             launch = build_server_args(
                 self.rollout,
@@ -144,7 +135,7 @@ class ServerGroup:
         policy = RetryPolicy.from_config(self.rollout)
         attempts = policy.retries + 1
         for attempt in range(1, attempts + 1):
-            if http_healthy(url):
+            if sglang_api.healthy(url):
                 return
             if attempt < attempts:
                 time.sleep(policy.delay_s(attempt))
@@ -166,17 +157,16 @@ class ServerGroup:
             startup_timeout_s=self.rollout.server_startup_timeout_s,
         )
         self.router = SGLangServer(launch, self.log_dir / "sglang_router.log").start()
-        self._wait_router()
+        self._wait_router(self.router)
 
-    def _wait_router(self) -> None:
+    def _wait_router(self, router: SGLangServer) -> None:
         """The router answers /health before it has registered its workers: wait for both."""
-        router = self.router
         timeout_s = self.rollout.server_startup_timeout_s
         deadline = time.monotonic() + timeout_s
         router.wait_healthy(timeout_s)
         missing = set(self.server_urls)
         while time.monotonic() < deadline:
-            missing = set(self.server_urls) - _router_healthy_workers(router.url)
+            missing = set(self.server_urls) - sglang_api.router_healthy_workers(router.url)
             if not missing:
                 return
             if not router.is_alive():
@@ -194,7 +184,7 @@ class ServerGroup:
         for url in self.server_urls:
             server = self._launched(url)
             alive = server is None or server.is_alive()
-            status[url] = alive and http_healthy(url)
+            status[url] = alive and sglang_api.healthy(url)
         if self.router is not None:
             status[self.router.url] = self.router.is_alive() and self.router.healthy()
         return status
@@ -224,7 +214,7 @@ class ServerGroup:
 
     def _recover_servers(self) -> None:
         if self.external:
-            if not any(http_healthy(u) for u in self.external):
+            if not any(sglang_api.healthy(u) for u in self.external):
                 raise RuntimeError(
                     f"no external SGLang server answers /health ({KEY}.server_urls="
                     f"{self.external}); external servers are never restarted by the trainer"
@@ -235,9 +225,9 @@ class ServerGroup:
                 self._run_on_launcher(self._restart, server)
 
     def _recover_external(self, url: str) -> str:
-        if http_healthy(url):
+        if sglang_api.healthy(url):
             return url
-        others = [u for u in self.external if u != url and http_healthy(u)]
+        others = [u for u in self.external if u != url and sglang_api.healthy(u)]
         if not others:
             raise RuntimeError(
                 f"external SGLang server at {url} ({KEY}.server_urls) is down and no other "
@@ -271,7 +261,7 @@ class ServerGroup:
         server.stop()
         server.start()
         if server is self.router:
-            self._wait_router()
+            self._wait_router(server)
         else:
             server.wait_healthy(self.rollout.server_startup_timeout_s)
         log.warning("restarted SGLang process at %s", url)
@@ -324,13 +314,3 @@ class ServerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _router_healthy_workers(router_url: str) -> set[str]:
-    """URLs of the workers the router reports healthy (none if it does not answer)."""
-    try:
-        response = requests.get(f"{router_url}/workers", timeout=HEALTH_TIMEOUT_S)
-        workers = response.json().get("workers", []) if response.status_code == 200 else []
-    except (requests.RequestException, ValueError):
-        return set()
-    return {w.get("url") for w in workers if w.get("is_healthy")}

@@ -22,14 +22,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
-
 from rlhf.config.schema import RolloutConfig
+from rlhf.rollout import sglang_api
 
 log = logging.getLogger(__name__)
 
 CPU_SHIM_DIR = Path(__file__).parent / "cpu_shims"
-HEALTH_TIMEOUT_S = 5.0
 _RUNNING: set[SGLangServer] = set()
 
 
@@ -123,14 +121,6 @@ def build_router_args(
     return ServerLaunch(argv=argv, env={}, url=f"http://{host}:{port}")
 
 
-def http_healthy(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
-    """Whether GET `url`/health answers 200 (SGLang server or router)."""
-    try:
-        return requests.get(f"{url}/health", timeout=timeout_s).status_code == 200
-    except requests.RequestException:
-        return False
-
-
 def _die_with_parent() -> None:
     """In the child: receive SIGTERM if the launching process dies (Linux prctl)."""
     with contextlib.suppress(OSError):
@@ -172,8 +162,8 @@ class SGLangServer:
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def healthy(self, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
-        return http_healthy(self.url, timeout_s)
+    def healthy(self, timeout_s: float = sglang_api.HEALTH_TIMEOUT_S) -> bool:
+        return sglang_api.healthy(self.url, timeout_s)
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Block until /health answers 200; raise naming the URL and log if it never does."""

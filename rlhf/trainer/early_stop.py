@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rlhf.config.schema import doc
+from rlhf.config.schema import EarlyStopConfig
 
 # Ziegler et al.'s adaptive controller clips its proportional error at +-20% per step, so a
 # KL that stays at twice the target is one the controller is not bringing back.
@@ -29,75 +29,6 @@ _STATE_KEYS = (
     "score_count",
     "last_good_step",
 )
-
-
-def _require(ok: bool, key: str, rule: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"trainer.early_stop.{key} must be {rule}, got {value}")
-
-
-@dataclass(frozen=True)
-class EarlyStopSettings:
-    """The three rules; each is off when its first setting is None."""
-
-    kl_threshold: float | None = doc(
-        None, "mean KL (policy vs reference) of a step above which the step is high-KL", gt=0
-    )
-    kl_patience: int = doc(3, "stop after this many consecutive high-KL steps", ge=1)
-    reward_plateau_patience: int | None = doc(
-        None, "stop when the best mean training score has not improved for this many steps", ge=1
-    )
-    reward_plateau_min_delta: float = doc(
-        0.0, "an improvement must beat the best score by more than this", ge=0
-    )
-    rollback_val_ratio: float | None = doc(
-        None,
-        "roll back when validation < ratio x mean training score since the last one",
-        gt=0,
-        le=1,
-    )
-
-    def __post_init__(self) -> None:
-        kl, patience, plateau = self.kl_threshold, self.kl_patience, self.reward_plateau_patience
-        delta, ratio = self.reward_plateau_min_delta, self.rollback_val_ratio
-        _require(kl is None or kl > 0, "kl_threshold", "> 0", kl)
-        _require(patience >= 1, "kl_patience", ">= 1", patience)
-        _require(plateau is None or plateau >= 1, "reward_plateau_patience", ">= 1", plateau)
-        _require(delta >= 0, "reward_plateau_min_delta", ">= 0", delta)
-        _require(ratio is None or 0 < ratio <= 1, "rollback_val_ratio", "in (0, 1]", ratio)
-
-    @classmethod
-    def from_config(cls, cfg) -> EarlyStopSettings:
-        """The settings of the `trainer.early_stop` config section (not of `ppo_kl_bound`).
-
-        There a patience of 0 turns its rule off and a null `kl_threshold` means
-        `KL_THRESHOLD_FACTOR` x `algorithm.kl_ctrl.target_kl`.
-        """
-        section = cfg.trainer.early_stop
-        overrides: dict[str, Any] = {
-            "reward_plateau_patience": section.reward_plateau_patience or None,
-            "reward_plateau_min_delta": section.reward_plateau_min_delta,
-            "rollback_val_ratio": section.rollback_val_ratio,
-        }
-        if section.kl_patience == 0:
-            overrides["kl_threshold"] = None
-        else:
-            overrides["kl_patience"] = section.kl_patience
-            if section.kl_threshold is not None:
-                overrides["kl_threshold"] = section.kl_threshold
-        return cls.from_target_kl(cfg.algorithm.kl_ctrl.target_kl, **overrides)
-
-    @classmethod
-    def from_target_kl(cls, target_kl: float, **overrides: Any) -> EarlyStopSettings:
-        """Settings whose KL threshold is `KL_THRESHOLD_FACTOR` (2) x the controller's target.
-
-        `target_kl` is `algorithm.kl_ctrl.target_kl`; an explicit `kl_threshold` in
-        `overrides` wins over the derived one.
-        """
-        if not target_kl > 0:
-            raise ValueError(f"algorithm.kl_ctrl.target_kl must be > 0, got {target_kl}")
-        overrides.setdefault("kl_threshold", KL_THRESHOLD_FACTOR * target_kl)
-        return cls(**overrides)
 
 
 @dataclass(frozen=True)
@@ -128,7 +59,7 @@ def should_stop_epochs(approx_kl: float, bound: float | None) -> bool:
 
 
 class EarlyStopper:
-    """Applies `EarlyStopSettings` to the numbers of each step and each validation.
+    """Applies the `trainer.early_stop` rules to the numbers of each step and validation.
 
     Call `observe_step` once per training step and `observe_validation` after each
     validation; a returned `Decision` is the trainer's to act on. Call `mark_good(step)` once
@@ -136,8 +67,14 @@ class EarlyStopper:
     `last_good_step` (None when no checkpoint has passed yet).
     """
 
-    def __init__(self, settings: EarlyStopSettings) -> None:
-        self.settings = settings
+    def __init__(self, section: EarlyStopConfig, target_kl: float) -> None:
+        # A patience of 0 turns its rule off; a null kl_threshold is 2 x target_kl.
+        threshold = section.kl_threshold or KL_THRESHOLD_FACTOR * target_kl
+        self.kl_threshold = threshold if section.kl_patience else None
+        self.kl_patience = section.kl_patience
+        self.plateau_patience = section.reward_plateau_patience or None
+        self.plateau_min_delta = section.reward_plateau_min_delta
+        self.rollback_val_ratio = section.rollback_val_ratio
         self._high_kl_streak = 0
         self._best_score: float | None = None
         self._steps_since_best = 0
@@ -166,24 +103,24 @@ class EarlyStopper:
         return kl_decision or plateau_decision
 
     def _check_kl(self, step: int, mean_kl: float) -> Decision | None:
-        threshold = self.settings.kl_threshold
+        threshold = self.kl_threshold
         if threshold is None:
             return None
         high = not math.isfinite(mean_kl) or mean_kl > threshold
         self._high_kl_streak = self._high_kl_streak + 1 if high else 0
-        if self._high_kl_streak < self.settings.kl_patience:
+        if self._high_kl_streak < self.kl_patience:
             return None
         reason = (
             f"mean KL {mean_kl:.4g} above {threshold:.4g} for "
-            f"{self._high_kl_streak} consecutive steps (patience {self.settings.kl_patience})"
+            f"{self._high_kl_streak} consecutive steps (patience {self.kl_patience})"
         )
         return Decision("stop", reason, step)
 
     def _check_plateau(self, step: int, mean_score: float) -> Decision | None:
-        patience = self.settings.reward_plateau_patience
+        patience = self.plateau_patience
         if patience is None:
             return None
-        delta = self.settings.reward_plateau_min_delta
+        delta = self.plateau_min_delta
         best = self._best_score
         if math.isfinite(mean_score) and (best is None or mean_score > best + delta):
             self._best_score = mean_score
@@ -208,7 +145,7 @@ class EarlyStopper:
         """
         count, total = self._score_count, self._score_sum
         self._score_sum, self._score_count = 0.0, 0
-        ratio = self.settings.rollback_val_ratio
+        ratio = self.rollback_val_ratio
         if ratio is None or count == 0:
             return None
         train_mean = total / count

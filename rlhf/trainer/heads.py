@@ -1,89 +1,82 @@
 """What the last pipeline stage computes from a micro-batch's output: the PPO-specific part.
 
-Forward heads turn logits into per-response-token log-probs (vocab-parallel, so TP never
-gathers the vocabulary) or value outputs into values; loss heads add the PPO policy or
-value loss normalised by the global counts of the mini-batch.
+A head is called by Megatron's schedule with the last stage's output ([1, T, V_local]
+logits, or [1, T, 1] values) and the micro-batch, and returns (loss or None, detached
+per-micro-batch outputs or metrics). Forward heads turn logits into per-response-token
+log-probs (vocab-parallel, so TP never gathers the vocabulary) or outputs into values; loss
+heads add the PPO policy or value loss, normalised by the global counts of the mini-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from torch import Tensor
 
 from rlhf.algo import entropy_loss, policy_loss, value_loss
 from rlhf.algo.losses import BatchCounts
 from rlhf.config.schema import ActorConfig, CriticConfig
-from rlhf.models.logprobs import vocab_parallel_logprobs_entropy
+from rlhf.models.logprobs import VocabShard
+from rlhf.trainer.experience import Experience
+from rlhf.trainer.megatron_model import HeadOutput
 from rlhf.trainer.micro_batch import MicroBatch
 
 
-@dataclass(frozen=True)
-class VocabShard:
-    """This TP rank's slice of the (padded) vocabulary and the true vocabulary size."""
-
-    start: int
-    vocab_size: int
-    group: object | None
-    temperature: float = 1.0
-
-
-def token_logprobs(logits: torch.Tensor, mb: MicroBatch, vocab: VocabShard):
+def token_logprobs(
+    logits: Tensor, mb: MicroBatch, vocab: VocabShard, temperature: float
+) -> tuple[Tensor, Tensor]:
     """[n, R] log-probs of the response tokens and [n, R] entropies (differentiable)."""
     logits = logits.float()
-    if vocab.temperature != 1.0:
-        logits = logits / vocab.temperature
-    logp_t, entropy_t = vocab_parallel_logprobs_entropy(
-        logits[0], mb.labels[0], vocab_start=vocab.start, vocab_size=vocab.vocab_size,
-        group=vocab.group,
-    )  # fmt: skip
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_t, entropy_t = vocab.logprobs_entropy(logits[0], mb.labels[0])
     return mb.gather(logp_t[None]), mb.gather(entropy_t[None])
 
 
-def logprob_head(vocab: VocabShard):
-    def head(logits, mb):
-        logp, entropy = token_logprobs(logits, mb, vocab)
+@dataclass(frozen=True)
+class LogprobHead:
+    """Log-probs and entropies of the response tokens under `temperature`."""
+
+    vocab: VocabShard
+    temperature: float = 1.0
+
+    def __call__(self, logits: Tensor, mb: MicroBatch) -> HeadOutput:
+        logp, entropy = token_logprobs(logits, mb, self.vocab, self.temperature)
         return None, {"logprobs": logp.detach(), "entropy": entropy.detach()}
 
-    return head
 
+@dataclass(frozen=True)
+class CriticValueHead:
+    """The critic's value of every response token."""
 
-def value_head():
-    def head(values, mb):
+    def __call__(self, values: Tensor, mb: MicroBatch) -> HeadOutput:
         return None, {"values": mb.gather(values[..., 0].float()).detach()}
 
-    return head
 
-
-def policy_loss_head(
-    vocab: VocabShard,
-    cfg: ActorConfig,
-    step_tensors: dict[str, torch.Tensor],
-    counts: BatchCounts,
-    norm_length: int,
-):
+@dataclass(frozen=True)
+class PolicyLossHead:
     """PPO clipped surrogate (+ entropy bonus) of one micro-batch; verl's actor/* metrics."""
-    agg = {
-        "global_num_tokens": counts.num_tokens,
-        "global_num_seqs": counts.num_seqs,
-        "norm_length": norm_length,
-    }
 
-    def head(logits, mb):
-        logp, entropy = token_logprobs(logits, mb, vocab)
+    vocab: VocabShard
+    temperature: float
+    settings: ActorConfig
+    norm_length: int
+    experience: Experience
+    counts: BatchCounts
+
+    def __call__(self, logits: Tensor, mb: MicroBatch) -> HeadOutput:
+        cfg, exp, counts = self.settings, self.experience, self.counts
+        logp, entropy = token_logprobs(logits, mb, self.vocab, self.temperature)
         out = policy_loss(
-            logp,
-            mb.select(step_tensors["old_logprobs"]),
-            mb.select(step_tensors["advantages"]),
-            mb.mask,
-            cfg.clip_ratio,
-            cfg.clip_ratio_low,
-            cfg.clip_ratio_high,
-            cfg.clip_ratio_c,
-            cfg.loss_agg_mode,
-            **agg,
-        )
-        ent = entropy_loss(entropy, mb.mask, cfg.loss_agg_mode, **agg)
+            logp, mb.select(exp.old_logprobs_bt), mb.select(exp.advantages_bt), mb.mask,
+            cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
+            cfg.loss_agg_mode, global_num_tokens=counts.num_tokens,
+            global_num_seqs=counts.num_seqs, norm_length=self.norm_length,
+        )  # fmt: skip
+        ent = entropy_loss(
+            entropy, mb.mask, cfg.loss_agg_mode, global_num_tokens=counts.num_tokens,
+            global_num_seqs=counts.num_seqs, norm_length=self.norm_length,
+        )  # fmt: skip
         loss = out.loss - cfg.entropy_coeff * ent if cfg.entropy_coeff else out.loss
         metrics = {
             "actor/pg_loss": out.loss,
@@ -94,30 +87,32 @@ def policy_loss_head(
         }
         return loss, {k: v.detach() for k, v in metrics.items()}
 
-    return head
 
-
-def value_loss_head(
-    cfg: CriticConfig, step_tensors: dict[str, torch.Tensor], counts: BatchCounts, norm_length: int
-):
+@dataclass(frozen=True)
+class ValueLossHead:
     """Clipped value loss of one micro-batch; verl's critic/vf_* metrics."""
 
-    def head(values, mb):
-        v = mb.gather(values[..., 0].float())
+    settings: CriticConfig
+    norm_length: int
+    experience: Experience
+    counts: BatchCounts
+
+    def __call__(self, values: Tensor, mb: MicroBatch) -> HeadOutput:
+        exp = self.experience
+        assert exp.values_bt is not None and exp.returns_bt is not None, "the critic's targets"
         out = value_loss(
-            v,
-            mb.select(step_tensors["values"]),
-            mb.select(step_tensors["returns"]),
+            mb.gather(values[..., 0].float()),
+            mb.select(exp.values_bt),
+            mb.select(exp.returns_bt),
             mb.mask,
-            cfg.cliprange_value,
-            cfg.loss_agg_mode,
-            global_num_tokens=counts.num_tokens,
-            global_num_seqs=counts.num_seqs,
-            norm_length=norm_length,
+            self.settings.cliprange_value,
+            self.settings.loss_agg_mode,
+            global_num_tokens=self.counts.num_tokens,
+            global_num_seqs=self.counts.num_seqs,
+            norm_length=self.norm_length,
         )
-        return out.loss, {
+        detached: dict[str, Tensor] = {
             "critic/vf_loss": out.loss.detach(),
             "critic/vf_clipfrac": out.vf_clipfrac,
         }
-
-    return head
+        return out.loss, detached

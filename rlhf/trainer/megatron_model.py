@@ -12,21 +12,27 @@ over DP x CP; `loss_scale` undoes all three.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from rlhf.config.schema import OptimConfig
-from rlhf.distributed.bootstrap import ParallelGroups
+from rlhf.distributed.context import ParallelContext
 from rlhf.trainer.micro_batch import MicroBatch
 
 log = logging.getLogger(__name__)
 
-# (output of the last stage, micro-batch) -> (loss or None, detached metrics / outputs)
-HeadFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor | None, dict[str, torch.Tensor]]]
+# (loss or None for forward-only passes, detached per-micro-batch outputs or metrics)
+HeadOutput = tuple[torch.Tensor | None, dict[str, torch.Tensor]]
+
+
+class Head(Protocol):
+    """What the last pipeline stage computes from its output for one micro-batch."""
+
+    def __call__(self, output: torch.Tensor, mb: MicroBatch, /) -> HeadOutput: ...
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class OptimizerSettings:
 
 
 def run_schedule(
-    model, micro_batches: list[MicroBatch], head: HeadFn, forward_only: bool, loss_scale: float
+    model, micro_batches: list[MicroBatch], head: Head, forward_only: bool, loss_scale: float
 ) -> list[dict[str, torch.Tensor]]:
     """Megatron's forward(-backward) over `micro_batches`; head outputs (last stage only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -75,9 +81,9 @@ def run_schedule(
 class MegatronModel:
     """A frozen model (reference policy): forward passes only, optionally offloaded."""
 
-    def __init__(self, module, groups: ParallelGroups, offload: bool = False):
+    def __init__(self, module, ctx: ParallelContext, offload: bool = False):
         self.module = self.runner = module  # runner: what the schedule calls
-        self.groups = groups
+        self.ctx = ctx
         self.offload = offload and torch.cuda.is_available()
         if offload and not self.offload:
             log.warning("param_offload only applies on GPU; ignored on CPU")
@@ -85,9 +91,9 @@ class MegatronModel:
             module.config.variable_seq_lengths = True  # packed rows differ in length
 
     @classmethod
-    def frozen(cls, module, groups: ParallelGroups, offload: bool = False) -> MegatronModel:
+    def frozen(cls, module, ctx: ParallelContext, offload: bool = False) -> MegatronModel:
         """The reference policy: no gradients, on the CPU between uses when `offload`."""
-        model = cls(module, groups, offload)
+        model = cls(module, ctx, offload)
         for p in module.parameters():
             p.requires_grad_(False)
         if model.offload:
@@ -95,7 +101,7 @@ class MegatronModel:
         return model
 
     @torch.no_grad()
-    def forward(self, micro_batches: list[MicroBatch], head: HeadFn) -> list[dict]:
+    def forward(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
         if self.offload:
             self.module.to("cuda")
         self.runner.eval()
@@ -110,14 +116,14 @@ class MegatronModel:
 class TrainableMegatronModel(MegatronModel):
     """Actor or critic: DDP, Megatron optimizer (Adam, grad clip) and LR schedule."""
 
-    def __init__(self, module, groups: ParallelGroups, settings: OptimizerSettings):
+    def __init__(self, module, ctx: ParallelContext, settings: OptimizerSettings):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
         )
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        super().__init__(module, groups)
+        super().__init__(module, ctx)
         config = module.config
         # bf16 weights keep fp32 gradient buffers (reduced in fp32) for the fp32 master copy
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.bf16)
@@ -125,7 +131,7 @@ class TrainableMegatronModel(MegatronModel):
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer, self.scheduler = build_optimizer(self.ddp, settings)
 
-    def train_mini_batch(self, micro_batches: list[MicroBatch], head: HeadFn) -> dict[str, float]:
+    def train_mini_batch(self, micro_batches: list[MicroBatch], head: Head) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches of a mini-batch.
 
         Returns the summed head metrics (over micro-batches and DP ranks, i.e. the
@@ -134,15 +140,15 @@ class TrainableMegatronModel(MegatronModel):
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        # Megatron divides by the micro-batch count and multiplies by the CP size in the
-        # schedule, then averages gradients over DP x CP: undo all of it.
-        scale = len(micro_batches) * self.groups.dp_cp_size / self.groups.cp_size
+        # Megatron divides by the micro-batch count and multiplies by the CP (= SP) size in
+        # the schedule, then averages gradients over DP x SP: undo all of it.
+        scale = len(micro_batches) * self.ctx.dp_sp_size / self.ctx.sp_size
         outputs = run_schedule(self.ddp, micro_batches, head, False, scale)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")
         self.scheduler.step(increment=1)
-        metrics = reduce_metrics(outputs, self.groups)
+        metrics = reduce_metrics(outputs, self.ctx)
         metrics["grad_norm"] = float(grad_norm)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
@@ -206,41 +212,42 @@ def build_optimizer(ddp, settings: OptimizerSettings):
     return optimizer, scheduler
 
 
-def reduce_metrics(outputs: list[dict], groups: ParallelGroups) -> dict[str, float]:
+def reduce_metrics(outputs: list[dict], ctx: ParallelContext) -> dict[str, float]:
     """Sum per-micro-batch metrics over micro-batches, DP ranks and (from the last) PP stage."""
     names = sorted(outputs[0]) if outputs else []
-    names = broadcast_names(names, groups)
-    total = torch.zeros(len(names), dtype=torch.float64, device=groups.device)
+    names = broadcast_names(names, ctx)
+    total = torch.zeros(len(names), dtype=torch.float64, device=ctx.device)
     for out in outputs:
-        total += torch.stack([out[n].double().reshape(()) for n in names]).to(groups.device)
-    return dict(zip(names, sum_over_dp_and_pp(total, groups).tolist()))
+        total += torch.stack([out[n].double().reshape(()) for n in names]).to(ctx.device)
+    return dict(zip(names, sum_over_dp_and_pp(total, ctx).tolist()))
 
 
-def sum_over_dp_and_pp(tensor: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+def sum_over_dp_and_pp(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Sum in place over DP ranks (different samples) and PP stages (only the last one holds
     outputs; the others contribute zeros)."""
-    if groups.dp_size > 1:
-        dist.all_reduce(tensor, group=groups.dp_group)
-    if groups.pp_group is not None:
-        dist.all_reduce(tensor, group=groups.pp_group)
+    if ctx.dp_size > 1:
+        dist.all_reduce(tensor, group=ctx.dp_group)
+    if ctx.pp_group is not None:
+        dist.all_reduce(tensor, group=ctx.pp_group)
     return tensor
 
 
-def broadcast_names(names: list[str], groups: ParallelGroups) -> list[str]:
+def broadcast_names(names: list[str], ctx: ParallelContext) -> list[str]:
     """The metric names the last pipeline stage produced, on every stage."""
-    if groups.pp_group is None:
+    if ctx.pp_group is None:
         return names
-    holder = [names if groups.is_last_stage else None]
-    last = dist.get_process_group_ranks(groups.pp_group)[-1]
-    dist.broadcast_object_list(holder, src=last, group=groups.pp_group)
+    holder: list[list[str] | None] = [names if ctx.is_last_stage else None]
+    dist.broadcast_object_list(holder, src=ctx.pp_stage_ranks[-1], group=ctx.pp_group)
+    assert holder[0] is not None
     return holder[0]
 
 
 def gather_per_sample(
-    outputs: list[dict], micro_batches: list[MicroBatch], key: str, shape: tuple[int, int], groups
-) -> torch.Tensor:
+    outputs: list[dict], micro_batches: list[MicroBatch], key: str, shape: tuple[int, int],
+    ctx: ParallelContext,
+) -> torch.Tensor:  # fmt: skip
     """[B, R] step tensor from the per-micro-batch [n, R] outputs `key` of every rank."""
-    result = torch.zeros(shape, dtype=torch.float32, device=groups.device)
+    result = torch.zeros(shape, dtype=torch.float32, device=ctx.device)
     for mb, out in zip(micro_batches, outputs):
-        result[mb.sample_ids] = out[key].float().to(groups.device)
-    return sum_over_dp_and_pp(result, groups).cpu()
+        result[mb.sample_ids] = out[key].float().to(ctx.device)
+    return sum_over_dp_and_pp(result, ctx).cpu()

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
+from rlhf.data.packing import plan_micro_batches
+from rlhf.distributed.context import ParallelContext
 from rlhf.parallel.ulysses import SequenceShard, combine_positions, held_positions
-from rlhf.trainer.batch import RolloutBatch
+from rlhf.rollout.batch import RolloutBatch
 from rlhf.utils import round_up
 
 CU_SEQLENS_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -44,14 +48,14 @@ class MicroBatch:
     tokens: Tensor
     position_ids: Tensor
     attention_mask: Tensor | None
-    packed_seq_params: object | None
+    packed_seq_params: Any  # Megatron's PackedSeqParams (THD), or None
     labels: Tensor
     gather_index: Tensor
     mask: Tensor
     sample_ids: list[int]
     row_len: int = 0  # T, the whole row (tokens hold only this rank's slice under SP)
     local_positions: Tensor | None = None  # Ulysses: the row positions this SP rank holds
-    sp_group: object | None = None
+    sp_group: ProcessGroup | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -164,7 +168,10 @@ def build_micro_batch(
         packed_seq_params=params, labels=labels[None], gather_index=gather_index, mask=mask,
         sample_ids=list(sample_ids), row_len=row_len,
     )  # fmt: skip
-    return mb if multiple == 1 else _slice_for_rank(mb, sp, cu_padded)
+    if multiple == 1:
+        return mb
+    assert sp is not None
+    return _slice_for_rank(mb, sp, cu_padded)
 
 
 def _slice_for_rank(mb: MicroBatch, sp: SequenceShard, cu_padded: Tensor | None) -> MicroBatch:
@@ -182,3 +189,35 @@ def _slice_for_rank(mb: MicroBatch, sp: SequenceShard, cu_padded: Tensor | None)
 def default_token_budget(micro_batch_size: int, max_prompt: int, max_response: int) -> int:
     """The budget a fixed micro-batch of the longest sequences would use."""
     return micro_batch_size * (max_prompt + max_response)
+
+
+@dataclass(frozen=True)
+class MicroBatchPlanner:
+    """Cuts a step's samples into this rank's packed micro-batches.
+
+    `thd`: pack with Transformer Engine's THD layout (cu_seqlens) instead of masks.
+    """
+
+    ctx: ParallelContext
+    thd: bool
+
+    def plan(
+        self, batch: RolloutBatch, budget: int, mini_batch_size: int | None = None
+    ) -> list[list[MicroBatch]]:
+        """This rank's micro-batches per mini-batch (`mini_batch_size` samples; None: one).
+
+        `budget` is tokens per micro-batch per rank; token-budget micro-batches are balanced
+        over the DP ranks by `rlhf.data.packing`.
+        """
+        sp = SequenceShard.of(self.ctx)
+        micro = plan_micro_batches(
+            batch.sequence_lengths,
+            max_tokens_per_micro_batch=budget * sp.size,  # a row is spread over the SP ranks
+            dp_size=self.ctx.dp_size,
+            mini_batch_size=mini_batch_size,
+            pad_to_multiple_of=2 * sp.size if sp.size > 1 else 1,
+        )
+        return [
+            [build_micro_batch(batch, ids, self.thd, sp).to(self.ctx.device) for ids in mini]
+            for mini in micro.for_rank(self.ctx.dp_rank)
+        ]

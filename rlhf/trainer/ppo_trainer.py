@@ -1,9 +1,8 @@
 """The PPO loop: rollout -> reward -> log-probs/values -> advantages -> updates -> sync.
 
-SPMD: every rank runs this loop. Rank 0 (per node, when colocated on several nodes: see
-`rlhf.trainer.fleet`) also owns the SGLang engine (generation and
-validation) and the metric tracker, and broadcasts what it alone computes, so every
-decision (early stop, rollback, checkpoint) is taken identically on all ranks.
+SPMD: every rank runs this loop. `RolloutFleet` generates and scores on the ranks that own
+SGLang engines and hands every rank the same batch; every decision (early stop, rollback,
+checkpoint) is computed from values that are identical on all ranks, so all take it together.
 """
 
 from __future__ import annotations
@@ -20,37 +19,37 @@ from rlhf.checkpoint import CheckpointManager, load_trainer_state, save_trainer_
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
-from rlhf.distributed.bootstrap import DistEnv, parallel_groups
+from rlhf.distributed.context import ParallelContext
 from rlhf.logging import MetricTracker, StepProfiler, Timer
 from rlhf.reward import build_reward_fn
-from rlhf.trainer import stages
-from rlhf.trainer.early_stop import Decision, EarlyStopper, EarlyStopSettings
-from rlhf.trainer.fleet import RolloutFleet
-from rlhf.trainer.perf import measure_matmul_flops, ppo_step_flops
-from rlhf.trainer.rollout_stage import (
-    broadcast_batch,
-    broadcast_object,
-    rollout_metrics,
-    sampling_params,
-    score_by_source,
-    val_sampling_params,
-    write_records,
+from rlhf.rollout.batch import RolloutBatch
+from rlhf.rollout.fleet import RolloutFleet
+from rlhf.rollout.generation import sampling_params, val_sampling_params
+from rlhf.trainer.early_stop import Decision, EarlyStopper
+from rlhf.trainer.metrics import perf_metrics, rollout_metrics, validation_metrics
+from rlhf.trainer.perf import measure_matmul_flops
+from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+from rlhf.trainer.stages import (
+    build_experience,
+    compute_logprobs,
+    compute_values,
+    probe_logprobs,
+    run_updates,
 )
-from rlhf.trainer.setup import build_models, load_arch_of, token_budgets, use_thd, vocab_shard
 from rlhf.utils import DTYPES
+from rlhf.weight_sync.factory import build_weight_syncer
+from rlhf.weight_sync.gather import SyncTopology
 
 log = logging.getLogger(__name__)
 
 
 class PPOTrainer:
-    """Holds the run: models, data, rollout fleet, controllers, checkpoints."""
+    """Holds the run: models, data, rollout fleet, weight syncer, controllers, checkpoints."""
 
-    def __init__(self, cfg: RLHFConfig, env: DistEnv, run_dir: Path):
-        self.cfg, self.env, self.run_dir = cfg, env, run_dir
-        self.groups = parallel_groups()
-        self.arch = load_arch_of(cfg)
-        model_path = cfg.actor_rollout_ref.model.path
-        self.tokenizer = load_tokenizer(model_path)
+    def __init__(self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path):
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+        self.arch = load_policy_arch(cfg)
+        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
         self.train_data = prompt_dataset_from_config(cfg.data, self.tokenizer, "train")
         self.val_data = (
             prompt_dataset_from_config(cfg.data, self.tokenizer, "val")
@@ -64,118 +63,95 @@ class PPOTrainer:
         self.total_steps = cfg.trainer.total_training_steps or (
             cfg.trainer.total_epochs * self.sampler.steps_per_epoch
         )
-        self.actor, self.ref, self.critic = build_models(
-            cfg, self.arch, self.groups, env, self.total_steps
-        )
-        self.ctx = stages.StageContext(
-            cfg,
-            self.groups,
-            vocab_shard(self.arch, self.actor.module, self.groups, rollout.temperature),
-            use_thd(env),
-        )
-        self.budgets = token_budgets(cfg)
+        self.models = build_ppo_models(cfg, self.arch, ctx, self.total_steps)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
-        self.stopper = EarlyStopper(EarlyStopSettings.from_config(cfg))
+        self.stopper = EarlyStopper(cfg.trainer.early_stop, cfg.algorithm.kl_ctrl.target_kl)
         self.checkpoints = CheckpointManager(
             run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep
         )
-        self.reward_fn = build_reward_fn(cfg.reward)
+        reward_fn = build_reward_fn(cfg.reward)
         self.profiler = StepProfiler.from_config(cfg)
         self.peak_flops = measure_matmul_flops(
-            env.device, DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
+            ctx.device, DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
         )
-        self.tracker = MetricTracker.from_config(cfg) if env.is_main else None
+        self.tracker = MetricTracker.from_config(cfg) if ctx.is_main else None
         num_val = len(self.val_data) if self.val_data is not None else 0
-        self.fleet = RolloutFleet(
-            cfg, env, run_dir, self.arch, max(cfg.data.train_batch_size, num_val)
-        )
-
-    # ---- weight sync ------------------------------------------------------------------
-
-    def sync_weights(self, version: int) -> dict[str, float]:
-        stats = self.fleet.sync(self.actor.module, version)
-        metrics = {"perf/weight_sync_bytes": float(stats.num_bytes)}
-        if stats.logprob_diff_max is not None:
-            metrics["rollout/logprob_diff_max"] = stats.logprob_diff_max
-        return metrics
+        max_prompts = max(cfg.data.train_batch_size, num_val)
+        self.rollout = RolloutFleet(cfg, ctx, run_dir, self.tokenizer, reward_fn, max_prompts)
+        self.syncer = build_weight_syncer(
+            rollout, self.rollout.server_urls, self.arch,
+            SyncTopology.of(ctx, per_node=self.rollout.per_node),
+            run_dir=self.rollout.node_dir, model_path=cfg.actor_rollout_ref.model.path,
+        )  # fmt: skip
+        self.rollout.on_server_restart(self.syncer.resync_server)
 
     def close(self) -> None:
-        self.fleet.shutdown()
-        if self.tracker is not None:
-            self.tracker.close()
+        try:
+            self.syncer.close()
+        finally:
+            self.rollout.shutdown()
+            if self.tracker is not None:
+                self.tracker.close()
 
     # ---- one step ---------------------------------------------------------------------
 
-    def rollout(self, step: int, timer: Timer):
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Actor -> SGLang, then the log-prob probe through the training forward path."""
+        m = self.models
+        stats = self.syncer.sync(m.actor.module, version)
+        probe = probe_logprobs(m.actor, self.syncer.probe_tokens, m.planner, m.probe_head)
+        diff = self.syncer.compare_probe(probe, self.ctx.device)
+        return {"perf/weight_sync_bytes": float(stats.num_bytes), "rollout/logprob_diff_max": diff}
+
+    def generate(self, step: int, timer: Timer) -> RolloutBatch:
         sampled = self.sampler.next_batch()  # every rank advances its sampler identically
         prompts = [self.train_data[i] for i in sampled.prompt_indices]
         with timer.stage("gen"):
-            batch, records, reward_s = self.fleet.generate(
-                self.tokenizer, self.reward_fn, prompts, sampled.uids,
-                sampled.prompt_indices, sampling_params(self.cfg),
-            )  # fmt: skip
-        if records is not None:  # rank 0: scoring ran inside the gen stage; report it apart
-            write_records(records, self.run_dir / "rollouts" / f"step_{step}.jsonl")
-            timer.seconds["gen"] -= reward_s
-            timer.seconds["reward"] = reward_s
-        return broadcast_batch(batch)
+            result = self.rollout.generate(
+                prompts, sampled.uids, sampled.prompt_indices, sampling_params(self.cfg)
+            )
+        timer.seconds["gen"] -= result.reward_s  # scoring ran inside the gen stage
+        timer.seconds["reward"] = result.reward_s
+        if self.ctx.is_main:
+            result.write_records(self.run_dir / "rollouts" / f"step_{step}.jsonl")
+        return result.batch
 
     def train_step(self, step: int) -> dict[str, float]:
-        timer, ctx, budgets = Timer(), self.ctx, self.budgets
+        timer, m, cfg = Timer(), self.models, self.cfg
         start = time.perf_counter()
-        batch = self.rollout(step, timer)
+        batch = self.generate(step, timer)
         with timer.stage("old_log_prob"):
-            stages.compute_old_logprobs(self.actor, batch, ctx, budgets.actor)
+            old = compute_logprobs(m.actor, batch, m.planner, m.budgets.actor, m.logprob_head)
         with timer.stage("ref"):
-            stages.compute_ref_logprobs(self.ref, batch, ctx, budgets.ref)
+            ref, _ = compute_logprobs(m.ref, batch, m.planner, m.budgets.ref, m.logprob_head)
         with timer.stage("values"):
-            stages.compute_values(self.critic, batch, ctx, budgets.critic)
+            values = compute_values(m.critic, batch, m.planner, m.budgets.critic)
         with timer.stage("adv"):
-            metrics = stages.compute_rewards_and_advantages(batch, self.cfg, self.kl_ctrl.value)
+            exp, metrics = build_experience(
+                batch, old, ref, values, cfg.algorithm, self.kl_ctrl.value
+            )
             self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], batch.size)
         with timer.stage("update_critic"):
-            metrics |= stages.update_critic(self.critic, batch, ctx, budgets.critic)
+            metrics |= run_updates(m.critic_update, exp, m.planner)
         with timer.stage("update_actor"):
-            metrics |= stages.update_actor(self.actor, batch, ctx, budgets.actor)
+            metrics |= run_updates(m.actor_update, exp, m.planner)
         with timer.stage("update_weights"):
             metrics |= self.sync_weights(step)
         step_s = time.perf_counter() - start
-        metrics |= rollout_metrics(batch, self.cfg.data.max_response_length)
+        metrics |= rollout_metrics(batch, cfg.data.max_response_length)
         metrics |= timer.metrics() | {"timing_s/step": step_s}
-        metrics |= self.perf_metrics(batch, step_s)
-        metrics["actor/entropy_old"] = float(
-            masked_mean(batch.tensors["old_entropy"], batch.mask_bt())
-        )
+        epochs = {"actor": cfg.actor_rollout_ref.actor.ppo_epochs, "critic": cfg.critic.ppo_epochs}
+        world, peak = self.ctx.world_size, self.peak_flops
+        metrics |= perf_metrics(self.arch, batch, step_s, world, peak, epochs)
+        metrics["actor/entropy_old"] = float(masked_mean(exp.old_entropy_bt, batch.mask_bt()))
         return metrics
 
-    def perf_metrics(self, batch, step_s: float) -> dict[str, float]:
-        tokens = sum(batch.sequence_lengths)
-        world = self.env.world_size
-        epochs = {
-            "actor": self.cfg.actor_rollout_ref.actor.ppo_epochs,
-            "critic": self.cfg.critic.ppo_epochs,
-        }
-        flops = ppo_step_flops(self.arch, tokens, tokens / batch.size, epochs)
-        return {
-            "perf/total_num_tokens": float(tokens),
-            "perf/throughput": tokens / step_s / world,
-            "perf/mfu": flops / step_s / (self.peak_flops * world),
-        }
-
-    # ---- validation -------------------------------------------------------------------
-
     def validate(self) -> dict[str, float]:
-        metrics = None
-        batch = self.fleet.validate(
-            self.tokenizer,
-            self.reward_fn,
-            list(self.val_data.prompts),
-            val_sampling_params(self.cfg),
+        assert self.val_data is not None
+        prompts = list(self.val_data.prompts)
+        return validation_metrics(
+            self.rollout.validate(prompts, val_sampling_params(self.cfg)).batch
         )
-        if batch is not None:
-            metrics = score_by_source(batch)
-            metrics["val/test_score/all"] = float(batch.scores_b.mean())
-        return broadcast_object(metrics)
 
     # ---- checkpoints ------------------------------------------------------------------
 
@@ -185,29 +161,30 @@ class PPOTrainer:
             "sampler": self.sampler.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "early_stop": self.stopper.state_dict(),
-            "actor_scheduler": self.actor.scheduler.state_dict(),
-            "critic_scheduler": self.critic.scheduler.state_dict(),
+            "actor_scheduler": self.models.actor.scheduler.state_dict(),
+            "critic_scheduler": self.models.critic.scheduler.state_dict(),
         }
 
     def save_checkpoint(self, step: int) -> None:
         with self.checkpoints.writing(step) as tmp:
-            if self.env.is_main:
+            if self.ctx.is_main:
                 (tmp / "actor").mkdir()
                 (tmp / "critic").mkdir()
             if dist.is_initialized():
                 dist.barrier()
-            self.actor.save(tmp / "actor")
-            self.critic.save(tmp / "critic")
-            save_trainer_state(tmp, self.state_dict(step), self.env.rank)
+            self.models.actor.save(tmp / "actor")
+            self.models.critic.save(tmp / "critic")
+            save_trainer_state(tmp, self.state_dict(step), self.ctx.rank)
         log.info("checkpoint of step %d written to %s", step, self.checkpoints.path_for(step))
 
     def load_models(self, path: Path) -> dict:
         """Actor, critic (model + optimizer + LR schedule) and the trainer state at `path`."""
-        self.actor.load(path / "actor")
-        self.critic.load(path / "critic")
-        state = load_trainer_state(path, self.env.rank)
-        self.actor.scheduler.load_state_dict(state["actor_scheduler"])
-        self.critic.scheduler.load_state_dict(state["critic_scheduler"])
+        actor, critic = self.models.actor, self.models.critic
+        actor.load(path / "actor")
+        critic.load(path / "critic")
+        state = load_trainer_state(path, self.ctx.rank)
+        actor.scheduler.load_state_dict(state["actor_scheduler"])
+        critic.scheduler.load_state_dict(state["critic_scheduler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         return state
 
@@ -245,7 +222,7 @@ class PPOTrainer:
             self.log(self.validate(), 0)
         bar = tqdm(
             total=self.total_steps, initial=step, desc="ppo", unit="step",
-            disable=not (self.env.is_main and "console" in cfg.logger),
+            disable=not (self.ctx.is_main and "console" in cfg.logger),
         )  # fmt: skip
         while step < self.total_steps:
             step += 1

@@ -1,27 +1,26 @@
-"""Build what a PPO run holds: the three Megatron models, data, and (rank 0) the SGLang engine."""
+"""Build what a PPO run trains with, once: the three Megatron models and their update specs."""
 
 from __future__ import annotations
 
-import logging
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rlhf.config import ConfigError
 from rlhf.config.schema import RLHFConfig
-from rlhf.distributed.bootstrap import DistEnv, ParallelGroups, current_placement
+from rlhf.distributed.context import ParallelContext
 from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
-from rlhf.parallel.ulysses import kv_repeats
-from rlhf.trainer.heads import VocabShard
+from rlhf.models.logprobs import VocabShard
+from rlhf.models.mapping import Placement
+from rlhf.trainer.heads import LogprobHead, PolicyLossHead, ValueLossHead
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
-from rlhf.trainer.micro_batch import default_token_budget
+from rlhf.trainer.micro_batch import MicroBatchPlanner, default_token_budget
+from rlhf.trainer.stages import UpdateSpec
 from rlhf.utils import DTYPES
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,6 +30,25 @@ class TokenBudgets:
     actor: int
     critic: int
     ref: int
+
+
+@dataclass(frozen=True)
+class PPOModels:
+    """This rank's shards of the three models, and how the trained ones are updated.
+
+    logprob_head: the actor's and reference's log-probs at the rollout temperature;
+    probe_head: the same at temperature 1 (SGLang's prompt log-probs are unscaled).
+    """
+
+    actor: TrainableMegatronModel
+    ref: MegatronModel
+    critic: TrainableMegatronModel
+    actor_update: UpdateSpec
+    critic_update: UpdateSpec
+    planner: MicroBatchPlanner
+    budgets: TokenBudgets
+    logprob_head: LogprobHead
+    probe_head: LogprobHead
 
 
 def token_budgets(cfg: RLHFConfig) -> TokenBudgets:
@@ -54,91 +72,69 @@ def check_model_dir(path: str, key: str) -> None:
         )
 
 
+def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
+    """The policy's architecture (`actor_rollout_ref.model.path`)."""
+    check_model_dir(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
+    return load_arch(cfg.actor_rollout_ref.model.path)
+
+
 def optimizer_steps(cfg: RLHFConfig, total_steps: int, mini_batch_size: int, epochs: int) -> int:
     """Optimizer steps of the whole run for one model (the LR schedule's horizon)."""
     return total_steps * epochs * max(1, cfg.data.train_batch_size // mini_batch_size)
 
 
-def build_policy(
-    arch: ModelArch,
-    model_path: str,
-    device: torch.device,
-    cp: int = 1,
-    dtype: torch.dtype = torch.float32,
-):
-    placement = current_placement()
-    model = build_model(arch, placement, params_dtype=dtype, cp=cp)
+def use_thd(ctx: ParallelContext) -> bool:
+    """Packed THD attention needs Transformer Engine (GPU); the local spec takes masks."""
+    return ctx.device.type == "cuda" and transformer_engine_usable()
+
+
+def build_policy(arch: ModelArch, model_path: str, ctx: ParallelContext, dtype: torch.dtype):
+    placement = Placement.of(ctx)
+    model = build_model(arch, placement, params_dtype=dtype, sp=ctx.sp_size)
     load_hf_weights(model, HFCheckpointReader(model_path), arch, placement)
-    return model.to(device)
+    return model.to(ctx.device)
 
 
-def build_models(
-    cfg: RLHFConfig, arch: ModelArch, groups: ParallelGroups, env: DistEnv, total: int
-):
-    """(actor, reference, critic) on this rank, all loaded from the HF checkpoints."""
+def _trained(cfg: RLHFConfig, role: str, module, ctx: ParallelContext, total_steps: int):
+    section = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
+    steps = optimizer_steps(cfg, total_steps, section.ppo_mini_batch_size, section.ppo_epochs)
+    settings = OptimizerSettings(section.optim, section.grad_clip, steps)
+    return TrainableMegatronModel(module, ctx, settings)
+
+
+def build_ppo_models(
+    cfg: RLHFConfig, arch: ModelArch, ctx: ParallelContext, total_steps: int
+) -> PPOModels:
+    """Actor, reference and critic on this rank, loaded from the HF checkpoints, with their
+    update specs for a run of `total_steps` steps."""
     aro = cfg.actor_rollout_ref
     check_model_dir(aro.model.path, "actor_rollout_ref.model.path")
     check_model_dir(cfg.critic.model.path, "critic.model.path")
-    actor_settings = OptimizerSettings(
-        aro.actor.optim,
-        aro.actor.grad_clip,
-        optimizer_steps(cfg, total, aro.actor.ppo_mini_batch_size, aro.actor.ppo_epochs),
-    )
-    critic_settings = OptimizerSettings(
-        cfg.critic.optim,
-        cfg.critic.grad_clip,
-        optimizer_steps(cfg, total, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs),
-    )
     policy_dtype = DTYPES[aro.actor.megatron.dtype]
-    actor = TrainableMegatronModel(
-        build_policy(arch, aro.model.path, env.device, groups.cp_size, policy_dtype),
-        groups,
-        actor_settings,
-    )
+    actor_module = build_policy(arch, aro.model.path, ctx, policy_dtype)
+    actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
     ref = MegatronModel.frozen(
-        build_policy(arch, aro.model.path, env.device, groups.cp_size, policy_dtype),
-        groups,
-        offload=aro.actor.param_offload,
+        build_policy(arch, aro.model.path, ctx, policy_dtype), ctx, offload=aro.actor.param_offload
     )
     critic_module, _ = value_model_from_hf(
-        cfg.critic.model.path,
-        current_placement(),
-        seed=cfg.critic.megatron.seed,
-        params_dtype=DTYPES[cfg.critic.megatron.dtype],
-        cp=groups.cp_size,
-    )
-    critic = TrainableMegatronModel(critic_module.to(env.device), groups, critic_settings)
-    return actor, ref, critic
-
-
-def vocab_shard(arch: ModelArch, actor_module, groups: ParallelGroups, temperature: float):
-    local = actor_module.padded_vocab_size // groups.tp_size
-    return VocabShard(
-        start=groups.tp_rank * local,
-        vocab_size=arch.vocab_size,
-        group=groups.tp_group,
-        temperature=temperature if temperature > 0 else 1.0,
-    )
-
-
-def use_thd(env: DistEnv) -> bool:
-    """Packed THD attention needs Transformer Engine (GPU); the local spec takes masks."""
-    return env.device.type == "cuda" and transformer_engine_usable()
-
-
-def load_arch_of(cfg: RLHFConfig) -> ModelArch:
-    """The policy's architecture, checked against the Ulysses and TP sizes."""
-    check_model_dir(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
-    arch = load_arch(cfg.actor_rollout_ref.model.path)
-    actor = cfg.actor_rollout_ref.actor
-    sp, tp = actor.ulysses_sequence_parallel_size, actor.megatron.tensor_model_parallel_size
-    if sp > 1:
-        try:
-            kv_repeats(arch.num_attention_heads // tp, max(1, arch.num_query_groups // tp), sp)
-        except ValueError as e:
-            raise ConfigError(
-                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} with "
-                f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp} and "
-                f"{arch.num_attention_heads} attention heads: {e}"
-            ) from None
-    return arch
+        cfg.critic.model.path, Placement.of(ctx), seed=cfg.critic.megatron.seed,
+        params_dtype=DTYPES[cfg.critic.megatron.dtype], sp=ctx.sp_size,
+    )  # fmt: skip
+    critic = _trained(cfg, "critic", critic_module.to(ctx.device), ctx, total_steps)
+    vocab = VocabShard.of(ctx, actor_module.padded_vocab_size, arch.vocab_size)
+    temperature = aro.rollout.temperature if aro.rollout.temperature > 0 else 1.0
+    budgets = token_budgets(cfg)
+    n, norm = aro.rollout.n, cfg.data.max_response_length
+    actor_update = UpdateSpec(
+        "actor", actor, budgets.actor, aro.actor.ppo_mini_batch_size * n, aro.actor.ppo_epochs,
+        functools.partial(PolicyLossHead, vocab, temperature, aro.actor, norm),
+        kl_bound=cfg.trainer.early_stop.ppo_kl_bound,
+    )  # fmt: skip
+    critic_update = UpdateSpec(
+        "critic", critic, budgets.critic, cfg.critic.ppo_mini_batch_size * n,
+        cfg.critic.ppo_epochs, functools.partial(ValueLossHead, cfg.critic, norm),
+    )  # fmt: skip
+    return PPOModels(
+        actor, ref, critic, actor_update, critic_update, MicroBatchPlanner(ctx, use_thd(ctx)),
+        budgets, LogprobHead(vocab, temperature), LogprobHead(vocab, 1.0),
+    )  # fmt: skip

@@ -8,7 +8,12 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.models.families import ModelArch
 from rlhf.weight_sync.gather import SyncTopology
 from rlhf.weight_sync.syncer import WeightSyncer
-from rlhf.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
+from rlhf.weight_sync.transports import (
+    DiskTransport,
+    DistributedTransport,
+    TensorTransport,
+    Transport,
+)
 
 
 def build_weight_syncer(
@@ -27,6 +32,7 @@ def build_weight_syncer(
     """
     run_dir = Path(run_dir)
     kind = rollout.weight_sync_transport
+    transport: Transport
     if kind == "tensor":
         transport = TensorTransport(server_urls, rollout.tensor_model_parallel_size)
     elif kind == "distributed":

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
+from rlhf.distributed.context import ParallelContext
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Layout, Placement, resolve, shards_to_hf, skip_on_export
 
@@ -24,15 +26,25 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class SyncTopology:
-    """Who does what in a sync: groups and this rank's role (built by the bootstrap)."""
+    """Who does what in a sync: the groups and this rank's role.
+
+    `in_sync_replica`: this rank belongs to the data-parallel replica that gathers the
+    weights for its servers: replica 0 of the job, or, when every node syncs its own
+    colocated servers (`per_node`), the replica holding the node's local rank 0 (which needs
+    whole replicas per node: PP = 1, TP x SP dividing the node's processes).
+    """
 
     placement: Placement
-    tp_group: object | None  # None when TP = 1
-    pp_group: object | None  # None when PP = 1
-    pp_leader_ranks: tuple[int, ...]  # global ranks of my pipeline's stages, stage order
-    in_sync_replica: bool  # the replica that gathers for this node's servers (see bootstrap)
-    sp: object | None = None  # Ulysses `SequenceShard` for forwards (the parity probe)
-    in_probe_replica: bool | None = None  # computes the probe's log-probs (None: in_sync_replica)
+    tp_group: ProcessGroup | None  # None when TP = 1
+    pp_group: ProcessGroup | None  # None when PP = 1
+    pp_stage_ranks: tuple[int, ...]  # global ranks of my pipeline's stages, stage order
+    in_sync_replica: bool
+
+    @classmethod
+    def of(cls, ctx: ParallelContext, per_node: bool = False) -> SyncTopology:
+        replicas_per_sync = ctx.dp_size // ctx.num_nodes if per_node else ctx.dp_size
+        in_replica = ctx.dp_rank % replicas_per_sync == 0 and ctx.sp_rank == 0
+        return cls(Placement.of(ctx), ctx.tp_group, ctx.pp_group, ctx.pp_stage_ranks, in_replica)
 
     @property
     def is_stage_leader(self) -> bool:
@@ -43,12 +55,6 @@ class SyncTopology:
         """A rank that talks to SGLang: stage 0's leader (global rank 0, or each node's
         local rank 0 when every node syncs its own servers)."""
         return self.is_stage_leader and self.placement.pp_rank == 0
-
-    @property
-    def is_prober(self) -> bool:
-        """The one rank whose replica supplies the actor's probe log-probs."""
-        replica = self.in_sync_replica if self.in_probe_replica is None else self.in_probe_replica
-        return replica and self.placement.tp_rank == 0
 
 
 def _gather_tp(param: torch.Tensor, layout: Layout, topo: SyncTopology) -> list[torch.Tensor]:
@@ -121,15 +127,15 @@ def iter_buckets(model, arch: ModelArch, topo: SyncTopology, bucket_bytes: int) 
     """
     if not topo.in_sync_replica:
         return
-    for stage, leader in enumerate(topo.pp_leader_ranks or (0,)):
+    for stage, leader in enumerate(topo.pp_stage_ranks):
         if stage == topo.placement.pp_rank:
             for bucket in bucketize(iter_stage_tensors(model, arch, topo), bucket_bytes):
                 if topo.is_sender:
                     yield bucket
                 elif topo.is_stage_leader:
-                    _send_bucket(bucket, topo.pp_leader_ranks[0], topo.pp_group)
+                    _send_bucket(bucket, topo.pp_stage_ranks[0], topo.pp_group)
             if topo.is_stage_leader and not topo.is_sender:
-                _send_bucket(None, topo.pp_leader_ranks[0], topo.pp_group)
+                _send_bucket(None, topo.pp_stage_ranks[0], topo.pp_group)
         elif topo.is_sender:
-            while (bucket := _recv_bucket(leader, topo.pp_group)) is not None:
-                yield bucket
+            while (received := _recv_bucket(leader, topo.pp_group)) is not None:
+                yield received

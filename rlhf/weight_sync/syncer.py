@@ -2,6 +2,8 @@
 
     syncer = WeightSyncer(transport, server_urls, arch, topology, bucket_bytes)
     stats = syncer.sync(model, version=step)      # on every rank of the training job
+    diff = syncer.compare_probe(actor_logprobs)   # rollout/logprob_diff_max, every rank
+    syncer.close()                                # at the end of the run
 
 The servers get `begin_weight_update` ... `end_weight_update` around the buckets (SGLang
 0.5.23 refuses tensor/distributed updates outside such a window), the KV cache is flushed
@@ -19,13 +21,15 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from rlhf.models.families import ModelArch
+from rlhf.rollout import sglang_api
 from rlhf.weight_sync.gather import SyncTopology, iter_buckets
-from rlhf.weight_sync.http import get, post
 from rlhf.weight_sync.probe import check_parity, logprob_diff_max, probe_tokens
-from rlhf.weight_sync.transports import DiskTransport
+from rlhf.weight_sync.transports import DiskTransport, Transport
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +43,19 @@ class SyncStats:
     num_tensors: int
     num_buckets: int
     max_bucket_bytes: int
-    logprob_diff_max: float | None = None  # the parity probe, when run
 
 
 class WeightSyncer:
+    """Owns the transport (and the restart snapshot) of one set of servers."""
+
     def __init__(
         self,
-        transport,
+        transport: Transport,
         server_urls: list[str],
         arch: ModelArch,
         topology: SyncTopology,
         bucket_bytes: int,
         snapshot: DiskTransport | None = None,
-        probe: bool = True,
         probe_threshold: float | None = None,
     ):
         self.transport = transport
@@ -61,20 +65,24 @@ class WeightSyncer:
         self.bucket_bytes = bucket_bytes
         self.snapshot = transport if isinstance(transport, DiskTransport) else snapshot
         self.version: int | None = None
-        self.probe = probe
         self.probe_threshold = probe_threshold
+        self.probe_tokens = probe_tokens(arch.vocab_size)
 
-    def sync(self, model, version: int) -> SyncStats:
+    def _writers(self) -> list[Transport]:
+        writers: list[Transport] = [self.transport]
+        if self.snapshot is not None and self.snapshot is not self.transport:
+            writers.append(self.snapshot)
+        return writers
+
+    def sync(self, model: nn.Module, version: int) -> SyncStats:
+        """Send `model`'s weights to every server as `version` (all ranks call)."""
         start = time.perf_counter()
-        sender = self.topology.is_sender
-        writers = [self.transport] + (
-            [self.snapshot] if self.snapshot not in (None, self.transport) else []
-        )
+        sender, writers = self.topology.is_sender, self._writers()
         if sender:
             for url in self.server_urls:
-                post(url, "begin_weight_update")
+                sglang_api.begin_weight_update(url)
             for writer in writers:
-                writer.open(version)
+                writer.begin(version)
         num_bytes = num_tensors = num_buckets = max_bucket = 0
         pending = None  # hold one bucket back so the last one is known when sent
         for bucket in iter_buckets(model, self.arch, self.topology, self.bucket_bytes):
@@ -86,24 +94,23 @@ class WeightSyncer:
             num_bytes, num_tensors = num_bytes + size, num_tensors + len(bucket)
             num_buckets, max_bucket = num_buckets + 1, max(max_bucket, size)
         if sender:
+            assert pending is not None, "a model has at least one parameter"
             for writer in writers:
                 writer.send(pending, True, version)
-                writer.close(version)
+                writer.finish(version)
             for url in self.server_urls:
-                post(url, "end_weight_update")
+                sglang_api.end_weight_update(url)
         self.version = version
         if dist.is_initialized():
             dist.barrier()
         seconds = time.perf_counter() - start
-        diff = self._probe(model) if self.probe else None
-        return SyncStats(seconds, num_bytes, num_tensors, num_buckets, max_bucket, diff)
+        return SyncStats(seconds, num_bytes, num_tensors, num_buckets, max_bucket)
 
-    def _probe(self, model) -> float:
-        """rollout/logprob_diff_max over every server; raises above the threshold."""
-        tokens = probe_tokens(self.arch.vocab_size)
-        diff = max(
-            logprob_diff_max(model, self.arch, self.topology, url, tokens)
-            for url in self.server_urls
+    def compare_probe(self, actor_logprobs: torch.Tensor, device: torch.device) -> float:
+        """rollout/logprob_diff_max of `actor_logprobs` (the actor's log-probs of
+        `probe_tokens[1:]`) against every server; raises above the threshold. All ranks call."""
+        diff = logprob_diff_max(
+            actor_logprobs, self.probe_tokens, self.server_urls, self.topology.is_sender, device
         )
         log.debug("weight sync v%s: rollout/logprob_diff_max = %.3e", self.version, diff)
         check_parity(diff, self.probe_threshold)
@@ -118,11 +125,11 @@ class WeightSyncer:
                 f"SGLang server {url} restarted with its initial weights and cannot be re-synced: "
                 "enable actor_rollout_ref.rollout.weight_sync_snapshot or use the disk transport"
             )
-        post(url, "begin_weight_update")
+        sglang_api.begin_weight_update(url)
         self.snapshot.load_into(url, self.version)
-        post(url, "end_weight_update")
+        sglang_api.end_weight_update(url)
 
-
-def server_weight_version(url: str) -> str | None:
-    """The weight version a server reports (`/model_info`)."""
-    return get(url, "model_info").get("weight_version")
+    def close(self) -> None:
+        """Release the transports' resources (the distributed transport's process groups)."""
+        for writer in self._writers():
+            writer.close()

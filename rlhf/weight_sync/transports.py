@@ -9,24 +9,47 @@
 - `disk`: each bucket becomes a safetensors shard of a checkpoint directory, then
   `update_weights_from_disk` loads it (shared storage, any placement).
 
-Every transport gets `open(version)`, `send(bucket, last)` and `close(version)`; the
-`WeightSyncer` wraps them in begin/end_weight_update.
+All follow `Transport`; the `WeightSyncer` wraps each sync in begin/end_weight_update.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import torch
+from torch.distributed import ProcessGroup
 
+from rlhf.rollout import sglang_api
+from rlhf.utils import free_port
 from rlhf.weight_sync.gather import Bucket
-from rlhf.weight_sync.http import post
 
-TRANSPORTS = ("tensor", "distributed", "disk")
+log = logging.getLogger(__name__)
+
+
+class Transport(Protocol):
+    """One way of loading buckets into servers: `begin`, `send` each bucket, `finish`."""
+
+    def begin(self, version: int) -> None:
+        """Prepare to send the weights of `version`."""
+        ...
+
+    def send(self, bucket: Bucket, last: bool, version: int) -> None:
+        """Deliver one bucket (`last`: the servers flush their KV cache and take `version`)."""
+        ...
+
+    def finish(self, version: int) -> None:
+        """After the last bucket."""
+        ...
+
+    def close(self) -> None:
+        """Release what the transport holds (process groups); idempotent."""
+        ...
 
 
 def _flattened(bucket: Bucket):
@@ -42,7 +65,7 @@ class TensorTransport:
         self.server_urls = server_urls
         self.server_tp_size = server_tp_size
 
-    def open(self, version: int) -> None:
+    def begin(self, version: int) -> None:
         if not torch.cuda.is_available():
             torch.multiprocessing.set_sharing_strategy("file_system")
 
@@ -52,16 +75,14 @@ class TensorTransport:
         flat = _flattened(bucket)
         payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
         blob = MultiprocessingSerializer.serialize(payload, output_str=True)
-        request = {
-            "serialized_named_tensors": [blob] * self.server_tp_size,
-            "load_format": "flattened_bucket",
-            "flush_cache": last,
-            "weight_version": str(version) if last else None,
-        }
         for url in self.server_urls:
-            post(url, "update_weights_from_tensor", request)
+            blobs = [blob] * self.server_tp_size
+            sglang_api.update_weights_from_tensor(url, blobs, last, version if last else None)
 
-    def close(self, version: int) -> None:
+    def finish(self, version: int) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -73,17 +94,15 @@ class DistributedTransport:
         self.server_tp_size = server_tp_size
         self.master_address = master_address
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.groups: dict[str, object] = {}
+        self.groups: dict[str, ProcessGroup] = {}
 
     def _group_name(self, index: int) -> str:
         return f"rlhf_weight_sync_{index}"
 
-    def open(self, version: int) -> None:
+    def begin(self, version: int) -> None:
         if self.groups:
             return
         from sglang.srt.utils.common import init_custom_process_group
-
-        from rlhf.utils import free_port
 
         for i, url in enumerate(self.server_urls):
             port, name = free_port(), self._group_name(i)
@@ -96,7 +115,7 @@ class DistributedTransport:
                 "backend": self.backend,
             }
             with ThreadPoolExecutor(1) as pool:
-                joined = pool.submit(post, url, "init_weights_update_group", request)
+                joined = pool.submit(sglang_api.init_weights_update_group, url, request)
                 self.groups[url] = init_custom_process_group(
                     backend=self.backend,
                     init_method=f"tcp://{self.master_address}:{port}",
@@ -110,32 +129,32 @@ class DistributedTransport:
         flat = _flattened(bucket).get_flattened_tensor()
         if self.backend == "nccl":
             flat = flat.cuda()
-        request = {
-            "names": [n for n, _ in bucket],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
-            "load_format": "flattened_bucket",
-            "flush_cache": last,
-            "weight_version": str(version) if last else None,
-        }
+        names = [n for n, _ in bucket]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
         for i, url in enumerate(self.server_urls):
             with ThreadPoolExecutor(1) as pool:
                 done = pool.submit(
-                    post,
-                    url,
-                    "update_weights_from_distributed",
-                    {**request, "group_name": self._group_name(i)},
-                )
+                    sglang_api.update_weights_from_distributed, url, names, dtypes, shapes,
+                    self._group_name(i), last, version if last else None,
+                )  # fmt: skip
                 torch.distributed.broadcast(flat, src=0, group=self.groups[url])
                 done.result()
 
-    def close(self, version: int) -> None:
+    def finish(self, version: int) -> None:
         pass
 
-    def shutdown(self) -> None:
-        for i, url in enumerate(list(self.groups)):
-            post(url, "destroy_weights_update_group", {"group_name": self._group_name(i)})
-            torch.distributed.destroy_process_group(self.groups.pop(url))
+    def close(self) -> None:
+        """Destroy every server's process group here, and ask the server to do the same."""
+        for i, url in enumerate(self.server_urls):
+            group = self.groups.pop(url, None)
+            if group is None:
+                continue
+            try:
+                sglang_api.destroy_weights_update_group(url, self._group_name(i))
+            except sglang_api.SGLangAPIError as e:  # a dead server has no group left
+                log.warning("weight-sync group of %s not destroyed there: %s", url, e)
+            torch.distributed.destroy_process_group(group)
 
 
 class DiskTransport:
@@ -153,7 +172,7 @@ class DiskTransport:
     def _dir(self, version: int) -> Path:
         return self.out_root / f"v{version:06d}"
 
-    def open(self, version: int) -> None:
+    def begin(self, version: int) -> None:
         from rlhf.models.convert import copy_hf_side_files
 
         partial = self._dir(version).with_suffix(".partial")
@@ -169,7 +188,7 @@ class DiskTransport:
         save_file(dict(bucket), partial / file, metadata={"format": "pt"})
         self._weight_map.update(dict.fromkeys((n for n, _ in bucket), file))
 
-    def close(self, version: int) -> None:
+    def finish(self, version: int) -> None:
         partial, final = self._dir(version).with_suffix(".partial"), self._dir(version)
         index = {"metadata": {}, "weight_map": self._weight_map}
         (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
@@ -182,6 +201,7 @@ class DiskTransport:
 
     def load_into(self, url: str, version: int) -> None:
         """update_weights_from_disk of a version written earlier."""
-        path = str(self._dir(version).resolve())
-        request = {"model_path": path, "weight_version": str(version), "flush_cache": True}
-        post(url, "update_weights_from_disk", request)
+        sglang_api.update_weights_from_disk(url, str(self._dir(version).resolve()), version)
+
+    def close(self) -> None:
+        pass

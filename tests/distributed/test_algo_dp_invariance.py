@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from rlhf.algo import LOSS_AGG_MODES, aggregate_loss, compute_gae, masked_whiten, policy_loss
+from rlhf.algo import aggregate_loss, compute_gae, masked_whiten, policy_loss
+from rlhf.config.choices import LOSS_AGG_MODES
 from tests.distributed.workers.algo_dp_split import (
     GAMMA,
     LAM,

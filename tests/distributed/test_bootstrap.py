@@ -24,6 +24,7 @@ def test_two_ranks_tp2(tmp_path):
         assert r["world_size"] == 2 and r["backend"] == expected_backend
         assert (r["tp_size"], r["dp_size"]) == (2, 1)
         assert r["rank_sum"] == 1.0  # all_reduce reached both ranks
+        assert r["megatron_agrees"]  # the context holds what Megatron's parallel state says
         assert not r["torch_dist_initialized_after_teardown"]
         assert not r["model_parallel_initialized_after_teardown"]
     assert {r0["tp_rank"], r1["tp_rank"]} == {0, 1}

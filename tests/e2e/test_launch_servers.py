@@ -14,7 +14,7 @@ import time
 
 import psutil
 
-from rlhf.rollout.sglang_server import http_healthy
+from rlhf.rollout.sglang_api import healthy as http_healthy
 from rlhf.utils import free_port
 from tests.helpers import REPO
 

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.models.convert import copy_hf_side_files
+from rlhf.rollout import sglang_api
 from rlhf.rollout.sglang_server import SGLangServer, build_server_args
 from rlhf.utils import free_port
-from rlhf.weight_sync.http import post
 from tests.helpers import run_torchrun
 
 PROMPTS = [[5, 17, 33, 2, 90, 41], [120, 7, 7, 64, 11]]
@@ -41,7 +41,7 @@ def server(tiny_qwen2_dir, tmp_path_factory):
 
 def sglang_greedy(url: str) -> list[list[int]]:
     params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-    out = post(url, "generate", {"input_ids": PROMPTS, "sampling_params": params})
+    out = sglang_api.generate(url, {"input_ids": PROMPTS, "sampling_params": params})
     return [item["output_ids"] for item in out]
 
 

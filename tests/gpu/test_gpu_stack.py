@@ -11,22 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.config.validate import ParallelDims
 from rlhf.distributed import cpu_compat
-from rlhf.distributed.bootstrap import (
-    init_distributed,
-    init_model_parallel,
-    seed_everything,
-    teardown,
-)
+from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 
 
 @pytest.fixture
 def gpu_world():
-    env = init_distributed("auto")
-    init_model_parallel(ParallelDims(world_size=1))
+    ctx = init_parallel("auto")
     seed_everything(0)
-    yield env
+    yield ctx
     teardown()
 
 

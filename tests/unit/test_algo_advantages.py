@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf.algo.advantages import (
-    ADV_ESTIMATORS,
     compute_advantages,
     compute_gae,
     compute_grpo_advantages,
@@ -18,6 +17,7 @@ from rlhf.algo.advantages import (
     compute_rloo_advantages,
 )
 from rlhf.algo.stats import masked_whiten
+from rlhf.config.choices import ADV_ESTIMATORS
 
 
 def close(actual, expected):

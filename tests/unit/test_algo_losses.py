@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf.algo.losses import (
-    LOSS_AGG_MODES,
     BatchCounts,
     aggregate_loss,
     entropy_loss,
@@ -19,6 +18,7 @@ from rlhf.algo.losses import (
     policy_loss,
     value_loss,
 )
+from rlhf.config.choices import LOSS_AGG_MODES
 
 # Row 0 keeps 1, 2, 3 (sum 6, mean 2); row 1 keeps 4 (sum 4, mean 4): 4 tokens, 2 sequences.
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])

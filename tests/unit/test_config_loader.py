@@ -122,6 +122,14 @@ def test_wrong_type_names_key_expected_type_and_value(override, message):
             "actor_rollout_ref.rollout.top_p: must be <= 1, got 1.5",
         ),
         ("algorithm.kl_ctrl.kl_coef=-1", "algorithm.kl_ctrl.kl_coef: must be >= 0, got -1.0"),
+        (
+            "actor_rollout_ref.actor.clip_ratio_low=1",
+            "actor_rollout_ref.actor.clip_ratio_low: must be < 1, got 1.0",
+        ),
+        (
+            "actor_rollout_ref.actor.clip_ratio_c=0.5",
+            "actor_rollout_ref.actor.clip_ratio_c: must be > 1, got 0.5",
+        ),
     ],
 )
 def test_out_of_range_values(override, message):

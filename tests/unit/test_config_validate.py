@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from rlhf.config import ConfigError, load_config, validate_config
@@ -14,7 +16,7 @@ def check(overrides, world_size=None):
 
 
 def test_quickstart_is_valid_and_layouts_derive_dp():
-    dims = check(
+    layout = check(
         [
             "trainer.n_gpus_per_node=4",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
@@ -23,8 +25,7 @@ def test_quickstart_is_valid_and_layouts_derive_dp():
             "critic.ppo_micro_batch_size_per_gpu=2",
         ]
     )
-    assert (dims["actor"].tp, dims["actor"].dp) == (2, 2)
-    assert dims["critic"] == dims["actor"]
+    assert (layout.tp_size, layout.pp_size, layout.sp_size, layout.dp_size) == (2, 1, 1, 2)
 
 
 def test_parallel_sizes_must_divide_world_size():
@@ -99,3 +100,56 @@ def test_profiler_steps_and_model_path():
         check(["global_profiler.steps=[1,0]"])
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.path: required"):
         check(["actor_rollout_ref.model.path="])
+
+
+def test_server_urls_must_be_urls():
+    with pytest.raises(ConfigError, match=r"server_urls: \['rollout-0:30000'\] are not URLs"):
+        check(["actor_rollout_ref.rollout.server_urls=[rollout-0:30000,http://ok:1]"])
+
+
+COLOCATED_2_NODES = ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"]
+
+
+def test_colocated_servers_on_several_nodes_need_whole_replicas_per_node():
+    pp2 = [
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "critic.megatron.pipeline_model_parallel_size=2",
+    ]
+    with pytest.raises(ConfigError) as err:
+        check([*COLOCATED_2_NODES, *pp2])
+    message = str(err.value)
+    assert (
+        "trainer.nnodes=2" in message and "pipeline_model_parallel_size must be 1 (is 2)" in message
+    )
+    assert "actor_rollout_ref.rollout.server_urls" in message
+    # The same layout is fine with disaggregated servers, and a replica per node is fine too.
+    check([*COLOCATED_2_NODES, *pp2, "actor_rollout_ref.rollout.server_urls=[http://r:1]"])
+    tp2 = [
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "critic.megatron.tensor_model_parallel_size=2",
+    ]
+    assert check([*COLOCATED_2_NODES, *tp2]).dp_size == 2
+
+
+def test_ulysses_needs_query_heads_divisible_per_tp_rank():
+    heads = SimpleNamespace(num_attention_heads=6, num_query_groups=2)
+    sp2 = [
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "critic.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "critic.ppo_micro_batch_size_per_gpu=1",
+    ]
+    assert validate_config(load_config(QUICKSTART, sp2), None, heads).sp_size == 2
+    tp2 = [
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "critic.megatron.tensor_model_parallel_size=2",
+    ]
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(QUICKSTART, sp2[1:] + tp2), None, heads)
+    message = str(err.value)
+    assert (
+        "ulysses_sequence_parallel_size=2" in message and "tensor_model_parallel_size=2" in message
+    )
+    assert "3 query heads per TP rank cannot be split over 2 Ulysses ranks" in message

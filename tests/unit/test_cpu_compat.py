@@ -18,11 +18,9 @@ def compat():
 @pytest.fixture(scope="module")
 def one_rank():
     """A 1-rank gloo world with Megatron's parallel state (TP = PP = 1)."""
-    from rlhf.config.validate import ParallelDims
-    from rlhf.distributed.bootstrap import init_distributed, init_model_parallel, teardown
+    from rlhf.distributed.bootstrap import init_parallel, teardown
 
-    init_distributed("cpu")
-    init_model_parallel(ParallelDims(world_size=1))
+    init_parallel("cpu")
     yield
     teardown()
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 
-from rlhf.trainer.early_stop import (
-    Decision,
-    EarlyStopper,
-    EarlyStopSettings,
-    should_stop_epochs,
-)
+from rlhf.config import ConfigError, load_config
+from rlhf.config.schema import EarlyStopConfig
+from rlhf.trainer.early_stop import Decision, EarlyStopper, should_stop_epochs
+
+
+def make_stopper(target_kl: float = 0.1, **section) -> EarlyStopper:
+    """A stopper for `trainer.early_stop` = `section`, every rule off unless given."""
+    defaults = {"kl_patience": 0, "reward_plateau_patience": 0, "rollback_val_ratio": None}
+    defaults["reward_plateau_min_delta"] = 0.0
+    return EarlyStopper(EarlyStopConfig(**{**defaults, **section}), target_kl)
 
 
 def run_steps(stopper: EarlyStopper, steps: list[tuple[float, float]], start: int = 1) -> list:
@@ -22,7 +25,7 @@ def run_steps(stopper: EarlyStopper, steps: list[tuple[float, float]], start: in
 
 
 def test_kl_rule_stops_after_patience_consecutive_high_steps():
-    stopper = EarlyStopper(EarlyStopSettings(kl_threshold=0.2, kl_patience=3))
+    stopper = make_stopper(kl_threshold=0.2, kl_patience=3)
     decisions = run_steps(stopper, [(0.3, 0.0), (0.25, 0.0), (0.5, 0.0)])
     assert decisions[:2] == [None, None]
     assert decisions[2].action == "stop"
@@ -31,63 +34,29 @@ def test_kl_rule_stops_after_patience_consecutive_high_steps():
 
 
 def test_a_normal_kl_step_resets_the_patience():
-    stopper = EarlyStopper(EarlyStopSettings(kl_threshold=0.2, kl_patience=2))
+    stopper = make_stopper(kl_threshold=0.2, kl_patience=2)
     decisions = run_steps(stopper, [(0.3, 0.0), (0.1, 0.0), (0.3, 0.0), (0.2, 0.0), (0.3, 0.0)])
     assert decisions == [None] * 5  # exactly the threshold is not above it
     assert run_steps(stopper, [(0.3, 0.0)], start=6)[0].action == "stop"
 
 
 def test_non_finite_kl_counts_as_high():
-    stopper = EarlyStopper(EarlyStopSettings(kl_threshold=0.2, kl_patience=2))
+    stopper = make_stopper(kl_threshold=0.2, kl_patience=2)
     decisions = run_steps(stopper, [(math.nan, 0.0), (math.inf, 0.0)])
     assert decisions[0] is None
     assert decisions[1].action == "stop"
 
 
-def test_kl_threshold_derived_from_target_kl():
-    settings = EarlyStopSettings.from_target_kl(0.1, kl_patience=5)
-    assert settings.kl_threshold == pytest.approx(0.2)
-    assert settings.kl_patience == 5
-    assert EarlyStopSettings.from_target_kl(0.1, kl_threshold=0.7).kl_threshold == 0.7
-    assert EarlyStopSettings.from_target_kl(0.1, kl_threshold=None).kl_threshold is None
-    with pytest.raises(ValueError, match="target_kl must be > 0"):
-        EarlyStopSettings.from_target_kl(0.0)
-
-
-def config(**early_stop) -> SimpleNamespace:
-    """The two config sections the adapter reads, with `trainer.early_stop` defaults."""
-    section = {
-        "kl_threshold": None,
-        "kl_patience": 0,
-        "reward_plateau_patience": 0,
-        "reward_plateau_min_delta": 0.01,
-        "rollback_val_ratio": 0.9,
-        **early_stop,
-    }
-    return SimpleNamespace(
-        trainer=SimpleNamespace(early_stop=SimpleNamespace(**section)),
-        algorithm=SimpleNamespace(kl_ctrl=SimpleNamespace(target_kl=0.1)),
-    )
-
-
-def test_from_config_maps_zero_patience_to_off_and_null_threshold_to_twice_target():
-    off = EarlyStopSettings.from_config(config())
-    assert (off.kl_threshold, off.reward_plateau_patience, off.rollback_val_ratio) == (
-        None,
-        None,
-        0.9,
-    )
-    on = EarlyStopSettings.from_config(config(kl_patience=4, reward_plateau_patience=7))
-    assert on.kl_threshold == pytest.approx(0.2)
-    assert (on.kl_patience, on.reward_plateau_patience) == (4, 7)
-    assert (
-        EarlyStopSettings.from_config(config(kl_patience=1, kl_threshold=0.5)).kl_threshold == 0.5
-    )
+def test_kl_threshold_defaults_to_twice_target_kl_and_zero_patience_turns_rules_off():
+    assert make_stopper(target_kl=0.1, kl_patience=5).kl_threshold == pytest.approx(0.2)
+    assert make_stopper(target_kl=0.1, kl_patience=5, kl_threshold=0.7).kl_threshold == 0.7
+    off = make_stopper(target_kl=0.1, kl_threshold=0.7)
+    assert (off.kl_threshold, off.plateau_patience) == (None, None)
+    assert make_stopper(reward_plateau_patience=7).plateau_patience == 7
 
 
 def test_reward_plateau_stops_when_best_does_not_improve_by_min_delta():
-    settings = EarlyStopSettings(reward_plateau_patience=3, reward_plateau_min_delta=0.05)
-    stopper = EarlyStopper(settings)
+    stopper = make_stopper(reward_plateau_patience=3, reward_plateau_min_delta=0.05)
     # 0.5 is the best; 0.54 and 0.52 are within min_delta, 0.3 is worse.
     decisions = run_steps(stopper, [(0.0, 0.5), (0.0, 0.54), (0.0, 0.3), (0.0, 0.52)])
     assert decisions[:3] == [None, None, None]
@@ -99,15 +68,14 @@ def test_reward_plateau_stops_when_best_does_not_improve_by_min_delta():
 
 
 def test_an_improvement_resets_the_plateau_count():
-    stopper = EarlyStopper(EarlyStopSettings(reward_plateau_patience=2))
+    stopper = make_stopper(reward_plateau_patience=2)
     scores = [0.1, 0.1, 0.2, 0.2, 0.3, 0.3]
     assert run_steps(stopper, [(0.0, s) for s in scores]) == [None] * 6
     assert run_steps(stopper, [(0.0, 0.25)], start=7)[0].action == "stop"
 
 
 def test_kl_decision_comes_first_when_both_rules_fire():
-    settings = EarlyStopSettings(kl_threshold=0.1, kl_patience=1, reward_plateau_patience=1)
-    stopper = EarlyStopper(settings)
+    stopper = make_stopper(kl_threshold=0.1, kl_patience=1, reward_plateau_patience=1)
     run_steps(stopper, [(0.0, 1.0)])
     decision = stopper.observe_step(2, 0.5, 0.5)
     assert decision.action == "stop"
@@ -115,7 +83,7 @@ def test_kl_decision_comes_first_when_both_rules_fire():
 
 
 def test_rollback_when_validation_falls_below_ratio_of_recent_training():
-    stopper = EarlyStopper(EarlyStopSettings(rollback_val_ratio=0.5))
+    stopper = make_stopper(rollback_val_ratio=0.5)
     run_steps(stopper, [(0.0, 0.8), (0.0, 0.6)])
     assert stopper.observe_validation(2, 0.4) is None  # limit 0.5 * 0.7 = 0.35
     stopper.mark_good(2)
@@ -131,7 +99,7 @@ def test_rollback_when_validation_falls_below_ratio_of_recent_training():
 
 
 def test_rollback_limit_for_negative_training_scores_is_below_the_mean():
-    stopper = EarlyStopper(EarlyStopSettings(rollback_val_ratio=0.5))
+    stopper = make_stopper(rollback_val_ratio=0.5)
     run_steps(stopper, [(0.0, -2.0)])
     assert stopper.observe_validation(1, -2.9) is None  # limit -2 - 0.5 * 2 = -3
     run_steps(stopper, [(0.0, -2.0)], start=2)
@@ -141,7 +109,7 @@ def test_rollback_limit_for_negative_training_scores_is_below_the_mean():
 
 
 def test_validation_without_training_steps_since_the_last_one_decides_nothing():
-    stopper = EarlyStopper(EarlyStopSettings(rollback_val_ratio=0.9))
+    stopper = make_stopper(rollback_val_ratio=0.9)
     assert stopper.observe_validation(0, 0.0) is None
     run_steps(stopper, [(0.0, 1.0)])
     assert stopper.observe_validation(1, 0.95) is None
@@ -149,18 +117,21 @@ def test_validation_without_training_steps_since_the_last_one_decides_nothing():
 
 
 def test_state_round_trip_mid_count_continues_exactly():
-    settings = EarlyStopSettings(
-        kl_threshold=0.2, kl_patience=3, reward_plateau_patience=3, rollback_val_ratio=0.5
-    )
+    settings = {
+        "kl_threshold": 0.2,
+        "kl_patience": 3,
+        "reward_plateau_patience": 3,
+        "rollback_val_ratio": 0.5,
+    }
     steps = [(0.3, 0.5), (0.3, 0.4), (0.1, 0.45), (0.3, 0.3), (0.3, 0.2)]
-    first = EarlyStopper(settings)
+    first = make_stopper(**settings)
     run_steps(first, steps[:3])
     first.mark_good(2)
     state = json.loads(json.dumps(first.state_dict()))
 
-    resumed = EarlyStopper(settings)
+    resumed = make_stopper(**settings)
     resumed.load_state_dict(state)
-    uninterrupted = EarlyStopper(settings)
+    uninterrupted = make_stopper(**settings)
     run_steps(uninterrupted, steps[:3])
     uninterrupted.mark_good(2)
     assert resumed.state_dict() == uninterrupted.state_dict()
@@ -174,7 +145,7 @@ def test_state_round_trip_mid_count_continues_exactly():
 
 
 def test_load_state_dict_names_missing_keys():
-    stopper = EarlyStopper(EarlyStopSettings())
+    stopper = make_stopper()
     state = stopper.state_dict()
     del state["score_count"]
     with pytest.raises(ValueError, match=r"missing \['score_count'\]"):
@@ -182,7 +153,7 @@ def test_load_state_dict_names_missing_keys():
 
 
 def test_disabled_settings_never_decide():
-    stopper = EarlyStopper(EarlyStopSettings())
+    stopper = make_stopper()
     decisions = run_steps(stopper, [(1e9, 0.0)] * 20 + [(math.nan, math.nan)])
     assert decisions == [None] * 21
     assert stopper.observe_validation(21, -1e9) is None
@@ -190,18 +161,17 @@ def test_disabled_settings_never_decide():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("override", "message"),
     [
-        ({"kl_threshold": 0.0}, "early_stop.kl_threshold must be > 0"),
-        ({"kl_patience": 0}, "early_stop.kl_patience must be >= 1"),
-        ({"reward_plateau_patience": 0}, "early_stop.reward_plateau_patience must be >= 1"),
-        ({"reward_plateau_min_delta": -0.1}, "early_stop.reward_plateau_min_delta must be >= 0"),
-        ({"rollback_val_ratio": 1.5}, r"trainer.early_stop.rollback_val_ratio must be in \(0, 1\]"),
+        ("kl_threshold=0", "trainer.early_stop.kl_threshold: must be > 0"),
+        ("kl_patience=-1", "trainer.early_stop.kl_patience: must be >= 0"),
+        ("reward_plateau_min_delta=-0.1", "reward_plateau_min_delta: must be >= 0"),
+        ("rollback_val_ratio=1.5", "trainer.early_stop.rollback_val_ratio: must be <= 1"),
     ],
 )
-def test_invalid_settings_are_clear_errors(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        EarlyStopSettings(**kwargs)
+def test_invalid_settings_are_clear_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"trainer.early_stop.{override}"])
 
 
 def test_should_stop_epochs():

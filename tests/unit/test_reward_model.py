@@ -18,16 +18,9 @@ PAD = 0
 @pytest.fixture(scope="module")
 def one_rank():
     """A 1-rank gloo world with Megatron's parallel state."""
-    from rlhf.config.validate import ParallelDims
-    from rlhf.distributed.bootstrap import (
-        init_distributed,
-        init_model_parallel,
-        seed_everything,
-        teardown,
-    )
+    from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 
-    init_distributed("cpu")
-    init_model_parallel(ParallelDims(world_size=1))
+    init_parallel("cpu")
     seed_everything(0)
     yield
     teardown()

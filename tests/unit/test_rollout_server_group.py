@@ -200,7 +200,7 @@ def test_external_servers_are_used_but_never_stopped_or_restarted(stand_in, tmp_
     url = launch.url
     external = subprocess.Popen(launch.argv, start_new_session=True)
     try:
-        wait_for(lambda: server_group.http_healthy(url, timeout_s=1.0))
+        wait_for(lambda: server_group.sglang_api.healthy(url, timeout_s=1.0))
         with ServerGroup(rollout(server_urls=[url]), log_dir=tmp_path) as group:
             group.start()
             assert group.server_urls == group.generate_urls == [url]

@@ -19,8 +19,8 @@ def test_configs_exist():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_validates_for_its_world(path):
     cfg = load_config(path)
-    dims = validate_config(cfg)
-    assert dims["actor"].world_size == cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    layout = validate_config(cfg)
+    assert layout.world_size == cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
 @pytest.mark.parametrize("name", ["gsm8k_qwen2.5-0.5b_1gpu", "gsm8k_8gpu", "gsm8k_2node"])

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algo import (
-    LOSS_AGG_MODES,
     aggregate_loss,
     compute_gae,
     global_batch_counts,
     masked_whiten,
     policy_loss,
 )
+from rlhf.config.choices import LOSS_AGG_MODES
 
 WIDTH = 5
 LENGTHS = [5, 3, 0, 1, 4, 2, 5, 3]  # one empty row; 23 tokens, 7 sequences

@@ -9,13 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf.config.validate import ParallelDims
-from rlhf.distributed.bootstrap import (
-    init_distributed,
-    init_model_parallel,
-    seed_everything,
-    teardown,
-)
+from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 
 
 def main() -> None:
@@ -23,11 +17,10 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
-    env = init_distributed("auto")
+    env = init_parallel("auto", tp_size=args.tp)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    init_model_parallel(ParallelDims(world_size=env.world_size, tp=args.tp))
     seed_everything(7)
     default_draw = torch.rand(2).tolist()
     with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -39,9 +32,15 @@ def main() -> None:
         "world_size": env.world_size,
         "backend": dist.get_backend(),
         "device": str(env.device),
-        "tp_size": ps.get_tensor_model_parallel_world_size(),
-        "tp_rank": ps.get_tensor_model_parallel_rank(),
-        "dp_size": ps.get_data_parallel_world_size(),
+        "tp_size": env.tp_size,
+        "tp_rank": env.tp_rank,
+        "dp_size": env.dp_size,
+        "megatron_agrees": (env.tp_size, env.tp_rank, env.dp_size)
+        == (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_data_parallel_world_size(),
+        ),
         "rank_sum": total.item(),
         "default_draw": default_draw,
         "tp_draw": tp_draw,

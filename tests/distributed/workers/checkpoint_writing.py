@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from rlhf.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
-from rlhf.distributed.bootstrap import init_distributed, teardown
+from rlhf.distributed.bootstrap import init_parallel, teardown
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
     args = parser.parse_args()
-    env = init_distributed("cpu")
+    env = init_parallel("cpu")
     manager = CheckpointManager(args.root, keep_last=2)
     torch.manual_seed(100 + env.rank)
     for step in (1, 2, 3):

@@ -17,13 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlhf.config.validate import ParallelDims
-from rlhf.distributed.bootstrap import (
-    init_distributed,
-    init_model_parallel,
-    seed_everything,
-    teardown,
-)
+from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO_BATCH = 64, 32, 8, 2
 
@@ -145,8 +139,7 @@ def main() -> None:
     parser.add_argument("--load-init")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    env = init_distributed("cpu")
-    init_model_parallel(ParallelDims(world_size=env.world_size, tp=args.tp, pp=args.pp))
+    env = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp)
     seed_everything(1234)
     if args.save_init:
         from megatron.core import dist_checkpointing

@@ -14,14 +14,8 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.validate import ParallelDims
-from rlhf.distributed.bootstrap import (
-    current_placement,
-    init_distributed,
-    init_model_parallel,
-    seed_everything,
-    teardown,
-)
+from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
+from rlhf.models.mapping import Placement
 
 
 def build(hf_dir: str, placement, value_model: bool):
@@ -49,14 +43,11 @@ def main() -> None:
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--value-model", action="store_true")
     args = parser.parse_args()
-    env = init_distributed("cpu")
-    init_model_parallel(ParallelDims(world_size=env.world_size, tp=args.tp, pp=args.pp))
+    env = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp)
     seed_everything(0)
-    from megatron.core import parallel_state as ps
-
     from rlhf.models.forward import forward_logits, gather_vocab
 
-    placement = current_placement()
+    placement = Placement.of(env)
     tokens = torch.load(args.tokens)
     for spec in args.model:
         name, hf_dir = spec.split("=", 1)
@@ -70,7 +61,7 @@ def main() -> None:
         if args.value_model:
             result = {"values": output[..., 0], "head": model.output_layer.weight.detach()}
         else:
-            result = gather_vocab(output, ps.get_tensor_model_parallel_group(), arch.vocab_size)
+            result = gather_vocab(output, env.tp_group, arch.vocab_size)
         if placement.tp_rank == 0:
             torch.save(result, Path(args.out_dir) / f"{name}.pt")
     teardown()

@@ -18,20 +18,13 @@ from pathlib import Path
 import torch
 
 from rlhf.config import load_config
-from rlhf.config.validate import ParallelDims
-from rlhf.distributed.bootstrap import (
-    init_distributed,
-    init_model_parallel,
-    parallel_groups,
-    seed_everything,
-    teardown,
-)
+from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 
 NUM_SAMPLES = 8
 
 
 def synthetic_batch(vocab_size: int):
-    from rlhf.trainer.batch import RolloutBatch
+    from rlhf.rollout.batch import RolloutBatch
 
     gen = torch.Generator().manual_seed(7)
     prompts, responses = [], []
@@ -59,18 +52,21 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    env = init_distributed(args.device)
+    ctx = init_parallel(args.device, tp_size=args.tp, pp_size=args.pp, sp_size=args.sp)
     try:
-        init_model_parallel(ParallelDims(env.world_size, tp=args.tp, pp=args.pp, cp=args.sp))
         seed_everything(0)
-        run(args, env)
+        run(args, ctx)
     finally:
         teardown()
 
 
-def run(args, env) -> None:
+def run(args, ctx) -> None:
+    import dataclasses
+
     from rlhf.trainer import stages
-    from rlhf.trainer.setup import build_models, load_arch_of, vocab_shard
+    from rlhf.trainer.experience import Experience
+    from rlhf.trainer.micro_batch import MicroBatchPlanner
+    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 
     cfg = load_config(
         None,
@@ -85,29 +81,31 @@ def run(args, env) -> None:
             f"actor_rollout_ref.actor.megatron.dtype={args.dtype}",
         ],
     )
-    groups = parallel_groups()
-    arch = load_arch_of(cfg)
-    actor, _, _ = build_models(cfg, arch, groups, env, total=1)
-    ctx = stages.StageContext(cfg, groups, vocab_shard(arch, actor.module, groups, 1.0), False)
+    arch = load_policy_arch(cfg)
+    models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+    actor, head = models.actor, models.logprob_head  # rollout temperature 1
+    planner = MicroBatchPlanner(ctx, thd=False)
     batch = synthetic_batch(arch.vocab_size)
     budget = 40  # a few samples per micro-batch: several packed micro-batches per rank
-    stages.compute_old_logprobs(actor, batch, ctx, budget)
-    before = batch.tensors["old_logprobs"].clone()
+    before, entropy = stages.compute_logprobs(actor, batch, planner, budget, head)
     gen = torch.Generator().manual_seed(3)
-    batch.tensors["advantages"] = torch.randn(before.shape, generator=gen) * batch.mask_bt()
-    metrics = stages.update_actor(actor, batch, ctx, budget)
-    stages.compute_old_logprobs(actor, batch, ctx, budget)
-    round_trip = checkpoint_round_trip(actor, lambda: build_models(cfg, arch, groups, env, 1)[0])
-    if env.rank == 0:
+    advantages = torch.randn(before.shape, generator=gen) * batch.mask_bt()
+    zeros = torch.zeros_like(before)
+    exp = Experience(batch, before, entropy, before, None, zeros, advantages, None)
+    update = dataclasses.replace(models.actor_update, token_budget=budget)
+    metrics = stages.run_updates(update, exp, planner)
+    after, _ = stages.compute_logprobs(actor, batch, planner, budget, head)
+    round_trip = checkpoint_round_trip(actor, lambda: build_ppo_models(cfg, arch, ctx, 1).actor)
+    if ctx.rank == 0:
         result = {
-            "device": env.device.type,
+            "device": ctx.device.type,
             "param_dtypes": {str(p.dtype) for p in actor.module.parameters()},
             "master_dtypes": {
                 str(p.dtype) for g in actor.optimizer.param_groups for p in g["params"]
             },
             "checkpoint_round_trip": round_trip,
             "logprobs_before": before,
-            "logprobs_after": batch.tensors["old_logprobs"],
+            "logprobs_after": after,
             "metrics": metrics,
             "batch": batch.to_objects(),
         }
@@ -145,7 +143,7 @@ def checkpoint_round_trip(actor, build_actor) -> bool:
     same = len(saved) == len(loaded) and all(
         a.shape == b.shape and torch.equal(a.cpu(), b.cpu()) for a, b in zip(saved, loaded)
     )
-    verdict = torch.tensor([float(same)], device=actor.groups.device)
+    verdict = torch.tensor([float(same)], device=actor.ctx.device)
     torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
     return bool(verdict.item())
 

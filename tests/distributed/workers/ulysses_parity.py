@@ -14,15 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.validate import ParallelDims
-from rlhf.distributed.bootstrap import (
-    current_placement,
-    init_distributed,
-    init_model_parallel,
-    parallel_groups,
-    seed_everything,
-    teardown,
-)
+from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 
 SEQ = 32
 PACKED_LENGTHS = (7, 13, 12)
@@ -44,28 +36,28 @@ def inputs(vocab: int):
     }
 
 
-def step(model, ddp, optimizer, groups, tokens, mask, valid, vocab_size):
+def step(model, ddp, optimizer, ctx, tokens, mask, valid, vocab_size):
     from rlhf.models.forward import gather_vocab
     from rlhf.models.logprobs import vocab_parallel_logprobs_entropy
     from rlhf.parallel.ulysses import combine_positions, zigzag_positions
 
-    positions = zigzag_positions(SEQ, groups.cp_size, groups.cp_rank)
+    positions = zigzag_positions(SEQ, ctx.sp_size, ctx.sp_rank)
     labels = torch.roll(tokens, -1, dims=1)
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     logits = ddp(tokens[:, positions], positions.expand(tokens.shape[0], -1), mask)
     local_vocab = logits.shape[-1]
     logp, _ = vocab_parallel_logprobs_entropy(
-        logits, labels[:, positions], vocab_start=groups.tp_rank * local_vocab,
-        vocab_size=vocab_size, group=groups.tp_group,
+        logits, labels[:, positions], vocab_start=ctx.tp_rank * local_vocab,
+        vocab_size=vocab_size, group=ctx.tp_group,
     )  # fmt: skip
-    full_logp = combine_positions(logp, positions, SEQ, groups.cp_group)
+    full_logp = combine_positions(logp, positions, SEQ, ctx.sp_group)
     loss = -(full_logp * valid).sum() / valid.sum()
-    (loss * groups.dp_cp_size).backward()  # DDP averages over DP x CP
+    (loss * ctx.dp_sp_size).backward()  # DDP averages over DP x SP
     ddp.finish_grad_sync()
     _, grad_norm, _ = optimizer.step()
     full_logits = combine_positions(
-        gather_vocab(logits.detach(), groups.tp_group, vocab_size), positions, SEQ, groups.cp_group
+        gather_vocab(logits.detach(), ctx.tp_group, vocab_size), positions, SEQ, ctx.sp_group
     )
     return {
         "logits": full_logits,
@@ -75,24 +67,24 @@ def step(model, ddp, optimizer, groups, tokens, mask, valid, vocab_size):
     }
 
 
-def run(args) -> dict:
+def run(args, ctx) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from rlhf.config.schema import OptimConfig
     from rlhf.models.builder import build_model, load_hf_weights
     from rlhf.models.families import load_arch
     from rlhf.models.hf_io import HFCheckpointReader
+    from rlhf.models.mapping import Placement
     from rlhf.trainer.megatron_model import OptimizerSettings, build_optimizer
 
-    groups = parallel_groups()
     arch = load_arch(args.model)
-    placement = current_placement()
-    model = build_model(arch, placement, cp=args.sp)
+    placement = Placement.of(ctx)
+    model = build_model(arch, placement, sp=args.sp)
     load_hf_weights(model, HFCheckpointReader(args.model), arch, placement)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     optimizer, _ = build_optimizer(ddp, OptimizerSettings(OptimConfig(lr=0.0), 0.0, 1))
     return {
-        name: step(model, ddp, optimizer, groups, tokens, mask, valid, arch.vocab_size)
+        name: step(model, ddp, optimizer, ctx, tokens, mask, valid, arch.vocab_size)
         for name, (tokens, mask, valid) in inputs(arch.vocab_size).items()
     }
 
@@ -104,12 +96,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1)
     args = parser.parse_args()
-    env = init_distributed("cpu")
+    ctx = init_parallel("cpu", tp_size=args.tp, sp_size=args.sp)
     try:
-        init_model_parallel(ParallelDims(env.world_size, tp=args.tp, cp=args.sp))
         seed_everything(0)
-        result = run(args)
-        if env.rank == 0:
+        result = run(args, ctx)
+        if ctx.rank == 0:
             torch.save(result, Path(args.out))
     finally:
         teardown()

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rlhf.config.validate import ParallelDims
 from rlhf.distributed import bootstrap
 
 
@@ -50,10 +49,22 @@ def make_transport(kind: str, url: str, out_dir: Path, hf_dir: str):
     return transports.DiskTransport([url], out_dir / "disk_weights", Path(hf_dir))
 
 
-def recompute_sampled_logprobs(model, arch, topo, url: str, prompts: list[list[int]]) -> float:
+def actor_logprobs(model, arch, ctx, tokens: list[int]) -> torch.Tensor:
+    """log p(token_t | tokens_<t), t >= 1, through the trainer's packed forward path."""
+    from rlhf.models.logprobs import VocabShard
+    from rlhf.trainer.heads import LogprobHead
+    from rlhf.trainer.megatron_model import MegatronModel
+    from rlhf.trainer.micro_batch import MicroBatchPlanner
+    from rlhf.trainer.stages import probe_logprobs
+
+    head = LogprobHead(VocabShard.of(ctx, model.padded_vocab_size, arch.vocab_size))
+    planner = MicroBatchPlanner(ctx, thd=False)
+    return probe_logprobs(MegatronModel(model, ctx), tokens, planner, head)
+
+
+def recompute_sampled_logprobs(model, arch, ctx, topo, url: str, prompts: list[list[int]]):
     """Max |SGLang sampled log-prob - actor log-prob| over n=2 samples of each prompt."""
-    from rlhf.weight_sync.http import post
-    from rlhf.weight_sync.probe import actor_prompt_logprobs
+    from rlhf.rollout import sglang_api
 
     request = {
         "input_ids": prompts,
@@ -61,12 +72,12 @@ def recompute_sampled_logprobs(model, arch, topo, url: str, prompts: list[list[i
         "return_logprob": True,
     }
     worst = torch.zeros(1)
-    samples = post(url, "generate", request) if topo.is_sender else None
+    samples = sglang_api.generate(url, request) if topo.is_sender else None
     samples = broadcast_from_rank0(samples)
     for i, sample in enumerate(samples):
         prompt = prompts[i // 2]
         sglang = torch.tensor([lp for lp, *_ in sample["meta_info"]["output_token_logprobs"]])
-        actor = actor_prompt_logprobs(model, arch, topo, prompt + sample["output_ids"])
+        actor = actor_logprobs(model, arch, ctx, prompt + sample["output_ids"])
         worst = torch.maximum(worst, (actor[len(prompt) - 1 :] - sglang).abs().max())
     return worst.item()
 
@@ -87,35 +98,35 @@ def main() -> None:
     parser.add_argument("--check-sampling", action="store_true")
     args = parser.parse_args()
     out = Path(args.out_dir)
-    env = bootstrap.init_distributed("cpu")
-    bootstrap.init_model_parallel(ParallelDims(world_size=env.world_size, tp=args.tp, pp=args.pp))
+    ctx = bootstrap.init_parallel("cpu", tp_size=args.tp, pp_size=args.pp)
     bootstrap.seed_everything(0)
-    from rlhf.weight_sync.gather import iter_buckets
+    from rlhf.rollout import sglang_api
+    from rlhf.weight_sync.gather import SyncTopology, iter_buckets
     from rlhf.weight_sync.probe import probe_tokens
-    from rlhf.weight_sync.syncer import WeightSyncer, server_weight_version
+    from rlhf.weight_sync.syncer import WeightSyncer
 
-    topo = bootstrap.sync_topology()
+    topo = SyncTopology.of(ctx)
     model, arch = perturbed_actor(args.hf_dir, topo)
     transport = make_transport(args.transport, args.server_url, out, args.hf_dir)
     syncer = WeightSyncer(transport, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
-    stats = syncer.sync(model, version=args.version)  # runs the parity probe
+    stats = syncer.sync(model, version=args.version)
+    probe = actor_logprobs(model, arch, ctx, syncer.probe_tokens)
     report = {
-        "probe_diff": stats.logprob_diff_max,
+        "probe_diff": syncer.compare_probe(probe, ctx.device),
         "num_buckets": stats.num_buckets,
         "max_bucket_bytes": stats.max_bucket_bytes,
     }
     if args.check_sampling:
         prompts = [probe_tokens(arch.vocab_size, 10, seed=s) for s in (5, 6)]
         report["sampled_logprob_diff"] = recompute_sampled_logprobs(
-            model, arch, topo, args.server_url, prompts
+            model, arch, ctx, topo, args.server_url, prompts
         )
     exported = [t for bucket in iter_buckets(model, arch, topo, 1 << 30) for t in bucket]
     if topo.is_sender:
-        report["weight_version"] = server_weight_version(args.server_url)
+        report["weight_version"] = sglang_api.weight_version(args.server_url)
         save_file({n: t.contiguous() for n, t in exported}, out / "exported.safetensors")
         (out / "report.json").write_text(json.dumps(report))
-    if args.transport == "distributed" and topo.is_sender:
-        transport.shutdown()
+    syncer.close()  # the distributed transport destroys its process group
     bootstrap.teardown()
 
 

@@ -10,9 +10,8 @@ import signal
 from pathlib import Path
 
 from rlhf.config.schema import RolloutConfig
-from rlhf.config.validate import ParallelDims
 from rlhf.distributed import bootstrap
-from tests.distributed.workers.weight_sync_parity import perturbed_actor
+from tests.distributed.workers.weight_sync_parity import actor_logprobs, perturbed_actor
 
 
 def main() -> None:
@@ -21,15 +20,14 @@ def main() -> None:
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
     out = Path(args.out_dir)
-    env = bootstrap.init_distributed("cpu")
-    bootstrap.init_model_parallel(ParallelDims(world_size=env.world_size))
+    ctx = bootstrap.init_parallel("cpu")
     bootstrap.seed_everything(0)
+    from rlhf.rollout import sglang_api
     from rlhf.rollout.engine import SamplingParams, SGLangEngine
     from rlhf.weight_sync.factory import build_weight_syncer
-    from rlhf.weight_sync.probe import logprob_diff_max, probe_tokens
-    from rlhf.weight_sync.syncer import server_weight_version
+    from rlhf.weight_sync.gather import SyncTopology
 
-    topo = bootstrap.sync_topology()
+    topo = SyncTopology.of(ctx)
     model, arch = perturbed_actor(args.hf_dir, topo)
     rollout = RolloutConfig(dtype="float32", max_server_restarts=1, retry_backoff_s=0.5)
     with SGLangEngine(
@@ -39,20 +37,22 @@ def main() -> None:
         syncer = build_weight_syncer(
             rollout, [url], arch, topo, run_dir=out, model_path=args.hf_dir
         )
-        engine.attach_weight_syncer(syncer)
-        engine.update_weights(model, version=7)
-        probe = probe_tokens(arch.vocab_size)
-        before = logprob_diff_max(model, arch, topo, url, probe)
+        engine.on_server_restart(syncer.resync_server)
+        syncer.sync(model, version=7)
+        probe = syncer.probe_tokens
+        actor = actor_logprobs(model, arch, ctx, probe)
+        before = syncer.compare_probe(actor, ctx.device)
         os.killpg(engine.group.servers[0].proc.pid, signal.SIGKILL)
         samples = engine.generate([probe[:8], probe[8:16]], SamplingParams(n=2, max_new_tokens=4))
-        after = logprob_diff_max(model, arch, topo, url, probe)
+        after = syncer.compare_probe(actor, ctx.device)
         report = {
             "before": before,
             "after": after,
             "samples": len(samples),
-            "version": server_weight_version(url),
+            "version": sglang_api.weight_version(url),
             "restarts": engine.group.restarts,
         }
+        syncer.close()
     (out / "report.json").write_text(json.dumps(report, default=str))
     bootstrap.teardown()
 

@@ -1,25 +1,25 @@
-"""One step's experience: scored rollouts plus everything the PPO update computes from them.
+"""A step's scored rollouts: prompts, responses, scores, as every training rank holds them.
 
-Every rank holds the whole batch (rank 0 generates and broadcasts it), so per-sample tensors
-are [B, R]: B samples, R = the longest response of the step, right-padded and masked by
-`mask_bt`. Which rank processes which sample is decided later by the micro-batch plan.
+Rank 0 (or each node's engine owner) generates and scores them; `rlhf.rollout.fleet`
+broadcasts the batch, so every rank holds all B samples. Per-token tensors derived from it
+are [B, R]: R = the longest response of the step, right-padded and masked by `mask_bt`.
+Which rank processes which sample is decided later by the micro-batch plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutBatch:
     """B scored samples of one step (prompt i of the step has `rollout.n` samples).
 
     prompt_ids / response_ids: token ids per sample; scores_b: [B] rewards from the reward
     functions; data_sources, uids: per sample (uid identifies the prompt, for GRPO/RLOO).
-    The tensors below are filled by the trainer stages ([B, R] fp32 unless noted).
     """
 
     prompt_ids: list[list[int]]
@@ -27,7 +27,6 @@ class RolloutBatch:
     scores_b: Tensor
     data_sources: list[str]
     uids: list[str]
-    tensors: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         sizes = {len(self.prompt_ids), len(self.response_ids), len(self.data_sources)}
@@ -64,7 +63,7 @@ class RolloutBatch:
         return sum(1 for i in rows if self.response_ids[i])
 
     def to_objects(self) -> dict:
-        """Plain objects for `broadcast_object_list` (tensors filled later are not sent)."""
+        """Plain objects for `broadcast_object_list`."""
         return {
             "prompt_ids": self.prompt_ids,
             "response_ids": self.response_ids,
@@ -75,7 +74,7 @@ class RolloutBatch:
 
     @classmethod
     def concat(cls, parts: list[RolloutBatch]) -> RolloutBatch:
-        """The samples of `parts`, in order (tensors filled later are not kept)."""
+        """The samples of `parts`, in order."""
         return cls(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],

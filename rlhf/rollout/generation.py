@@ -1,27 +1,19 @@
-"""The rollout and reward stages: prompts -> SGLang -> scored responses (rank 0 only).
-
-Rank 0 owns the SGLang engine; it generates, scores and then broadcasts the batch so every
-training rank holds the same `RolloutBatch`.
-"""
+"""Generation and scoring on one engine: prompts -> SGLang -> decoded, scored responses."""
 
 from __future__ import annotations
 
 import json
-import logging
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import EncodedPrompt
-from rlhf.rollout.engine import SamplingParams
-from rlhf.trainer.batch import RolloutBatch
-
-log = logging.getLogger(__name__)
+from rlhf.reward.registry import RewardFn
+from rlhf.rollout.batch import RolloutBatch
+from rlhf.rollout.engine import RolloutEngine, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -36,6 +28,24 @@ class RolloutRecord:
     finish_reason: str
     response_text: str
     score: float
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """One round of generation and scoring, as every rank receives it from `RolloutFleet`.
+
+    batch: the scored samples (identical on every rank); records: the same samples with their
+    texts and SGLang log-probs (on the main rank; empty elsewhere); reward_s: seconds spent
+    in the reward function (the slowest engine's, when several engines generated).
+    """
+
+    batch: RolloutBatch
+    records: list[RolloutRecord]
+    reward_s: float
+
+    def write_records(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in self.records))
 
 
 def sampling_params(cfg: RLHFConfig) -> SamplingParams:
@@ -63,12 +73,12 @@ def kv_cache_tokens(cfg: RLHFConfig, num_prompts: int) -> int:
 
 
 def generate_and_score(
-    engine, tokenizer, reward_fn, prompts: list[EncodedPrompt], uids: list[str], indices: list[int],
-    params: SamplingParams,
-) -> tuple[RolloutBatch, list[RolloutRecord]]:  # fmt: skip
-    """Generate `params.n` responses per prompt and score each with `reward_fn`.
+    engine: RolloutEngine, tokenizer, reward_fn: RewardFn, prompts: list[EncodedPrompt],
+    uids: list[str], indices: list[int], params: SamplingParams,
+) -> RolloutResult:  # fmt: skip
+    """Generate `params.n` responses per prompt on `engine` and score each with `reward_fn`.
 
-    Returns the batch, its records and the seconds spent in the reward function.
+    `uids` and `indices` (the prompts' positions in their dataset) go with each prompt.
     """
     samples = engine.generate([p.input_ids for p in prompts], params)
     start = time.perf_counter()
@@ -98,46 +108,4 @@ def generate_and_score(
         data_sources=sources,
         uids=[r.uid for r in records],
     )
-    return batch, records, time.perf_counter() - start
-
-
-def broadcast_batch(batch: RolloutBatch | None) -> RolloutBatch:
-    """Rank 0's batch on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        assert batch is not None
-        return batch
-    return RolloutBatch.from_objects(broadcast_object(batch.to_objects() if batch else None))
-
-
-def broadcast_object(obj):
-    """Rank 0's picklable object on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
-def rollout_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
-    """verl-named length metrics of one rollout batch."""
-    lengths = [len(r) for r in batch.response_ids]
-    return {
-        "response_length/mean": sum(lengths) / len(lengths),
-        "response_length/max": max(lengths),
-        "response_length/min": min(lengths),
-        "response_length/clip_ratio": sum(n >= max_response_length for n in lengths) / len(lengths),
-        "prompt_length/mean": sum(len(p) for p in batch.prompt_ids) / batch.size,
-    }
-
-
-def score_by_source(batch: RolloutBatch) -> dict[str, float]:
-    """`val/test_score/<data_source>`: mean score per data source."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    for source, score in zip(batch.data_sources, batch.scores_b.tolist()):
-        groups[source].append(score)
-    return {f"val/test_score/{s}": sum(v) / len(v) for s, v in sorted(groups.items())}
-
-
-def write_records(records: list[RolloutRecord], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
+    return RolloutResult(batch, records, time.perf_counter() - start)

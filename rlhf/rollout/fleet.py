@@ -1,0 +1,124 @@
+"""The run's SGLang engines as the trainer sees them: which ranks own servers, who generates.
+
+- One node (or `rollout.server_urls` given, i.e. disaggregated servers): global rank 0 owns
+  the engine and generates every prompt.
+- Several nodes, colocated (servers launched by the job): each node's local rank 0 owns a
+  server group on its node. A step's prompts are split across the nodes in order, each
+  node generates and scores its share, and rank 0 gathers them back in prompt order, so the
+  batch is the one a single engine would produce.
+
+Either way `generate` and `validate` return the same `RolloutResult` on every rank. Weight
+sync is not done here: `server_urls` says which servers this rank's node syncs
+(`rlhf.weight_sync`), and `on_server_restart` registers who re-syncs a restarted server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from rlhf.config.schema import RLHFConfig
+from rlhf.data.prompts import EncodedPrompt
+from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
+from rlhf.distributed.context import ParallelContext
+from rlhf.reward.registry import RewardFn
+from rlhf.rollout.batch import RolloutBatch
+from rlhf.rollout.engine import SamplingParams, SGLangEngine
+from rlhf.rollout.generation import RolloutResult, generate_and_score, kv_cache_tokens
+from rlhf.utils import split_evenly
+
+
+class RolloutFleet:
+    """Engines on their owning ranks; generation and scoring whose result every rank gets."""
+
+    def __init__(
+        self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path, tokenizer,
+        reward_fn: RewardFn, max_prompts: int,
+    ):  # fmt: skip
+        rollout = cfg.actor_rollout_ref.rollout
+        self.ctx, self.tokenizer, self.reward_fn = ctx, tokenizer, reward_fn
+        self.per_node = rollout.server_urls is None and ctx.num_nodes > 1
+        owner = ctx.local_rank == 0 if self.per_node else ctx.is_main
+        self.node_dir = run_dir / f"node{ctx.node_rank}" if self.per_node else run_dir
+        self.engine: SGLangEngine | None = None
+        if owner:
+            cpu = ctx.device.type == "cpu"
+            self.engine = SGLangEngine(
+                rollout, cfg.actor_rollout_ref.model.path, log_dir=self.node_dir / "logs",
+                device=ctx.device.type, seed=cfg.data.seed,
+                max_total_tokens=kv_cache_tokens(cfg, max_prompts) if cpu else None,
+            )  # fmt: skip
+        self.server_urls = self._node_server_urls()
+
+    def _node_server_urls(self) -> list[str]:
+        """The server URLs of this rank's node (every rank of a node gets the same list)."""
+        everyone = all_gather_objects(self.engine.server_urls if self.engine else None)
+        owner = self.ctx.node_rank * self.ctx.local_world_size if self.per_node else 0
+        urls = everyone[owner]
+        assert urls is not None, f"rank {owner} owns an engine"
+        return urls
+
+    def on_server_restart(self, handler: Callable[[str], None]) -> None:
+        """Call `handler(url)` (on the owning rank) after one of its servers restarted."""
+        if self.engine is not None:
+            self.engine.on_server_restart(handler)
+
+    def _generate(
+        self, prompts: list[EncodedPrompt], uids: list[str], indices: list[int],
+        params: SamplingParams,
+    ) -> RolloutResult:  # fmt: skip
+        assert self.engine is not None
+        return generate_and_score(
+            self.engine, self.tokenizer, self.reward_fn, prompts, uids, indices, params
+        )
+
+    def generate(
+        self, prompts: list[EncodedPrompt], uids: list[str], indices: list[int],
+        params: SamplingParams,
+    ) -> RolloutResult:  # fmt: skip
+        """`params.n` scored responses per prompt, in prompt order, on every rank."""
+        if not self.per_node:
+            mine = self._generate(prompts, uids, indices, params) if self.ctx.is_main else None
+        else:
+            share = None
+            if self.engine is not None:
+                nodes, node = self.ctx.num_nodes, self.ctx.node_rank
+                share = self._generate(
+                    split_evenly(prompts, nodes)[node], split_evenly(uids, nodes)[node],
+                    split_evenly(indices, nodes)[node], params,
+                )  # fmt: skip
+            mine = _concat(gather_objects(share))
+        return _share(mine)
+
+    def validate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> RolloutResult:
+        """Validation responses of every prompt (generated on rank 0's engine), on every rank."""
+        mine = None
+        if self.ctx.is_main:
+            uids = [f"val-{i}" for i in range(len(prompts))]
+            mine = self._generate(prompts, uids, list(range(len(prompts))), params)
+        return _share(mine)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def _concat(parts: list[RolloutResult | None] | None) -> RolloutResult | None:
+    """On rank 0: the node leaders' results (in rank = node order) as one; None elsewhere."""
+    if parts is None:
+        return None
+    results = [p for p in parts if p is not None]
+    batch = RolloutBatch.concat([r.batch for r in results])
+    records = [record for r in results for record in r.records]
+    return RolloutResult(batch, records, max(r.reward_s for r in results))
+
+
+def _share(result: RolloutResult | None) -> RolloutResult:
+    """Rank 0's result on every rank (records stay on rank 0)."""
+    sent = None if result is None else (result.batch.to_objects(), result.reward_s)
+    received = broadcast_object(sent)
+    if result is not None:
+        return result
+    assert received is not None, "rank 0 generated"
+    objects, reward_s = received
+    return RolloutResult(RolloutBatch.from_objects(objects), [], reward_s)

@@ -1,0 +1,138 @@
+"""SGLang's HTTP routes other than the batched /generate (see `rlhf.rollout.client`).
+
+One function per route, each a blocking call that raises `SGLangAPIError` naming the server
+and the route (or returns False for health). Weight sync, the log-prob probe, the server
+group and the preflight checks call these; nothing else builds SGLang requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+
+HEALTH_TIMEOUT_S = 5.0
+ADMIN_TIMEOUT_S = 600.0  # weight loads of a large model take minutes
+
+
+class SGLangAPIError(RuntimeError):
+    """An SGLang route was unreachable or answered with a failure."""
+
+
+def _post(url: str, route: str, payload: dict | None = None, timeout_s: float = ADMIN_TIMEOUT_S):
+    """POST `payload` to `url/route`; the JSON answer, or an error naming both."""
+    try:
+        response = requests.post(f"{url}/{route}", json=payload or {}, timeout=timeout_s)
+    except requests.RequestException as e:
+        raise SGLangAPIError(f"{url}/{route} unreachable: {e}") from e
+    body = response.json() if response.content else {}
+    failed = isinstance(body, dict) and body.get("success") is False
+    if response.status_code != 200 or failed:
+        message = body.get("message", response.text) if isinstance(body, dict) else response.text
+        raise SGLangAPIError(f"{url}/{route} answered {response.status_code}: {message}")
+    return body
+
+
+def _get(url: str, route: str, timeout_s: float = 30.0) -> Any:
+    try:
+        response = requests.get(f"{url}/{route}", timeout=timeout_s)
+        response.raise_for_status()
+    except requests.RequestException as e:
+        raise SGLangAPIError(f"{url}/{route} failed: {e}") from e
+    return response.json()
+
+
+def healthy(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """Whether GET `url`/health answers 200 (SGLang server or router)."""
+    try:
+        return requests.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def router_healthy_workers(router_url: str) -> set[str]:
+    """URLs of the workers an sglang-router reports healthy (none if it does not answer)."""
+    try:
+        workers = _get(router_url, "workers", HEALTH_TIMEOUT_S).get("workers", [])
+    except (SGLangAPIError, ValueError, AttributeError):
+        return set()
+    return {w.get("url") for w in workers if w.get("is_healthy")}
+
+
+def weight_version(url: str) -> str | None:
+    """The weight version a server reports (`/model_info`)."""
+    return _get(url, "model_info").get("weight_version")
+
+
+def generate(url: str, request: dict) -> Any:
+    """One blocking /generate (the probe and tests; rollouts use the async client)."""
+    return _post(url, "generate", request)
+
+
+def prompt_logprobs(url: str, tokens: list[int]) -> list[float]:
+    """log p(token_t | tokens_<t) for t >= 1, from one prefill on the server."""
+    request = {
+        "input_ids": tokens,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    meta = generate(url, request)["meta_info"]
+    return [lp for lp, _token, *_ in meta["input_token_logprobs"]][1:]
+
+
+def begin_weight_update(url: str) -> None:
+    """Open a weight-update window (SGLang refuses tensor/distributed updates outside one)."""
+    _post(url, "begin_weight_update")
+
+
+def end_weight_update(url: str) -> None:
+    _post(url, "end_weight_update")
+
+
+def _version_fields(flush_cache: bool, version: int | None) -> dict[str, Any]:
+    return {"flush_cache": flush_cache, "weight_version": None if version is None else str(version)}
+
+
+def update_weights_from_tensor(
+    url: str, serialized: list[str], flush_cache: bool, version: int | None
+) -> None:
+    """Load one flattened bucket, serialized once per server TP rank (shared memory / IPC)."""
+    request = {
+        "serialized_named_tensors": serialized,
+        "load_format": "flattened_bucket",
+        **_version_fields(flush_cache, version),
+    }
+    _post(url, "update_weights_from_tensor", request)
+
+
+def init_weights_update_group(url: str, request: dict[str, Any]) -> None:
+    """Join the process group the trainer's sender opens (`master_address`, `master_port`,
+    `rank_offset`, `world_size`, `group_name`, `backend`)."""
+    _post(url, "init_weights_update_group", request)
+
+
+def update_weights_from_distributed(
+    url: str, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+    flush_cache: bool, version: int | None,
+) -> None:  # fmt: skip
+    """Receive one flattened bucket by broadcast in `group_name` (called while it is sent)."""
+    request = {
+        "names": names,
+        "dtypes": dtypes,
+        "shapes": shapes,
+        "group_name": group_name,
+        "load_format": "flattened_bucket",
+        **_version_fields(flush_cache, version),
+    }
+    _post(url, "update_weights_from_distributed", request)
+
+
+def destroy_weights_update_group(url: str, group_name: str) -> None:
+    _post(url, "destroy_weights_update_group", {"group_name": group_name})
+
+
+def update_weights_from_disk(url: str, model_path: str, version: int) -> None:
+    """Load an HF checkpoint directory the server can read."""
+    request = {"model_path": model_path, **_version_fields(True, version)}
+    _post(url, "update_weights_from_disk", request)

@@ -1,0 +1,45 @@
+"""Step metrics that no stage produces: rollout lengths, validation scores, throughput and MFU."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from rlhf.models.families import ModelArch
+from rlhf.rollout.batch import RolloutBatch
+from rlhf.trainer.perf import ppo_step_flops
+
+
+def rollout_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
+    """verl-named length metrics of one rollout batch."""
+    lengths = [len(r) for r in batch.response_ids]
+    return {
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": max(lengths),
+        "response_length/min": min(lengths),
+        "response_length/clip_ratio": sum(n >= max_response_length for n in lengths) / len(lengths),
+        "prompt_length/mean": sum(len(p) for p in batch.prompt_ids) / batch.size,
+    }
+
+
+def validation_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """`val/test_score/<data_source>` (mean score per data source) and `val/test_score/all`."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for source, score in zip(batch.data_sources, batch.scores_b.tolist()):
+        groups[source].append(score)
+    metrics = {f"val/test_score/{s}": sum(v) / len(v) for s, v in sorted(groups.items())}
+    metrics["val/test_score/all"] = float(batch.scores_b.mean())
+    return metrics
+
+
+def perf_metrics(
+    arch: ModelArch, batch: RolloutBatch, step_s: float, world_size: int, peak_flops: float,
+    epochs: dict[str, int],
+) -> dict[str, float]:  # fmt: skip
+    """Tokens, tokens/s per rank, and MFU against `peak_flops` (per rank) of one step."""
+    tokens = sum(batch.sequence_lengths)
+    flops = ppo_step_flops(arch, tokens, tokens / batch.size, epochs)
+    return {
+        "perf/total_num_tokens": float(tokens),
+        "perf/throughput": tokens / step_s / world_size,
+        "perf/mfu": flops / step_s / (peak_flops * world_size),
+    }

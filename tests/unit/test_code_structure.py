@@ -1,0 +1,81 @@
+"""House rules that keep the package legible, checked on the source (docs/architecture.md).
+
+The layer order itself is an import-linter contract run by `make lint` (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import REPO
+
+PACKAGE = REPO / "rlhf"
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+PARALLEL_STATE = "megatron.core.parallel_state"
+BOOTSTRAP = PACKAGE / "distributed" / "bootstrap.py"
+
+
+def sources() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "cpu_shims" not in p.parts)
+
+
+def long_functions(tree: ast.AST, limit: int) -> list[tuple[str, int, int]]:
+    """(name, first line, length) of every function or method longer than `limit` lines."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > limit:
+                found.append((node.name, node.lineno, length))
+    return found
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    """Every module an import statement names, `from a import b` counted as `a` and `a.b`."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_checks_see_what_they_look_for():
+    tree = ast.parse(
+        "def f():\n    from megatron.core import parallel_state\n" + "    x = 1\n" * 70
+    )
+    assert long_functions(tree, MAX_FUNCTION_LINES) == [("f", 1, 72)]
+    assert PARALLEL_STATE in imported_modules(tree)
+    assert PARALLEL_STATE in imported_modules(ast.parse("import megatron.core.parallel_state"))
+
+
+def test_no_file_over_the_line_limit():
+    too_long = {
+        str(p.relative_to(REPO)): n
+        for p in sources()
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    }
+    assert not too_long, f"split these files (limit {MAX_FILE_LINES} lines): {too_long}"
+
+
+def test_no_function_over_the_line_limit():
+    too_long = {
+        f"{p.relative_to(REPO)}:{line} {name}": length
+        for p in sources()
+        for name, line, length in long_functions(ast.parse(p.read_text()), MAX_FUNCTION_LINES)
+    }
+    assert not too_long, f"split these functions (limit {MAX_FUNCTION_LINES}): {too_long}"
+
+
+def test_only_the_bootstrap_reads_megatron_global_parallel_state():
+    readers = [
+        str(p.relative_to(REPO))
+        for p in sources()
+        if p != BOOTSTRAP and PARALLEL_STATE in imported_modules(ast.parse(p.read_text()))
+    ]
+    assert not readers, f"pass a ParallelContext instead of reading {PARALLEL_STATE}: {readers}"
+    assert PARALLEL_STATE in imported_modules(ast.parse(BOOTSTRAP.read_text()))
