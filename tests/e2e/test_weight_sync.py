@@ -82,6 +82,7 @@ def test_sync_makes_sglang_match_exported_weights(
     assert report["weight_version"] == str(version)
     assert report["probe_diff"] < 1e-3, report
     assert report["num_buckets"] > 1 and report["max_bucket_bytes"] <= 64 * 1024 * 2
+    assert report["open_groups_after_close"] == 0  # the distributed transport's, destroyed
     if "sampled_logprob_diff" in report:
         assert report["sampled_logprob_diff"] < 1e-3, report
 

@@ -122,11 +122,12 @@ def main() -> None:
             model, arch, ctx, topo, args.server_url, prompts
         )
     exported = [t for bucket in iter_buckets(model, arch, topo, 1 << 30) for t in bucket]
+    syncer.close()  # the distributed transport destroys its process group
+    report["open_groups_after_close"] = len(getattr(transport, "groups", {}))
     if topo.is_sender:
         report["weight_version"] = sglang_api.weight_version(args.server_url)
         save_file({n: t.contiguous() for n, t in exported}, out / "exported.safetensors")
         (out / "report.json").write_text(json.dumps(report))
-    syncer.close()  # the distributed transport destroys its process group
     bootstrap.teardown()
 
 
