@@ -162,7 +162,7 @@ def measure(args, model_dir: Path) -> dict:
     runs = [run_stages(models, batch, cfg.algorithm, args.budget, 0.001) for _ in range(args.steps)]
     stage_s = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
     tokens = sum(batch.sequence_lengths)
-    flops = ppo_step_flops(arch, tokens, tokens / batch.size, {"actor": 1, "critic": 1})
+    flops = ppo_step_flops(arch, tokens, tokens / batch.size, forward_passes=3, train_epochs=2)
     peak = measure_matmul_flops(env.device, DTYPES[args.dtype])
     (micro_batches,) = models.planner.plan(batch, args.budget)
     head = models.logprob_head

@@ -10,6 +10,11 @@ divergence", 2020). Let d = ref_logp - logp (the log of ref/pi at the sampled to
 - `low_var_kl` (k3): exp(d) - d - 1, clamped to [-10, 10]. Unbiased and >= 0; the clamp
   bounds the rare huge values when the two models disagree strongly.
 
+`k1`, `k2`, `k3` are the same estimators under their other names. A trailing `+` (`kl+`,
+`low_var_kl+`, ...) keeps the estimator's value but takes the gradient of k2 (a
+straight-through estimate): k1 and k3 estimate the KL without bias, but their gradients do
+not estimate the KL's gradient, while k2's does.
+
 The KL enters PPO in one of two ways: as a penalty `-beta * kl_t` folded into the
 token-level rewards (`algorithm.use_kl_in_reward`, with beta from a KL controller), or as
 a loss term to the reference (`use_kl_loss`, see `rlhf.algo.losses.kl_loss`).
@@ -27,7 +32,7 @@ import torch
 from torch import Tensor
 
 from rlhf.algo.stats import _as_bool, response_ends
-from rlhf.config.choices import KL_ESTIMATORS
+from rlhf.config.choices import KL_LOSS_TYPES
 
 if TYPE_CHECKING:
     from rlhf.config.schema import KLControlConfig
@@ -39,8 +44,11 @@ _LOW_VAR_D_MAX = 20.0
 _LOW_VAR_CLAMP = 10.0
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
-    """Element-wise KL estimate of `kind` (one of KL_ESTIMATORS; formulas: module docstring)."""
+_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+
+
+def _estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    kind = _ALIASES.get(kind, kind)
     if kind == "kl":
         return logp - ref_logp
     if kind == "abs":
@@ -51,8 +59,17 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
         d = (ref_logp - logp).clamp(max=_LOW_VAR_D_MAX)
         return (torch.exp(d) - d - 1).clamp(-_LOW_VAR_CLAMP, _LOW_VAR_CLAMP)
     raise ValueError(
-        f"unknown KL estimator {kind!r} (kl_loss_type / kl_penalty): use one of {KL_ESTIMATORS}"
+        f"unknown KL estimator {kind!r} (kl_loss_type / kl_penalty): use one of {KL_LOSS_TYPES}"
     )
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Element-wise KL estimate of `kind` (one of KL_LOSS_TYPES; see the module docstring)."""
+    if not kind.endswith("+"):
+        return _estimate(logp, ref_logp, kind)
+    value = _estimate(logp, ref_logp, kind[:-1])
+    k2 = 0.5 * (logp - ref_logp).square()  # forward: the estimate; backward: k2's gradient
+    return k2 - k2.detach() + value.detach()
 
 
 def _scatter_scores(scores_b: Tensor, ends_bt: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.cli.check_env import lock_problems, read_pins
-from rlhf.config import RLHFConfig, validate_config
+from rlhf.config import RLHFConfig, validate
 from rlhf.data.files import resolve_files
 from rlhf.models.families import load_arch
 from rlhf.rollout import sglang_api
@@ -219,10 +219,13 @@ def check_config(cfg: RLHFConfig, world_size: int | None) -> Check:
     model_dir = Path(cfg.actor_rollout_ref.model.path or ".")
     try:
         heads = load_arch(model_dir) if (model_dir / "config.json").is_file() else None
-        layout = validate_config(cfg, world_size, heads)
+        layout = validate.validate_config(cfg, world_size, heads)
     except ValueError as e:  # ConfigError, or a model config this project cannot read
         return Check("config", FAIL, str(e), "fix the keys named, or launch that many processes")
-    return Check("config", PASS, f"world size {layout.world_size}: {layout.describe()}")
+    detail = f"world size {layout.world_size}: {layout.describe()}"
+    if notes := validate.ignored_settings(cfg):
+        return Check("config", WARN, f"{detail}; " + "; ".join(notes), "remove the keys named")
+    return Check("config", PASS, detail)
 
 
 def check_inputs(cfg: RLHFConfig) -> Check:

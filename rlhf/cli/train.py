@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validate_config
+from rlhf.config.validate import ignored_settings
 from rlhf.data.parquet import DataError
 from rlhf.rollout.client import GenerateError
 
@@ -70,6 +71,8 @@ def run(cfg: RLHFConfig) -> Path:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(dump_yaml(cfg))
             log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
+            for note in ignored_settings(cfg):
+                log.warning("config: %s", note)
         trainer = PPOTrainer(cfg, ctx, run_dir)
         last = trainer.fit()
         if ctx.is_main:

@@ -10,7 +10,11 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus"]
-KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
+KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
+# A KL loss may also use an estimator with a straight-through k2 gradient ("+", see algo/kl.py).
+KLLossType = Literal[
+    "kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3", "kl+", "k1+", "low_var_kl+", "k3+"
+]
 KLControlType = Literal["fixed", "adaptive"]
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -27,7 +31,9 @@ Device = Literal["auto", "cuda", "cpu"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
 
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
+CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)  # the estimators that need a value model
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+KL_LOSS_TYPES: tuple[str, ...] = get_args(KLLossType)
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 WEIGHT_SYNC_TRANSPORTS: tuple[str, ...] = get_args(WeightSyncTransport)
 LOGGERS: tuple[str, ...] = get_args(Logger)

@@ -19,6 +19,7 @@ from rlhf.config.choices import (
     GSM8KMethod,
     KLControlType,
     KLEstimator,
+    KLLossType,
     Logger,
     LossAggMode,
     LRDecayStyle,
@@ -139,6 +140,11 @@ class ActorConfig:
         "token-mean", "how per-token losses are aggregated (rlhf/algo/losses.py)"
     )
     entropy_coeff: float = doc(0.0, "weight of the entropy bonus", ge=0)
+    use_kl_loss: bool = doc(False, "add kl_loss_coef x KL(actor || ref) to the actor's loss")
+    kl_loss_coef: float = doc(0.001, "weight of the KL loss (use_kl_loss)", ge=0)
+    kl_loss_type: KLLossType = doc(
+        "low_var_kl", "KL estimator of the KL loss; a trailing + takes k2's gradient"
+    )
     grad_clip: float = doc(1.0, "clip the global gradient norm to this (0: off)", ge=0)
     param_offload: bool = doc(False, "GPU: keep the frozen reference model on CPU between its uses")
     optim: OptimConfig = doc(OptimConfig, "optimizer")
@@ -271,10 +277,17 @@ class KLControlConfig:
 class AlgorithmConfig:
     """PPO algorithm settings."""
 
-    adv_estimator: AdvEstimator = doc("gae", "advantage estimator (gae uses the critic)")
+    adv_estimator: AdvEstimator = doc(
+        "gae", "advantage estimator; only gae uses (and builds) the critic"
+    )
+    norm_adv_by_std_in_grpo: bool = doc(
+        True, "grpo: divide by the group's score std (false: Dr. GRPO, mean-centred only)"
+    )
     gamma: float = doc(1.0, "discount", ge=0, le=1)
     lam: float = doc(1.0, "GAE lambda", ge=0, le=1)
-    use_kl_in_reward: bool = doc(True, "subtract kl_coef x KL(actor || ref) from the rewards")
+    use_kl_in_reward: bool = doc(
+        True, "subtract kl_coef x KL(actor || ref) from the rewards (kl_ctrl sets kl_coef)"
+    )
     kl_penalty: KLEstimator = doc("kl", "per-token KL estimator used in the reward")
     kl_ctrl: KLControlConfig = doc(KLControlConfig, "KL penalty controller")
 

@@ -9,11 +9,20 @@ keys (types, allowed values, ranges) are checked earlier by the loader. Each vio
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from rlhf.config.choices import CRITIC_ESTIMATORS
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import ActorConfig, CriticConfig, RLHFConfig
+from rlhf.config.schema import (
+    ActorConfig,
+    CriticConfig,
+    KLControlConfig,
+    ModelConfig,
+    RefConfig,
+    RLHFConfig,
+)
 
 AR = "actor_rollout_ref"
 
@@ -105,7 +114,7 @@ def _check_batches(role: str, cfg: RLHFConfig, layout: ParallelLayout) -> None:
         )
 
 
-def _check_shared_layout(cfg: RLHFConfig, actor: ParallelLayout, critic: ParallelLayout) -> None:
+def _check_ref_layout(cfg: RLHFConfig, actor: ParallelLayout) -> None:
     ref_sp = cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size
     if ref_sp is not None and ref_sp != actor.sp_size:
         raise ConfigError(
@@ -113,6 +122,9 @@ def _check_shared_layout(cfg: RLHFConfig, actor: ParallelLayout, critic: Paralle
             f"{AR}.actor.ulysses_sequence_parallel_size={actor.sp_size}: the "
             "reference shares the actor's parallel layout (leave it null)"
         )
+
+
+def _check_critic_layout(actor: ParallelLayout, critic: ParallelLayout) -> None:
     if critic != actor:
         raise ConfigError(
             f"critic.megatron / critic.ulysses_sequence_parallel_size give {critic}, "
@@ -154,12 +166,55 @@ def _check_heads(layout: ParallelLayout, heads: AttentionHeads) -> None:
         )
 
 
+def uses_critic(cfg: RLHFConfig) -> bool:
+    """Whether the run builds, trains and checkpoints a critic (only GAE needs values)."""
+    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+
+
+def uses_reference(cfg: RLHFConfig) -> bool:
+    """Whether the run builds the frozen reference: for a KL in the reward or as a loss."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def _changed(value: Any, default: Any, prefix: str) -> list[str]:
+    """Dotted keys under `prefix` where `value` (a config section) differs from `default`."""
+    if not dataclasses.is_dataclass(value):
+        return [] if value == default else [prefix]
+    return [
+        key
+        for f in dataclasses.fields(value)
+        for key in _changed(getattr(value, f.name), getattr(default, f.name), f"{prefix}.{f.name}")
+    ]
+
+
+def ignored_settings(cfg: RLHFConfig) -> list[str]:
+    """One line per group of keys set away from their defaults that this run does not use."""
+    notes = []
+    critic_default = CriticConfig(model=ModelConfig(path=cfg.actor_rollout_ref.model.path))
+    if not uses_critic(cfg) and (keys := _changed(cfg.critic, critic_default, "critic")):
+        estimator = cfg.algorithm.adv_estimator
+        notes.append(f"{', '.join(keys)} ignored: adv_estimator={estimator} trains no critic")
+    kl_ctrl = _changed(cfg.algorithm.kl_ctrl, KLControlConfig(), "algorithm.kl_ctrl")
+    if not cfg.algorithm.use_kl_in_reward and kl_ctrl:
+        notes.append(f"{', '.join(kl_ctrl)} ignored: algorithm.use_kl_in_reward=false")
+    ref_keys = _changed(cfg.actor_rollout_ref.ref, RefConfig(), f"{AR}.ref")
+    if not uses_reference(cfg) and ref_keys:
+        notes.append(f"{', '.join(ref_keys)} ignored: no reference model (no KL in reward or loss)")
+    return notes
+
+
 def _check_misc(cfg: RLHFConfig) -> None:
     for i, step in enumerate(cfg.global_profiler.steps or []):
         if step < 1:
             raise ConfigError(f"global_profiler.steps[{i}]: steps count from 1, got {step}")
     if not cfg.actor_rollout_ref.model.path:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
+    if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
+        raise ConfigError(
+            f"trainer.early_stop.kl_patience={cfg.trainer.early_stop.kl_patience} watches the KL "
+            f"to the reference, which this run does not compute: set "
+            f"algorithm.use_kl_in_reward=true or {AR}.actor.use_kl_loss=true, or kl_patience=0"
+        )
 
 
 def validate_config(
@@ -172,10 +227,13 @@ def validate_config(
     architecture) enables the rules on attention heads.
     """
     world = _world_size(cfg, world_size)
-    actor, critic = (parallel_layout(role, cfg, world) for role in ("actor", "critic"))
+    actor = parallel_layout("actor", cfg, world)
     _check_batches("actor", cfg, actor)
-    _check_batches("critic", cfg, critic)
-    _check_shared_layout(cfg, actor, critic)
+    _check_ref_layout(cfg, actor)
+    if uses_critic(cfg):
+        critic = parallel_layout("critic", cfg, world)
+        _check_batches("critic", cfg, critic)
+        _check_critic_layout(actor, critic)
     _check_rollout_placement(cfg, actor)
     if heads is not None:
         _check_heads(actor, heads)

@@ -89,11 +89,13 @@ class EarlyStopper:
     def mark_good(self, step: int) -> None:
         self._last_good_step = step
 
-    def observe_step(self, step: int, mean_kl: float, mean_score: float) -> Decision | None:
+    def observe_step(self, step: int, mean_kl: float | None, mean_score: float) -> Decision | None:
         """Record one training step; a stop `Decision` when a rule fires (KL rule first).
 
-        A non-finite KL counts as high; a non-finite score is never an improvement and is
-        left out of the training mean that validation is compared with.
+        `mean_kl` is None when the run has no reference (the KL rule is then off: the
+        config validator requires a reference for it). A non-finite KL counts as high; a
+        non-finite score is never an improvement and is left out of the training mean that
+        validation is compared with.
         """
         if math.isfinite(mean_score):
             self._score_sum += mean_score
@@ -102,9 +104,9 @@ class EarlyStopper:
         plateau_decision = self._check_plateau(step, mean_score)
         return kl_decision or plateau_decision
 
-    def _check_kl(self, step: int, mean_kl: float) -> Decision | None:
+    def _check_kl(self, step: int, mean_kl: float | None) -> Decision | None:
         threshold = self.kl_threshold
-        if threshold is None:
+        if threshold is None or mean_kl is None:
             return None
         high = not math.isfinite(mean_kl) or mean_kl > threshold
         self._high_kl_streak = self._high_kl_streak + 1 if high else 0

@@ -18,8 +18,8 @@ class Experience:
 
     old_logprobs_bt / old_entropy_bt: the actor's log-probs of the response tokens and its
         entropies before the update (at the rollout temperature);
-    ref_logprobs_bt: the frozen reference's log-probs;
-    values_bt: the critic's values before the update;
+    ref_logprobs_bt: the frozen reference's log-probs (None without a reference);
+    values_bt: the critic's values before the update (None without a critic);
     token_rewards_bt: score at the last token minus the KL penalty (beta x KL) per token;
     advantages_bt, returns_bt: from `algorithm.adv_estimator` (returns: the critic's
         regression targets, None for estimators without a critic).
@@ -28,7 +28,7 @@ class Experience:
     batch: RolloutBatch
     old_logprobs_bt: Tensor
     old_entropy_bt: Tensor
-    ref_logprobs_bt: Tensor
+    ref_logprobs_bt: Tensor | None
     values_bt: Tensor | None
     token_rewards_bt: Tensor
     advantages_bt: Tensor

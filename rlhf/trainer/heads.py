@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from rlhf.algo import entropy_loss, policy_loss, value_loss
+from rlhf.algo import entropy_loss, kl_loss, policy_loss, value_loss
 from rlhf.algo.losses import BatchCounts
 from rlhf.config.schema import ActorConfig, CriticConfig
 from rlhf.models.logprobs import VocabShard
@@ -85,6 +85,15 @@ class PolicyLossHead:
             "actor/ppo_kl": out.ppo_kl,
             "actor/entropy": ent,
         }
+        if cfg.use_kl_loss:
+            assert exp.ref_logprobs_bt is not None, "use_kl_loss builds the reference"
+            kl = kl_loss(
+                logp, mb.select(exp.ref_logprobs_bt), mb.mask, cfg.kl_loss_type,
+                cfg.loss_agg_mode, global_num_tokens=counts.num_tokens,
+                global_num_seqs=counts.num_seqs, norm_length=self.norm_length,
+            )  # fmt: skip
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl
         return loss, {k: v.detach() for k, v in metrics.items()}
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from rlhf.config.schema import RLHFConfig
+from rlhf.config.validate import uses_critic, uses_reference
 from rlhf.models.families import ModelArch
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.perf import ppo_step_flops
@@ -31,13 +33,22 @@ def validation_metrics(batch: RolloutBatch) -> dict[str, float]:
     return metrics
 
 
+def model_passes(cfg: RLHFConfig) -> tuple[int, int]:
+    """(forward-only passes, update epochs) of one step over its batch, all models."""
+    critic = uses_critic(cfg)
+    forwards = 1 + int(uses_reference(cfg)) + int(critic)
+    epochs = cfg.actor_rollout_ref.actor.ppo_epochs + (cfg.critic.ppo_epochs if critic else 0)
+    return forwards, epochs
+
+
 def perf_metrics(
     arch: ModelArch, batch: RolloutBatch, step_s: float, world_size: int, peak_flops: float,
-    epochs: dict[str, int],
+    passes: tuple[int, int],
 ) -> dict[str, float]:  # fmt: skip
-    """Tokens, tokens/s per rank, and MFU against `peak_flops` (per rank) of one step."""
+    """Tokens, tokens/s per rank, and MFU against `peak_flops` (per rank) of one step with
+    `passes` = `model_passes(cfg)`."""
     tokens = sum(batch.sequence_lengths)
-    flops = ppo_step_flops(arch, tokens, tokens / batch.size, epochs)
+    flops = ppo_step_flops(arch, tokens, tokens / batch.size, *passes)
     return {
         "perf/total_num_tokens": float(tokens),
         "perf/throughput": tokens / step_s / world_size,

@@ -24,11 +24,14 @@ def flops_per_token(arch: ModelArch, seq_len: float) -> float:
     return 2.0 * matmul + 2.0 * attention
 
 
-def ppo_step_flops(arch: ModelArch, num_tokens: int, seq_len: float, epochs: dict) -> float:
-    """Model FLOPs of one step: forward passes (old log-probs, reference, values) plus
-    forward + backward (3x forward) of each update epoch for actor and critic."""
+def ppo_step_flops(
+    arch: ModelArch, num_tokens: int, seq_len: float, forward_passes: int, train_epochs: int
+) -> float:
+    """Model FLOPs of one step: `forward_passes` forward-only passes (old log-probs, and the
+    reference's and the critic's when there are those) plus forward + backward (3x forward)
+    of `train_epochs` update epochs over the batch (actor and critic together)."""
     forward = flops_per_token(arch, seq_len) * num_tokens
-    return 3 * forward + 3 * forward * (epochs["actor"] + epochs["critic"])
+    return forward_passes * forward + 3 * forward * train_epochs
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:

@@ -26,16 +26,12 @@ from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.fleet import RolloutFleet
 from rlhf.rollout.generation import sampling_params, val_sampling_params
 from rlhf.trainer.early_stop import Decision, EarlyStopper
-from rlhf.trainer.metrics import perf_metrics, rollout_metrics, validation_metrics
+from rlhf.trainer.megatron_model import TrainableMegatronModel
+from rlhf.trainer.metrics import model_passes, perf_metrics, rollout_metrics, validation_metrics
 from rlhf.trainer.perf import measure_matmul_flops
 from rlhf.trainer.setup import build_ppo_models, load_policy_arch
-from rlhf.trainer.stages import (
-    build_experience,
-    compute_logprobs,
-    compute_values,
-    probe_logprobs,
-    run_updates,
-)
+from rlhf.trainer.stages import probe_logprobs
+from rlhf.trainer.step import train_on_batch
 from rlhf.utils import DTYPES
 from rlhf.weight_sync.factory import build_weight_syncer
 from rlhf.weight_sync.gather import SyncTopology
@@ -64,6 +60,7 @@ class PPOTrainer:
             cfg.trainer.total_epochs * self.sampler.steps_per_epoch
         )
         self.models = build_ppo_models(cfg, self.arch, ctx, self.total_steps)
+        self.passes = model_passes(cfg)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.stopper = EarlyStopper(cfg.trainer.early_stop, cfg.algorithm.kl_ctrl.target_kl)
         self.checkpoints = CheckpointManager(
@@ -120,29 +117,14 @@ class PPOTrainer:
         timer, m, cfg = Timer(), self.models, self.cfg
         start = time.perf_counter()
         batch = self.generate(step, timer)
-        with timer.stage("old_log_prob"):
-            old = compute_logprobs(m.actor, batch, m.planner, m.budgets.actor, m.logprob_head)
-        with timer.stage("ref"):
-            ref, _ = compute_logprobs(m.ref, batch, m.planner, m.budgets.ref, m.logprob_head)
-        with timer.stage("values"):
-            values = compute_values(m.critic, batch, m.planner, m.budgets.critic)
-        with timer.stage("adv"):
-            exp, metrics = build_experience(
-                batch, old, ref, values, cfg.algorithm, self.kl_ctrl.value
-            )
-            self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], batch.size)
-        with timer.stage("update_critic"):
-            metrics |= run_updates(m.critic_update, exp, m.planner)
-        with timer.stage("update_actor"):
-            metrics |= run_updates(m.actor_update, exp, m.planner)
+        exp, metrics = train_on_batch(m, batch, cfg, self.kl_ctrl, timer)
         with timer.stage("update_weights"):
             metrics |= self.sync_weights(step)
         step_s = time.perf_counter() - start
         metrics |= rollout_metrics(batch, cfg.data.max_response_length)
         metrics |= timer.metrics() | {"timing_s/step": step_s}
-        epochs = {"actor": cfg.actor_rollout_ref.actor.ppo_epochs, "critic": cfg.critic.ppo_epochs}
         world, peak = self.ctx.world_size, self.peak_flops
-        metrics |= perf_metrics(self.arch, batch, step_s, world, peak, epochs)
+        metrics |= perf_metrics(self.arch, batch, step_s, world, peak, self.passes)
         metrics["actor/entropy_old"] = float(masked_mean(exp.old_entropy_bt, batch.mask_bt()))
         return metrics
 
@@ -155,36 +137,39 @@ class PPOTrainer:
 
     # ---- checkpoints ------------------------------------------------------------------
 
+    def trained(self) -> dict[str, TrainableMegatronModel]:
+        """The models a checkpoint holds, by directory name."""
+        critic = {"critic": self.models.critic} if self.models.critic is not None else {}
+        return {"actor": self.models.actor, **critic}
+
     def state_dict(self, step: int) -> dict:
         return {
             "step": step,
             "sampler": self.sampler.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "early_stop": self.stopper.state_dict(),
-            "actor_scheduler": self.models.actor.scheduler.state_dict(),
-            "critic_scheduler": self.models.critic.scheduler.state_dict(),
+            **{f"{name}_scheduler": m.scheduler.state_dict() for name, m in self.trained().items()},
         }
 
     def save_checkpoint(self, step: int) -> None:
         with self.checkpoints.writing(step) as tmp:
             if self.ctx.is_main:
-                (tmp / "actor").mkdir()
-                (tmp / "critic").mkdir()
+                for name in self.trained():
+                    (tmp / name).mkdir()
             if dist.is_initialized():
                 dist.barrier()
-            self.models.actor.save(tmp / "actor")
-            self.models.critic.save(tmp / "critic")
+            for name, model in self.trained().items():
+                model.save(tmp / name)
             save_trainer_state(tmp, self.state_dict(step), self.ctx.rank)
         log.info("checkpoint of step %d written to %s", step, self.checkpoints.path_for(step))
 
     def load_models(self, path: Path) -> dict:
         """Actor, critic (model + optimizer + LR schedule) and the trainer state at `path`."""
-        actor, critic = self.models.actor, self.models.critic
-        actor.load(path / "actor")
-        critic.load(path / "critic")
+        for name, model in self.trained().items():
+            model.load(path / name)
         state = load_trainer_state(path, self.ctx.rank)
-        actor.scheduler.load_state_dict(state["actor_scheduler"])
-        critic.scheduler.load_state_dict(state["critic_scheduler"])
+        for name, model in self.trained().items():
+            model.scheduler.load_state_dict(state[f"{name}_scheduler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         return state
 
@@ -229,7 +214,7 @@ class PPOTrainer:
             with self.profiler.step(step):
                 metrics = self.train_step(step)
             decision = self.stopper.observe_step(
-                step, metrics["actor/reward_kl_penalty"], metrics["critic/score/mean"]
+                step, metrics.get("actor/reward_kl_penalty"), metrics["critic/score/mean"]
             )
             last = step == self.total_steps or decision is not None
             save = (cfg.save_freq > 0 and step % cfg.save_freq == 0) or last

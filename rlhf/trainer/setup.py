@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from rlhf.config.schema import RLHFConfig
+from rlhf.config.validate import uses_critic, uses_reference
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
 from rlhf.models.families import ModelArch, load_arch
@@ -34,17 +35,19 @@ class TokenBudgets:
 
 @dataclass(frozen=True)
 class PPOModels:
-    """This rank's shards of the three models, and how the trained ones are updated.
+    """This rank's shards of the models, and how the trained ones are updated.
 
+    ref is None without a KL to the reference (in the reward or as a loss); critic and
+    critic_update are None for critic-free estimators (`rlhf.config.validate`).
     logprob_head: the actor's and reference's log-probs at the rollout temperature;
     probe_head: the same at temperature 1 (SGLang's prompt log-probs are unscaled).
     """
 
     actor: TrainableMegatronModel
-    ref: MegatronModel
-    critic: TrainableMegatronModel
+    ref: MegatronModel | None
+    critic: TrainableMegatronModel | None
     actor_update: UpdateSpec
-    critic_update: UpdateSpec
+    critic_update: UpdateSpec | None
     planner: MicroBatchPlanner
     budgets: TokenBudgets
     logprob_head: LogprobHead
@@ -102,37 +105,47 @@ def _trained(cfg: RLHFConfig, role: str, module, ctx: ParallelContext, total_ste
     return TrainableMegatronModel(module, ctx, settings)
 
 
-def build_ppo_models(
-    cfg: RLHFConfig, arch: ModelArch, ctx: ParallelContext, total_steps: int
-) -> PPOModels:
-    """Actor, reference and critic on this rank, loaded from the HF checkpoints, with their
-    update specs for a run of `total_steps` steps."""
-    aro = cfg.actor_rollout_ref
-    check_model_dir(aro.model.path, "actor_rollout_ref.model.path")
+def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int):
+    """The critic and its update spec, or (None, None) for critic-free estimators."""
+    if not uses_critic(cfg):
+        return None, None
     check_model_dir(cfg.critic.model.path, "critic.model.path")
-    policy_dtype = DTYPES[aro.actor.megatron.dtype]
-    actor_module = build_policy(arch, aro.model.path, ctx, policy_dtype)
-    actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
-    ref = MegatronModel.frozen(
-        build_policy(arch, aro.model.path, ctx, policy_dtype), ctx, offload=aro.actor.param_offload
-    )
-    critic_module, _ = value_model_from_hf(
+    module, _ = value_model_from_hf(
         cfg.critic.model.path, Placement.of(ctx), seed=cfg.critic.megatron.seed,
         params_dtype=DTYPES[cfg.critic.megatron.dtype], sp=ctx.sp_size,
     )  # fmt: skip
-    critic = _trained(cfg, "critic", critic_module.to(ctx.device), ctx, total_steps)
+    critic = _trained(cfg, "critic", module.to(ctx.device), ctx, total_steps)
+    n, norm = cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length
+    update = UpdateSpec(
+        "critic", critic, budget, cfg.critic.ppo_mini_batch_size * n, cfg.critic.ppo_epochs,
+        functools.partial(ValueLossHead, cfg.critic, norm),
+    )  # fmt: skip
+    return critic, update
+
+
+def build_ppo_models(
+    cfg: RLHFConfig, arch: ModelArch, ctx: ParallelContext, total_steps: int
+) -> PPOModels:
+    """Actor, and when the config needs them reference and critic, on this rank, loaded from
+    the HF checkpoints, with their update specs for a run of `total_steps` steps."""
+    aro = cfg.actor_rollout_ref
+    check_model_dir(aro.model.path, "actor_rollout_ref.model.path")
+    policy_dtype = DTYPES[aro.actor.megatron.dtype]
+    actor_module = build_policy(arch, aro.model.path, ctx, policy_dtype)
+    actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
+    ref = None
+    if uses_reference(cfg):
+        ref_module = build_policy(arch, aro.model.path, ctx, policy_dtype)
+        ref = MegatronModel.frozen(ref_module, ctx, offload=aro.actor.param_offload)
+    budgets = token_budgets(cfg)
+    critic, critic_update = _critic(cfg, ctx, total_steps, budgets.critic)
     vocab = VocabShard.of(ctx, actor_module.padded_vocab_size, arch.vocab_size)
     temperature = aro.rollout.temperature if aro.rollout.temperature > 0 else 1.0
-    budgets = token_budgets(cfg)
     n, norm = aro.rollout.n, cfg.data.max_response_length
     actor_update = UpdateSpec(
         "actor", actor, budgets.actor, aro.actor.ppo_mini_batch_size * n, aro.actor.ppo_epochs,
         functools.partial(PolicyLossHead, vocab, temperature, aro.actor, norm),
         kl_bound=cfg.trainer.early_stop.ppo_kl_bound,
-    )  # fmt: skip
-    critic_update = UpdateSpec(
-        "critic", critic, budgets.critic, cfg.critic.ppo_mini_batch_size * n,
-        cfg.critic.ppo_epochs, functools.partial(ValueLossHead, cfg.critic, norm),
     )  # fmt: skip
     return PPOModels(
         actor, ref, critic, actor_update, critic_update, MicroBatchPlanner(ctx, use_thd(ctx)),

@@ -103,31 +103,36 @@ def probe_logprobs(
 
 
 def build_experience(
-    batch: RolloutBatch, old: tuple[Tensor, Tensor], ref_logprobs_bt: Tensor,
+    batch: RolloutBatch, old: tuple[Tensor, Tensor], ref_logprobs_bt: Tensor | None,
     values_bt: Tensor | None, algo: AlgorithmConfig, kl_coef: float,
 ) -> tuple[Experience, dict[str, float]]:  # fmt: skip
     """Token rewards (score - beta * KL), advantages, returns; the step's KL and reward metrics.
 
-    `old` is the actor's (log-probs, entropies). The KL reported (and fed to the
-    controller) is the mean over responses of each response's mean per-token KL, as in verl.
+    `old` is the actor's (log-probs, entropies). With a reference, the KL reported (and fed
+    to the controller) is the mean over responses of each response's mean per-token KL, as
+    in verl; beta is `kl_coef` when `algo.use_kl_in_reward`, else 0.
     """
     old_logprobs_bt, old_entropy_bt = old
     mask = batch.mask_bt()
-    kl_bt = torch.where(mask, kl_penalty(old_logprobs_bt, ref_logprobs_bt, algo.kl_penalty), 0)
+    metrics: dict[str, float] = {}
+    kl_bt = torch.zeros_like(old_logprobs_bt)
     beta = kl_coef if algo.use_kl_in_reward else 0.0
+    if ref_logprobs_bt is not None:
+        kl = kl_penalty(old_logprobs_bt, ref_logprobs_bt, algo.kl_penalty)
+        kl_bt = torch.where(mask, kl, 0)
+        lengths = mask.sum(dim=1).clamp(min=1)
+        metrics["actor/reward_kl_penalty"] = float((kl_bt.sum(dim=1) / lengths).mean())
+        metrics["actor/reward_kl_penalty_coeff"] = beta
     rewards = token_level_rewards(batch.scores_b, mask, kl_bt, beta)
     out = compute_advantages(
         algo.adv_estimator, rewards, mask, values_bt=values_bt, uids=batch.uids,
-        gamma=algo.gamma, lam=algo.lam,
+        gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std_in_grpo,
     )  # fmt: skip
     experience = Experience(
         batch, old_logprobs_bt, old_entropy_bt, ref_logprobs_bt, values_bt, rewards,
         out.advantages_bt, out.returns_bt,
     )  # fmt: skip
-    lengths = mask.sum(dim=1).clamp(min=1)
-    metrics = {
-        "actor/reward_kl_penalty": float((kl_bt.sum(dim=1) / lengths).mean()),
-        "actor/reward_kl_penalty_coeff": beta,
+    metrics |= {
         "critic/score/mean": float(batch.scores_b.mean()),
         "critic/rewards/mean": float(rewards.sum(dim=1).mean()),
         "critic/advantages/mean": float(masked_mean(out.advantages_bt, mask)),

@@ -17,7 +17,7 @@ from rlhf.algo.kl import (
     kl_penalty,
     token_level_rewards,
 )
-from rlhf.config.choices import KL_ESTIMATORS
+from rlhf.config.choices import KL_LOSS_TYPES
 from rlhf.config.schema import KLControlConfig
 
 LOGP = torch.tensor([-1.0, -2.0, -0.5])
@@ -51,8 +51,23 @@ def test_low_var_kl_is_clamped_with_finite_gradient():
 
 def test_kl_penalty_unknown_kind():
     with pytest.raises(ValueError, match="low_var_kl") as info:
-        kl_penalty(LOGP, REF, "k3")
-    assert all(k in str(info.value) for k in KL_ESTIMATORS)
+        kl_penalty(LOGP, REF, "k4")
+    assert all(k in str(info.value) for k in KL_LOSS_TYPES)
+
+
+@pytest.mark.parametrize(("alias", "name"), [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")])
+def test_kl_aliases(alias, name):
+    torch.testing.assert_close(kl_penalty(LOGP, REF, alias), kl_penalty(LOGP, REF, name))
+
+
+@pytest.mark.parametrize("kind", ["kl+", "k1+", "low_var_kl+", "k3+"])
+def test_straight_through_variants_keep_the_value_and_take_k2_gradient(kind):
+    """Value of the estimator before '+'; gradient of 0.5 (logp - ref)^2, i.e. logp - ref."""
+    logp = LOGP.clone().requires_grad_(True)
+    out = kl_penalty(logp, REF, kind)
+    torch.testing.assert_close(out, kl_penalty(LOGP, REF, kind[:-1]))
+    out.sum().backward()
+    torch.testing.assert_close(logp.grad, LOGP - REF)
 
 
 def test_token_level_rewards_right_padded():

@@ -153,3 +153,41 @@ def test_ulysses_needs_query_heads_divisible_per_tp_rank():
         "ulysses_sequence_parallel_size=2" in message and "tensor_model_parallel_size=2" in message
     )
     assert "3 query heads per TP rank cannot be split over 2 Ulysses ranks" in message
+
+
+def test_critic_free_estimators_skip_the_critic_rules_and_name_ignored_critic_keys():
+    from rlhf.config.validate import ignored_settings, uses_critic, uses_reference
+
+    # A critic layout that would be wrong for GAE is not checked when no critic is built.
+    grpo = ["algorithm.adv_estimator=grpo", "critic.ulysses_sequence_parallel_size=3"]
+    cfg = load_config(QUICKSTART, grpo)
+    assert validate_config(cfg).sp_size == 1
+    assert not uses_critic(cfg) and uses_reference(cfg)
+    (note,) = ignored_settings(cfg)
+    assert "critic.ulysses_sequence_parallel_size" in note and "adv_estimator=grpo" in note
+    # The quickstart's own critic settings are named too; a GAE run ignores nothing.
+    assert "critic.optim.lr" in note
+    assert ignored_settings(load_config(QUICKSTART)) == []
+
+
+def test_no_reference_without_a_kl_and_kl_settings_named_when_unused():
+    from rlhf.config.validate import ignored_settings, uses_reference
+
+    no_kl = ["algorithm.use_kl_in_reward=false"]
+    cfg = load_config(QUICKSTART, [*no_kl, "algorithm.kl_ctrl.kl_coef=0.01"])
+    assert not uses_reference(cfg)
+    assert any("algorithm.kl_ctrl.kl_coef" in note for note in ignored_settings(cfg))
+    kl_loss = load_config(QUICKSTART, [*no_kl, "actor_rollout_ref.actor.use_kl_loss=true"])
+    assert uses_reference(kl_loss)
+
+
+def test_kl_early_stop_needs_a_reference():
+    with pytest.raises(ConfigError, match=r"kl_patience=3 watches the KL to the reference"):
+        check(["algorithm.use_kl_in_reward=false", "trainer.early_stop.kl_patience=3"])
+    check(
+        [
+            "algorithm.use_kl_in_reward=false",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "trainer.early_stop.kl_patience=3",
+        ]
+    )

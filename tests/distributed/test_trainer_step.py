@@ -1,0 +1,155 @@
+"""Full trainer steps per algorithm variant through the real Megatron stages and updates
+(tests/distributed/workers/trainer_step.py), checked against hand computations.
+
+What each variant must show: the models its config needs and no others; advantages equal
+to the estimator's formula written out here from the scores, KL and values; a KL controller
+that moves only with the KL in the reward; the KL loss where asked; and an update that
+raises the log-probs of positive-advantage responses relative to negative ones.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from tests.distributed.workers.trainer_step import SCORES
+from tests.helpers import run_worker_layouts
+
+BETA = 0.05  # algorithm.kl_ctrl.kl_coef in the worker
+GROUPS = [list(range(0, 4)), list(range(4, 8))]
+
+
+@pytest.fixture(scope="module")
+def steps(tiny_qwen2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer_step")
+    return run_worker_layouts("trainer_step.py", {"one": (1, [])}, tiny_qwen2_dir, out)["one"]
+
+
+def per_token(values: list[float], mask: torch.Tensor) -> torch.Tensor:
+    """One value per sample, on each of its response tokens."""
+    return torch.tensor(values)[:, None] * mask
+
+
+def grpo(scores: list[float], by_std: bool) -> list[float]:
+    adv = [0.0] * len(scores)
+    for group in GROUPS:
+        values = [scores[i] for i in group]
+        mean, std = statistics.fmean(values), statistics.stdev(values)
+        for i in group:
+            adv[i] = (scores[i] - mean) / (std + 1e-6) if by_std else scores[i] - mean
+    return adv
+
+
+def rloo(scores: list[float]) -> list[float]:
+    adv = [0.0] * len(scores)
+    for group in GROUPS:
+        for i in group:
+            others = [scores[j] for j in group if j != i]
+            adv[i] = scores[i] - sum(others) / len(others)
+    return adv
+
+
+def token_rewards(step: dict, beta: float) -> list[list[float]]:
+    """score on the last response token minus beta x (old - ref) on every token."""
+    rows = []
+    for i, row_mask in enumerate(step["mask"]):
+        n = int(row_mask.sum())
+        kl = [0.0] * n
+        if step["ref_logprobs"] is not None:
+            kl = (step["old_logprobs"][i, :n] - step["ref_logprobs"][i, :n]).tolist()
+        rows.append([-beta * k + (SCORES[i] if t == n - 1 else 0.0) for t, k in enumerate(kl)])
+    return rows
+
+
+def whiten(rows: list[list[float]]) -> list[list[float]]:
+    flat = [x for row in rows for x in row]
+    mean, var = statistics.fmean(flat), statistics.variance(flat)
+    return [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in rows]
+
+
+def padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
+
+
+def expected_advantages(name: str, step: dict) -> torch.Tensor:
+    mask = step["mask"]
+    if name in ("grpo", "grpo_kl_loss", "grpo_no_kl", "dr_grpo"):
+        # GRPO scores a response by the sum of its token rewards (KL included when in reward)
+        in_reward = name in ("grpo", "dr_grpo")  # the others have use_kl_in_reward=false
+        scores = [sum(row) for row in token_rewards(step, BETA if in_reward else 0.0)]
+        return per_token(grpo(scores, by_std=name != "dr_grpo"), mask)
+    rewards = token_rewards(step, BETA)
+    if name == "rloo":
+        return per_token(rloo([sum(row) for row in rewards]), mask)
+    to_go = [[sum(row[t:]) for t in range(len(row))] for row in rewards]  # gamma = lam = 1
+    if name == "reinforce_plus_plus":
+        return padded(whiten(to_go), mask.float())
+    values = step["values"]
+    return padded(whiten([[g - float(values[i, t]) for t, g in enumerate(row)]
+                          for i, row in enumerate(to_go)]), mask.float())  # fmt: skip
+
+
+VARIANTS = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_kl_loss", "grpo_no_kl"]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_models_built_are_the_ones_the_algorithm_needs(steps, name):
+    step = steps[name]
+    assert step["has_critic"] == (name == "gae")
+    assert step["has_ref"] == (name != "grpo_no_kl")
+    assert ("critic/vf_loss" in step["metrics"]) == (name == "gae")
+    assert (step["values"] is not None) == (name == "gae")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_advantages_match_the_estimator_written_out(steps, name):
+    step = steps[name]
+    torch.testing.assert_close(
+        step["advantages"], expected_advantages(name, step), rtol=1e-3, atol=1e-4
+    )
+
+
+def test_dr_grpo_differs_from_grpo_only_by_the_std(steps):
+    assert not torch.allclose(steps["grpo"]["advantages"], steps["dr_grpo"]["advantages"])
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_kl_controller_moves_only_with_the_kl_in_the_reward(steps, name):
+    before, after = steps[name]["kl_coef"]
+    assert (after != before) == (name not in ("grpo_kl_loss", "grpo_no_kl"))
+
+
+def test_kl_loss_is_logged_and_changes_the_update(steps):
+    with_loss, without = steps["grpo_kl_loss"]["metrics"], steps["grpo_no_kl"]["metrics"]
+    assert with_loss["actor/kl_coef"] == 0.5 and with_loss["actor/kl_loss"] > 0
+    assert "actor/kl_loss" not in without and "actor/reward_kl_penalty" not in without
+    # Same batch, advantages and start: only the KL loss makes the updates differ.
+    torch.testing.assert_close(
+        steps["grpo_kl_loss"]["advantages"], steps["grpo_no_kl"]["advantages"]
+    )
+    # ... and it pulls the actor towards the reference.
+    ref = steps["grpo_kl_loss"]["ref_logprobs"]
+    mask = steps["grpo_kl_loss"]["mask"]
+
+    def distance(name: str) -> float:
+        return float(((steps[name]["logprobs_after"] - ref) * mask).abs().sum())
+
+    assert distance("grpo_kl_loss") < distance("grpo_no_kl")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_update_favours_positive_advantages(steps, name):
+    step = steps[name]
+    mask = step["mask"]
+    delta = (step["logprobs_after"] - step["old_logprobs"]) * mask
+    adv = step["advantages"]
+    up = delta[(adv > 0) & mask].mean()
+    down = delta[(adv < 0) & mask].mean()
+    assert up > down, (float(up), float(down))
+    assert step["metrics"]["actor/pg_clipfrac"] > 0  # 2 mini-batches x 2 epochs: clipping bites

@@ -1,0 +1,122 @@
+"""Worker: full trainer steps (`rlhf.trainer.step.train_on_batch`) per algorithm variant.
+
+For each variant (an advantage estimator and where the KL goes), the models the config asks
+for are built from the HF checkpoint and a fixed synthetic batch (two prompts x four samples,
+scores that differ within each prompt) goes twice through the real Megatron stages and
+updates (two mini-batches x two epochs each). The second step is the one reported: by then
+the actor has left the reference, so the KL terms are not zero. Rank 0 writes, per variant:
+which models exist, the second step's log-probs before and after it, values, advantages,
+returns and metrics, and the KL coefficient before the first and after the second step.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from rlhf.config import load_config
+from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
+
+# name -> overrides on top of COMMON
+VARIANTS = {
+    "gae": ["algorithm.adv_estimator=gae"],
+    "grpo": ["algorithm.adv_estimator=grpo"],
+    "dr_grpo": ["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false"],
+    "rloo": ["algorithm.adv_estimator=rloo"],
+    "reinforce_plus_plus": ["algorithm.adv_estimator=reinforce_plus_plus"],
+    "grpo_kl_loss": [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.5",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    ],
+    "grpo_no_kl": ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false"],
+}
+COMMON = [
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # 2 mini-batches of 4 samples
+    "actor_rollout_ref.actor.ppo_epochs=2",
+    "actor_rollout_ref.actor.optim.lr=0.002",
+    "actor_rollout_ref.actor.clip_ratio=0.02",  # small: the second mini-batch/epoch clips
+    "critic.ppo_mini_batch_size=1",
+    "critic.ppo_epochs=2",
+    "algorithm.kl_ctrl.kl_coef=0.05",
+]
+SCORES = [1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0]  # prompt 0: samples 0-3, prompt 1: 4-7
+
+
+def synthetic_batch(vocab_size: int):
+    from rlhf.rollout.batch import RolloutBatch
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, vocab_size, (9,), generator=gen).tolist() for _ in range(2)]
+    responses = [
+        torch.randint(3, vocab_size, (3 + i % 4,), generator=gen).tolist() for i in range(8)
+    ]
+    return RolloutBatch(
+        prompt_ids=[prompts[i // 4] for i in range(8)],
+        response_ids=responses,
+        scores_b=torch.tensor(SCORES),
+        data_sources=["synthetic"] * 8,
+        uids=[f"p{i // 4}" for i in range(8)],
+    )
+
+
+def run_variant(model_dir: str, overrides: list[str], ctx) -> dict:
+    from rlhf.algo import build_kl_controller
+    from rlhf.config import validate_config
+    from rlhf.logging import Timer
+    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+    from rlhf.trainer.stages import compute_logprobs
+    from rlhf.trainer.step import train_on_batch
+
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={model_dir}", *COMMON, *overrides])
+    arch = load_policy_arch(cfg)
+    validate_config(cfg, ctx.world_size, arch)
+    models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+    batch = synthetic_batch(arch.vocab_size)
+    kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
+    kl_before = kl_ctrl.value
+    train_on_batch(models, batch, cfg, kl_ctrl, Timer())
+    exp, metrics = train_on_batch(models, batch, cfg, kl_ctrl, Timer())
+    after, _ = compute_logprobs(
+        models.actor, batch, models.planner, models.budgets.actor, models.logprob_head
+    )
+    return {
+        "has_ref": models.ref is not None,
+        "has_critic": models.critic is not None,
+        "old_logprobs": exp.old_logprobs_bt,
+        "ref_logprobs": exp.ref_logprobs_bt,
+        "values": exp.values_bt,
+        "advantages": exp.advantages_bt,
+        "returns": exp.returns_bt,
+        "mask": batch.mask_bt(),
+        "logprobs_after": after,
+        "kl_coef": (kl_before, kl_ctrl.value),
+        "metrics": metrics,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    ctx = init_parallel("cpu")
+    try:
+        results = {}
+        for name, overrides in VARIANTS.items():
+            seed_everything(0)
+            results[name] = run_variant(args.model, overrides, ctx)
+        if ctx.rank == 0:
+            torch.save(results, Path(args.out))
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    main()
