@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart test test-unit test-distributed test-e2e test-gpu lint format bench lock clean
+.PHONY: setup quickstart quickstart-assets quickstart-grpo test test-unit test-distributed test-e2e test-gpu lint format bench lock clean
 
 setup: $(STAMP)
 
@@ -20,11 +20,18 @@ $(STAMP): requirements/cpu.in requirements/cpu.lock setup.py
 	$(PY) tools/check_env.py requirements/cpu.lock
 	touch $(STAMP)
 
-quickstart: setup
-	$(PY) tools/make_tiny_model.py runs/quickstart/model --warm-start
-	$(VENV)/bin/rlhf-preprocess quickstart --local_dir runs/quickstart/data
+quickstart: quickstart-assets
 	$(VENV)/bin/rlhf-train --config configs/quickstart_cpu.yaml
 	$(VENV)/bin/rlhf-plot runs/quickstart
+
+# The same model and data, trained with GRPO (no critic, KL as a loss).
+quickstart-grpo: quickstart-assets
+	$(VENV)/bin/rlhf-train --config configs/quickstart_grpo_cpu.yaml
+	$(VENV)/bin/rlhf-plot runs/quickstart_grpo
+
+quickstart-assets: setup
+	$(PY) tools/make_tiny_model.py runs/quickstart/model --warm-start
+	$(VENV)/bin/rlhf-preprocess quickstart --local_dir runs/quickstart/data
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
