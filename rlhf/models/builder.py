@@ -63,12 +63,42 @@ def build_model(
         tie_embeddings=arch.tie_embeddings,
         qk_layernorm=arch.qk_layernorm,
     )
+    if not initialize:
+        mark_tensor_parallel_weights(model)
     if arch.rope_scaling is not None:
         model.rotary_pos_emb.inv_freq = llama3_inv_freq(
             arch.head_dim, arch.rope_theta, arch.rope_scaling
         ).to(model.rotary_pos_emb.inv_freq.device)
     model.padded_vocab_size = vocab
     return model.to(params_dtype)
+
+
+def mark_tensor_parallel_weights(model: Any) -> None:
+    """Give TP-sharded weights the attributes Megatron's initialisation would have set.
+
+    Megatron-Core 0.16.1 marks a Column/RowParallelLinear or VocabParallelEmbedding weight
+    as `tensor_model_parallel` only inside its random initialisation. Without the mark, the
+    gradient norm (and so clipping) counts the weight on TP rank 0 only, as if it were
+    replicated: measured here, a TP2 critic built from HF weights reported 7.67 where TP1
+    reported 9.43 for the same gradient.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
 @torch.no_grad()

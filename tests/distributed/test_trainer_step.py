@@ -153,3 +153,34 @@ def test_update_favours_positive_advantages(steps, name):
     down = delta[(adv < 0) & mask].mean()
     assert up > down, (float(up), float(down))
     assert step["metrics"]["actor/pg_clipfrac"] > 0  # 2 mini-batches x 2 epochs: clipping bites
+
+
+LAYOUTS = {
+    "dp2": (2, []),
+    "tp2": (2, ["--tp", "2"]),
+    "pp2": (2, ["--pp", "2"]),
+    "sp2": (2, ["--sp", "2"]),
+}
+LAYOUT_VARIANTS = "gae,grpo_kl_loss"
+
+
+@pytest.fixture(scope="module")
+def layout_steps(tiny_qwen2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer_step_layouts")
+    runs = {
+        name: (n, [*args, "--variants", LAYOUT_VARIANTS]) for name, (n, args) in LAYOUTS.items()
+    }
+    return run_worker_layouts("trainer_step.py", runs, tiny_qwen2_dir, out)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", LAYOUT_VARIANTS.split(","))
+def test_every_layout_takes_the_one_rank_steps(steps, layout_steps, layout, name):
+    """Two full steps at DP2 / TP2 / PP2 / SP2: every metric (critic's included, grad norms
+    too) and the updated log-probs equal the 1-rank run's."""
+    one, other = steps[name], layout_steps[layout][name]
+    assert sorted(other["metrics"]) == sorted(one["metrics"])
+    for key, value in one["metrics"].items():
+        assert other["metrics"][key] == pytest.approx(value, rel=2e-4, abs=1e-6), key
+    torch.testing.assert_close(other["logprobs_after"], one["logprobs_after"], rtol=0, atol=2e-5)
+    torch.testing.assert_close(other["advantages"], one["advantages"], rtol=0, atol=2e-5)

@@ -46,6 +46,7 @@ COMMON = [
     "critic.ppo_epochs=2",
     "algorithm.kl_ctrl.kl_coef=0.05",
 ]
+ROLES = ("actor_rollout_ref.actor", "critic")
 SCORES = [1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0]  # prompt 0: samples 0-3, prompt 1: 4-7
 
 
@@ -105,13 +106,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel size")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
-    ctx = init_parallel("cpu")
+    ctx = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp, sp_size=args.sp)
+    layout = [
+        f"trainer.n_gpus_per_node={ctx.world_size}",
+        *(f"{role}.megatron.tensor_model_parallel_size={args.tp}" for role in ROLES),
+        *(f"{role}.megatron.pipeline_model_parallel_size={args.pp}" for role in ROLES),
+        *(f"{role}.ulysses_sequence_parallel_size={args.sp}" for role in ROLES),
+    ]
     try:
         results = {}
-        for name, overrides in VARIANTS.items():
+        for name in args.variants.split(","):
             seed_everything(0)
-            results[name] = run_variant(args.model, overrides, ctx)
+            results[name] = run_variant(args.model, [*layout, *VARIANTS[name]], ctx)
         if ctx.rank == 0:
             torch.save(results, Path(args.out))
     finally:
