@@ -131,19 +131,25 @@ class TrainableMegatronModel(MegatronModel):
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer, self.scheduler = build_optimizer(self.ddp, settings)
 
-    def train_mini_batch(self, micro_batches: list[MicroBatch], head: Head) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches of a mini-batch.
-
-        Returns the summed head metrics (over micro-batches and DP ranks, i.e. the
-        mini-batch values) plus `grad_norm` and `lr`; identical on every rank.
-        """
+    def compute_gradients(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
+        """Forward-backward of a mini-batch from zeroed gradients: afterwards every
+        parameter's `main_grad` holds the gradient of the mini-batch loss (reduced over
+        DP x SP); returns the head outputs of this rank's micro-batches (last stage)."""
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         # Megatron divides by the micro-batch count and multiplies by the CP (= SP) size in
         # the schedule, then averages gradients over DP x SP: undo all of it.
         scale = len(micro_batches) * self.ctx.dp_sp_size / self.ctx.sp_size
-        outputs = run_schedule(self.ddp, micro_batches, head, False, scale)
+        return run_schedule(self.ddp, micro_batches, head, False, scale)
+
+    def train_mini_batch(self, micro_batches: list[MicroBatch], head: Head) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches of a mini-batch.
+
+        Returns the summed head metrics (over micro-batches and DP ranks, i.e. the
+        mini-batch values) plus `grad_norm` and `lr`; identical on every rank.
+        """
+        outputs = self.compute_gradients(micro_batches, head)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")

@@ -144,7 +144,7 @@ def build_experience(
     return experience, metrics
 
 
-def _counts(micro_batches: list[MicroBatch], planner: MicroBatchPlanner) -> BatchCounts:
+def mini_batch_counts(micro_batches: list[MicroBatch], planner: MicroBatchPlanner) -> BatchCounts:
     """Response tokens / responses of a whole mini-batch (this rank's micro-batches, all DP)."""
     ctx = planner.ctx
     return global_batch_counts(
@@ -163,7 +163,7 @@ def run_updates(spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner) -
     stop_note: dict[str, float] = {}
     for epoch in range(spec.epochs):
         for micro_batches in minis:
-            head = spec.loss_head(exp, _counts(micro_batches, planner))
+            head = spec.loss_head(exp, mini_batch_counts(micro_batches, planner))
             metrics = spec.model.train_mini_batch(micro_batches, head)
             steps += 1
             for k, v in metrics.items():

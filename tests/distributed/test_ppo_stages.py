@@ -2,9 +2,12 @@
 
 - Old log-probs from packed micro-batches (block-diagonal masks, several per rank) equal
   per-sample HF transformers log-probs (fp32, 1e-5).
-- One actor update (PPO loss through Megatron's schedule, Adam, grad clip) gives the same
+- The gradient of one actor update's loss equals HF transformers + the policy-gradient loss
+  written out here + autograd, and Adam's first step moves each weight against it.
+- That update (PPO loss through Megatron's schedule, Adam, grad clip) gives the same
   pg_loss, grad norm and post-update log-probs at DP2, TP2, PP2 and Ulysses SP2 as on one
-  rank, and with SP2 the same updated weights.
+  rank, and with SP2 the same updated weights; so does a second update of 2 mini-batches x
+  2 epochs in which clipping is active (pg_clipfrac compared too).
 - bf16 (Megatron mixed precision) keeps fp32 master weights and Adam state and gives the fp32
   update up to bf16 rounding.
 - At every layout the actor saved after the update (Megatron distributed checkpoint: weights,
@@ -105,3 +108,57 @@ def test_bf16_update_keeps_fp32_master_weights(results):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_actor_checkpoint_round_trip(results, layout):
     assert results[layout]["checkpoint_round_trip"]
+
+
+LR, WEIGHT_DECAY = 0.01, 0.01  # the worker's actor.optim.lr and the default weight decay
+# Megatron parameter -> the HF parameter with the same layout (tied embeddings: one tensor)
+SAME_LAYOUT = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.layers.0.mlp.linear_fc2.weight": "model.layers.0.mlp.down_proj.weight",
+    "decoder.layers.1.self_attention.linear_proj.weight": "model.layers.1.self_attn.o_proj.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+}
+
+
+def hf_policy_gradient(model_dir, batch: dict, advantages: torch.Tensor) -> dict:
+    """d/dtheta of -sum_t A_t * pi_t / sg[pi_t] / N_tok: PPO's token-mean loss where the
+    ratio is 1 (the first update), computed with HF transformers and autograd."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    num_tokens = sum(len(r) for r in batch["response_ids"])
+    loss = torch.zeros(())
+    for i, (prompt, response) in enumerate(zip(batch["prompt_ids"], batch["response_ids"])):
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+        positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+        logp = torch.log_softmax(logits, dim=-1)[positions, torch.tensor(response)]
+        ratio = torch.exp(logp - logp.detach())
+        loss = loss - (advantages[i, : len(response)] * ratio).sum() / num_tokens
+    loss.backward()
+    params = dict(model.named_parameters())
+    return {name: params[hf].grad for name, hf in SAME_LAYOUT.items()}, params
+
+
+def test_update_gradient_matches_hf_autograd_and_adam_moves_against_it(results, tiny_qwen2_dir):
+    one = results["1rank"]
+    reference, hf_params = hf_policy_gradient(tiny_qwen2_dir, one["batch"], one["advantages"])
+    for name, expected in reference.items():
+        got = one["gradient"][name][: expected.shape[0]]  # vocabulary padding rows
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-4 * scale, msg=name)
+        # Adam's first step is -lr * g / |g| (after decoupled weight decay): the sign of
+        # every clearly non-zero gradient element decides the direction of its weight.
+        before = hf_params[SAME_LAYOUT[name]].detach()
+        moved = one["weights"][name][: expected.shape[0]] - before * (1 - LR * WEIGHT_DECAY)
+        clear = expected.abs() > 1e-3 * scale
+        if name.endswith("layernorm.weight"):  # no weight decay on norms
+            moved = one["weights"][name] - before
+        assert torch.equal(torch.sign(moved[clear]), -torch.sign(expected[clear])), name
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "sp2"])
+def test_clipped_epochs_match_one_rank(results, layout):
+    one, other = results["1rank"], results[layout]
+    assert one["clipped_metrics"]["actor/pg_clipfrac"] > 0.05  # clipping is active
+    assert sorted(other["clipped_metrics"]) == sorted(one["clipped_metrics"])
+    for key, value in one["clipped_metrics"].items():
+        assert other["clipped_metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    torch.testing.assert_close(other["logprobs_final"], one["logprobs_final"], atol=1e-4, rtol=0)

@@ -1,11 +1,14 @@
-"""Worker: the trainer's old-log-prob stage and one actor update at any TP/PP/DP layout.
+"""Worker: the trainer's old-log-prob stage and actor updates at any TP/PP/DP layout.
 
 On a fixed synthetic batch (varied prompt and response lengths, a small token budget so
 several packed micro-batches are needed), rank 0 writes to OUT:
 `logprobs_before` [B, R], the update's `metrics` (pg_loss, grad_norm, ...) and
 `logprobs_after` [B, R] (the old-log-prob stage re-run after the optimizer step) and, when
-every rank holds whole weights (no TP/PP), the updated `weights`. Also the dtypes of the
-model's parameters and of the optimizer's master parameters, and `checkpoint_round_trip`:
+every rank holds whole weights (no TP/PP), the `gradient` of that update's loss before the
+step and the updated `weights`. Then a second update from the new policy with 2
+mini-batches x 2 epochs (clipping active): its `clipped_metrics` and `logprobs_final`.
+Also the dtypes of the model's parameters and of the optimizer's master parameters, and
+`checkpoint_round_trip`:
 whether the actor (weights, master weights, Adam moments) saved after the update and loaded
 into a freshly built actor comes back equal.
 """
@@ -93,8 +96,18 @@ def run(args, ctx) -> None:
     zeros = torch.zeros_like(before)
     exp = Experience(batch, before, entropy, before, None, zeros, advantages, None)
     update = dataclasses.replace(models.actor_update, token_budget=budget)
+    gradient = first_gradient(actor, update, exp, planner)
     metrics = stages.run_updates(update, exp, planner)
-    after, _ = stages.compute_logprobs(actor, batch, planner, budget, head)
+    weights_after_first_update = {
+        n: p.detach().cpu().float().clone() for n, p in actor.module.named_parameters()
+    }
+    after, after_entropy = stages.compute_logprobs(actor, batch, planner, budget, head)
+    # A second, PPO-style update from the new policy: 2 mini-batches x 2 epochs, where the
+    # ratio leaves 1 after the first optimizer step and clipping engages.
+    clipped = dataclasses.replace(update, mini_batch_samples=4, epochs=2)
+    exp2 = dataclasses.replace(exp, old_logprobs_bt=after, old_entropy_bt=after_entropy)
+    clipped_metrics = stages.run_updates(clipped, exp2, planner)
+    final, _ = stages.compute_logprobs(actor, batch, planner, budget, head)
     round_trip = checkpoint_round_trip(actor, lambda: build_ppo_models(cfg, arch, ctx, 1).actor)
     if ctx.rank == 0:
         result = {
@@ -107,13 +120,31 @@ def run(args, ctx) -> None:
             "logprobs_before": before,
             "logprobs_after": after,
             "metrics": metrics,
+            "advantages": advantages,
+            "clipped_metrics": clipped_metrics,
+            "logprobs_final": final,
             "batch": batch.to_objects(),
         }
         if args.tp == args.pp == 1:  # rank 0 holds every weight
-            result["weights"] = {
-                n: p.detach().cpu().float() for n, p in actor.module.named_parameters()
-            }
+            result["weights"] = weights_after_first_update
+            result["gradient"] = gradient
         torch.save(result, Path(args.out))
+
+
+def first_gradient(actor, update, exp, planner) -> dict[str, torch.Tensor]:
+    """The gradient of the update's (one) mini-batch loss before any step, per parameter
+    (this rank's shards), through the trainer's own forward-backward."""
+    from rlhf.trainer.stages import mini_batch_counts
+
+    (micro_batches,) = planner.plan(exp.batch, update.token_budget, update.mini_batch_samples)
+    actor.compute_gradients(
+        micro_batches, update.loss_head(exp, mini_batch_counts(micro_batches, planner))
+    )
+    grads = {
+        n: p.main_grad.detach().cpu().float().clone() for n, p in actor.module.named_parameters()
+    }
+    actor.ddp.zero_grad_buffer()
+    return grads
 
 
 def flat_tensors(value) -> list[torch.Tensor]:
