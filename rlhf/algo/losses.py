@@ -198,6 +198,60 @@ def policy_loss(
     )
 
 
+def gspo_policy_loss(
+    logp_bt: Tensor,
+    old_logp_bt: Tensor,
+    advantages_bt: Tensor,
+    mask_bt: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    *,
+    global_num_tokens: int | None = None,
+    global_num_seqs: int | None = None,
+    norm_length: int | None = None,
+    segment_ids_bt: Tensor | None = None,
+) -> PolicyLossOutput:
+    """GSPO (Zheng et al. 2025): the clipped surrogate on a sequence-level ratio.
+
+    s_i = exp(mean_{t in i}(logp_t - old_logp_t)) is the geometric mean of the token ratios
+    of response i. Token t carries s_{i,t} = sg[s_i] * pi_t / sg[pi_t]: its value is s_i, its
+    gradient s_i * grad(logp_t). Then, as in `policy_loss` without dual clip,
+        pg_t = max(-A_t * s_{i,t}, -A_t * clip(s_{i,t}, 1 - low, 1 + high)),
+    so whole responses are clipped together; the paper's ranges are ~1e-4 (3e-4, 4e-4).
+    pg_clipfrac counts tokens of clipped responses; ppo_kl is the token-level k1 as in PPO.
+    """
+    if not (0.0 <= clip_ratio_low < 1.0 and clip_ratio_high >= 0.0):
+        raise ValueError(
+            f"clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0, got "
+            f"{clip_ratio_low}, {clip_ratio_high}"
+        )
+    m = _as_bool(mask_bt)
+    logp, old_logp, adv = (torch.where(m, t, 0) for t in (logp_bt, old_logp_bt, advantages_bt))
+    log_ratio = torch.where(m, logp - old_logp, 0)
+    ids = response_ids(m, segment_ids_bt)
+    n = int(ids.max()) + 1 if m.any() else 0
+    sums = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device)
+    sums = sums.index_add(0, ids[m], log_ratio[m].detach())
+    lengths = torch.bincount(ids[m], minlength=n).to(log_ratio.dtype).clamp(min=1)
+    seq_log_ratio = torch.zeros_like(log_ratio)
+    seq_log_ratio[m] = (sums / lengths)[ids[m]]
+    log_s = (seq_log_ratio + logp - logp.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_s)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_bt = torch.maximum(pg_unclipped, pg_clipped)
+    loss = aggregate_loss(
+        pg_bt, m, loss_agg_mode, global_num_tokens, global_num_seqs, norm_length, segment_ids_bt
+    )
+    return PolicyLossOutput(
+        loss=loss,
+        pg_clipfrac=_token_fraction(pg_clipped > pg_unclipped, m, global_num_tokens, loss.dtype),
+        pg_clipfrac_lower=_token_fraction(torch.zeros_like(m), m, global_num_tokens, loss.dtype),
+        ppo_kl=_token_fraction(old_logp - logp, m, global_num_tokens, loss.dtype),
+    )
+
+
 @dataclass(frozen=True)
 class ValueLossOutput:
     """Clipped value loss (differentiable) and the detached fraction of clipped tokens."""

@@ -20,6 +20,7 @@ LossAggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
 LRDecayStyle = Literal["constant", "linear", "cosine"]
+PolicyLossMode = Literal["vanilla", "gspo"]
 TrainDtype = Literal["float32", "bfloat16"]
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
 RolloutName = Literal["sglang"]

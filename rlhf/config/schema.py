@@ -23,6 +23,7 @@ from rlhf.config.choices import (
     Logger,
     LossAggMode,
     LRDecayStyle,
+    PolicyLossMode,
     RolloutDtype,
     RolloutName,
     TrainDtype,
@@ -116,6 +117,18 @@ class OptimConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """Which clipped surrogate the actor minimises."""
+
+    loss_mode: PolicyLossMode = doc(
+        "vanilla",
+        "vanilla: PPO's token ratio (clip_ratio_low/high, dual clip clip_ratio_c); gspo: "
+        "the sequence-level ratio of GSPO (set clip_ratio_low/high ~3e-4/4e-4, "
+        "loss_agg_mode seq-mean-token-mean)",
+    )
+
+
+@dataclass
 class ActorConfig:
     """The trained policy."""
 
@@ -139,6 +152,7 @@ class ActorConfig:
     loss_agg_mode: LossAggMode = doc(
         "token-mean", "how per-token losses are aggregated (rlhf/algo/losses.py)"
     )
+    policy_loss: PolicyLossConfig = doc(PolicyLossConfig, "policy loss")
     entropy_coeff: float = doc(0.0, "weight of the entropy bonus", ge=0)
     use_kl_loss: bool = doc(False, "add kl_loss_coef x KL(actor || ref) to the actor's loss")
     kl_loss_coef: float = doc(0.001, "weight of the KL loss (use_kl_loss)", ge=0)

@@ -10,11 +10,12 @@ heads add the PPO policy or value loss, normalised by the global counts of the m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 from torch import Tensor
 
-from rlhf.algo import entropy_loss, kl_loss, policy_loss, value_loss
-from rlhf.algo.losses import BatchCounts
+from rlhf.algo import entropy_loss, gspo_policy_loss, kl_loss, policy_loss, value_loss
+from rlhf.algo.losses import BatchCounts, PolicyLossOutput
 from rlhf.config.schema import ActorConfig, CriticConfig
 from rlhf.models.logprobs import VocabShard
 from rlhf.trainer.experience import Experience
@@ -31,6 +32,14 @@ def token_logprobs(
         logits = logits / temperature
     logp_t, entropy_t = vocab.logprobs_entropy(logits[0], mb.labels[0])
     return mb.gather(logp_t[None]), mb.gather(entropy_t[None])
+
+
+class Aggregation(TypedDict):
+    """How a micro-batch's losses are normalised: the mini-batch's global counts."""
+
+    global_num_tokens: int
+    global_num_seqs: int
+    norm_length: int
 
 
 @dataclass(frozen=True)
@@ -64,19 +73,32 @@ class PolicyLossHead:
     experience: Experience
     counts: BatchCounts
 
+    def _aggregation(self) -> Aggregation:
+        counts = self.counts
+        return Aggregation(
+            global_num_tokens=counts.num_tokens,
+            global_num_seqs=counts.num_seqs,
+            norm_length=self.norm_length,
+        )
+
+    def _surrogate(self, logp: Tensor, mb: MicroBatch) -> PolicyLossOutput:
+        """The clipped surrogate of `policy_loss.loss_mode` (vanilla PPO or GSPO)."""
+        cfg, exp, agg = self.settings, self.experience, self._aggregation()
+        old, adv = mb.select(exp.old_logprobs_bt), mb.select(exp.advantages_bt)
+        if cfg.policy_loss.loss_mode == "gspo":
+            low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+            high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+            return gspo_policy_loss(logp, old, adv, mb.mask, low, high, cfg.loss_agg_mode, **agg)
+        return policy_loss(
+            logp, old, adv, mb.mask, cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high,
+            cfg.clip_ratio_c, cfg.loss_agg_mode, **agg,
+        )  # fmt: skip
+
     def __call__(self, logits: Tensor, mb: MicroBatch) -> HeadOutput:
-        cfg, exp, counts = self.settings, self.experience, self.counts
+        cfg, exp, agg = self.settings, self.experience, self._aggregation()
         logp, entropy = token_logprobs(logits, mb, self.vocab, self.temperature)
-        out = policy_loss(
-            logp, mb.select(exp.old_logprobs_bt), mb.select(exp.advantages_bt), mb.mask,
-            cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-            cfg.loss_agg_mode, global_num_tokens=counts.num_tokens,
-            global_num_seqs=counts.num_seqs, norm_length=self.norm_length,
-        )  # fmt: skip
-        ent = entropy_loss(
-            entropy, mb.mask, cfg.loss_agg_mode, global_num_tokens=counts.num_tokens,
-            global_num_seqs=counts.num_seqs, norm_length=self.norm_length,
-        )  # fmt: skip
+        out = self._surrogate(logp, mb)
+        ent = entropy_loss(entropy, mb.mask, cfg.loss_agg_mode, **agg)
         loss = out.loss - cfg.entropy_coeff * ent if cfg.entropy_coeff else out.loss
         metrics = {
             "actor/pg_loss": out.loss,
@@ -87,11 +109,8 @@ class PolicyLossHead:
         }
         if cfg.use_kl_loss:
             assert exp.ref_logprobs_bt is not None, "use_kl_loss builds the reference"
-            kl = kl_loss(
-                logp, mb.select(exp.ref_logprobs_bt), mb.mask, cfg.kl_loss_type,
-                cfg.loss_agg_mode, global_num_tokens=counts.num_tokens,
-                global_num_seqs=counts.num_seqs, norm_length=self.norm_length,
-            )  # fmt: skip
+            ref = mb.select(exp.ref_logprobs_bt)
+            kl = kl_loss(logp, ref, mb.mask, cfg.kl_loss_type, cfg.loss_agg_mode, **agg)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl
         return loss, {k: v.detach() for k, v in metrics.items()}

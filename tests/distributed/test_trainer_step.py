@@ -18,6 +18,7 @@ import torch
 from tests.distributed.workers.trainer_step import SCORES
 from tests.helpers import run_worker_layouts
 
+GSPO = ("gspo", "vanilla_gspo_settings")
 BETA = 0.05  # algorithm.kl_ctrl.kl_coef in the worker
 GROUPS = [list(range(0, 4)), list(range(4, 8))]
 
@@ -79,9 +80,9 @@ def padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
 
 def expected_advantages(name: str, step: dict) -> torch.Tensor:
     mask = step["mask"]
-    if name in ("grpo", "grpo_kl_loss", "grpo_no_kl", "dr_grpo"):
+    if name in ("grpo", "grpo_kl_loss", "grpo_no_kl", "dr_grpo", *GSPO):
         # GRPO scores a response by the sum of its token rewards (KL included when in reward)
-        in_reward = name in ("grpo", "dr_grpo")  # the others have use_kl_in_reward=false
+        in_reward = name in ("grpo", "dr_grpo", *GSPO)  # the others: use_kl_in_reward=false
         scores = [sum(row) for row in token_rewards(step, BETA if in_reward else 0.0)]
         return per_token(grpo(scores, by_std=name != "dr_grpo"), mask)
     rewards = token_rewards(step, BETA)
@@ -95,7 +96,10 @@ def expected_advantages(name: str, step: dict) -> torch.Tensor:
                           for i, row in enumerate(to_go)]), mask.float())  # fmt: skip
 
 
-VARIANTS = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_kl_loss", "grpo_no_kl"]
+VARIANTS = [
+    "gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_kl_loss", "grpo_no_kl",
+    "gspo", "vanilla_gspo_settings",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -143,6 +147,14 @@ def test_kl_loss_is_logged_and_changes_the_update(steps):
     assert distance("grpo_kl_loss") < distance("grpo_no_kl")
 
 
+def test_gspo_trains_with_its_own_loss(steps):
+    """Same advantages as GRPO (the estimator), a different update (the sequence ratio);
+    the loss itself is checked against a hand computation in tests/unit/test_algo_losses.py."""
+    gspo, vanilla = steps["gspo"], steps["vanilla_gspo_settings"]  # only loss_mode differs
+    assert gspo["metrics"]["actor/pg_clipfrac"] > 0.5  # ranges of 3e-4: clipped after step one
+    assert not torch.allclose(gspo["logprobs_after"], vanilla["logprobs_after"])
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 def test_update_favours_positive_advantages(steps, name):
     step = steps[name]
@@ -161,7 +173,7 @@ LAYOUTS = {
     "pp2": (2, ["--pp", "2"]),
     "sp2": (2, ["--sp", "2"]),
 }
-LAYOUT_VARIANTS = "gae,grpo_kl_loss"
+LAYOUT_VARIANTS = "gae,grpo_kl_loss,gspo"
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from rlhf.algo.losses import (
     aggregate_loss,
     entropy_loss,
     global_batch_counts,
+    gspo_policy_loss,
     kl_loss,
     policy_loss,
     value_loss,
@@ -157,6 +158,40 @@ def test_policy_loss_at_ratio_one_is_the_policy_gradient():
     assert out.ppo_kl.item() == 0.0
     out.loss.backward()
     torch.testing.assert_close(logp.grad, -adv * mask / 7)  # 7 response tokens
+
+
+def gspo_case(logp_shift: float):
+    """Two responses (2 and 3 tokens) of a [2, 3] batch; logp = old + shift on response 0."""
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -2.5]])
+    logp = old.clone()
+    logp[0, :2] += logp_shift
+    logp[1] += torch.tensor([0.1, -0.1, 0.3])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-0.5, -0.5, -0.5]])
+    return logp.requires_grad_(True), old, adv, mask
+
+
+def test_gspo_uses_the_sequence_ratio_and_its_gradient():
+    logp, old, adv, mask = gspo_case(0.01)
+    out = gspo_policy_loss(logp, old, adv, mask, 0.2, 0.2, "seq-mean-token-mean")
+    s0, s1 = math.exp(0.01), math.exp((0.1 - 0.1 + 0.3) / 3)  # geometric means of the ratios
+    assert float(out.loss) == pytest.approx((-1.0 * s0 + 0.5 * s1) / 2, rel=1e-6)
+    out.loss.backward()
+    # d/dlogp_t = -A_i * s_i / (|y_i| * N_seq) on every token of response i, 0 elsewhere
+    expected = torch.tensor([[-s0 / 4, -s0 / 4, 0.0], [0.5 * s1 / 6] * 3])
+    torch.testing.assert_close(logp.grad, expected)
+    assert float(out.pg_clipfrac) == 0.0
+
+
+def test_gspo_clips_whole_responses():
+    logp, old, adv, mask = gspo_case(0.5)  # s0 = e^0.5 > 1 + 0.2 with A > 0: clipped
+    out = gspo_policy_loss(logp, old, adv, mask, 0.2, 0.2, "seq-mean-token-mean")
+    out.loss.backward()
+    assert torch.equal(logp.grad[0], torch.zeros(3))  # no gradient through the clip
+    assert logp.grad[1].abs().min() > 0
+    assert float(out.pg_clipfrac) == pytest.approx(2 / 5)  # response 0's 2 of 5 tokens
+    s1 = math.exp(0.1)
+    assert float(out.loss) == pytest.approx((-1.0 * 1.2 + 0.5 * s1) / 2, rel=1e-6)
 
 
 def test_value_loss():

@@ -19,6 +19,12 @@ import torch
 from rlhf.config import load_config
 from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 
+GSPO_SETTINGS = [
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+    "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+]
 # name -> overrides on top of COMMON
 VARIANTS = {
     "gae": ["algorithm.adv_estimator=gae"],
@@ -34,6 +40,8 @@ VARIANTS = {
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
     ],
     "grpo_no_kl": ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false"],
+    "gspo": ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", *GSPO_SETTINGS],
+    "vanilla_gspo_settings": GSPO_SETTINGS,  # the same, with PPO's token-level ratio
 }
 COMMON = [
     "data.train_batch_size=2",
