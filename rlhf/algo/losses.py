@@ -156,6 +156,7 @@ def policy_loss(
     global_num_seqs: int | None = None,
     norm_length: int | None = None,
     segment_ids_bt: Tensor | None = None,
+    weights_bt: Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate with asymmetric and dual clipping, aggregated by `loss_agg_mode`.
 
@@ -166,6 +167,7 @@ def policy_loss(
                                                 2020; disabled with clip_ratio_c=None)
     pg_clipfrac: tokens where the clipped branch is strictly larger; pg_clipfrac_lower:
     tokens where the dual clip is active; ppo_kl: sum(old_logp - logp) (k1); all / N_tok.
+    `weights_bt` (detached, e.g. truncated importance weights) multiplies pg_t.
     """
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
@@ -187,6 +189,8 @@ def policy_loss(
         pg_dual = -adv * clip_ratio_c
         dual_bt = (adv < 0) & (pg_bt > pg_dual)
         pg_bt = torch.where(dual_bt, pg_dual, pg_bt)
+    if weights_bt is not None:
+        pg_bt = pg_bt * weights_bt.detach()
     loss = aggregate_loss(
         pg_bt, m, loss_agg_mode, global_num_tokens, global_num_seqs, norm_length, segment_ids_bt
     )
@@ -211,6 +215,7 @@ def gspo_policy_loss(
     global_num_seqs: int | None = None,
     norm_length: int | None = None,
     segment_ids_bt: Tensor | None = None,
+    weights_bt: Tensor | None = None,
 ) -> PolicyLossOutput:
     """GSPO (Zheng et al. 2025): the clipped surrogate on a sequence-level ratio.
 
@@ -219,7 +224,8 @@ def gspo_policy_loss(
     gradient s_i * grad(logp_t). Then, as in `policy_loss` without dual clip,
         pg_t = max(-A_t * s_{i,t}, -A_t * clip(s_{i,t}, 1 - low, 1 + high)),
     so whole responses are clipped together; the paper's ranges are ~1e-4 (3e-4, 4e-4).
-    pg_clipfrac counts tokens of clipped responses; ppo_kl is the token-level k1 as in PPO.
+    pg_clipfrac counts tokens of clipped responses; ppo_kl is the token-level k1 as in PPO;
+    `weights_bt` multiplies pg_t as in `policy_loss`.
     """
     if not (0.0 <= clip_ratio_low < 1.0 and clip_ratio_high >= 0.0):
         raise ValueError(
@@ -241,6 +247,8 @@ def gspo_policy_loss(
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg_bt = torch.maximum(pg_unclipped, pg_clipped)
+    if weights_bt is not None:
+        pg_bt = pg_bt * weights_bt.detach()
     loss = aggregate_loss(
         pg_bt, m, loss_agg_mode, global_num_tokens, global_num_seqs, norm_length, segment_ids_bt
     )

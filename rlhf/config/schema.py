@@ -25,6 +25,7 @@ from rlhf.config.choices import (
     LRDecayStyle,
     PolicyLossMode,
     RolloutDtype,
+    RolloutISLevel,
     RolloutName,
     TrainDtype,
     Truncation,
@@ -288,6 +289,18 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Correction for the engine sampling from slightly different log-probs than the trainer's."""
+
+    rollout_is: RolloutISLevel | None = doc(
+        None,
+        "weight the policy loss by min(pi_old / pi_rollout, rollout_is_threshold) per token or "
+        "per response (truncated importance sampling; null: off, mismatch metrics still logged)",
+    )
+    rollout_is_threshold: float = doc(2.0, "cap of the importance weights", gt=0)
+
+
+@dataclass
 class AlgorithmConfig:
     """PPO algorithm settings."""
 
@@ -304,6 +317,9 @@ class AlgorithmConfig:
     )
     kl_penalty: KLEstimator = doc("kl", "per-token KL estimator used in the reward")
     kl_ctrl: KLControlConfig = doc(KLControlConfig, "KL penalty controller")
+    rollout_correction: RolloutCorrectionConfig = doc(
+        RolloutCorrectionConfig, "rollout-training mismatch correction"
+    )
 
 
 @dataclass

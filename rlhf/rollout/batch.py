@@ -19,7 +19,9 @@ class RolloutBatch:
     """B scored samples of one step (prompt i of the step has `rollout.n` samples).
 
     prompt_ids / response_ids: token ids per sample; scores_b: [B] rewards from the reward
-    functions; data_sources, uids: per sample (uid identifies the prompt, for GRPO/RLOO).
+    functions; data_sources, uids: per sample (uid identifies the prompt, for GRPO/RLOO);
+    rollout_logprobs: the engine's log-prob of each response token as it sampled it (None
+    when the batch did not come from an engine).
     """
 
     prompt_ids: list[list[int]]
@@ -27,12 +29,19 @@ class RolloutBatch:
     scores_b: Tensor
     data_sources: list[str]
     uids: list[str]
+    rollout_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         sizes = {len(self.prompt_ids), len(self.response_ids), len(self.data_sources)}
         sizes |= {len(self.uids), int(self.scores_b.numel())}
+        if self.rollout_logprobs is not None:
+            sizes.add(len(self.rollout_logprobs))
         if len(sizes) != 1:
             raise ValueError(f"RolloutBatch fields disagree on the number of samples: {sizes}")
+        logprobs = self.rollout_logprobs or []
+        bad = [i for i, lp in enumerate(logprobs) if len(lp) != len(self.response_ids[i])]
+        if bad:
+            raise ValueError(f"samples {bad[:10]} have a log-prob count unlike their tokens")
 
     @property
     def size(self) -> int:
@@ -53,6 +62,27 @@ class RolloutBatch:
         lengths = torch.tensor([len(r) for r in self.response_ids])
         return torch.arange(self.response_width)[None, :] < lengths[:, None]
 
+    def rollout_logprobs_bt(self) -> Tensor | None:
+        """[B, R] fp32: the engine's log-prob of each response token (0 beyond), or None."""
+        if self.rollout_logprobs is None:
+            return None
+        out = torch.zeros(self.size, self.response_width)
+        for i, logprobs in enumerate(self.rollout_logprobs):
+            out[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+        return out
+
+    def select(self, indices: list[int]) -> RolloutBatch:
+        """The samples at `indices`, in that order."""
+        logprobs = self.rollout_logprobs
+        return RolloutBatch(
+            prompt_ids=[self.prompt_ids[i] for i in indices],
+            response_ids=[self.response_ids[i] for i in indices],
+            scores_b=self.scores_b[indices],
+            data_sources=[self.data_sources[i] for i in indices],
+            uids=[self.uids[i] for i in indices],
+            rollout_logprobs=None if logprobs is None else [logprobs[i] for i in indices],
+        )
+
     def num_response_tokens(self, indices: list[int] | None = None) -> int:
         rows = range(self.size) if indices is None else indices
         return sum(len(self.response_ids[i]) for i in rows)
@@ -70,17 +100,22 @@ class RolloutBatch:
             "scores": self.scores_b.tolist(),
             "data_sources": self.data_sources,
             "uids": self.uids,
+            "rollout_logprobs": self.rollout_logprobs,
         }
 
     @classmethod
     def concat(cls, parts: list[RolloutBatch]) -> RolloutBatch:
-        """The samples of `parts`, in order."""
+        """The samples of `parts`, in order (engine log-probs kept when every part has them)."""
+        logprobs = [b.rollout_logprobs for b in parts]
         return cls(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
             scores_b=torch.cat([b.scores_b for b in parts]),
             data_sources=[d for b in parts for d in b.data_sources],
             uids=[u for b in parts for u in b.uids],
+            rollout_logprobs=None
+            if any(lp is None for lp in logprobs)
+            else [x for lp in logprobs if lp is not None for x in lp],
         )
 
     @classmethod
@@ -91,4 +126,5 @@ class RolloutBatch:
             scores_b=torch.tensor(obj["scores"], dtype=torch.float32),
             data_sources=obj["data_sources"],
             uids=obj["uids"],
+            rollout_logprobs=obj.get("rollout_logprobs"),
         )

@@ -107,5 +107,6 @@ def generate_and_score(
         scores_b=torch.tensor([r.score for r in records], dtype=torch.float32),
         data_sources=sources,
         uids=[r.uid for r in records],
+        rollout_logprobs=[r.response_logprobs for r in records],
     )
     return RolloutResult(batch, records, time.perf_counter() - start)

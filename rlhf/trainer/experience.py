@@ -22,7 +22,9 @@ class Experience:
     values_bt: the critic's values before the update (None without a critic);
     token_rewards_bt: score at the last token minus the KL penalty (beta x KL) per token;
     advantages_bt, returns_bt: from `algorithm.adv_estimator` (returns: the critic's
-        regression targets, None for estimators without a critic).
+        regression targets, None for estimators without a critic);
+    rollout_is_weights_bt: truncated importance weights pi_old / pi_rollout on the policy
+        loss (`algorithm.rollout_correction.rollout_is`; None when off).
     """
 
     batch: RolloutBatch
@@ -33,3 +35,4 @@ class Experience:
     token_rewards_bt: Tensor
     advantages_bt: Tensor
     returns_bt: Tensor | None
+    rollout_is_weights_bt: Tensor | None = None

@@ -85,13 +85,17 @@ class PolicyLossHead:
         """The clipped surrogate of `policy_loss.loss_mode` (vanilla PPO or GSPO)."""
         cfg, exp, agg = self.settings, self.experience, self._aggregation()
         old, adv = mb.select(exp.old_logprobs_bt), mb.select(exp.advantages_bt)
+        weights = exp.rollout_is_weights_bt
+        w = None if weights is None else mb.select(weights)
         if cfg.policy_loss.loss_mode == "gspo":
             low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
             high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
-            return gspo_policy_loss(logp, old, adv, mb.mask, low, high, cfg.loss_agg_mode, **agg)
+            return gspo_policy_loss(
+                logp, old, adv, mb.mask, low, high, cfg.loss_agg_mode, weights_bt=w, **agg
+            )
         return policy_loss(
             logp, old, adv, mb.mask, cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high,
-            cfg.clip_ratio_c, cfg.loss_agg_mode, **agg,
+            cfg.clip_ratio_c, cfg.loss_agg_mode, weights_bt=w, **agg,
         )  # fmt: skip
 
     def __call__(self, logits: Tensor, mb: MicroBatch) -> HeadOutput:

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from rlhf.algo import compute_advantages, kl_penalty, masked_mean, token_level_rewards
 from rlhf.algo.losses import BatchCounts, global_batch_counts
-from rlhf.config.schema import AlgorithmConfig
+from rlhf.algo.rollout_correction import mismatch_metrics, truncated_is_weights
+from rlhf.config.schema import AlgorithmConfig, RolloutCorrectionConfig
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.early_stop import should_stop_epochs
 from rlhf.trainer.experience import Experience
@@ -128,10 +129,12 @@ def build_experience(
         algo.adv_estimator, rewards, mask, values_bt=values_bt, uids=batch.uids,
         gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std_in_grpo,
     )  # fmt: skip
+    weights, metrics_is = rollout_correction(batch, old_logprobs_bt, algo.rollout_correction)
     experience = Experience(
         batch, old_logprobs_bt, old_entropy_bt, ref_logprobs_bt, values_bt, rewards,
-        out.advantages_bt, out.returns_bt,
+        out.advantages_bt, out.returns_bt, weights,
     )  # fmt: skip
+    metrics |= metrics_is
     metrics |= {
         "critic/score/mean": float(batch.scores_b.mean()),
         "critic/rewards/mean": float(rewards.sum(dim=1).mean()),
@@ -142,6 +145,25 @@ def build_experience(
     if values_bt is not None:
         metrics["critic/values/mean"] = float(masked_mean(values_bt, mask))
     return experience, metrics
+
+
+def rollout_correction(
+    batch: RolloutBatch, old_logprobs_bt: Tensor, settings: RolloutCorrectionConfig
+) -> tuple[Tensor | None, dict[str, float]]:
+    """Truncated importance weights (when `settings.rollout_is`) and the mismatch metrics
+    `rollout_corr/*` of a batch that carries the engine's log-probs."""
+    rollout_bt = batch.rollout_logprobs_bt()
+    if rollout_bt is None:
+        return None, {}
+    mask = batch.mask_bt()
+    metrics = mismatch_metrics(old_logprobs_bt, rollout_bt, mask)
+    weights = None
+    if settings.rollout_is is not None:
+        weights, is_metrics = truncated_is_weights(
+            old_logprobs_bt, rollout_bt, mask, settings.rollout_is, settings.rollout_is_threshold
+        )
+        metrics |= is_metrics
+    return weights, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
 def mini_batch_counts(micro_batches: list[MicroBatch], planner: MicroBatchPlanner) -> BatchCounts:

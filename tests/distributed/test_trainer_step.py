@@ -19,6 +19,7 @@ from tests.distributed.workers.trainer_step import SCORES
 from tests.helpers import run_worker_layouts
 
 GSPO = ("gspo", "vanilla_gspo_settings")
+GRPO_LIKE = ("grpo", "dr_grpo", "grpo_tis", "grpo_seq_is", *GSPO)  # use_kl_in_reward=true
 BETA = 0.05  # algorithm.kl_ctrl.kl_coef in the worker
 GROUPS = [list(range(0, 4)), list(range(4, 8))]
 
@@ -80,9 +81,9 @@ def padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
 
 def expected_advantages(name: str, step: dict) -> torch.Tensor:
     mask = step["mask"]
-    if name in ("grpo", "grpo_kl_loss", "grpo_no_kl", "dr_grpo", *GSPO):
+    if name in (*GRPO_LIKE, "grpo_kl_loss", "grpo_no_kl"):
         # GRPO scores a response by the sum of its token rewards (KL included when in reward)
-        in_reward = name in ("grpo", "dr_grpo", *GSPO)  # the others: use_kl_in_reward=false
+        in_reward = name in GRPO_LIKE  # the others: use_kl_in_reward=false
         scores = [sum(row) for row in token_rewards(step, BETA if in_reward else 0.0)]
         return per_token(grpo(scores, by_std=name != "dr_grpo"), mask)
     rewards = token_rewards(step, BETA)
@@ -98,7 +99,7 @@ def expected_advantages(name: str, step: dict) -> torch.Tensor:
 
 VARIANTS = [
     "gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_kl_loss", "grpo_no_kl",
-    "gspo", "vanilla_gspo_settings",
+    "gspo", "vanilla_gspo_settings", "grpo_tis", "grpo_seq_is",
 ]  # fmt: skip
 
 
@@ -153,6 +154,42 @@ def test_gspo_trains_with_its_own_loss(steps):
     gspo, vanilla = steps["gspo"], steps["vanilla_gspo_settings"]  # only loss_mode differs
     assert gspo["metrics"]["actor/pg_clipfrac"] > 0.5  # ranges of 3e-4: clipped after step one
     assert not torch.allclose(gspo["logprobs_after"], vanilla["logprobs_after"])
+
+
+def test_mismatch_metrics_written_out(steps):
+    step = steps["grpo"]
+    mask, old, rollout = step["mask"], step["old_logprobs"], step["rollout_logprobs"]
+    tokens = [(old[i, t], rollout[i, t]) for i, t in mask.nonzero().tolist()]
+    kl = statistics.fmean(float(r - o) for o, r in tokens)
+    k3 = statistics.fmean(math.exp(float(o - r)) - float(o - r) - 1 for o, r in tokens)
+    gaps = []
+    for i, row in enumerate(mask):
+        n = int(row.sum())
+        gaps.append(float(-old[i, :n].mean() + rollout[i, :n].mean()))
+    metrics = step["metrics"]
+    assert metrics["rollout_corr/kl"] == pytest.approx(kl, rel=1e-5)
+    assert metrics["rollout_corr/k3_kl"] == pytest.approx(k3, rel=1e-5)
+    assert metrics["rollout_corr/log_ppl_diff"] == pytest.approx(statistics.fmean(gaps), rel=1e-5)
+    assert "rollout_corr/rollout_is_mean" not in metrics and step["is_weights"] is None
+
+
+@pytest.mark.parametrize(("name", "cap"), [("grpo_tis", 2.0), ("grpo_seq_is", 1.5)])
+def test_truncated_importance_weights_written_out(steps, name, cap):
+    step = steps[name]
+    mask, old, rollout = step["mask"], step["old_logprobs"], step["rollout_logprobs"]
+    expected = torch.zeros_like(old)
+    for i, row in enumerate(mask):
+        n = int(row.sum())
+        if name == "grpo_tis":
+            expected[i, :n] = torch.exp(old[i, :n] - rollout[i, :n]).clamp(max=cap)
+        else:
+            expected[i, :n] = min(math.exp(float((old[i, :n] - rollout[i, :n]).sum())), cap)
+    torch.testing.assert_close(step["is_weights"], expected)
+    clipped = (step["is_weights"] == cap) & mask
+    assert 0 < int(clipped.sum()) < int(mask.sum())  # some capped, some not
+    assert step["metrics"]["rollout_corr/rollout_is_mean"] > 0
+    # Same batch and start as plain GRPO: the weights change the update.
+    assert not torch.allclose(step["logprobs_after"], steps["grpo"]["logprobs_after"])
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -35,7 +35,8 @@ REQUIRED = [
     "prompt_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob",
     "timing_s/ref", "timing_s/values", "timing_s/adv", "timing_s/update_critic",
     "timing_s/update_actor", "timing_s/update_weights", "timing_s/step", "perf/throughput",
-    "perf/total_num_tokens", "perf/mfu", "rollout/logprob_diff_max",
+    "perf/total_num_tokens", "perf/mfu", "rollout/logprob_diff_max", "rollout_corr/kl",
+    "rollout_corr/k3_kl", "rollout_corr/log_ppl_diff",
 ]  # fmt: skip
 
 
@@ -152,3 +153,5 @@ def test_two_process_run_logs_the_metrics_of_one_process(
             assert rows[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
     assert "val/test_score/arithmetic" in rows[2]
     assert (run_dir / "checkpoints" / "global_step_2" / "COMPLETE").is_file()
+    # SGLang's own log-probs of its fp32 greedy samples agree with the trainer's
+    assert abs(rows[1]["rollout_corr/kl"]) < 1e-4 and rows[1]["rollout_corr/k3_kl"] < 1e-6

@@ -42,6 +42,12 @@ VARIANTS = {
     "grpo_no_kl": ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false"],
     "gspo": ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", *GSPO_SETTINGS],
     "vanilla_gspo_settings": GSPO_SETTINGS,  # the same, with PPO's token-level ratio
+    "grpo_tis": ["algorithm.adv_estimator=grpo", "algorithm.rollout_correction.rollout_is=token"],
+    "grpo_seq_is": [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_threshold=1.5",
+    ],
 }
 COMMON = [
     "data.train_batch_size=2",
@@ -66,12 +72,15 @@ def synthetic_batch(vocab_size: int):
     responses = [
         torch.randint(3, vocab_size, (3 + i % 4,), generator=gen).tolist() for i in range(8)
     ]
+    # What an engine would report: near the tiny model's ~-6, off by up to +-0.5.
+    logprobs = [(-6.0 + torch.rand(len(r), generator=gen) - 0.5).tolist() for r in responses]
     return RolloutBatch(
         prompt_ids=[prompts[i // 4] for i in range(8)],
         response_ids=responses,
         scores_b=torch.tensor(SCORES),
         data_sources=["synthetic"] * 8,
         uids=[f"p{i // 4}" for i in range(8)],
+        rollout_logprobs=logprobs,
     )
 
 
@@ -104,6 +113,8 @@ def run_variant(model_dir: str, overrides: list[str], ctx) -> dict:
         "advantages": exp.advantages_bt,
         "returns": exp.returns_bt,
         "mask": batch.mask_bt(),
+        "rollout_logprobs": batch.rollout_logprobs_bt(),
+        "is_weights": exp.rollout_is_weights_bt,
         "logprobs_after": after,
         "kl_coef": (kl_before, kl_ctrl.value),
         "metrics": metrics,
