@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart quickstart-assets quickstart-grpo test test-unit test-distributed test-e2e test-gpu lint format bench lock clean
+.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo test test-unit test-distributed test-e2e test-gpu lint format bench lock clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ quickstart: quickstart-assets
 quickstart-grpo: quickstart-assets
 	$(VENV)/bin/rlhf-train --config configs/quickstart_grpo_cpu.yaml
 	$(VENV)/bin/rlhf-plot runs/quickstart_grpo
+
+# ... and with DAPO (no KL, clip-higher, dynamic sampling, overlong shaping).
+quickstart-dapo: quickstart-assets
+	$(VENV)/bin/rlhf-train --config configs/quickstart_dapo_cpu.yaml
+	$(VENV)/bin/rlhf-plot runs/quickstart_dapo
 
 quickstart-assets: setup
 	$(PY) tools/make_tiny_model.py runs/quickstart/model --warm-start

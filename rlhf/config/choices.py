@@ -22,6 +22,7 @@ LossAggMode = Literal[
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 PolicyLossMode = Literal["vanilla", "gspo"]
 RolloutISLevel = Literal["token", "sequence"]
+FilterGroupsMetric = Literal["score"]
 TrainDtype = Literal["float32", "bfloat16"]
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
 RolloutName = Literal["sglang"]

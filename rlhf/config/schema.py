@@ -16,6 +16,7 @@ from rlhf.config.choices import (
     AdvEstimator,
     BadRows,
     Device,
+    FilterGroupsMetric,
     GSM8KMethod,
     KLControlType,
     KLEstimator,
@@ -66,6 +67,17 @@ class DataConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a length penalty over the last tokens before the limit."""
+
+    enable: bool = doc(False, "add the penalty to the training scores")
+    len: int = doc(
+        4, "the buffer: the penalty grows linearly over the last `len` response tokens", gt=0
+    )
+    penalty_factor: float = doc(1.0, "the penalty at data.max_response_length tokens", ge=0)
+
+
+@dataclass
 class RewardConfig:
     """Rule rewards (per data_source) and user reward functions."""
 
@@ -80,6 +92,7 @@ class RewardConfig:
     model_path: str | None = doc(
         None, "HF *ForSequenceClassification dir scoring reward_model.style=model rows"
     )
+    overlong_buffer: OverlongBufferConfig = doc(OverlongBufferConfig, "overlong shaping")
 
 
 @dataclass
@@ -301,6 +314,17 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: only prompt groups whose samples score differently train."""
+
+    enable: bool = doc(False, "drop groups whose samples all score the same, generate more")
+    metric: FilterGroupsMetric = doc("score", "what must differ within a group")
+    max_num_gen_batches: int = doc(
+        0, "most generation rounds per step before failing (0: no limit)", ge=0
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     """PPO algorithm settings."""
 
@@ -320,6 +344,7 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = doc(
         RolloutCorrectionConfig, "rollout-training mismatch correction"
     )
+    filter_groups: FilterGroupsConfig = doc(FilterGroupsConfig, "dynamic sampling (DAPO)")
 
 
 @dataclass

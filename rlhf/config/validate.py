@@ -203,12 +203,27 @@ def ignored_settings(cfg: RLHFConfig) -> list[str]:
     return notes
 
 
+def _check_dapo(cfg: RLHFConfig) -> None:
+    overlong, n = cfg.reward.overlong_buffer, cfg.actor_rollout_ref.rollout.n
+    if overlong.enable and overlong.len >= cfg.data.max_response_length:
+        raise ConfigError(
+            f"reward.overlong_buffer.len ({overlong.len}) must be below "
+            f"data.max_response_length ({cfg.data.max_response_length})"
+        )
+    if cfg.algorithm.filter_groups.enable and n < 2:
+        raise ConfigError(
+            f"algorithm.filter_groups.enable needs {AR}.rollout.n >= 2 (is {n}): a group of "
+            "one sample always scores the same and would always be dropped"
+        )
+
+
 def _check_misc(cfg: RLHFConfig) -> None:
     for i, step in enumerate(cfg.global_profiler.steps or []):
         if step < 1:
             raise ConfigError(f"global_profiler.steps[{i}]: steps count from 1, got {step}")
     if not cfg.actor_rollout_ref.model.path:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
+    _check_dapo(cfg)
     if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
         raise ConfigError(
             f"trainer.early_stop.kl_patience={cfg.trainer.early_stop.kl_patience} watches the KL "

@@ -43,9 +43,11 @@ class RolloutResult:
     records: list[RolloutRecord]
     reward_s: float
 
-    def write_records(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in self.records))
+
+def write_records(records: list[RolloutRecord], path: Path) -> None:
+    """One JSON object per sample, for reading (rollouts/step_N.jsonl)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
 
 
 def sampling_params(cfg: RLHFConfig) -> SamplingParams:

@@ -24,7 +24,7 @@ from rlhf.logging import MetricTracker, StepProfiler, Timer
 from rlhf.reward import build_reward_fn
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.fleet import RolloutFleet
-from rlhf.rollout.generation import sampling_params, val_sampling_params
+from rlhf.rollout.generation import val_sampling_params, write_records
 from rlhf.trainer.early_stop import Decision, EarlyStopper
 from rlhf.trainer.megatron_model import TrainableMegatronModel
 from rlhf.trainer.metrics import model_passes, perf_metrics, rollout_metrics, validation_metrics
@@ -32,6 +32,7 @@ from rlhf.trainer.perf import measure_matmul_flops
 from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 from rlhf.trainer.stages import probe_logprobs
 from rlhf.trainer.step import train_on_batch
+from rlhf.trainer.step_batch import collect_step_batch
 from rlhf.utils import DTYPES
 from rlhf.weight_sync.factory import build_weight_syncer
 from rlhf.weight_sync.gather import SyncTopology
@@ -100,24 +101,26 @@ class PPOTrainer:
         diff = self.syncer.compare_probe(probe, self.ctx.device)
         return {"perf/weight_sync_bytes": float(stats.num_bytes), "rollout/logprob_diff_max": diff}
 
-    def generate(self, step: int, timer: Timer) -> RolloutBatch:
-        sampled = self.sampler.next_batch()  # every rank advances its sampler identically
-        prompts = [self.train_data[i] for i in sampled.prompt_indices]
+    def generate(self, step: int, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
+        """The step's scored batch (`rlhf.trainer.step_batch`) and its metrics."""
         with timer.stage("gen"):
-            result = self.rollout.generate(
-                prompts, sampled.uids, sampled.prompt_indices, sampling_params(self.cfg)
+            batch, results, metrics = collect_step_batch(
+                self.rollout, self.sampler, self.train_data, self.cfg
             )
-        timer.seconds["gen"] -= result.reward_s  # scoring ran inside the gen stage
-        timer.seconds["reward"] = result.reward_s
+        reward_s = sum(r.reward_s for r in results)
+        timer.seconds["gen"] -= reward_s  # scoring ran inside the gen stage
+        timer.seconds["reward"] = reward_s
         if self.ctx.is_main:
-            result.write_records(self.run_dir / "rollouts" / f"step_{step}.jsonl")
-        return result.batch
+            records = [record for result in results for record in result.records]
+            write_records(records, self.run_dir / "rollouts" / f"step_{step}.jsonl")
+        return batch, metrics
 
     def train_step(self, step: int) -> dict[str, float]:
         timer, m, cfg = Timer(), self.models, self.cfg
         start = time.perf_counter()
-        batch = self.generate(step, timer)
+        batch, gen_metrics = self.generate(step, timer)
         exp, metrics = train_on_batch(m, batch, cfg, self.kl_ctrl, timer)
+        metrics |= gen_metrics
         with timer.stage("update_weights"):
             metrics |= self.sync_weights(step)
         step_s = time.perf_counter() - start

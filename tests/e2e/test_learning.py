@@ -1,7 +1,7 @@
-"""The quickstart learns: `configs/quickstart_grpo_cpu.yaml` raises the validation reward.
+"""The quickstart recipes run for real: GRPO learns, DAPO's sampling and shaping are active.
 
-A real run of `rlhf-train` on the warm-started tiny model (as `make quickstart` builds it):
-GRPO with the KL as a loss, no critic. Validation samples 4 answers per prompt, so the
+Real runs of `rlhf-train` on the warm-started tiny model (as `make quickstart` builds it).
+`configs/quickstart_grpo_cpu.yaml`: GRPO with the KL as a loss, no critic. Validation samples 4 answers per prompt, so the
 score is an average over 256 samples; measured here it went 0.33 -> 0.74 in 30 steps (and
 0.82 by step 60, as the README states), so a rise of 0.3 leaves room for SGLang's unseeded
 sampling on CPU.
@@ -18,6 +18,7 @@ import pytest
 from tests.helpers import REPO
 
 CONFIG = REPO / "configs" / "quickstart_grpo_cpu.yaml"
+DAPO = REPO / "configs" / "quickstart_dapo_cpu.yaml"
 STEPS = 30
 MIN_RISE = 0.3
 
@@ -35,23 +36,28 @@ def quickstart_assets(tmp_path_factory):
     return model, write_quickstart_data(root / "data")
 
 
-def test_grpo_quickstart_raises_validation_reward_without_a_critic(quickstart_assets, tmp_path):
-    model, (train, val) = quickstart_assets
-    run_dir = tmp_path / "run"
+def train(config, assets, run_dir, steps: int) -> list[dict]:
+    """`rlhf-train --config config` on the quickstart assets; its metrics.jsonl rows."""
+    model, (train_file, val_file) = assets
     overrides = [
         f"actor_rollout_ref.model.path={model}",
-        f"data.train_files={train}",
-        f"data.val_files={val}",
+        f"data.train_files={train_file}",
+        f"data.val_files={val_file}",
         f"trainer.default_local_dir={run_dir}",
-        f"trainer.total_training_steps={STEPS}",
-        f"trainer.test_freq={STEPS}",
-        f"trainer.save_freq={STEPS}",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.test_freq={steps}",
+        f"trainer.save_freq={steps}",
         "trainer.logger=[console]",
     ]
-    cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", str(CONFIG), *overrides]
+    cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", str(config), *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_quickstart_raises_validation_reward_without_a_critic(quickstart_assets, tmp_path):
+    run_dir = tmp_path / "run"
+    rows = train(CONFIG, quickstart_assets, run_dir, STEPS)
     val = {r["step"]: r["val/test_score/all"] for r in rows if "val/test_score/all" in r}
     assert val[STEPS] - val[0] >= MIN_RISE, val
     trained = [r for r in rows if r["step"] > 0]
@@ -59,3 +65,17 @@ def test_grpo_quickstart_raises_validation_reward_without_a_critic(quickstart_as
     checkpoint = run_dir / "checkpoints" / f"global_step_{STEPS}"
     assert (checkpoint / "actor").is_dir() and not (checkpoint / "critic").exists()
     assert "critic_scheduler" not in json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+def test_dapo_quickstart_samples_dynamically_and_shapes_lengths(quickstart_assets, tmp_path):
+    """3 steps of configs/quickstart_dapo_cpu.yaml: every step reports its generation rounds
+    (the warm-started model answers some prompts right 4 times out of 4, so groups are
+    dropped), the overlong penalty, and no KL or critic."""
+    rows = [r for r in train(DAPO, quickstart_assets, tmp_path / "run", 3) if r["step"] > 0]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["dynamic_sampling/kept_groups"] >= 16  # data.train_batch_size
+        assert row["dynamic_sampling/gen_rounds"] >= 1
+        assert row["reward/overlong_penalty/mean"] <= 0
+        assert not any(k.startswith(("critic/vf", "actor/kl_loss", "actor/reward_kl")) for k in row)
+    assert sum(r["dynamic_sampling/dropped_groups"] for r in rows) > 0

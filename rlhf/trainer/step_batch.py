@@ -1,0 +1,93 @@
+"""The scored batch one training step learns from, with DAPO's two changes to it.
+
+- Dynamic sampling (`algorithm.filter_groups`): a prompt whose samples all score the same
+  gives every sample the same group advantage, i.e. no signal. Such groups are dropped and
+  more prompts are generated, round after round, until the step has
+  `data.train_batch_size` informative groups (the first ones, in order), or the run fails
+  after `max_num_gen_batches` rounds.
+- Overlong shaping (`reward.overlong_buffer`): a response of L tokens, with limit
+  L_max = `data.max_response_length` and buffer B, gets
+  min(0, (L_max - B - L) / B) x penalty_factor added to its score: nothing up to L_max - B
+  tokens, then a penalty growing linearly to -penalty_factor at the limit.
+
+Every rank runs this identically (same sampler, same broadcast results), so every rank
+takes the same decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rlhf.config.schema import OverlongBufferConfig, RLHFConfig
+from rlhf.data.prompts import PromptDataset
+from rlhf.data.sampler import PromptSampler
+from rlhf.rollout.batch import RolloutBatch
+from rlhf.rollout.fleet import RolloutFleet
+from rlhf.rollout.generation import RolloutResult, sampling_params
+
+
+def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
+    """The sample indices of each prompt (uid), in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i, uid in enumerate(batch.uids):
+        groups.setdefault(uid, []).append(i)
+    return list(groups.values())
+
+
+def informative_groups(batch: RolloutBatch) -> list[list[int]]:
+    """The prompt groups whose samples do not all score the same."""
+    scores = batch.scores_b.tolist()
+    return [g for g in prompt_groups(batch) if len({scores[i] for i in g}) > 1]
+
+
+def overlong_penalties(batch: RolloutBatch, max_length: int, cfg: OverlongBufferConfig):
+    """[B] penalty (<= 0) of each response's length under `reward.overlong_buffer`."""
+    start = max_length - cfg.len
+    lengths = torch.tensor([len(r) for r in batch.response_ids], dtype=torch.float32)
+    return ((start - lengths) / cfg.len).clamp(max=0) * cfg.penalty_factor
+
+
+def collect_step_batch(
+    fleet: RolloutFleet, sampler: PromptSampler, data: PromptDataset, cfg: RLHFConfig
+) -> tuple[RolloutBatch, list[RolloutResult], dict[str, float]]:
+    """The step's training batch, every generation round's result, and the metrics of
+    dynamic sampling and overlong shaping (when enabled)."""
+    params, wanted = sampling_params(cfg), cfg.data.train_batch_size
+    filtering = cfg.algorithm.filter_groups
+    results: list[RolloutResult] = []
+    kept: list[list[int]] = []  # groups, as indices into the concatenation of the rounds
+    offset = dropped = 0
+    while len(kept) < wanted:
+        if filtering.max_num_gen_batches and len(results) == filtering.max_num_gen_batches:
+            raise RuntimeError(
+                f"dynamic sampling found {len(kept)} of {wanted} prompt groups whose samples "
+                f"score differently in {len(results)} generation rounds "
+                "(algorithm.filter_groups.max_num_gen_batches): raise it, or disable "
+                "algorithm.filter_groups"
+            )
+        sampled = sampler.next_batch()  # every rank advances its sampler identically
+        prompts = [data[i] for i in sampled.prompt_indices]
+        results.append(fleet.generate(prompts, sampled.uids, sampled.prompt_indices, params))
+        batch = results[-1].batch
+        groups = informative_groups(batch) if filtering.enable else prompt_groups(batch)
+        kept += [[offset + i for i in g] for g in groups]
+        dropped += len(prompt_groups(batch)) - len(groups)
+        offset += batch.size
+    batch = RolloutBatch.concat([r.batch for r in results])
+    batch = batch.select([i for g in kept[:wanted] for i in g])
+    metrics = {}
+    if filtering.enable:
+        metrics = {
+            "dynamic_sampling/gen_rounds": float(len(results)),
+            "dynamic_sampling/dropped_groups": float(dropped),
+            "dynamic_sampling/kept_groups": float(len(kept)),
+        }
+    if cfg.reward.overlong_buffer.enable:
+        penalty = overlong_penalties(
+            batch, cfg.data.max_response_length, cfg.reward.overlong_buffer
+        )
+        batch = dataclasses.replace(batch, scores_b=batch.scores_b + penalty)
+        metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
+    return batch, results, metrics
