@@ -1,10 +1,10 @@
 """The quickstart recipes run for real: GRPO learns, DAPO's sampling and shaping are active.
 
 Real runs of `rlhf-train` on the warm-started tiny model (as `make quickstart` builds it).
-`configs/quickstart_grpo_cpu.yaml`: GRPO with the KL as a loss, no critic. Validation samples 4 answers per prompt, so the
-score is an average over 256 samples; measured here it went 0.33 -> 0.74 in 30 steps (and
-0.82 by step 60, as the README states), so a rise of 0.3 leaves room for SGLang's unseeded
-sampling on CPU.
+`configs/quickstart_grpo_cpu.yaml` is GRPO with the KL as a loss and no critic. Validation
+samples 4 answers per prompt, so the score is an average over 256 samples; measured here it
+went 0.33 -> 0.74 in 30 steps (and 0.82 by step 60, as the README states), so a rise of
+0.3 leaves room for SGLang's unseeded sampling on CPU.
 """
 
 from __future__ import annotations
