@@ -35,7 +35,7 @@ from rlhf.algo.stats import _as_bool, response_ends
 from rlhf.config.choices import KL_LOSS_TYPES
 
 if TYPE_CHECKING:
-    from rlhf.config.schema import KLControlConfig
+    from rlhf.config.algorithm import KLControlConfig
 
 
 # exp(d) - d - 1 > 10 already for d > 2.6: clamping d at 20 before exp leaves the clamped

@@ -1,6 +1,7 @@
 """The typed config tree. Key names follow verl's where verl has one.
 
-Every field carries a one-line doc in `metadata["doc"]` and, where it has one, its allowed
+Every field carries a one-line doc in `metadata["doc"]` (`rlhf.config.fields.doc`; the
+`algorithm` section lives in `rlhf.config.algorithm`) and, where it has one, its allowed
 range (`gt`, `ge`, `lt`, `le`), checked by the loader so that the error names the full
 dotted key. Cross-field rules live in `rlhf.config.validate`, allowed-value lists in
 `rlhf.config.choices`. Only keys that some code reads belong here; the tree grows as
@@ -9,36 +10,25 @@ features land. Strings may reference other keys as `${section.key}`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from rlhf.config.algorithm import AlgorithmConfig
 from rlhf.config.choices import (
-    AdvEstimator,
     BadRows,
     Device,
-    FilterGroupsMetric,
     GSM8KMethod,
-    KLControlType,
-    KLEstimator,
     KLLossType,
     Logger,
     LossAggMode,
     LRDecayStyle,
     PolicyLossMode,
     RolloutDtype,
-    RolloutISLevel,
     RolloutName,
     TrainDtype,
     Truncation,
     WeightSyncTransport,
 )
-
-
-def doc(default: Any, text: str, **kwargs: Any) -> Any:
-    """A dataclass field with a default (or factory) and a one-line description."""
-    if callable(default):
-        return field(default_factory=default, metadata={"doc": text, **kwargs})
-    return field(default=default, metadata={"doc": text, **kwargs})
+from rlhf.config.fields import doc
 
 
 @dataclass
@@ -289,62 +279,6 @@ class CriticConfig:
     optim: OptimConfig = doc(lambda: OptimConfig(lr=1e-5), "optimizer")
     ulysses_sequence_parallel_size: int = doc(1, "Ulysses SP size for the critic", gt=0)
     megatron: MegatronParallelConfig = doc(MegatronParallelConfig, "Megatron parallel layout")
-
-
-@dataclass
-class KLControlConfig:
-    """Coefficient of the KL penalty in the reward (Ziegler et al. 2019)."""
-
-    type: KLControlType = doc("adaptive", "fixed coefficient or adaptive controller")
-    kl_coef: float = doc(0.001, "initial (or fixed) KL coefficient beta", ge=0)
-    target_kl: float = doc(0.1, "adaptive: KL the controller steers towards", gt=0)
-    horizon: int = doc(10000, "adaptive: steps over which the error is corrected", gt=0)
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """Correction for the engine sampling from slightly different log-probs than the trainer's."""
-
-    rollout_is: RolloutISLevel | None = doc(
-        None,
-        "weight the policy loss by min(pi_old / pi_rollout, rollout_is_threshold) per token or "
-        "per response (truncated importance sampling; null: off, mismatch metrics still logged)",
-    )
-    rollout_is_threshold: float = doc(2.0, "cap of the importance weights", gt=0)
-
-
-@dataclass
-class FilterGroupsConfig:
-    """DAPO's dynamic sampling: only prompt groups whose samples score differently train."""
-
-    enable: bool = doc(False, "drop groups whose samples all score the same, generate more")
-    metric: FilterGroupsMetric = doc("score", "what must differ within a group")
-    max_num_gen_batches: int = doc(
-        0, "most generation rounds per step before failing (0: no limit)", ge=0
-    )
-
-
-@dataclass
-class AlgorithmConfig:
-    """PPO algorithm settings."""
-
-    adv_estimator: AdvEstimator = doc(
-        "gae", "advantage estimator; only gae uses (and builds) the critic"
-    )
-    norm_adv_by_std_in_grpo: bool = doc(
-        True, "grpo: divide by the group's score std (false: Dr. GRPO, mean-centred only)"
-    )
-    gamma: float = doc(1.0, "discount", ge=0, le=1)
-    lam: float = doc(1.0, "GAE lambda", ge=0, le=1)
-    use_kl_in_reward: bool = doc(
-        True, "subtract kl_coef x KL(actor || ref) from the rewards (kl_ctrl sets kl_coef)"
-    )
-    kl_penalty: KLEstimator = doc("kl", "per-token KL estimator used in the reward")
-    kl_ctrl: KLControlConfig = doc(KLControlConfig, "KL penalty controller")
-    rollout_correction: RolloutCorrectionConfig = doc(
-        RolloutCorrectionConfig, "rollout-training mismatch correction"
-    )
-    filter_groups: FilterGroupsConfig = doc(FilterGroupsConfig, "dynamic sampling (DAPO)")
 
 
 @dataclass

@@ -13,16 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rlhf.config.algorithm import KLControlConfig
 from rlhf.config.choices import CRITIC_ESTIMATORS
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import (
-    ActorConfig,
-    CriticConfig,
-    KLControlConfig,
-    ModelConfig,
-    RefConfig,
-    RLHFConfig,
-)
+from rlhf.config.schema import ActorConfig, CriticConfig, ModelConfig, RefConfig, RLHFConfig
 
 AR = "actor_rollout_ref"
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from rlhf.algo import compute_advantages, kl_penalty, masked_mean, token_level_rewards
 from rlhf.algo.losses import BatchCounts, global_batch_counts
 from rlhf.algo.rollout_correction import mismatch_metrics, truncated_is_weights
-from rlhf.config.schema import AlgorithmConfig, RolloutCorrectionConfig
+from rlhf.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.early_stop import should_stop_epochs
 from rlhf.trainer.experience import Experience

@@ -17,8 +17,8 @@ from rlhf.algo.kl import (
     kl_penalty,
     token_level_rewards,
 )
+from rlhf.config.algorithm import KLControlConfig
 from rlhf.config.choices import KL_LOSS_TYPES
-from rlhf.config.schema import KLControlConfig
 
 LOGP = torch.tensor([-1.0, -2.0, -0.5])
 REF = torch.tensor([-1.5, -1.0, -0.5])  # logp - ref = 0.5, -1, 0; d = ref - logp = -0.5, 1, 0
