@@ -131,6 +131,13 @@ def _token_fraction(
     return values.sum() / _denominator(n_tok, values)
 
 
+def _check_clip_range(low: float, high: float) -> None:
+    if not (0.0 <= low < 1.0 and high >= 0.0):
+        raise ValueError(
+            f"clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0, got {low}, {high}"
+        )
+
+
 @dataclass(frozen=True)
 class PolicyLossOutput:
     """Clipped-surrogate loss (differentiable) and detached per-token metrics."""
@@ -171,10 +178,7 @@ def policy_loss(
     """
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    if not (0.0 <= low < 1.0 and high >= 0.0):
-        raise ValueError(
-            f"clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0, got {low}, {high}"
-        )
+    _check_clip_range(low, high)
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (or None to disable), got {clip_ratio_c}")
     m = _as_bool(mask_bt)
@@ -227,11 +231,7 @@ def gspo_policy_loss(
     pg_clipfrac counts tokens of clipped responses; ppo_kl is the token-level k1 as in PPO;
     `weights_bt` multiplies pg_t as in `policy_loss`.
     """
-    if not (0.0 <= clip_ratio_low < 1.0 and clip_ratio_high >= 0.0):
-        raise ValueError(
-            f"clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0, got "
-            f"{clip_ratio_low}, {clip_ratio_high}"
-        )
+    _check_clip_range(clip_ratio_low, clip_ratio_high)
     m = _as_bool(mask_bt)
     logp, old_logp, adv = (torch.where(m, t, 0) for t in (logp_bt, old_logp_bt, advantages_bt))
     log_ratio = torch.where(m, logp - old_logp, 0)
