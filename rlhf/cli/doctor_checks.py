@@ -215,11 +215,11 @@ def check_sglang_urls(urls: list[str] | None, num_servers: int) -> Check:
 
 def check_config(cfg: RLHFConfig, world_size: int | None) -> Check:
     """Every cross-field rule for this world size (validate_config), with the model's
-    attention heads when its config.json is there."""
+    shape (heads, layers) when its config.json is there."""
     model_dir = Path(cfg.actor_rollout_ref.model.path or ".")
     try:
-        heads = load_arch(model_dir) if (model_dir / "config.json").is_file() else None
-        layout = validate.validate_config(cfg, world_size, heads)
+        shape = load_arch(model_dir) if (model_dir / "config.json").is_file() else None
+        layout = validate.validate_config(cfg, world_size, shape)
     except ValueError as e:  # ConfigError, or a model config this project cannot read
         return Check("config", FAIL, str(e), "fix the keys named, or launch that many processes")
     detail = f"world size {layout.world_size}: {layout.describe()}"

@@ -22,6 +22,8 @@ from rlhf.config.choices import (
     LossAggMode,
     LRDecayStyle,
     PolicyLossMode,
+    RecomputeGranularity,
+    RecomputeMethod,
     RolloutDtype,
     RolloutName,
     TrainDtype,
@@ -104,6 +106,26 @@ class MegatronParallelConfig:
         "weights and activations; bfloat16 keeps fp32 master weights, Adam state and "
         "gradient reduction (Megatron's mixed precision; the reference follows the actor)",
     )
+    use_distributed_optimizer: bool | None = doc(
+        None,
+        "shard the fp32 master weights and Adam state over the data-parallel ranks "
+        "(DP x Ulysses SP; null: on when there is more than one)",
+    )
+    recompute_granularity: RecomputeGranularity | None = doc(
+        None,
+        "activation recompute: full (whole layers) or selective (core attention); null: off",
+    )
+    recompute_method: RecomputeMethod | None = doc(
+        None, "full recompute: uniform (every recompute_num_layers) or block (the first N)"
+    )
+    recompute_num_layers: int | None = doc(
+        None, "full recompute: layers per recomputed unit (uniform) or per stage (block)", gt=0
+    )
+    param_offload: bool = doc(False, "GPU: parameters on pinned CPU memory while not in use")
+    grad_offload: bool = doc(False, "GPU: gradient buffers on pinned CPU memory while not in use")
+    optimizer_offload: bool = doc(
+        False, "GPU: master weights and Adam state on pinned CPU memory while not in use"
+    )
 
 
 @dataclass
@@ -164,7 +186,6 @@ class ActorConfig:
         "low_var_kl", "KL estimator of the KL loss; a trailing + takes k2's gradient"
     )
     grad_clip: float = doc(1.0, "clip the global gradient norm to this (0: off)", ge=0)
-    param_offload: bool = doc(False, "GPU: keep the frozen reference model on CPU between its uses")
     optim: OptimConfig = doc(OptimConfig, "optimizer")
     ulysses_sequence_parallel_size: int = doc(
         1, "Ulysses SP size; mapped onto Megatron's context-parallel group", gt=0
@@ -185,6 +206,7 @@ class RefConfig:
     ulysses_sequence_parallel_size: int | None = doc(
         None, "Ulysses SP size of the reference (null: the actor's, which it must equal)", gt=0
     )
+    param_offload: bool = doc(False, "GPU: keep the reference on pinned CPU memory between uses")
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 `validate_config` applies them all: parallel sizes against the world size, batch-size
 divisibility, shared layouts, colocated multi-node placement, server URLs, and, when the
-model's architecture is given, its attention heads against the Ulysses and TP sizes. Single
+model's architecture is given, its attention heads against the Ulysses and TP sizes and
+its layers against the recompute settings. Single
 keys (types, allowed values, ranges) are checked earlier by the loader. Each violation is a
 `ConfigError` naming every key involved and the numbers it saw.
 """
@@ -41,8 +42,11 @@ class ParallelLayout:
         return f"TP {self.tp_size} x PP {self.pp_size} x SP {self.sp_size} x DP {self.dp_size}"
 
 
-class AttentionHeads(Protocol):
+class ModelShape(Protocol):
     """What the rules need of a model's architecture (`rlhf.models.families.ModelArch`)."""
+
+    @property
+    def num_layers(self) -> int: ...
 
     @property
     def num_attention_heads(self) -> int: ...
@@ -147,7 +151,30 @@ def _check_rollout_placement(cfg: RLHFConfig, layout: ParallelLayout) -> None:
         )
 
 
-def _check_heads(layout: ParallelLayout, heads: AttentionHeads) -> None:
+def _check_recompute(role: str, cfg: RLHFConfig, shape: ModelShape | None) -> None:
+    """Recompute keys that Megatron would ignore or reject are refused with their names."""
+    section, prefix = _role_section(role, cfg)
+    m, key = section.megatron, f"{prefix}.megatron"
+    if m.recompute_granularity != "full":
+        given = [k for k in ("recompute_method", "recompute_num_layers") if getattr(m, k)]
+        if given:
+            raise ConfigError(
+                f"{key}.{' and '.join(given)} set with {key}.recompute_granularity="
+                f"{m.recompute_granularity}: they choose the layers of full recompute only "
+                "(selective recompute always recomputes the core attention of every layer)"
+            )
+    if shape is None or m.recompute_num_layers is None:
+        return
+    per_stage = shape.num_layers // m.pipeline_model_parallel_size
+    if m.recompute_num_layers > per_stage:
+        raise ConfigError(
+            f"{key}.recompute_num_layers={m.recompute_num_layers} exceeds the {per_stage} "
+            f"layers of a pipeline stage ({shape.num_layers} layers / "
+            f"pipeline_model_parallel_size {m.pipeline_model_parallel_size})"
+        )
+
+
+def _check_heads(layout: ParallelLayout, heads: ModelShape) -> None:
     """Ulysses splits each TP rank's query heads over the SP ranks."""
     per_tp_rank = heads.num_attention_heads // layout.tp_size
     if layout.sp_size > 1 and per_tp_rank % layout.sp_size:
@@ -227,24 +254,26 @@ def _check_misc(cfg: RLHFConfig) -> None:
 
 
 def validate_config(
-    cfg: RLHFConfig, world_size: int | None = None, heads: AttentionHeads | None = None
+    cfg: RLHFConfig, world_size: int | None = None, shape: ModelShape | None = None
 ) -> ParallelLayout:
     """Check every cross-field rule; return the parallel layout all three models share.
 
     `world_size` is the number of launched processes when known (torchrun); otherwise the
-    planned `trainer.nnodes x trainer.n_gpus_per_node` is used. `heads` (the policy's
-    architecture) enables the rules on attention heads.
+    planned `trainer.nnodes x trainer.n_gpus_per_node` is used. `shape` (the policy's
+    architecture) enables the rules on attention heads and layers.
     """
     world = _world_size(cfg, world_size)
     actor = parallel_layout("actor", cfg, world)
     _check_batches("actor", cfg, actor)
+    _check_recompute("actor", cfg, shape)
     _check_ref_layout(cfg, actor)
     if uses_critic(cfg):
         critic = parallel_layout("critic", cfg, world)
         _check_batches("critic", cfg, critic)
+        _check_recompute("critic", cfg, shape)
         _check_critic_layout(actor, critic)
     _check_rollout_placement(cfg, actor)
-    if heads is not None:
-        _check_heads(actor, heads)
+    if shape is not None:
+        _check_heads(actor, shape)
     _check_misc(cfg)
     return actor

@@ -13,7 +13,9 @@ from torch import nn
 from tqdm import tqdm
 
 from rlhf.models.families import (
+    NO_RECOMPUTE,
     ModelArch,
+    Recompute,
     llama3_inv_freq,
     padded_vocab_size,
     transformer_config,
@@ -33,6 +35,7 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     sp: int = 1,
     initialize: bool = True,
+    recompute: Recompute = NO_RECOMPUTE,
 ):
     """This pipeline stage's `GPTModel` for `arch`.
 
@@ -52,6 +55,7 @@ def build_model(
         sp=sp,
         params_dtype=params_dtype,
         perform_initialization=initialize,
+        recompute=recompute,
     )
     model = build_gpt_model(
         config,
@@ -170,6 +174,7 @@ def value_model_from_hf(
     seed: int = 0,
     params_dtype: torch.dtype = torch.float32,
     sp: int = 1,
+    recompute: Recompute = NO_RECOMPUTE,
 ):
     """Critic / reward model from an HF directory.
 
@@ -181,7 +186,9 @@ def value_model_from_hf(
 
     arch = load_arch(hf_dir)
     reader = HFCheckpointReader(hf_dir)
-    policy = build_model(arch, placement, params_dtype=params_dtype, sp=sp, initialize=False)
+    policy = build_model(
+        arch, placement, params_dtype=params_dtype, sp=sp, initialize=False, recompute=recompute
+    )
     model = attach_value_head(policy, arch, seed)
     load_hf_weights(model, reader, arch, placement, skip=("output_layer.weight",))
     if "score.weight" in reader:

@@ -31,6 +31,33 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """Megatron activation recompute: which activations are recomputed in the backward.
+
+    granularity "full" recomputes whole transformer layers (`method` "uniform": every group
+    of `num_layers` layers keeps only its input; "block": the first `num_layers` layers of
+    each stage); "selective" recomputes the core attention of every layer; None keeps all.
+    """
+
+    granularity: str | None = None
+    method: str | None = None
+    num_layers: int | None = None
+
+    def megatron_kwargs(self) -> dict:
+        """TransformerConfig's fields; full recompute defaults to uniform over 1 layer."""
+        if self.granularity == "full":
+            return {
+                "recompute_granularity": "full",
+                "recompute_method": self.method or "uniform",
+                "recompute_num_layers": self.num_layers or 1,
+            }
+        return {"recompute_granularity": self.granularity}
+
+
+NO_RECOMPUTE = Recompute()
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """A decoder-only transformer as the weight mapping sees it."""
 
@@ -162,6 +189,7 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool = True,
     perform_initialization: bool = True,
+    recompute: Recompute = NO_RECOMPUTE,
 ):
     """The one mapping from `ModelArch` to Megatron-Core's `TransformerConfig`.
 
@@ -207,6 +235,7 @@ def transformer_config(
         masked_softmax_fusion=importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
+        **recompute.megatron_kwargs(),
     )
 
 

@@ -22,6 +22,12 @@ import torch.distributed as dist
 from rlhf.config.schema import OptimConfig
 from rlhf.distributed.context import ParallelContext
 from rlhf.trainer.micro_batch import MicroBatch
+from rlhf.trainer.optimizer_shards import (
+    OptimizerCoordinate,
+    coordinate,
+    load_optimizer_shards,
+    save_optimizer_shards,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,7 @@ class OptimizerSettings:
     optim: OptimConfig
     grad_clip: float
     total_steps: int  # optimizer steps of the whole run (LR decay horizon)
+    distributed: bool = False  # shard master weights and Adam state over DP (x SP)
 
 
 def run_schedule(
@@ -126,9 +133,12 @@ class TrainableMegatronModel(MegatronModel):
         super().__init__(module, ctx)
         config = module.config
         # bf16 weights keep fp32 gradient buffers (reduced in fp32) for the fp32 master copy
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.bf16)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=config.bf16, use_distributed_optimizer=settings.distributed
+        )
         self.ddp = self.runner = DistributedDataParallel(config, ddp_config, module)
         config.finalize_model_grads_func = finalize_model_grads
+        self.distributed_optimizer = settings.distributed
         self.optimizer, self.scheduler = build_optimizer(self.ddp, settings)
 
     def compute_gradients(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
@@ -161,25 +171,57 @@ class TrainableMegatronModel(MegatronModel):
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
         model_sd = self.module.sharded_state_dict()
+        if self.distributed_optimizer:  # its state goes through rlhf.trainer.optimizer_shards
+            return {"model": model_sd}
         return {
             "model": model_sd,
             "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading),
         }
 
+    def optimizer_coordinate(self) -> OptimizerCoordinate:
+        ctx = self.ctx
+        return coordinate(self.optimizer, (ctx.tp_rank, ctx.tp_size), (ctx.pp_rank, ctx.pp_size))
+
+    def param_names(self) -> dict:
+        return {param: name for name, param in self.module.named_parameters()}
+
     def save(self, directory: Path) -> None:
-        """Model + optimizer in Megatron's distributed format (all ranks call)."""
+        """Model (+ optimizer) in Megatron's distributed format; with the distributed
+        optimizer, the model there and the optimizer in `optimizer/` (all ranks call)."""
         from megatron.core import dist_checkpointing
 
-        dist_checkpointing.save(self.sharded_state_dict(), str(directory))
+        if not self.distributed_optimizer:
+            dist_checkpointing.save(self.sharded_state_dict(), str(directory))
+            return
+        (directory / "model").mkdir(exist_ok=True)
+        dist_checkpointing.save(self.sharded_state_dict(), str(directory / "model"))
+        where = self.optimizer_coordinate()
+        save_optimizer_shards(self.optimizer, self.param_names(), where, directory / "optimizer")
 
     def load(self, directory: Path) -> None:
         from megatron.core import dist_checkpointing
 
-        if not Path(directory).is_dir():
+        directory = Path(directory)
+        if not directory.is_dir():
             raise FileNotFoundError(f"no model checkpoint at {directory}")
-        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(directory))
+        saved_distributed = (directory / "optimizer").is_dir()
+        if saved_distributed != self.distributed_optimizer:
+            saved, now = ("with", "without") if saved_distributed else ("without", "with")
+            raise ValueError(
+                f"{directory} was saved {saved} the distributed optimizer and this run is "
+                f"{now} it: set megatron.use_distributed_optimizer={saved_distributed} as the "
+                "saving run had it"
+            )
+        model_dir = directory / "model" if saved_distributed else directory
+        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(model_dir))
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if saved_distributed:
+            where = self.optimizer_coordinate()
+            load_optimizer_shards(
+                self.optimizer, self.param_names(), where, directory / "optimizer"
+            )
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
 
 
 def build_optimizer(ddp, settings: OptimizerSettings):
@@ -198,7 +240,7 @@ def build_optimizer(ddp, settings: OptimizerSettings):
         clip_grad=settings.grad_clip,
         bf16=ddp.module.config.bf16,  # fp32 master weights and Adam state for bf16 weights
         params_dtype=next(ddp.module.parameters()).dtype,
-        use_distributed_optimizer=False,  # its checkpoints do not resume on CPU (facts)
+        use_distributed_optimizer=settings.distributed,
     )
     optimizer = get_megatron_optimizer(config, [ddp])
     decay_steps = max(settings.total_steps, optim.lr_warmup_steps + 1)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
 from rlhf.config.validate import uses_critic, uses_reference
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
-from rlhf.models.families import ModelArch, load_arch
+from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute, load_arch
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
@@ -91,9 +91,26 @@ def use_thd(ctx: ParallelContext) -> bool:
     return ctx.device.type == "cuda" and transformer_engine_usable()
 
 
-def build_policy(arch: ModelArch, model_path: str, ctx: ParallelContext, dtype: torch.dtype):
+def recompute_of(megatron: MegatronParallelConfig) -> Recompute:
+    return Recompute(
+        megatron.recompute_granularity, megatron.recompute_method, megatron.recompute_num_layers
+    )
+
+
+def use_distributed_optimizer(megatron: MegatronParallelConfig, ctx: ParallelContext) -> bool:
+    """The key's value; null: on when the optimizer's data-parallel group (DP x SP) has more
+    than one rank, the group Megatron shards the optimizer state over."""
+    if megatron.use_distributed_optimizer is None:
+        return ctx.dp_sp_size > 1
+    return megatron.use_distributed_optimizer
+
+
+def build_policy(
+    arch: ModelArch, model_path: str, ctx: ParallelContext, dtype: torch.dtype,
+    recompute: Recompute = NO_RECOMPUTE,
+):  # fmt: skip
     placement = Placement.of(ctx)
-    model = build_model(arch, placement, params_dtype=dtype, sp=ctx.sp_size)
+    model = build_model(arch, placement, params_dtype=dtype, sp=ctx.sp_size, recompute=recompute)
     load_hf_weights(model, HFCheckpointReader(model_path), arch, placement)
     return model.to(ctx.device)
 
@@ -101,7 +118,8 @@ def build_policy(arch: ModelArch, model_path: str, ctx: ParallelContext, dtype: 
 def _trained(cfg: RLHFConfig, role: str, module, ctx: ParallelContext, total_steps: int):
     section = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
     steps = optimizer_steps(cfg, total_steps, section.ppo_mini_batch_size, section.ppo_epochs)
-    settings = OptimizerSettings(section.optim, section.grad_clip, steps)
+    distributed = use_distributed_optimizer(section.megatron, ctx)
+    settings = OptimizerSettings(section.optim, section.grad_clip, steps, distributed)
     return TrainableMegatronModel(module, ctx, settings)
 
 
@@ -113,6 +131,7 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int
     module, _ = value_model_from_hf(
         cfg.critic.model.path, Placement.of(ctx), seed=cfg.critic.megatron.seed,
         params_dtype=DTYPES[cfg.critic.megatron.dtype], sp=ctx.sp_size,
+        recompute=recompute_of(cfg.critic.megatron),
     )  # fmt: skip
     critic = _trained(cfg, "critic", module.to(ctx.device), ctx, total_steps)
     n, norm = cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length
@@ -131,12 +150,14 @@ def build_ppo_models(
     aro = cfg.actor_rollout_ref
     check_model_dir(aro.model.path, "actor_rollout_ref.model.path")
     policy_dtype = DTYPES[aro.actor.megatron.dtype]
-    actor_module = build_policy(arch, aro.model.path, ctx, policy_dtype)
+    actor_module = build_policy(
+        arch, aro.model.path, ctx, policy_dtype, recompute_of(aro.actor.megatron)
+    )
     actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
     ref = None
     if uses_reference(cfg):
         ref_module = build_policy(arch, aro.model.path, ctx, policy_dtype)
-        ref = MegatronModel.frozen(ref_module, ctx, offload=aro.actor.param_offload)
+        ref = MegatronModel.frozen(ref_module, ctx, offload=aro.ref.param_offload)
     budgets = token_budgets(cfg)
     critic, critic_update = _critic(cfg, ctx, total_steps, budgets.critic)
     vocab = VocabShard.of(ctx, actor_module.padded_vocab_size, arch.vocab_size)

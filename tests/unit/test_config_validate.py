@@ -132,7 +132,7 @@ def test_colocated_servers_on_several_nodes_need_whole_replicas_per_node():
 
 
 def test_ulysses_needs_query_heads_divisible_per_tp_rank():
-    heads = SimpleNamespace(num_attention_heads=6, num_query_groups=2)
+    heads = SimpleNamespace(num_layers=2, num_attention_heads=6, num_query_groups=2)
     sp2 = [
         "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",

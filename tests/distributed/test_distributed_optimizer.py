@@ -1,0 +1,104 @@
+"""Megatron's distributed optimizer in the trainer (tests/distributed/workers/optimizer_state.py).
+
+- At DP2 it gives the weights of the plain optimizer after 3 Adam steps per model (actor
+  and critic), and each rank holds half of the Adam state a single rank holds.
+- A run resumed from its checkpoint (rlhf.trainer.optimizer_shards) continues exactly as
+  the uninterrupted run: same metrics and bit-identical weights, in fp32 and in bf16 (with
+  fp32 master weights, which are sharded too).
+- The checkpoint reshards to another DP size; another TP size, or a plain-optimizer run, is
+  refused with an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import run_torchrun
+
+TOLERANCE = 2e-6  # fp32 weights of order 1e-2..1; DP2's reduce-scatter vs all-reduce order
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen2_dir, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("distributed_optimizer")
+    model = ["--model", str(tiny_qwen2_dir), "--steps", "2"]
+    plans = {
+        "dp1": (1, []),
+        "dp2_plain": (2, ["--distributed", "false"]),
+        "dp2": (2, ["--save", str(work / "ckpt")]),  # null: on at DP2
+        "dp2_resumed": (2, ["--resume", str(work / "ckpt")]),
+        "dp1_resharded": (1, ["--resume", str(work / "ckpt"), "--distributed", "true"]),
+        "dp2_bf16": (2, ["--dtype", "bfloat16", "--save", str(work / "ckpt_bf16")]),
+        "dp2_bf16_resumed": (2, ["--dtype", "bfloat16", "--resume", str(work / "ckpt_bf16")]),
+    }
+    found = {"dir": work}
+    for name, (nproc, extra) in plans.items():
+        out = work / f"{name}.pt"
+        run_torchrun("optimizer_state.py", nproc, [*model, "--out", str(out), *extra])
+        found[name] = torch.load(out, weights_only=False)
+    return found
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_distributed_optimizer_gives_the_plain_optimizers_weights(runs, role):
+    do, plain = runs["dp2"], runs["dp2_plain"]
+    assert do["distributed"] and not plain["distributed"]
+    after_3_adam_steps = do["weights"][1][role], plain["weights"][1][role]
+    assert max_diff(*after_3_adam_steps) <= TOLERANCE
+    moved = max_diff(do["weights"][2][role], do["weights"][1][role])
+    assert moved > 50 * TOLERANCE  # the updates are far larger than the tolerance
+    for step in (1, 2):
+        for key in (f"{role}/grad_norm", "actor/pg_loss", "critic/vf_loss"):
+            assert do["metrics"][step][key] == pytest.approx(plain["metrics"][step][key], rel=1e-6)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_each_rank_holds_half_the_adam_state(runs, role):
+    one_rank = runs["dp1"]["bytes"][0][role]["adam"]
+    numel = sum(w.numel() for w in runs["dp1"]["weights"][1][role].values())
+    assert one_rank == 2 * 4 * numel  # exp_avg and exp_avg_sq in fp32, every element
+    sharded = [r[role]["adam"] for r in runs["dp2"]["bytes"]]
+    assert sum(sharded) == one_rank
+    assert all(abs(b - one_rank / 2) <= 0.01 * one_rank for b in sharded), sharded
+    assert [r[role]["adam"] for r in runs["dp2_plain"]["bytes"]] == [one_rank, one_rank]
+
+
+def test_bf16_master_weights_are_sharded_too(runs):
+    numel = sum(w.numel() for w in runs["dp1"]["weights"][1]["actor"].values())
+    master = [r["actor"]["master"] for r in runs["dp2_bf16"]["bytes"]]
+    assert sum(master) == 4 * numel and min(master) > 0.49 * 4 * numel
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"), [("dp2", "dp2_resumed"), ("dp2_bf16", "dp2_bf16_resumed")]
+)
+def test_resume_continues_exactly(runs, saved, resumed):
+    full, again = runs[saved], runs[resumed]
+    assert sorted(again["metrics"]) == [2]
+    assert again["metrics"][2] == full["metrics"][2]
+    for role in ("actor", "critic"):
+        for name, value in full["weights"][2][role].items():
+            assert torch.equal(again["weights"][2][role][name], value), (role, name)
+
+
+def test_resume_at_another_dp_size_reshards(runs):
+    full, resharded = runs["dp2"], runs["dp1_resharded"]
+    for role in ("actor", "critic"):
+        assert max_diff(resharded["weights"][2][role], full["weights"][2][role]) <= TOLERANCE
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+        assert resharded["metrics"][2][key] == pytest.approx(full["metrics"][2][key], rel=1e-5)
+
+
+def test_other_tp_size_or_plain_optimizer_is_refused(runs, tiny_qwen2_dir):
+    ckpt, out = runs["dir"] / "ckpt", str(runs["dir"] / "refused.pt")
+    common = ["--model", str(tiny_qwen2_dir), "--steps", "2", "--resume", str(ckpt), "--out", out]
+    with pytest.raises(AssertionError, match="resumes only with the same TP and PP sizes"):
+        run_torchrun("optimizer_state.py", 2, [*common, "--tp", "2", "--distributed", "true"])
+    with pytest.raises(AssertionError, match="use_distributed_optimizer=True as the saving run"):
+        run_torchrun("optimizer_state.py", 1, common)
