@@ -1,14 +1,16 @@
 """`rlhf-doctor`: preflight checks of one run, on the node that will run it.
 
     rlhf-doctor --config configs/gsm8k_2node.yaml [key=value ...] [--world-size N]
+                [--gpu-memory-gb 80] [--model-config configs/model_shapes/Qwen2.5-7B.json]
 
 Why: a job that dies minutes into its allocation on a busy port, an unreachable master, a
 full disk, a dead SGLang server or a bad parallel layout wastes the queue wait; each of these
 can be seen from the node in seconds. Give it the config and overrides of the run, under the
 environment of the launch (NODE_RANK, MASTER_ADDR, MASTER_PORT, WORLD_SIZE as read by
 launch/torchrun.sh). Every check is a small function returning a `Check`; the CLI prints a
-table (check | status | detail | fix) and exits 1 if any check FAILs, 0 otherwise, and 2 with
-one line when the config cannot be loaded (as rlhf-train does).
+table (check | status | detail | fix), then the memory planner's per-GPU table (rlhf.memory),
+and exits 1 if any check FAILs (a config that does not fit the GPU included), 0 otherwise,
+and 2 with one line when the config cannot be loaded (as rlhf-train does).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rlhf.cli.doctor_checks import (
     check_run_dir,
     check_sglang_urls,
 )
+from rlhf.cli.doctor_memory import check_memory
 from rlhf.config import ConfigError, RLHFConfig, load_config
 
 DEFAULT_REQUIREMENTS = Path("requirements")  # a checkout's, when run from its root
@@ -105,16 +108,28 @@ def main(argv: list[str] | None = None) -> int:
         help="directory with cpu.lock and gpu.txt to check installed versions against "
         "(default: ./requirements; the check is skipped when it is absent)",
     )
+    parser.add_argument(
+        "--gpu-memory-gb", type=float, help="GPU memory to plan for (default: this GPU's)"
+    )
+    parser.add_argument(
+        "--model-config",
+        type=Path,
+        help="an HF config.json to plan memory with when the model is not downloaded",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.seed=3")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         world_size = args.world_size or _env_int(os.environ, "WORLD_SIZE", 0) or None
         checks = run_checks(cfg, world_size, requirements=args.requirements)
+        memory, report = check_memory(cfg, world_size, args.model_config, args.gpu_memory_gb)
     except ConfigError as e:
         print(f"rlhf-doctor: config error: {e}", file=sys.stderr)
         return 2
+    checks.append(memory)
     print(format_table(checks))
+    if report:
+        print(f"\nmemory per GPU (GiB), by role and kind:\n{report}")
     failed = [c.name for c in checks if c.status == FAIL]
     if failed:
         print(f"rlhf-doctor: {len(failed)} check(s) failed: {', '.join(failed)}")

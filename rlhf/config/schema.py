@@ -233,6 +233,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = doc(
         0.6, "share of GPU memory SGLang may take (mem fraction)", gt=0, le=1
     )
+    free_cache_engine: bool = doc(
+        True,
+        "GPU, colocated: SGLang releases its weights and KV cache while the trainer trains "
+        "and resumes them for generation (sleep/wake); CPU: the server stays up",
+    )
     dtype: RolloutDtype = doc("bfloat16", "weights/activation dtype")
     server_startup_timeout_s: float = doc(
         300.0, "seconds to wait for a server to become healthy", gt=0

@@ -14,6 +14,7 @@ sync is not done here: `server_urls` says which servers this rank's node syncs
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,10 +23,13 @@ from rlhf.data.prompts import EncodedPrompt
 from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
 from rlhf.distributed.context import ParallelContext
 from rlhf.reward.registry import RewardFn
+from rlhf.rollout import sglang_api
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 from rlhf.rollout.generation import RolloutResult, generate_and_score, kv_cache_tokens
 from rlhf.utils import split_evenly
+
+log = logging.getLogger(__name__)
 
 
 class RolloutFleet:
@@ -49,6 +53,33 @@ class RolloutFleet:
                 max_total_tokens=kv_cache_tokens(cfg, max_prompts) if cpu else None,
             )  # fmt: skip
         self.server_urls = self._node_server_urls()
+        # Colocated on GPUs: SGLang gives its memory to training between generations.
+        launched = rollout.server_urls is None
+        self.sleeps = launched and rollout.free_cache_engine and ctx.device.type != "cpu"
+        self.asleep: set[str] = set()
+        if launched and rollout.free_cache_engine and not self.sleeps and ctx.is_main:
+            log.info(
+                "rollout.free_cache_engine: no effect on CPU (SGLang's memory release needs "
+                "CUDA); the servers keep their weights and KV cache"
+            )
+
+    def release_memory(self) -> None:
+        """Sleep: the engine's servers free their weights and KV cache (GPU, colocated)."""
+        if not self.sleeps or self.engine is None:
+            return
+        for url in self.engine.server_urls:
+            sglang_api.release_memory_occupation(url, ["weights", "kv_cache"])
+            self.asleep.add(url)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Wake `tags` of the sleeping servers: "weights" before a weight sync, then
+        "kv_cache" before generating (the released weights are stale until synced)."""
+        if self.engine is None:
+            return
+        for url in sorted(self.asleep):
+            sglang_api.resume_memory_occupation(url, tags)
+        if "kv_cache" in tags:
+            self.asleep.clear()
 
     def _node_server_urls(self) -> list[str]:
         """The server URLs of this rank's node (every rank of a node gets the same list)."""

@@ -136,3 +136,13 @@ def update_weights_from_disk(url: str, model_path: str, version: int) -> None:
     """Load an HF checkpoint directory the server can read."""
     request = {"model_path": model_path, **_version_fields(True, version)}
     _post(url, "update_weights_from_disk", request)
+
+
+def release_memory_occupation(url: str, tags: list[str]) -> None:
+    """GPU, a server started with --enable-memory-saver: free `tags` ("weights", "kv_cache")."""
+    _post(url, "release_memory_occupation", {"tags": tags})
+
+
+def resume_memory_occupation(url: str, tags: list[str]) -> None:
+    """Allocate `tags` again (weights come back as they were; sync new ones afterwards)."""
+    _post(url, "resume_memory_occupation", {"tags": tags})

@@ -83,6 +83,8 @@ def build_server_args(
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(CPU_SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p
             )
+    elif rollout.free_cache_engine:  # GPU: weights and KV cache can be released (sleep/wake)
+        argv += ["--enable-memory-saver"]
     if max_total_tokens is not None:
         argv += ["--max-total-tokens", str(max_total_tokens)]
     if base_gpu_id is not None:

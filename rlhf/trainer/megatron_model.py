@@ -12,6 +12,7 @@ over DP x CP; `loss_scale` undoes all three.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from rlhf.config.schema import OptimConfig
 from rlhf.distributed.context import ParallelContext
 from rlhf.trainer.micro_batch import MicroBatch
+from rlhf.trainer.offload import ModelOffloader
 from rlhf.trainer.optimizer_shards import (
     OptimizerCoordinate,
     coordinate,
@@ -86,38 +88,44 @@ def run_schedule(
 
 
 class MegatronModel:
-    """A frozen model (reference policy): forward passes only, optionally offloaded."""
+    """A frozen model (reference policy): forward passes only.
 
-    def __init__(self, module, ctx: ParallelContext, offload: bool = False):
+    `offload`: the kinds ("params", "grads", "optimizer") kept in CPU memory outside
+    `on_device()` (rlhf.trainer.offload); a GPU feature, the trainer passes none on CPU.
+    """
+
+    def __init__(self, module, ctx: ParallelContext):
         self.module = self.runner = module  # runner: what the schedule calls
         self.ctx = ctx
-        self.offload = offload and torch.cuda.is_available()
-        if offload and not self.offload:
-            log.warning("param_offload only applies on GPU; ignored on CPU")
+        self.offloader = ModelOffloader(self, ())
         if module.config.pipeline_model_parallel_size > 1:
             module.config.variable_seq_lengths = True  # packed rows differ in length
 
     @classmethod
     def frozen(cls, module, ctx: ParallelContext, offload: bool = False) -> MegatronModel:
-        """The reference policy: no gradients, on the CPU between uses when `offload`."""
-        model = cls(module, ctx, offload)
+        """The reference policy: no gradients; its weights on the CPU between uses when
+        `offload`."""
+        model = cls(module, ctx)
         for p in module.parameters():
             p.requires_grad_(False)
-        if model.offload:
-            module.to("cpu")
+        model.offload_between_uses(("params",) if offload else ())
         return model
+
+    def offload_between_uses(self, kinds: tuple[str, ...]) -> None:
+        """Keep `kinds` in CPU memory except inside `on_device()` (offloaded now)."""
+        self.offloader = ModelOffloader(self, kinds)
+        if kinds:
+            self.offloader.offload()
+
+    def on_device(self) -> AbstractContextManager[None]:
+        """Everything offloaded is back on the device inside this context (re-entrant)."""
+        return self.offloader.on_device()
 
     @torch.no_grad()
     def forward(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
-        if self.offload:
-            self.module.to("cuda")
         self.runner.eval()
-        try:
+        with self.on_device():
             return run_schedule(self.runner, micro_batches, head, True, 1.0)
-        finally:
-            if self.offload:
-                self.module.to("cpu")
-                torch.cuda.empty_cache()
 
 
 class TrainableMegatronModel(MegatronModel):
@@ -145,6 +153,10 @@ class TrainableMegatronModel(MegatronModel):
         """Forward-backward of a mini-batch from zeroed gradients: afterwards every
         parameter's `main_grad` holds the gradient of the mini-batch loss (reduced over
         DP x SP); returns the head outputs of this rank's micro-batches (last stage)."""
+        with self.on_device():
+            return self._compute_gradients(micro_batches, head)
+
+    def _compute_gradients(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -159,8 +171,9 @@ class TrainableMegatronModel(MegatronModel):
         Returns the summed head metrics (over micro-batches and DP ranks, i.e. the
         mini-batch values) plus `grad_norm` and `lr`; identical on every rank.
         """
-        outputs = self.compute_gradients(micro_batches, head)
-        ok, grad_norm, _ = self.optimizer.step()
+        with self.on_device():
+            outputs = self.compute_gradients(micro_batches, head)
+            ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")
         self.scheduler.step(increment=1)
@@ -188,6 +201,14 @@ class TrainableMegatronModel(MegatronModel):
     def save(self, directory: Path) -> None:
         """Model (+ optimizer) in Megatron's distributed format; with the distributed
         optimizer, the model there and the optimizer in `optimizer/` (all ranks call)."""
+        with self.on_device():
+            self._save(directory)
+
+    def load(self, directory: Path) -> None:
+        with self.on_device():
+            self._load(Path(directory))
+
+    def _save(self, directory: Path) -> None:
         from megatron.core import dist_checkpointing
 
         if not self.distributed_optimizer:
@@ -198,10 +219,9 @@ class TrainableMegatronModel(MegatronModel):
         where = self.optimizer_coordinate()
         save_optimizer_shards(self.optimizer, self.param_names(), where, directory / "optimizer")
 
-    def load(self, directory: Path) -> None:
+    def _load(self, directory: Path) -> None:
         from megatron.core import dist_checkpointing
 
-        directory = Path(directory)
         if not directory.is_dir():
             raise FileNotFoundError(f"no model checkpoint at {directory}")
         saved_distributed = (directory / "optimizer").is_dir()

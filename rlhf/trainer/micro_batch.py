@@ -186,11 +186,6 @@ def _slice_for_rank(mb: MicroBatch, sp: SequenceShard, cu_padded: Tensor | None)
     )
 
 
-def default_token_budget(micro_batch_size: int, max_prompt: int, max_response: int) -> int:
-    """The budget a fixed micro-batch of the longest sequences would use."""
-    return micro_batch_size * (max_prompt + max_response)
-
-
 @dataclass(frozen=True)
 class MicroBatchPlanner:
     """Cuts a step's samples into this rank's packed micro-batches.

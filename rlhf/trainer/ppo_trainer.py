@@ -21,6 +21,7 @@ from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
 from rlhf.logging import MetricTracker, StepProfiler, Timer
+from rlhf.memory.report import startup_report, verdict
 from rlhf.reward import build_reward_fn
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.fleet import RolloutFleet
@@ -60,6 +61,7 @@ class PPOTrainer:
         self.total_steps = cfg.trainer.total_training_steps or (
             cfg.trainer.total_epochs * self.sampler.steps_per_epoch
         )
+        self.log_memory_plan()
         self.models = build_ppo_models(cfg, self.arch, ctx, self.total_steps)
         self.passes = model_passes(cfg)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
@@ -83,6 +85,16 @@ class PPOTrainer:
         )  # fmt: skip
         self.rollout.on_server_restart(self.syncer.resync_server)
 
+    def log_memory_plan(self) -> None:
+        """The planner's per-GPU table (rlhf.memory), once, before the models are built."""
+        if not self.ctx.is_main:
+            return
+        device = self.ctx.device.type
+        plan, report = startup_report(self.cfg, self.arch, self.ctx.world_size, device)
+        log.info("memory per GPU (GiB), by role and kind:\n%s", report)
+        if plan.fits is False:
+            log.warning("the memory planner expects this config not to fit: %s", verdict(plan))
+
     def close(self) -> None:
         try:
             self.syncer.close()
@@ -94,10 +106,14 @@ class PPOTrainer:
     # ---- one step ---------------------------------------------------------------------
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Actor -> SGLang, then the log-prob probe through the training forward path."""
+        """Actor -> SGLang (woken first if it slept), then the log-prob probe through the
+        training forward path."""
         m = self.models
-        stats = self.syncer.sync(m.actor.module, version)
-        probe = probe_logprobs(m.actor, self.syncer.probe_tokens, m.planner, m.probe_head)
+        self.rollout.resume_memory(["weights"])  # colocated GPU servers slept while training
+        with m.actor.on_device():
+            stats = self.syncer.sync(m.actor.module, version)
+            self.rollout.resume_memory(["kv_cache"])
+            probe = probe_logprobs(m.actor, self.syncer.probe_tokens, m.planner, m.probe_head)
         diff = self.syncer.compare_probe(probe, self.ctx.device)
         return {"perf/weight_sync_bytes": float(stats.num_bytes), "rollout/logprob_diff_max": diff}
 
@@ -107,6 +123,7 @@ class PPOTrainer:
             batch, results, metrics = collect_step_batch(
                 self.rollout, self.sampler, self.train_data, self.cfg
             )
+        self.rollout.release_memory()  # GPU, colocated: training gets SGLang's memory
         reward_s = sum(r.reward_s for r in results)
         timer.seconds["gen"] -= reward_s  # scoring ran inside the gen stage
         timer.seconds["reward"] = reward_s

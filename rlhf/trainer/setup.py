@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from rlhf.config.budgets import TokenBudgets, token_budgets
 from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
 from rlhf.config.validate import uses_critic, uses_reference
 from rlhf.distributed.context import ParallelContext
@@ -19,18 +21,11 @@ from rlhf.models.logprobs import VocabShard
 from rlhf.models.mapping import Placement
 from rlhf.trainer.heads import LogprobHead, PolicyLossHead, ValueLossHead
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
-from rlhf.trainer.micro_batch import MicroBatchPlanner, default_token_budget
+from rlhf.trainer.micro_batch import MicroBatchPlanner
 from rlhf.trainer.stages import UpdateSpec
 from rlhf.utils import DTYPES
 
-
-@dataclass(frozen=True)
-class TokenBudgets:
-    """Tokens per packed micro-batch for each model's passes."""
-
-    actor: int
-    critic: int
-    ref: int
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,19 +47,6 @@ class PPOModels:
     budgets: TokenBudgets
     logprob_head: LogprobHead
     probe_head: LogprobHead
-
-
-def token_budgets(cfg: RLHFConfig) -> TokenBudgets:
-    longest = (cfg.data.max_prompt_length, cfg.data.max_response_length)
-    actor, critic, ref = cfg.actor_rollout_ref.actor, cfg.critic, cfg.actor_rollout_ref.ref
-    return TokenBudgets(
-        actor=actor.ppo_max_token_len_per_gpu
-        or default_token_budget(actor.ppo_micro_batch_size_per_gpu, *longest),
-        critic=critic.ppo_max_token_len_per_gpu
-        or default_token_budget(critic.ppo_micro_batch_size_per_gpu, *longest),
-        ref=ref.log_prob_max_token_len_per_gpu
-        or default_token_budget(ref.log_prob_micro_batch_size_per_gpu, *longest),
-    )
 
 
 def check_model_dir(path: str, key: str) -> None:
@@ -120,7 +102,27 @@ def _trained(cfg: RLHFConfig, role: str, module, ctx: ParallelContext, total_ste
     steps = optimizer_steps(cfg, total_steps, section.ppo_mini_batch_size, section.ppo_epochs)
     distributed = use_distributed_optimizer(section.megatron, ctx)
     settings = OptimizerSettings(section.optim, section.grad_clip, steps, distributed)
-    return TrainableMegatronModel(module, ctx, settings)
+    model = TrainableMegatronModel(module, ctx, settings)
+    model.offload_between_uses(offload_kinds(section.megatron, ctx, role))
+    return model
+
+
+def offload_kinds(
+    megatron: MegatronParallelConfig, ctx: ParallelContext, role: str
+) -> tuple[str, ...]:
+    """What `role` keeps in CPU memory between its phases: a GPU feature (on CPU the model
+    already lives in host memory, so the keys are noted once and have no effect)."""
+    switches = {
+        "params": megatron.param_offload,
+        "grads": megatron.grad_offload,
+        "optimizer": megatron.optimizer_offload,
+    }
+    kinds = tuple(kind for kind, on in switches.items() if on)
+    if kinds and ctx.device.type != "cuda":
+        if ctx.is_main:
+            log.info("%s megatron.*_offload: no effect on CPU (the model is in host memory)", role)
+        return ()
+    return kinds
 
 
 def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int):
@@ -157,7 +159,10 @@ def build_ppo_models(
     ref = None
     if uses_reference(cfg):
         ref_module = build_policy(arch, aro.model.path, ctx, policy_dtype)
-        ref = MegatronModel.frozen(ref_module, ctx, offload=aro.ref.param_offload)
+        offload = aro.ref.param_offload and ctx.device.type == "cuda"
+        if aro.ref.param_offload and not offload and ctx.is_main:
+            log.info("ref.param_offload: no effect on CPU (the model is in host memory)")
+        ref = MegatronModel.frozen(ref_module, ctx, offload=offload)
     budgets = token_budgets(cfg)
     critic, critic_update = _critic(cfg, ctx, total_steps, budgets.critic)
     vocab = VocabShard.of(ctx, actor_module.padded_vocab_size, arch.vocab_size)

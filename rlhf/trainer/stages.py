@@ -179,6 +179,11 @@ def run_updates(spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner) -
 
     grad_norm and lr come back as `<role>/grad_norm` and `<role>/lr`.
     """
+    with spec.model.on_device():  # one reload for all mini-batches of an offloaded model
+        return _run_updates(spec, exp, planner)
+
+
+def _run_updates(spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner) -> dict[str, float]:
     minis = planner.plan(exp.batch, spec.token_budget, spec.mini_batch_samples)
     totals: dict[str, float] = {}
     steps = 0

@@ -7,6 +7,12 @@
   fp32 master weights, which are sharded too).
 - The checkpoint reshards to another DP size; another TP size, or a plain-optimizer run, is
   refused with an error that says what to do.
+- Offloading (rlhf.trainer.offload, the GPU path forced on CPU) through a whole trainer step
+  frees every parameter, gradient and optimizer storage between uses and changes nothing:
+  the step's metrics and weights are bit-identical.
+- The memory planner (rlhf.memory) counts exactly the bytes of the real weights, gradient
+  buffers, master weights and Adam state on every rank of TP1, TP2, PP2 and DP2, with and
+  without the distributed optimizer (whose buffer padding it reproduces), fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ def runs(tiny_qwen2_dir, tmp_path_factory) -> dict:
         "dp1_resharded": (1, ["--resume", str(work / "ckpt"), "--distributed", "true"]),
         "dp2_bf16": (2, ["--dtype", "bfloat16", "--save", str(work / "ckpt_bf16")]),
         "dp2_bf16_resumed": (2, ["--dtype", "bfloat16", "--resume", str(work / "ckpt_bf16")]),
+        "dp2_bf16_offload": (2, ["--dtype", "bfloat16", "--offload"]),
+        "tp2_bf16": (2, ["--dtype", "bfloat16", "--tp", "2", "--distributed", "true"]),
+        "pp2_bf16": (2, ["--dtype", "bfloat16", "--pp", "2"]),
     }
     found = {"dir": work}
     for name, (nproc, extra) in plans.items():
@@ -102,3 +111,25 @@ def test_other_tp_size_or_plain_optimizer_is_refused(runs, tiny_qwen2_dir):
         run_torchrun("optimizer_state.py", 2, [*common, "--tp", "2", "--distributed", "true"])
     with pytest.raises(AssertionError, match="use_distributed_optimizer=True as the saving run"):
         run_torchrun("optimizer_state.py", 1, common)
+
+
+@pytest.mark.parametrize("run", ["dp1", "dp2_plain", "dp2", "dp2_bf16", "tp2_bf16", "pp2_bf16"])
+def test_planner_counts_the_bytes_of_the_real_tensors(runs, run):
+    for rank, (real, planned) in enumerate(zip(runs[run]["bytes"], runs[run]["planned"])):
+        assert real == planned, (run, rank)
+    if run == "dp2_bf16":  # the padding case: per-rank shares differ
+        assert runs[run]["bytes"][0]["actor"]["adam"] != runs[run]["bytes"][1]["actor"]["adam"]
+
+
+def test_offload_between_uses_frees_everything_and_changes_nothing(runs):
+    full, offloaded = runs["dp2_bf16"], runs["dp2_bf16_offload"]
+    for rank in offloaded["resident_while_offloaded"]:
+        assert rank == {
+            "actor": {"params": 0, "grads": 0, "optimizer": 0},
+            "critic": {"params": 0, "grads": 0, "optimizer": 0},
+            "ref": {"params": 0},
+        }
+    assert offloaded["metrics"][2] == full["metrics"][2]
+    for role in ("actor", "critic"):
+        for name, value in full["weights"][2][role].items():
+            assert torch.equal(offloaded["weights"][2][role][name], value), (role, name)

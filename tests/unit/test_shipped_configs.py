@@ -1,10 +1,15 @@
-"""Every config under configs/ loads, resolves and passes the cross-field rules."""
+"""Every config under configs/ loads, resolves and passes the cross-field rules; the GPU
+configs fit an 80 GB GPU according to the memory planner, for the model each is made for."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from rlhf.config import ConfigError, load_config, validate_config
+from rlhf.memory.planner import GIB, PlanInputs, plan_inputs
+from rlhf.models.families import arch_from_hf_config
 from tests.helpers import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -38,7 +43,7 @@ def test_recommended_gsm8k_8gpu_values():
     assert 4 <= aro.rollout.n <= 8
     assert cfg.algorithm.kl_ctrl.kl_coef == 0.001 and cfg.algorithm.kl_ctrl.target_kl == 0.1
     assert cfg.algorithm.kl_ctrl.horizon == 10000 and aro.actor.clip_ratio == 0.2
-    assert aro.actor.ppo_max_token_len_per_gpu == 16384
+    assert aro.actor.ppo_max_token_len_per_gpu == 8192  # 16384 did not fit (memory planner)
     assert aro.rollout.tensor_model_parallel_size == 2
     assert aro.rollout.gpu_memory_utilization == 0.6
 
@@ -51,3 +56,31 @@ def test_critic_layout_must_match_actor():
     )  # fmt: skip
     with pytest.raises(ConfigError, match="share one Megatron parallel layout"):
         validate_config(cfg)
+
+
+# Each GPU config and the model (configs/model_shapes) it is sized for.
+GPU_CONFIGS = {
+    "gsm8k_qwen2.5-0.5b_1gpu": "Qwen2.5-0.5B",
+    "gsm8k_8gpu": "Qwen2.5-7B",
+    "gsm8k_grpo_8gpu": "Qwen2.5-7B",
+    "gsm8k_2node": "Qwen2.5-14B",
+    "gsm8k_72b_grpo_4node": "Qwen2.5-72B",
+}
+
+
+def test_every_gpu_config_names_its_model_shape():
+    gpu = {p.stem for p in CONFIGS if load_config(p).trainer.device != "cpu"}
+    assert gpu == set(GPU_CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_config_fits_80gb_by_the_planner(name):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    shape = json.loads(
+        (REPO / "configs" / "model_shapes" / f"{GPU_CONFIGS[name]}.json").read_text()
+    )
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    plan = plan_inputs(
+        PlanInputs.from_config(cfg, arch_from_hf_config(shape), world, "cuda"), 80 * GIB
+    )
+    assert plan.fits, (name, {k: v / GIB for k, v in plan.phases.items()})

@@ -5,9 +5,9 @@ Builds the PPO models (GAE: actor, critic, reference) from the HF checkpoint and
 each with 3 Adam steps per model (one mini-batch, 3 epochs). `--save DIR` writes actor and
 critic (model, optimizer, LR schedule) after the first step through the trainer's
 checkpoint code; `--resume DIR` loads them into freshly built models and runs the remaining
-steps. Rank 0 writes the final weights of both models, every step's metrics and, per rank,
-the bytes of the optimizer state (Adam moments) and of fp32 master weights held apart from
-the model's weights.
+steps. Rank 0 writes the weights of both models after each step, every step's metrics and, per
+rank, the bytes of the real tensors by kind (weights, gradient buffers, fp32 master
+weights held apart from the model's weights, Adam moments) next to the memory planner's.
 """
 
 from __future__ import annotations
@@ -37,6 +37,35 @@ SETTINGS = [
     "algorithm.kl_ctrl.type=fixed",  # the controller is trainer state, not saved here
 ]
 ROLES = ("actor_rollout_ref.actor", "critic")
+
+
+def on_device(fn, model):
+    with model.on_device():
+        return fn(model)
+
+
+def real_bytes(model) -> dict[str, int]:
+    """Bytes of the tensors the memory planner counts, from the model and its optimizer:
+    weights (DDP's parameter buffer under the distributed optimizer), gradient buffers,
+    fp32 master weights held apart from the weights, Adam's moments."""
+    buffers = model.ddp.buffers
+    if model.distributed_optimizer:
+        weights = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
+    else:
+        weights = sum(p.numel() * p.element_size() for p in model.module.parameters())
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+    return {"weights": weights, "gradients": grads, **optimizer_bytes(model)}
+
+
+def planned_bytes(cfg, arch, ctx, role: str) -> dict[str, int]:
+    from rlhf.memory.planner import TrainedRole, trained_memory
+
+    section = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
+    spec = TrainedRole(role, section.megatron, 1, value_head=role == "critic")
+    row = trained_memory(arch, spec, dp=ctx.dp_size, sp=1, device="cpu", stage=ctx.pp_rank,
+                         dp_rank=ctx.dp_rank)  # fmt: skip
+    return {"weights": row.weights, "gradients": row.gradients, "adam": row.optimizer_state,
+            "master": row.master_weights}  # fmt: skip
 
 
 def optimizer_bytes(model) -> dict[str, int]:
@@ -91,6 +120,7 @@ def run(args, ctx) -> dict:
 
     layout = [f"trainer.n_gpus_per_node={ctx.world_size}"]
     layout += [f"{r}.megatron.tensor_model_parallel_size={args.tp}" for r in ROLES]
+    layout += [f"{r}.megatron.pipeline_model_parallel_size={args.pp}" for r in ROLES]
     layout += [f"{r}.megatron.use_distributed_optimizer={args.distributed}" for r in ROLES]
     layout += [f"{r}.megatron.dtype={args.dtype}" for r in ROLES]
     cfg = load_config(None, [f"actor_rollout_ref.model.path={args.model}", *SETTINGS, *layout])
@@ -103,23 +133,44 @@ def run(args, ctx) -> dict:
     if args.resume:
         load(models, Path(args.resume), ctx.rank)
         first = 2
-    metrics, weights = {}, {}
+    metrics, weights, freed = {}, {}, {}
     for step in range(first, args.steps + 1):
+        if args.offload and step == 2:  # the GPU path, forced on CPU: offloaded between uses
+            for model in (models.actor, models.critic, models.ref):
+                kinds = ("params",) if model is models.ref else ("params", "grads", "optimizer")
+                model.offload_between_uses(kinds)
         _, metrics[step] = train_on_batch(models, batch, cfg, kl_ctrl, Timer())
-        weights[step] = {"actor": weights_of(models.actor), "critic": weights_of(models.critic)}
+        if args.offload and step == 2:
+            freed = {role: resident_bytes(getattr(models, role)) for role in ROLE_MODELS}
+        weights[step] = {role: weights_of(getattr(models, role)) for role in ("actor", "critic")}
         if args.save and step == 1:
             save(models, Path(args.save), ctx.rank)
     return {
         "metrics": metrics,
         "weights": weights,
-        "bytes": all_ranks({"actor": optimizer_bytes(models.actor),
-                            "critic": optimizer_bytes(models.critic)}),
+        "bytes": all_ranks({"actor": on_device(real_bytes, models.actor),
+                            "critic": on_device(real_bytes, models.critic)}),
+        "planned": all_ranks({role: planned_bytes(cfg, arch, ctx, role)
+                              for role in ("actor", "critic")}),
         "distributed": models.actor.distributed_optimizer,
+        "resident_while_offloaded": all_ranks(freed),
     }  # fmt: skip
 
 
+ROLE_MODELS = ("actor", "critic", "ref")
+
+
+def resident_bytes(model) -> dict[str, int]:
+    """Bytes still held by the storages offloading covers (0 when all were offloaded)."""
+    from rlhf.trainer.offload import KINDS, model_tensors
+
+    kinds = KINDS if hasattr(model, "ddp") else ("params",)
+    return {k: sum(t.untyped_storage().nbytes() for t in model_tensors(model, k)) for k in kinds}
+
+
 def weights_of(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
+    with model.on_device():
+        return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
 
 
 def main() -> None:
@@ -127,13 +178,15 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--distributed", choices=["true", "false", "null"], default="null")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--save")
     parser.add_argument("--resume")
+    parser.add_argument("--offload", action="store_true", help="offload between uses in step 2")
     args = parser.parse_args()
-    ctx = init_parallel("cpu", tp_size=args.tp)
+    ctx = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp)
     try:
         seed_everything(0)
         result = run(args, ctx)

@@ -1,0 +1,61 @@
+"""rlhf-doctor's memory check: the planner's per-GPU table for the config, and its verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from rlhf.cli.doctor_checks import FAIL, PASS, WARN, Check
+from rlhf.config import RLHFConfig
+from rlhf.config.loader import ConfigError
+from rlhf.memory.planner import GIB, PlanInputs
+from rlhf.memory.report import describe
+from rlhf.models.families import ModelArch, arch_from_hf_config, load_arch
+
+
+def gpu_memory_bytes(gpu_memory_gb: float | None) -> int | None:
+    """The flag's value, else the memory of this machine's GPU 0, else None."""
+    if gpu_memory_gb is not None:
+        return int(gpu_memory_gb * GIB)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
+
+
+def _arch(cfg: RLHFConfig, model_config: Path | None) -> ModelArch | None:
+    if model_config is not None:
+        return arch_from_hf_config(json.loads(Path(model_config).read_text()))
+    model_dir = Path(cfg.actor_rollout_ref.model.path or ".")
+    return load_arch(model_dir) if (model_dir / "config.json").is_file() else None
+
+
+def check_memory(
+    cfg: RLHFConfig, world_size: int | None, model_config: Path | None, gpu_gb: float | None
+) -> tuple[Check, str]:
+    """(the check, the planner's report or '')."""
+    name = "memory"
+    try:
+        arch = _arch(cfg, model_config)
+    except (OSError, ValueError, KeyError) as e:
+        return Check(name, FAIL, f"cannot read the model's config: {e}", "fix --model-config"), ""
+    if arch is None:
+        fix = "download the model, or pass --model-config (see configs/model_shapes)"
+        return Check(name, WARN, "no model config.json: memory not planned", fix), ""
+    device = "cpu" if cfg.trainer.device == "cpu" else "cuda"
+    world = world_size or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    gpu_bytes = None if device == "cpu" else gpu_memory_bytes(gpu_gb)
+    try:
+        plan, report = describe(PlanInputs.from_config(cfg, arch, world, device), gpu_bytes)
+    except (ConfigError, ValueError) as e:
+        return Check(name, FAIL, str(e), "fix the parallel sizes"), ""
+    peak = f"peak {plan.peak / GIB:.2f} GiB per GPU"
+    if device == "cpu":
+        return Check(name, PASS, f"{peak} (CPU run: no GPU memory to fit)"), report
+    if gpu_bytes is None:
+        return Check(name, WARN, f"{peak}; GPU memory unknown", "pass --gpu-memory-gb"), report
+    if not plan.fits:
+        fix = "see the suggestions under the memory table"
+        return Check(name, FAIL, f"{peak} exceeds {gpu_bytes / GIB:.2f} GiB", fix), report
+    return Check(name, PASS, f"{peak} fits in {gpu_bytes / GIB:.2f} GiB"), report

@@ -1,0 +1,143 @@
+"""Activation memory of one packed micro-batch: what the forward keeps for the backward.
+
+Counted per tensor from what Megatron-Core 0.16.1's layers save for their backward (listed
+on CPU with autograd's saved-tensor hooks, see docs/memory.md), for T tokens on one rank with
+TP size t and element size e (4: fp32, 2: bf16):
+
+local spec (CPU; unfused attention), per transformer layer
+    two RMSNorms          2 x T.h.(8 + e)   fp32 input and normalised copy, then the
+                                            linear's input in the model dtype
+    rotary embedding      4 x T.d.e         cos/sin of q and k
+    core attention        3 x T.q.e         q, k^T, v (k and v expanded to all query heads)
+                          a'.T^2.(4 + [e=2].2)  softmax output in fp32 (+ its bf16 copy)
+    output projection     T.q.e             its input
+    SwiGLU MLP            5 x T.f'.e        fc1 output, silu output and product, fc2 input
+Transformer Engine (GPU; fused attention), estimated from the tensors TE's layers keep (not
+measured here): each norm fused into its linear keeps its input and output in the model
+dtype (2 x T.h.e), the attention keeps q, k, v unexpanded (T.(q + 2.kv).e) and its output,
+with no T^2 term, and the MLP keeps fc1's output and the activation's (3 x T.f'.e).
+Here q = heads x head_dim / t, kv = key-value groups x head_dim / t, f' = ffn / t,
+a' = heads / t (Ulysses: heads / (t x sp) over the sp x T tokens of the whole row).
+
+Recompute (`rlhf.models.families.Recompute`): full keeps only each recomputed unit's input
+(T.h.e) and recomputes one unit at a time in the backward; selective drops the core
+attention's tensors (keeping its q, k, v inputs) and recomputes one layer's at a time.
+
+The peak of a training micro-batch adds to the saved tensors of all the stage's layers the
+larger of the last stage's log-prob head (logits T.V' in the model dtype and five fp32
+T.V' tensors: masked logits, shifted logits, exp, probs, then the gradient) and the
+backward of one layer (its recomputed tensors and, on the local spec, three a'.T^2 fp32
+gradients: of the softmax output, of the scores and of the scaled scores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """One rank's share of a micro-batch: tokens and the model's per-rank widths."""
+
+    tokens: int  # T on this rank
+    hidden: int
+    query: int  # q: query width on this rank
+    key_value: int  # kv: key (= value) width on this rank
+    ffn: int  # f': ffn width on this rank
+    heads: int  # a': query heads this rank attends with
+    row: int  # tokens of the attention row (T x Ulysses size)
+    head_dim: int
+    vocab: int  # V': vocabulary slice on this rank
+    layers: int  # on this pipeline stage
+    element: int  # bytes of the model dtype
+
+    @classmethod
+    def of(cls, arch: ModelArch, tokens: int, padded_vocab: int, *, tp: int, pp: int, sp: int,
+           element: int) -> ActivationShape:  # fmt: skip
+        return cls(
+            tokens=tokens,
+            hidden=arch.hidden_size,
+            query=arch.num_attention_heads * arch.head_dim // tp,
+            key_value=arch.num_query_groups * arch.head_dim // tp,
+            ffn=arch.ffn_hidden_size // tp,
+            heads=arch.num_attention_heads // (tp * sp),
+            row=tokens * sp,
+            head_dim=arch.head_dim,
+            vocab=padded_vocab // tp,
+            layers=arch.num_layers // pp,
+            element=element,
+        )
+
+
+def _norms(s: ActivationShape, flash: bool) -> int:
+    per_element = 2 * s.element if flash else 8 + s.element
+    return 2 * s.tokens * s.hidden * per_element
+
+
+def _scores(s: ActivationShape) -> int:
+    """The softmax output(s) of the local spec's unfused attention."""
+    return s.heads * s.row * s.row * (4 + (2 if s.element == 2 else 0))
+
+
+def core_attention_bytes(s: ActivationShape, flash: bool) -> int:
+    """What the core attention saves beyond its q, k, v inputs."""
+    if flash:
+        return s.tokens * s.query * s.element  # its output (and a small log-sum-exp)
+    expanded = (
+        3 * s.tokens * s.query * s.element - s.tokens * (s.query + 2 * s.key_value) * s.element
+    )
+    return expanded + _scores(s)
+
+
+def layer_bytes(s: ActivationShape, flash: bool) -> int:
+    """Everything one layer saves for its backward without recompute."""
+    e, t = s.element, s.tokens
+    inputs = t * (s.query + 2 * s.key_value) * e  # q, k, v as the core attention gets them
+    rope = 4 * t * s.head_dim * e
+    projection = t * s.query * e
+    mlp = (3 if flash else 5) * t * s.ffn * e
+    return _norms(s, flash) + rope + inputs + core_attention_bytes(s, flash) + projection + mlp
+
+
+def _backward_transient(s: ActivationShape, flash: bool) -> int:
+    return 0 if flash else 3 * s.heads * s.row * s.row * 4
+
+
+def head_bytes(s: ActivationShape) -> int:
+    """The last stage's logits and the log-prob head's fp32 working tensors."""
+    return s.tokens * s.vocab * (s.element + 5 * 4)
+
+
+def training_peak(s: ActivationShape, recompute: Recompute = NO_RECOMPUTE, *, flash: bool,
+                  last_stage: bool = True) -> int:  # fmt: skip
+    """Peak activation bytes of one training micro-batch's forward and backward."""
+    full = layer_bytes(s, flash)
+    final = _norms(s, flash) // 2 if last_stage else 0
+    if recompute.granularity == "full":
+        unit = recompute.num_layers or 1
+        if (recompute.method or "uniform") == "uniform":
+            kept = -(-s.layers // unit) * s.tokens * s.hidden * s.element
+            recomputing = unit * full
+        else:  # block: the first `unit` layers recompute, the rest keep everything
+            recomputed = min(unit, s.layers)
+            kept = recomputed * s.tokens * s.hidden * s.element + (s.layers - recomputed) * full
+            recomputing = full
+        saved = kept + final
+        backward = recomputing + _backward_transient(s, flash)
+    elif recompute.granularity == "selective":
+        core = core_attention_bytes(s, flash)
+        saved = s.layers * (full - core) + final
+        backward = core + _backward_transient(s, flash)
+    else:
+        saved = s.layers * full + final
+        backward = _backward_transient(s, flash)
+    head = head_bytes(s) if last_stage else 0
+    return saved + max(head, backward)
+
+
+def forward_peak(s: ActivationShape, *, flash: bool, last_stage: bool = True) -> int:
+    """Peak of a forward-only micro-batch (reference, old log-probs): nothing is kept, so the
+    largest of one layer's working tensors and the head's."""
+    return max(layer_bytes(s, flash), head_bytes(s) if last_stage else 0)

@@ -1,0 +1,97 @@
+"""Parameters, gradient buffers and optimizer shards of one rank, counted without building.
+
+`stage_param_numels` lists the parameters of one (TP rank, PP stage) shard in the order
+Megatron-Core's local spec registers them (what DDP lays out, in reverse, in its buffer).
+`GradBuffer` reproduces Megatron's `_ParamAndGradBuffer` layout: one bucket (grad-reduce
+overlap off), and with the distributed optimizer each parameter starts at a multiple of
+64 elements, the buffer ends at a multiple of lcm(DP, 128), and a tied embedding gets a
+bucket of its own; each bucket is split evenly over the DP ranks and a rank's optimizer
+holds the parameter elements inside its split. With Transformer Engine the layer norms are
+fused into the linear layers, which changes only the order (and so the padding, by at most
+64 elements per parameter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rlhf.models.families import ModelArch
+
+
+@dataclass(frozen=True)
+class Param:
+    numel: int
+    shared_embedding: bool = False  # tied embeddings split over the first and last stage
+
+
+def stage_params(arch: ModelArch, padded_vocab: int, *, tp: int, pp: int, stage: int,
+                 value_head: bool = False) -> list[Param]:  # fmt: skip
+    """The parameters of pipeline stage `stage` on one TP rank, in registration order."""
+    h, d = arch.hidden_size, arch.head_dim
+    qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * d // tp
+    query = arch.num_attention_heads * d // tp
+    ffn = arch.ffn_hidden_size // tp
+    tied_split = arch.tie_embeddings and pp > 1 and not value_head
+    params: list[Param] = []
+    if stage == 0:
+        params.append(Param(padded_vocab // tp * h, shared_embedding=tied_split))
+    for _ in range(arch.num_layers // pp):
+        params.append(Param(h))  # input_layernorm
+        params.append(Param(h * query))  # linear_proj
+        params.append(Param(qkv * h))  # linear_qkv
+        if arch.qkv_bias:
+            params.append(Param(qkv))
+        if arch.qk_layernorm:
+            params += [Param(d), Param(d)]
+        params.append(Param(h))  # pre_mlp_layernorm
+        params.append(Param(2 * ffn * h))  # linear_fc1 (gate and up)
+        params.append(Param(h * ffn))  # linear_fc2
+    if stage == pp - 1:
+        params.append(Param(h))  # final_layernorm
+        if value_head:
+            params.append(Param(h))
+        elif not arch.tie_embeddings or pp > 1:
+            params.append(Param(padded_vocab // tp * h, shared_embedding=tied_split))
+    return params
+
+
+@dataclass(frozen=True)
+class GradBuffer:
+    """Megatron DDP's buffer for one rank's parameters and its split over DP ranks."""
+
+    numel: int  # elements, padding included
+    owned: tuple[int, ...]  # parameter elements each DP rank's optimizer holds
+
+    @classmethod
+    def layout(cls, params: list[Param], dp: int, distributed: bool) -> GradBuffer:
+        if not distributed:
+            total = sum(p.numel for p in params)
+            return cls(total, tuple(total for _ in range(dp)))
+        end_divisor = math.lcm(dp, 128)
+        spans: list[tuple[int, int]] = []
+        buckets: list[tuple[int, int]] = []
+        start = bucket_start = 0
+        for p in reversed(params):
+            start = -(-start // 64) * 64
+            if p.shared_embedding and start > bucket_start:
+                start = -(-start // end_divisor) * end_divisor
+                buckets.append((bucket_start, start))
+                bucket_start = start
+            spans.append((start, start + p.numel))
+            start += p.numel
+            if p.shared_embedding:
+                start = -(-start // end_divisor) * end_divisor
+                buckets.append((bucket_start, start))
+                bucket_start = start
+        if start > bucket_start:
+            end = -(-start // end_divisor) * end_divisor
+            buckets.append((bucket_start, end))
+            start = end
+        owned = [0] * dp
+        for lo, hi in buckets:
+            size = (hi - lo) // dp
+            for rank in range(dp):
+                a, b = lo + rank * size, lo + (rank + 1) * size
+                owned[rank] += sum(max(0, min(b, e) - max(a, s)) for s, e in spans)
+        return cls(start, tuple(owned))

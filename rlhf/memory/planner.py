@@ -1,0 +1,258 @@
+"""Will a config fit? Per-GPU memory by role and by kind, before anything is launched.
+
+`plan_memory(cfg, arch, world_size)` counts, for the pipeline stage that needs the most, the
+bytes each role keeps on one GPU: the weights, gradient buffer, fp32 master weights and Adam
+state of actor and critic (`rlhf.memory.params`: Megatron's buffer layout, sharded by the
+distributed optimizer), the reference's weights, the activations of one micro-batch at the
+configured token budget (`rlhf.memory.activations`) and communication buffers (the
+weight-sync bucket), and SGLang's share (`rollout.gpu_memory_utilization` of the GPU: its
+weights and KV cache). The GPU's peak is the largest phase of a step:
+
+    rollout    SGLang, plus whatever the trainer keeps resident (not offloaded)
+    reference  resident + the reference's forward activations
+    critic     resident + the critic's training activations
+    actor      resident + the actor's training activations + the weight-sync bucket
+
+On GPU every phase also counts GPU_RUNTIME_BYTES for what the allocator does not see (CUDA
+context, NCCL). An offloaded part (megatron.param/grad/optimizer_offload, ref.param_offload)
+is resident only in its own model's phases; with free_cache_engine SGLang holds memory in
+the rollout phase only. Both are GPU features: on CPU the planner still reports what a GPU
+run would need (device "cpu" plans the local spec's attention instead of fused attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from rlhf.config.budgets import token_budgets
+from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
+from rlhf.config.validate import parallel_layout, uses_critic, uses_reference
+from rlhf.memory.activations import ActivationShape, forward_peak, training_peak
+from rlhf.memory.params import GradBuffer, stage_params
+from rlhf.models.families import ModelArch, Recompute, padded_vocab_size
+
+GIB = 1024**3
+KINDS = ("weights", "gradients", "master_weights", "optimizer_state", "activations",
+         "communication")  # fmt: skip
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+# CUDA context, cuBLAS workspaces and NCCL buffers of a trainer process on a GPU (a few
+# hundred MiB each; what the allocator cannot see), added to every phase on GPU.
+GPU_RUNTIME_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Bytes one role holds on one GPU, by kind; `offloaded` kinds live on the CPU between
+    the role's own phases."""
+
+    role: str
+    weights: int = 0
+    gradients: int = 0
+    master_weights: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    communication: int = 0
+    offloaded: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.gradients + self.master_weights + self.optimizer_state
+
+    @property
+    def resident(self) -> int:
+        """What stays on the GPU while other roles run."""
+        return sum(getattr(self, k) for k in KINDS[:4] if k not in self.offloaded)
+
+    @property
+    def total(self) -> int:
+        return self.static + self.activations + self.communication
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    rows: tuple[RoleMemory, ...]
+    phases: dict[str, int]  # bytes on the GPU at the peak of each phase
+    gpu_bytes: int | None
+
+    def row(self, role: str) -> RoleMemory:
+        return next(r for r in self.rows if r.role == role)
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_bytes is None else self.peak <= self.gpu_bytes
+
+
+@dataclass(frozen=True)
+class TrainedRole:
+    """What the planner needs of a trained (or frozen) model's config."""
+
+    name: str
+    megatron: MegatronParallelConfig
+    token_budget: int
+    value_head: bool = False
+
+
+def _flash(device: str) -> bool:
+    """GPU runs use Transformer Engine's fused attention; CPU runs the local spec."""
+    return device != "cpu"
+
+
+def stage_count(
+    arch: ModelArch, padded: int, m: MegatronParallelConfig, stage: int, dp: int,
+    distributed: bool, value_head: bool,
+) -> tuple[int, GradBuffer]:  # fmt: skip
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    params = stage_params(arch, padded, tp=tp, pp=pp, stage=stage, value_head=value_head)
+    return sum(p.numel for p in params), GradBuffer.layout(params, dp, distributed)
+
+
+def trained_memory(arch: ModelArch, role: TrainedRole, *, dp: int, sp: int, device: str,
+                   stage: int, dp_rank: int = 0, train: bool = True) -> RoleMemory:  # fmt: skip
+    """One rank's bytes for `role` on pipeline stage `stage` (DP rank `dp_rank`)."""
+    m = role.megatron
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    padded = padded_vocab_size(arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
+    element = DTYPE_BYTES[m.dtype]
+    group = dp * sp  # the distributed optimizer shards over DP x SP
+    distributed = (
+        m.use_distributed_optimizer if m.use_distributed_optimizer is not None else group > 1
+    )
+    distributed = distributed and train
+    numel, buffer = stage_count(arch, padded, m, stage, group, distributed, role.value_head)
+    shape = ActivationShape.of(
+        arch, role.token_budget, padded, tp=tp, pp=pp, sp=sp, element=element
+    )
+    last = stage == pp - 1
+    flash = _flash(device)
+    if not train:
+        activations = forward_peak(shape, flash=flash, last_stage=last)
+        return RoleMemory(role.name, weights=numel * element, activations=activations)
+    recompute = Recompute(m.recompute_granularity, m.recompute_method, m.recompute_num_layers)
+    owned = buffer.owned[dp_rank]
+    switches = {
+        "weights": m.param_offload,
+        "gradients": m.grad_offload,
+        "master_weights": m.optimizer_offload,
+        "optimizer_state": m.optimizer_offload,
+    }
+    offloaded = {kind for kind, on in switches.items() if on}
+    return RoleMemory(
+        role.name,
+        weights=(buffer.numel if distributed else numel) * element,
+        gradients=buffer.numel * 4,  # fp32 (bf16 models reduce gradients in fp32)
+        master_weights=owned * 4 if element == 2 else 0,
+        optimizer_state=2 * owned * 4,  # Adam's exp_avg and exp_avg_sq, fp32
+        activations=training_peak(shape, recompute, flash=flash, last_stage=last),
+        offloaded=frozenset(offloaded),
+    )
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the plan depends on, taken from a config (knobs change these)."""
+
+    arch: ModelArch
+    roles: tuple[TrainedRole, ...]  # actor first; critic when used
+    reference: TrainedRole | None
+    ref_offload: bool
+    world_size: int
+    sp: int
+    rollout_tp: int
+    rollout_dtype: str
+    rollout_fraction: float  # of the GPU, SGLang's weights and KV cache (colocated)
+    colocated: bool
+    release_rollout: bool  # free_cache_engine on a GPU
+    sync_bucket: int
+    device: str
+
+    @classmethod
+    def from_config(cls, cfg: RLHFConfig, arch: ModelArch, world_size: int,
+                    device: str) -> PlanInputs:  # fmt: skip
+        aro, budgets = cfg.actor_rollout_ref, token_budgets(cfg)
+        roles = [TrainedRole("actor", aro.actor.megatron, budgets.actor)]
+        if uses_critic(cfg):
+            roles.append(TrainedRole("critic", cfg.critic.megatron, budgets.critic, True))
+        reference = (
+            TrainedRole("reference", aro.actor.megatron, budgets.ref)
+            if uses_reference(cfg)
+            else None
+        )
+        rollout = aro.rollout
+        return cls(
+            arch, tuple(roles), reference, aro.ref.param_offload, world_size,
+            aro.actor.ulysses_sequence_parallel_size, rollout.tensor_model_parallel_size,
+            rollout.dtype, rollout.gpu_memory_utilization, not rollout.server_urls,
+            rollout.free_cache_engine and device != "cpu",
+            rollout.update_weights_bucket_megabytes * 1024**2, device,
+        )  # fmt: skip
+
+
+def hf_param_count(arch: ModelArch) -> int:
+    """Parameters of the whole (unsharded) HF model, as SGLang loads it."""
+    full = stage_params(arch, arch.vocab_size, tp=1, pp=1, stage=0)
+    return sum(p.numel for p in full)
+
+
+def _rank_rows(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> list[RoleMemory]:
+    actor_m = inputs.roles[0].megatron
+    tp, pp = actor_m.tensor_model_parallel_size, actor_m.pipeline_model_parallel_size
+    dp = inputs.world_size // (tp * pp * inputs.sp)
+    rows = [
+        trained_memory(inputs.arch, r, dp=dp, sp=inputs.sp, device=inputs.device, stage=stage)
+        for r in inputs.roles
+    ]
+    rows[0] = replace(rows[0], communication=inputs.sync_bucket)
+    if inputs.reference is not None:
+        ref = trained_memory(inputs.arch, inputs.reference, dp=dp, sp=inputs.sp,
+                             device=inputs.device, stage=stage, train=False)  # fmt: skip
+        offloaded = frozenset({"weights"}) if inputs.ref_offload else frozenset()
+        rows.append(replace(ref, offloaded=offloaded))
+    if inputs.colocated:
+        weights = (
+            hf_param_count(inputs.arch) * DTYPE_BYTES[inputs.rollout_dtype] // inputs.rollout_tp
+        )
+        share = int(inputs.rollout_fraction * gpu_bytes) if gpu_bytes else weights
+        rows.append(RoleMemory("rollout", weights=weights, activations=max(0, share - weights)))
+    return rows
+
+
+def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:
+    by_role = {r.role: r for r in rows}
+    rollout = by_role.get("rollout")
+    trainer = [r for r in rows if r.role != "rollout"]
+    resident = sum(r.resident for r in trainer)
+    kept = rollout.total if rollout is not None and not inputs.release_rollout else 0
+
+    def running(role: RoleMemory, extra: int) -> int:
+        return resident - role.resident + role.static + extra + kept
+
+    phases = {"rollout": resident + (rollout.total if rollout is not None else 0)}
+    for row in trainer:
+        phases[row.role] = running(row, row.activations + row.communication)
+    if rollout is not None and inputs.release_rollout:  # weights woken for the sync
+        phases["weight_sync"] = running(by_role["actor"], inputs.sync_bucket) + rollout.weights
+    runtime = GPU_RUNTIME_BYTES if inputs.device != "cpu" else 0
+    return {name: value + runtime for name, value in phases.items()}
+
+
+def plan_inputs(inputs: PlanInputs, gpu_bytes: int | None) -> MemoryPlan:
+    """The plan of the pipeline stage with the highest peak."""
+    pp = inputs.roles[0].megatron.pipeline_model_parallel_size
+    plans = []
+    for stage in range(pp):
+        rows = _rank_rows(inputs, stage, gpu_bytes)
+        plans.append(MemoryPlan(tuple(rows), _phases(rows, inputs), gpu_bytes))
+    return max(plans, key=lambda p: p.peak)
+
+
+def plan_memory(cfg: RLHFConfig, arch: ModelArch, world_size: int | None = None, *,
+                device: str = "cuda", gpu_bytes: int | None = None) -> MemoryPlan:  # fmt: skip
+    """Per-GPU memory of `cfg` on `world_size` GPUs (default: nnodes x n_gpus_per_node)."""
+    world = world_size or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    parallel_layout("actor", cfg, world)  # a clear error for sizes that do not divide
+    return plan_inputs(PlanInputs.from_config(cfg, arch, world, device), gpu_bytes)

@@ -1,0 +1,144 @@
+"""Offload a model's parameters, gradient buffers and optimizer state to CPU between its uses.
+
+Megatron's DDP keeps parameters (with the distributed optimizer) and gradients in flat
+buffers that many tensors view (`param.main_grad`, bucket views, the optimizer's shards), so
+moving a tensor with `.to()` would leave those views behind. Instead each underlying
+*storage* is copied to (pinned) CPU memory and resized to zero bytes; reloading resizes it
+back and copies the bytes in. Every tensor and view keeps its identity, shape and offsets,
+and the round trip is bit-exact. On GPU this returns the memory to the caching allocator
+(the trainer then empties the cache); on CPU the same mechanism runs (and is tested) but
+frees nothing useful, so the trainer does not offload there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+KINDS = ("params", "grads", "optimizer")
+
+
+@dataclass
+class _Held:
+    storage: torch.UntypedStorage
+    device: torch.device
+    nbytes: int
+    copy: torch.Tensor | None = None  # the bytes on the CPU while offloaded
+
+
+def _byte_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+@dataclass
+class StorageOffloader:
+    """Offloads and reloads the storages behind a set of tensors (each storage once)."""
+
+    held: list[_Held] = field(default_factory=list)
+    offloaded: bool = False
+
+    @classmethod
+    def of(cls, tensors: Iterable[torch.Tensor]) -> StorageOffloader:
+        seen: dict[int, _Held] = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in seen and storage.nbytes() > 0:
+                seen[key] = _Held(storage, tensor.device, storage.nbytes())
+        return cls(list(seen.values()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self.held)
+
+    def offload(self) -> None:
+        if self.offloaded:
+            return
+        pin = torch.cuda.is_available()
+        for h in self.held:
+            source = _byte_view(h.storage, h.device)
+            h.copy = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=pin)
+            h.copy.copy_(source)
+            h.storage.resize_(0)
+        self.offloaded = True
+
+    def reload(self) -> None:
+        if not self.offloaded:
+            return
+        for h in self.held:
+            assert h.copy is not None
+            h.storage.resize_(h.nbytes)
+            _byte_view(h.storage, h.device).copy_(h.copy, non_blocking=True)
+            h.copy = None
+        if any(h.device.type == "cuda" for h in self.held):
+            torch.cuda.synchronize()
+        self.offloaded = False
+
+
+def model_tensors(model, kind: str) -> Iterator[torch.Tensor]:
+    """The tensors of a TrainableMegatronModel (or a frozen module) that `kind` covers."""
+    ddp = getattr(model, "ddp", None)
+    buffers = list(ddp.buffers) if ddp is not None else []
+    if kind == "params":
+        held = [b.param_data for b in buffers if b.param_data is not None]
+        yield from held or model.module.parameters()
+    elif kind == "grads":
+        yield from (b.grad_data for b in buffers)
+    elif kind == "optimizer":
+        params = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+        for part in getattr(model.optimizer, "chained_optimizers", [model.optimizer]):
+            inner = part.optimizer
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    if param.untyped_storage().data_ptr() not in params:
+                        yield param  # fp32 master weights held apart from the model
+                    for value in inner.state.get(param, {}).values():
+                        if torch.is_tensor(value):
+                            yield value
+    else:
+        raise ValueError(f"unknown offload kind {kind!r}; one of {KINDS}")
+
+
+class ModelOffloader:
+    """The chosen kinds of one model, offloaded between its phases (`on_device`)."""
+
+    def __init__(self, model, kinds: Iterable[str]) -> None:
+        self.model = model
+        self.kinds = tuple(kinds)
+        self._parts: list[StorageOffloader] = []
+        self._depth = 0
+
+    def offload(self) -> None:
+        """Move the kinds' storages to CPU (found anew each time: Adam's state exists only
+        after the first optimizer step)."""
+        if self._parts:
+            return
+        self._parts = [StorageOffloader.of(model_tensors(self.model, k)) for k in self.kinds]
+        for part in self._parts:
+            part.offload()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        for part in self._parts:
+            part.reload()
+        self._parts = []
+
+    @contextmanager
+    def on_device(self) -> Iterator[None]:
+        """Everything on the device inside (re-entrant); offloaded again when it ends."""
+        if not self.kinds:
+            yield
+            return
+        if self._depth == 0:
+            self.reload()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.offload()

@@ -1,0 +1,131 @@
+"""The memory planner (rlhf.memory) against hand computations and published numbers; the
+exact per-rank comparison with real tensors is tests/distributed/test_distributed_optimizer.py
+and the activation measurement tests/distributed/test_recompute_and_activations.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlhf.cli.doctor import main as doctor_main
+from rlhf.config import load_config
+from rlhf.memory.params import GradBuffer, Param
+from rlhf.memory.planner import GIB, PlanInputs, hf_param_count, plan_inputs, plan_memory
+from rlhf.memory.report import describe, suggestions
+from rlhf.models.families import arch_from_hf_config
+from rlhf.trainer.offload import StorageOffloader
+from tests.helpers import REPO
+
+SHAPES = REPO / "configs" / "model_shapes"
+CONFIG_8GPU = REPO / "configs" / "gsm8k_8gpu.yaml"
+AR = "actor_rollout_ref"
+
+
+def shape(name: str):
+    return arch_from_hf_config(json.loads((SHAPES / f"{name}.json").read_text()))
+
+
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [("Qwen2.5-0.5B", 494_032_768), ("Qwen2.5-7B", 7_615_616_512), ("Qwen2.5-72B", 72_706_203_648)],
+)
+def test_parameter_count_matches_the_published_one(name, published):
+    assert hf_param_count(shape(name)) == published
+
+
+def test_distributed_optimizer_buffer_layout_by_hand():
+    # Reversed order: the 30-element parameter at [0, 30); the 100-element one starts at the
+    # next multiple of 64, [64, 164); the buffer ends at the next multiple of lcm(2, 128).
+    layout = GradBuffer.layout([Param(100), Param(30)], dp=2, distributed=True)
+    assert layout.numel == 256
+    assert layout.owned == (30 + 64, 164 - 128)  # rank 0: [0, 128), rank 1: [128, 256)
+    assert GradBuffer.layout([Param(100), Param(30)], 2, False) == GradBuffer(130, (130, 130))
+
+
+def test_tp2_bf16_actor_bytes_by_hand():
+    arch = shape("Qwen2.5-7B")
+    cfg = load_config(CONFIG_8GPU, [f"{AR}.actor.megatron.use_distributed_optimizer=false"])
+    actor = plan_memory(cfg, arch, device="cuda").row("actor")
+    h, f, layers, d, vocab = 3584, 18944, 28, 128, 152064  # vocab: a multiple of 128 x TP2
+    qkv = (28 + 2 * 4) * d  # query heads and key/value groups, x head_dim
+    sharded = h * 28 * d + qkv * h + qkv + 3 * f * h  # proj, qkv (+ bias), fc1 (2f), fc2
+    numel = 2 * (vocab // 2) * h + layers * (2 * h + sharded // 2) + h  # norms replicated
+    assert actor.weights == 2 * numel
+    assert actor.gradients == 4 * numel and actor.master_weights == 4 * numel
+    assert actor.optimizer_state == 8 * numel
+
+
+def test_offload_moves_exactly_the_offloaded_kinds_out_of_the_other_phases():
+    arch = shape("Qwen2.5-7B")
+    base = [f"{AR}.actor.megatron.{k}=false" for k in ("param_offload", "grad_offload")]
+    base += [f"critic.megatron.{k}=false" for k in ("param_offload", "grad_offload")]
+    base += [f"{AR}.ref.param_offload=false"]
+    off = [
+        f"{AR}.actor.megatron.optimizer_offload=false",
+        "critic.megatron.optimizer_offload=false",
+    ]
+    kept = plan_memory(load_config(CONFIG_8GPU, base + off), arch, gpu_bytes=80 * GIB)
+    offloaded = plan_memory(load_config(CONFIG_8GPU, base), arch, gpu_bytes=80 * GIB)
+    moved = sum(
+        r.master_weights + r.optimizer_state for r in kept.rows if r.role in ("actor", "critic")
+    )
+    assert kept.phases["rollout"] - offloaded.phases["rollout"] == moved
+    critic = kept.row("critic")  # in the actor's phase only the critic's state left
+    assert (
+        kept.phases["actor"] - offloaded.phases["actor"]
+        == critic.master_weights + critic.optimizer_state
+    )
+
+
+def test_a_config_that_does_not_fit_gets_suggestions_that_are_real_config_changes():
+    arch = shape("Qwen2.5-7B")
+    budgets = [
+        f"{AR}.actor.ppo_max_token_len_per_gpu=16384",
+        "critic.ppo_max_token_len_per_gpu=16384",
+    ]
+    no_recompute = [f"{AR}.actor.megatron.recompute_granularity=null",
+                    "critic.megatron.recompute_granularity=null"]  # fmt: skip
+    inputs = PlanInputs.from_config(
+        load_config(CONFIG_8GPU, budgets + no_recompute), arch, 8, "cuda"
+    )
+    plan = plan_inputs(inputs, 80 * GIB)
+    assert plan.fits is False
+    found = suggestions(inputs, plan)
+    assert found and [s.peak for s in found] == sorted(s.peak for s in found)
+    assert all(s.peak < plan.peak for s in found)
+    recompute = next(s for s in found if "recompute_granularity=full" in s.change)
+    with_recompute = plan_memory(load_config(CONFIG_8GPU, budgets), arch, gpu_bytes=80 * GIB)
+    assert recompute.peak == with_recompute.peak  # the same change made in the config
+    _, report = describe(inputs, 80 * GIB)
+    assert "does NOT fit" in report and "try megatron.recompute_granularity=full" in report
+
+
+def test_doctor_prints_the_plan_and_fails_a_config_that_does_not_fit(capsys):
+    args = ["--config", str(CONFIG_8GPU), "--model-config", str(SHAPES / "Qwen2.5-7B.json"),
+            "--gpu-memory-gb", "80", "--requirements", "/nonexistent"]  # fmt: skip
+    doctor_main(args)
+    out = capsys.readouterr().out
+    assert "memory per GPU (GiB), by role and kind" in out
+    memory = next(line for line in out.splitlines() if line.startswith("memory "))
+    assert "PASS" in memory and "fits in 80.00 GiB" in memory
+    assert doctor_main([*args, "--gpu-memory-gb", "40"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit in 40.00 GiB" in out and "  try " in out
+
+
+def test_storage_offloader_round_trip_is_exact_and_frees_the_storage():
+    buffer = torch.randn(1000)
+    views = [buffer[:300].view(10, 30), buffer[300:]]
+    other = torch.randn(7, 3)
+    before = [v.clone() for v in views] + [other.clone()]
+    offloader = StorageOffloader.of([*views, other, buffer])
+    assert len(offloader.held) == 2 and offloader.nbytes == 4 * (1000 + 21)
+    offloader.offload()
+    assert buffer.untyped_storage().nbytes() == 0 and other.untyped_storage().nbytes() == 0
+    offloader.reload()
+    for got, want in zip([*views, other], before):
+        assert torch.equal(got, want)
+    views[0].add_(1.0)  # the views still alias the buffer
+    assert torch.equal(buffer[:300], before[0].reshape(-1) + 1.0)
