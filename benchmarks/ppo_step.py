@@ -190,13 +190,7 @@ def main() -> None:
 
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        spec = TinyModelSpec(
-            hidden_size=args.hidden,
-            intermediate_size=args.hidden * 4,
-            num_hidden_layers=args.layers,
-            num_attention_heads=max(4, args.hidden // 64),
-            num_key_value_heads=max(2, args.hidden // 128),
-        )
+        spec = TinyModelSpec.scaled(args.hidden, args.layers)
         model_dir = save_tiny_model(Path(tmp) / "model", spec)
         print(json.dumps(measure(args, model_dir), indent=2))
 

@@ -5,8 +5,9 @@
 #   tools/run_gpu_checks.sh [OUT_DIR]     # default: $OUT, else runs/gpu_checks
 #
 # Wheels placed in .whl/ (e.g. megatron-core built for that python) are installed into a
-# private directory first. Writes gpu.txt (device and versions), pytest_gpu.log and
-# ppo_step_*.json to OUT_DIR; exits non-zero when any part failed.
+# private directory first. Writes gpu.txt (device and versions), pytest_gpu.log,
+# ppo_step_*.json, memory_bf16.json (measured vs planned activations) and plan_*.txt (the
+# memory planner on this GPU) to OUT_DIR; exits non-zero when any part failed.
 set -uo pipefail
 
 out=${1:-${OUT:-runs/gpu_checks}}
@@ -32,5 +33,13 @@ for dtype in bfloat16 float32; do
         status=1
 done
 python3 benchmarks/ppo_step.py >"$out/ppo_step_small.json" || status=1
-cat "$out"/ppo_step_*.json
+# activation memory measured by the CUDA allocator vs the planner's estimate, and the plans
+# of the shipped GPU configs for this GPU
+python3 benchmarks/memory.py --hidden 1024 --layers 8 --tokens 4096 --dtype bfloat16 \
+    >"$out/memory_bf16.json" || status=1
+for pair in gsm8k_8gpu:Qwen2.5-7B gsm8k_grpo_8gpu:Qwen2.5-7B gsm8k_72b_grpo_4node:Qwen2.5-72B; do
+    python3 -m rlhf.cli.doctor --config "configs/${pair%%:*}.yaml" \
+        --model-config "configs/model_shapes/${pair##*:}.json" >"$out/plan_${pair%%:*}.txt" 2>&1
+done
+cat "$out"/ppo_step_*.json "$out"/memory_bf16.json
 exit $status

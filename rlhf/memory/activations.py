@@ -26,8 +26,9 @@ attention's tensors (keeping its q, k, v inputs) and recomputes one layer's at a
 The peak of a training micro-batch adds to the saved tensors of all the stage's layers the
 larger of the last stage's log-prob head (logits T.V' in the model dtype and five fp32
 T.V' tensors: masked logits, shifted logits, exp, probs, then the gradient) and the
-backward of one layer (its recomputed tensors and, on the local spec, three a'.T^2 fp32
-gradients: of the softmax output, of the scores and of the scaled scores).
+backward of one layer: its recomputed tensors and, on the local spec, the a'.T^2 gradients
+of the softmax output, the scores and the scaled scores (12 bytes per score in fp32, 8 in
+bf16) alive at once while the layer's MLP and second norm tensors are already freed.
 """
 
 from __future__ import annotations
@@ -97,12 +98,29 @@ def layer_bytes(s: ActivationShape, flash: bool) -> int:
     inputs = t * (s.query + 2 * s.key_value) * e  # q, k, v as the core attention gets them
     rope = 4 * t * s.head_dim * e
     projection = t * s.query * e
-    mlp = (3 if flash else 5) * t * s.ffn * e
-    return _norms(s, flash) + rope + inputs + core_attention_bytes(s, flash) + projection + mlp
+    return (
+        _norms(s, flash)
+        + rope
+        + inputs
+        + core_attention_bytes(s, flash)
+        + projection
+        + _mlp(s, flash)
+    )
 
 
-def _backward_transient(s: ActivationShape, flash: bool) -> int:
-    return 0 if flash else 3 * s.heads * s.row * s.row * 4
+def _mlp(s: ActivationShape, flash: bool) -> int:
+    return (3 if flash else 5) * s.tokens * s.ffn * s.element
+
+
+def _attention_backward(s: ActivationShape, flash: bool) -> int:
+    """Bytes a layer's backward adds at its peak, the attention's (local spec): a'.T^2
+    gradients of the softmax output, the scores and the scaled scores, three fp32 ones in
+    fp32 (measured ~8 bytes per score in bf16, where the softmax runs in fp32 and its bf16
+    gradients are cast), while the MLP and the second norm's tensors are already freed."""
+    if flash:
+        return 0
+    scores = (12 if s.element == 4 else 8) * s.heads * s.row * s.row
+    return max(0, scores - _mlp(s, flash) - _norms(s, flash) // 2)
 
 
 def head_bytes(s: ActivationShape) -> int:
@@ -125,14 +143,14 @@ def training_peak(s: ActivationShape, recompute: Recompute = NO_RECOMPUTE, *, fl
             kept = recomputed * s.tokens * s.hidden * s.element + (s.layers - recomputed) * full
             recomputing = full
         saved = kept + final
-        backward = recomputing + _backward_transient(s, flash)
+        backward = recomputing + _attention_backward(s, flash)
     elif recompute.granularity == "selective":
         core = core_attention_bytes(s, flash)
         saved = s.layers * (full - core) + final
-        backward = core + _backward_transient(s, flash)
+        backward = core + _attention_backward(s, flash)
     else:
         saved = s.layers * full + final
-        backward = _backward_transient(s, flash)
+        backward = _attention_backward(s, flash)
     head = head_bytes(s) if last_stage else 0
     return saved + max(head, backward)
 

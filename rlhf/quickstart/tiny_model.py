@@ -32,6 +32,17 @@ class TinyModelSpec:
     rope_scaling: dict | None = None
     seed: int = 0
 
+    @classmethod
+    def scaled(cls, hidden: int, layers: int) -> TinyModelSpec:
+        """A benchmark-sized model: ffn 4 x hidden, 64-wide heads, two heads per KV group."""
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=hidden * 4,
+            num_hidden_layers=layers,
+            num_attention_heads=max(4, hidden // 64),
+            num_key_value_heads=max(2, hidden // 128),
+        )
+
 
 def tiny_hf_config(spec: TinyModelSpec, vocab_size: int, pad_token_id: int, eos_token_id: int):
     """The transformers config object for `spec` (fp32, rope theta 10000)."""

@@ -87,7 +87,9 @@ def kill_during_checkpoint(args: list[str], run_dir: Path, step: int) -> None:
 
 def test_killed_run_resumes_and_matches_uninterrupted(tiny_qwen2_dir, data, tmp_path):
     full = tmp_path / "full"
-    run_train(ppo_overrides(tiny_qwen2_dir, data, full, 4), full)
+    text = run_train(ppo_overrides(tiny_qwen2_dir, data, full, 4), full)
+    assert "memory per GPU (GiB), by role and kind" in text  # the planner, at startup
+    assert text.count("rollout.free_cache_engine: no effect on CPU") == 1
     reference = metrics_by_step(full)
     assert sorted(reference) == [0, 1, 2, 3, 4]
 

@@ -142,6 +142,7 @@ def run(args, ctx) -> dict:
         _, metrics[step] = train_on_batch(models, batch, cfg, kl_ctrl, Timer())
         if args.offload and step == 2:
             freed = {role: resident_bytes(getattr(models, role)) for role in ROLE_MODELS}
+            freed["device_bytes"] = device_bytes(models, ctx.device)
         weights[step] = {role: weights_of(getattr(models, role)) for role in ("actor", "critic")}
         if args.save and step == 1:
             save(models, Path(args.save), ctx.rank)
@@ -158,6 +159,16 @@ def run(args, ctx) -> dict:
 
 
 ROLE_MODELS = ("actor", "critic", "ref")
+
+
+def device_bytes(models, device) -> dict[str, int]:
+    """CUDA memory allocated with every model offloaded, and with all of them loaded back."""
+    if device.type != "cuda":
+        return {}
+    offloaded = torch.cuda.memory_allocated()
+    with models.actor.on_device(), models.critic.on_device(), models.ref.on_device():
+        loaded = torch.cuda.memory_allocated()
+    return {"offloaded": offloaded, "loaded": loaded}
 
 
 def resident_bytes(model) -> dict[str, int]:
@@ -185,8 +196,9 @@ def main() -> None:
     parser.add_argument("--save")
     parser.add_argument("--resume")
     parser.add_argument("--offload", action="store_true", help="offload between uses in step 2")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    ctx = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp)
+    ctx = init_parallel(args.device, tp_size=args.tp, pp_size=args.pp)
     try:
         seed_everything(0)
         result = run(args, ctx)
