@@ -90,8 +90,9 @@ def run_schedule(
 class MegatronModel:
     """A frozen model (reference policy): forward passes only.
 
-    `offload`: the kinds ("params", "grads", "optimizer") kept in CPU memory outside
-    `on_device()` (rlhf.trainer.offload); a GPU feature, the trainer passes none on CPU.
+    `offload_between_uses(kinds)` keeps "params", "grads" and/or "optimizer" in CPU memory
+    outside `on_device()` (rlhf.trainer.offload); a GPU feature, the trainer asks for none
+    on CPU.
     """
 
     def __init__(self, module, ctx: ParallelContext):
