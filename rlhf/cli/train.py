@@ -17,6 +17,7 @@ from pathlib import Path
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validate_config
 from rlhf.config.validate import ignored_settings
 from rlhf.data.parquet import DataError
+from rlhf.reward.remote import RemoteRewardError
 from rlhf.rollout.client import GenerateError
 
 log = logging.getLogger("rlhf.cli.train")
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (GenerateError, TimeoutError) as e:  # servers unreachable or never healthy
         print(f"rlhf-train: rollout failed: {e}", file=sys.stderr)
+        return 1
+    except RemoteRewardError as e:  # reward.url unreachable or answering wrongly
+        print(f"rlhf-train: reward failed: {e}", file=sys.stderr)
         return 1
     return 0
 

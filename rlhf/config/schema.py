@@ -71,7 +71,7 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
-    """Rule rewards (per data_source) and user reward functions."""
+    """Rule rewards (per data_source), user reward functions, reward models and endpoints."""
 
     custom_fn: str | None = doc(
         None, "'path/to/file.py:function' replacing the rule rewards (runs that file's code)"
@@ -82,7 +82,17 @@ class RewardConfig:
     format_score: float = doc(0.0, "rule rewards: score of a well-formed but wrong answer")
     correct_score: float = doc(1.0, "rule rewards: score of a correct answer")
     model_path: str | None = doc(
-        None, "HF *ForSequenceClassification dir scoring reward_model.style=model rows"
+        None,
+        "HF *ForSequenceClassification dir scoring reward_model.style=model rows (run by the "
+        "trainer ranks, sharded like the actor)",
+    )
+    url: str | None = doc(
+        None, "remote reward endpoint scoring the style=model rows instead (POST of a batch)"
+    )
+    request_timeout_s: float = doc(120.0, "seconds one reward.url request may take", gt=0)
+    request_retries: int = doc(3, "retries of a failed reward.url request", ge=0)
+    num_workers: int = doc(
+        1, "processes scoring rule rewards in parallel (1: in the generating process)", gt=0
     )
     overlong_buffer: OverlongBufferConfig = doc(OverlongBufferConfig, "overlong shaping")
 

@@ -238,6 +238,17 @@ def _check_dapo(cfg: RLHFConfig) -> None:
         )
 
 
+def _check_reward(cfg: RLHFConfig) -> None:
+    reward = cfg.reward
+    if reward.url and reward.model_path:
+        raise ConfigError(
+            f"reward.url ({reward.url}) and reward.model_path ({reward.model_path}) both score "
+            "the reward_model.style=model rows: set one of them"
+        )
+    if reward.url and not reward.url.startswith(("http://", "https://")):
+        raise ConfigError(f"reward.url: {reward.url!r} is not a URL like http://host:port/path")
+
+
 def _check_misc(cfg: RLHFConfig) -> None:
     for i, step in enumerate(cfg.global_profiler.steps or []):
         if step < 1:
@@ -245,6 +256,7 @@ def _check_misc(cfg: RLHFConfig) -> None:
     if not cfg.actor_rollout_ref.model.path:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
     _check_dapo(cfg)
+    _check_reward(cfg)
     if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
         raise ConfigError(
             f"trainer.early_stop.kl_patience={cfg.trainer.early_stop.kl_patience} watches the KL "

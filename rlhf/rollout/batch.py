@@ -21,7 +21,8 @@ class RolloutBatch:
     prompt_ids / response_ids: token ids per sample; scores_b: [B] rewards from the reward
     functions; data_sources, uids: per sample (uid identifies the prompt, for GRPO/RLOO);
     rollout_logprobs: the engine's log-prob of each response token as it sampled it (None
-    when the batch did not come from an engine).
+    when the batch did not come from an engine); reward_styles: each sample's
+    `reward_model.style` ('rule' or 'model'; None: all rule).
     """
 
     prompt_ids: list[list[int]]
@@ -30,12 +31,14 @@ class RolloutBatch:
     data_sources: list[str]
     uids: list[str]
     rollout_logprobs: list[list[float]] | None = None
+    reward_styles: list[str] | None = None
 
     def __post_init__(self) -> None:
         sizes = {len(self.prompt_ids), len(self.response_ids), len(self.data_sources)}
         sizes |= {len(self.uids), int(self.scores_b.numel())}
-        if self.rollout_logprobs is not None:
-            sizes.add(len(self.rollout_logprobs))
+        for optional in (self.rollout_logprobs, self.reward_styles):
+            if optional is not None:
+                sizes.add(len(optional))
         if len(sizes) != 1:
             raise ValueError(f"RolloutBatch fields disagree on the number of samples: {sizes}")
         logprobs = self.rollout_logprobs or []
@@ -73,7 +76,7 @@ class RolloutBatch:
 
     def select(self, indices: list[int]) -> RolloutBatch:
         """The samples at `indices`, in that order."""
-        logprobs = self.rollout_logprobs
+        logprobs, styles = self.rollout_logprobs, self.reward_styles
         return RolloutBatch(
             prompt_ids=[self.prompt_ids[i] for i in indices],
             response_ids=[self.response_ids[i] for i in indices],
@@ -81,7 +84,12 @@ class RolloutBatch:
             data_sources=[self.data_sources[i] for i in indices],
             uids=[self.uids[i] for i in indices],
             rollout_logprobs=None if logprobs is None else [logprobs[i] for i in indices],
+            reward_styles=None if styles is None else [styles[i] for i in indices],
         )
+
+    def styles(self) -> list[str]:
+        """Each sample's reward style."""
+        return self.reward_styles or ["rule"] * self.size
 
     def num_response_tokens(self, indices: list[int] | None = None) -> int:
         rows = range(self.size) if indices is None else indices
@@ -101,12 +109,14 @@ class RolloutBatch:
             "data_sources": self.data_sources,
             "uids": self.uids,
             "rollout_logprobs": self.rollout_logprobs,
+            "reward_styles": self.reward_styles,
         }
 
     @classmethod
     def concat(cls, parts: list[RolloutBatch]) -> RolloutBatch:
         """The samples of `parts`, in order (engine log-probs kept when every part has them)."""
         logprobs = [b.rollout_logprobs for b in parts]
+        styled = any(b.reward_styles is not None for b in parts)
         return cls(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
@@ -116,6 +126,7 @@ class RolloutBatch:
             rollout_logprobs=None
             if any(lp is None for lp in logprobs)
             else [x for lp in logprobs if lp is not None for x in lp],
+            reward_styles=[s for b in parts for s in b.styles()] if styled else None,
         )
 
     @classmethod
@@ -127,4 +138,5 @@ class RolloutBatch:
             data_sources=obj["data_sources"],
             uids=obj["uids"],
             rollout_logprobs=obj.get("rollout_logprobs"),
+            reward_styles=obj.get("reward_styles"),
         )

@@ -22,7 +22,7 @@ from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
 from rlhf.distributed.context import ParallelContext
-from rlhf.reward.registry import RewardFn
+from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout import sglang_api
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
@@ -37,15 +37,17 @@ class RolloutFleet:
 
     def __init__(
         self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path, tokenizer,
-        reward_fn: RewardFn, max_prompts: int,
+        max_prompts: int,
     ):  # fmt: skip
         rollout = cfg.actor_rollout_ref.rollout
-        self.ctx, self.tokenizer, self.reward_fn = ctx, tokenizer, reward_fn
+        self.ctx, self.tokenizer = ctx, tokenizer
         self.per_node = rollout.server_urls is None and ctx.num_nodes > 1
         owner = ctx.local_rank == 0 if self.per_node else ctx.is_main
         self.node_dir = run_dir / f"node{ctx.node_rank}" if self.per_node else run_dir
         self.engine: SGLangEngine | None = None
+        self.scorer: RewardScorer | None = None
         if owner:
+            self.scorer = RewardScorer.from_config(cfg.reward)
             cpu = ctx.device.type == "cpu"
             self.engine = SGLangEngine(
                 rollout, cfg.actor_rollout_ref.model.path, log_dir=self.node_dir / "logs",
@@ -98,9 +100,9 @@ class RolloutFleet:
         self, prompts: list[EncodedPrompt], uids: list[str], indices: list[int],
         params: SamplingParams,
     ) -> RolloutResult:  # fmt: skip
-        assert self.engine is not None
+        assert self.engine is not None and self.scorer is not None
         return generate_and_score(
-            self.engine, self.tokenizer, self.reward_fn, prompts, uids, indices, params
+            self.engine, self.tokenizer, self.scorer, prompts, uids, indices, params
         )
 
     def generate(
@@ -130,6 +132,8 @@ class RolloutFleet:
         return _share(mine)
 
     def shutdown(self) -> None:
+        if self.scorer is not None:
+            self.scorer.close()
         if self.engine is not None:
             self.engine.shutdown()
 

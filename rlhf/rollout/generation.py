@@ -11,7 +11,7 @@ import torch
 
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import EncodedPrompt
-from rlhf.reward.registry import RewardFn
+from rlhf.reward.scorer import RewardInput, RewardScorer
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import RolloutEngine, SamplingParams
 
@@ -75,40 +75,52 @@ def kv_cache_tokens(cfg: RLHFConfig, num_prompts: int) -> int:
 
 
 def generate_and_score(
-    engine: RolloutEngine, tokenizer, reward_fn: RewardFn, prompts: list[EncodedPrompt],
+    engine: RolloutEngine, tokenizer, scorer: RewardScorer, prompts: list[EncodedPrompt],
     uids: list[str], indices: list[int], params: SamplingParams,
 ) -> RolloutResult:  # fmt: skip
-    """Generate `params.n` responses per prompt on `engine` and score each with `reward_fn`.
+    """Generate `params.n` responses per prompt on `engine` and score them with `scorer`
+    (rule rows, and model rows when a reward endpoint is set; other model rows stay NaN for
+    the trainer's reward model, `rlhf.trainer.reward_model`).
 
     `uids` and `indices` (the prompts' positions in their dataset) go with each prompt.
     """
     samples = engine.generate([p.input_ids for p in prompts], params)
     start = time.perf_counter()
-    records, sources = [], []
-    for sample in samples:
-        prompt = prompts[sample.prompt_index]
-        text = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-        row = prompt.row
-        score = reward_fn(row.data_source, text, row.ground_truth, row.extra_info)
-        sources.append(row.data_source)
-        records.append(
-            RolloutRecord(
-                prompt_index=indices[sample.prompt_index],
-                uid=uids[sample.prompt_index],
-                prompt_ids=prompt.input_ids,
-                response_ids=sample.response_ids,
-                response_logprobs=sample.logprobs,
-                finish_reason=sample.finish_reason,
-                response_text=text,
-                score=float(score),
-            )
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    inputs = [
+        _reward_input(prompts[s.prompt_index], text, tokenizer) for s, text in zip(samples, texts)
+    ]
+    scores = scorer(inputs)
+    records = [
+        RolloutRecord(
+            prompt_index=indices[sample.prompt_index],
+            uid=uids[sample.prompt_index],
+            prompt_ids=prompts[sample.prompt_index].input_ids,
+            response_ids=sample.response_ids,
+            response_logprobs=sample.logprobs,
+            finish_reason=sample.finish_reason,
+            response_text=text,
+            score=score,
         )
+        for sample, text, score in zip(samples, texts, scores)
+    ]
     batch = RolloutBatch(
         prompt_ids=[r.prompt_ids for r in records],
         response_ids=[r.response_ids for r in records],
-        scores_b=torch.tensor([r.score for r in records], dtype=torch.float32),
-        data_sources=sources,
+        scores_b=torch.tensor(scores, dtype=torch.float32),
+        data_sources=[prompts[s.prompt_index].row.data_source for s in samples],
         uids=[r.uid for r in records],
         rollout_logprobs=[r.response_logprobs for r in records],
+        reward_styles=[item.style for item in inputs],
     )
     return RolloutResult(batch, records, time.perf_counter() - start)
+
+
+def _reward_input(prompt: EncodedPrompt, response_text: str, tokenizer) -> RewardInput:
+    row = prompt.row
+    prompt_text = ""
+    if row.style == "model":  # what a remote judge reads
+        prompt_text = tokenizer.decode(prompt.input_ids, skip_special_tokens=True)
+    return RewardInput(
+        row.data_source, response_text, row.ground_truth, row.extra_info, row.style, prompt_text
+    )

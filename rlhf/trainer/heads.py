@@ -63,6 +63,18 @@ class CriticValueHead:
 
 
 @dataclass(frozen=True)
+class SequenceScoreHead:
+    """A reward model's score of each sample: its output at the last response token (what
+    HF's `*ForSequenceClassification` pools for a right-padded sequence); [n, 1]."""
+
+    def __call__(self, values: Tensor, mb: MicroBatch) -> HeadOutput:
+        per_token = mb.gather(values[..., 0].float(), shift=1)  # [n, R]
+        last = (mb.mask.sum(dim=1) - 1).clamp(min=0)
+        scores = per_token.gather(1, last[:, None].to(per_token.device))
+        return None, {"scores": scores.detach()}
+
+
+@dataclass(frozen=True)
 class PolicyLossHead:
     """PPO clipped surrogate (+ entropy bonus) of one micro-batch; verl's actor/* metrics."""
 

@@ -11,6 +11,19 @@ from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.perf import ppo_step_flops
 
 
+def reward_style_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """`reward/<style>/mean` and the count of each reward style, when a batch mixes rule and
+    model rows (before overlong shaping: the rewards as the scorers gave them)."""
+    styles = batch.styles()
+    if set(styles) == {"rule"}:
+        return {}
+    groups: dict[str, list[float]] = defaultdict(list)
+    for style, score in zip(styles, batch.scores_b.tolist()):
+        groups[style].append(score)
+    metrics = {f"reward/{s}/mean": sum(v) / len(v) for s, v in groups.items()}
+    return metrics | {f"reward/{s}/count": float(len(v)) for s, v in groups.items()}
+
+
 def rollout_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, float]:
     """verl-named length metrics of one rollout batch."""
     lengths = [len(r) for r in batch.response_ids]

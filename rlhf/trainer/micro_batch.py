@@ -61,8 +61,12 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
 
-    def gather(self, per_position: Tensor) -> Tensor:
+    def gather(self, per_position: Tensor, shift: int = 0) -> Tensor:
         """[1, T, ...] per-position values -> [n, R, ...] per response token (0 when masked).
+
+        Response token t is read at the position before it (whose output predicts it);
+        `shift=1` reads it at its own position (a reward model's score of the sequence up to
+        and including t).
 
         Under Ulysses SP the values of this rank's slice are first combined into the whole
         row over the SP group (differentiably: each rank's gradient reaches its own slice).
@@ -72,9 +76,8 @@ class MicroBatch:
                 per_position, self.local_positions, self.row_len, self.sp_group
             )
         flat = per_position[0]
-        picked = flat[self.gather_index.reshape(-1)].reshape(
-            *self.gather_index.shape, *flat.shape[1:]
-        )
+        index = self.gather_index + shift if shift else self.gather_index
+        picked = flat[index.reshape(-1)].reshape(*self.gather_index.shape, *flat.shape[1:])
         mask = self.mask.reshape(*self.mask.shape, *([1] * (picked.dim() - 2)))
         return torch.where(mask, picked, torch.zeros((), dtype=picked.dtype))
 

@@ -22,7 +22,6 @@ from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
 from rlhf.logging import MetricTracker, StepProfiler, Timer
 from rlhf.memory.report import startup_report, verdict
-from rlhf.reward import build_reward_fn
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.fleet import RolloutFleet
 from rlhf.rollout.generation import val_sampling_params, write_records
@@ -30,6 +29,7 @@ from rlhf.trainer.early_stop import Decision, EarlyStopper
 from rlhf.trainer.megatron_model import TrainableMegatronModel
 from rlhf.trainer.metrics import model_passes, perf_metrics, rollout_metrics, validation_metrics
 from rlhf.trainer.perf import measure_matmul_flops
+from rlhf.trainer.reward_model import check_model_rows_have_a_scorer
 from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 from rlhf.trainer.stages import probe_logprobs
 from rlhf.trainer.step import train_on_batch
@@ -54,6 +54,8 @@ class PPOTrainer:
             if cfg.data.val_files
             else None
         )
+        datasets = {"data.train_files": self.train_data, "data.val_files": self.val_data}
+        check_model_rows_have_a_scorer(cfg, {k: v for k, v in datasets.items() if v is not None})
         rollout = cfg.actor_rollout_ref.rollout
         self.sampler = PromptSampler(
             len(self.train_data), cfg.data.train_batch_size, rollout.n, cfg.data.seed
@@ -69,7 +71,6 @@ class PPOTrainer:
         self.checkpoints = CheckpointManager(
             run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep
         )
-        reward_fn = build_reward_fn(cfg.reward)
         self.profiler = StepProfiler.from_config(cfg)
         self.peak_flops = measure_matmul_flops(
             ctx.device, DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
@@ -77,7 +78,7 @@ class PPOTrainer:
         self.tracker = MetricTracker.from_config(cfg) if ctx.is_main else None
         num_val = len(self.val_data) if self.val_data is not None else 0
         max_prompts = max(cfg.data.train_batch_size, num_val)
-        self.rollout = RolloutFleet(cfg, ctx, run_dir, self.tokenizer, reward_fn, max_prompts)
+        self.rollout = RolloutFleet(cfg, ctx, run_dir, self.tokenizer, max_prompts)
         self.syncer = build_weight_syncer(
             rollout, self.rollout.server_urls, self.arch,
             SyncTopology.of(ctx, per_node=self.rollout.per_node),
@@ -121,8 +122,9 @@ class PPOTrainer:
         """The step's scored batch (`rlhf.trainer.step_batch`) and its metrics."""
         with timer.stage("gen"):
             batch, results, metrics = collect_step_batch(
-                self.rollout, self.sampler, self.train_data, self.cfg
-            )
+                self.rollout, self.sampler, self.train_data, self.cfg,
+                self.models.score_model_rows,
+            )  # fmt: skip
         self.rollout.release_memory()  # GPU, colocated: training gets SGLang's memory
         reward_s = sum(r.reward_s for r in results)
         timer.seconds["gen"] -= reward_s  # scoring ran inside the gen stage
@@ -151,9 +153,8 @@ class PPOTrainer:
     def validate(self) -> dict[str, float]:
         assert self.val_data is not None
         prompts = list(self.val_data.prompts)
-        return validation_metrics(
-            self.rollout.validate(prompts, val_sampling_params(self.cfg)).batch
-        )
+        result = self.rollout.validate(prompts, val_sampling_params(self.cfg))
+        return validation_metrics(self.models.score_model_rows(result).batch)
 
     # ---- checkpoints ------------------------------------------------------------------
 
@@ -229,6 +230,15 @@ class PPOTrainer:
             total=self.total_steps, initial=step, desc="ppo", unit="step",
             disable=not (self.ctx.is_main and "console" in cfg.logger),
         )  # fmt: skip
+        try:
+            step = self._run_steps(step, bar)
+        finally:
+            bar.close()  # a failure's message then starts on its own line
+        return step
+
+    def _run_steps(self, step: int, bar: tqdm) -> int:
+        """Steps after `step` to the end (or an early stop); the last step run."""
+        cfg = self.cfg.trainer
         while step < self.total_steps:
             step += 1
             with self.profiler.step(step):
@@ -253,7 +263,6 @@ class PPOTrainer:
             bar.update(1)
             if decision is not None and decision.action == "stop":
                 break
-        bar.close()
         return step
 
     def after_validation(self, step: int, val: dict, metrics: dict, saving: bool):

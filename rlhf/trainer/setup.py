@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,11 @@ from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
 from rlhf.models.mapping import Placement
+from rlhf.rollout.generation import RolloutResult
 from rlhf.trainer.heads import LogprobHead, PolicyLossHead, ValueLossHead
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
 from rlhf.trainer.micro_batch import MicroBatchPlanner
+from rlhf.trainer.reward_model import RewardModelScorer, require_scored
 from rlhf.trainer.stages import UpdateSpec
 from rlhf.utils import DTYPES
 
@@ -36,6 +39,8 @@ class PPOModels:
     critic_update are None for critic-free estimators (`rlhf.config.validate`).
     logprob_head: the actor's and reference's log-probs at the rollout temperature;
     probe_head: the same at temperature 1 (SGLang's prompt log-probs are unscaled).
+    score_model_rows: scores the reward_model.style=model rows of a generation result with
+    the reward model of `reward.model_path` (collective), or checks there are none left.
     """
 
     actor: TrainableMegatronModel
@@ -47,6 +52,7 @@ class PPOModels:
     budgets: TokenBudgets
     logprob_head: LogprobHead
     probe_head: LogprobHead
+    score_model_rows: Callable[[RolloutResult], RolloutResult]  # the reward model's rows
 
 
 def check_model_dir(path: str, key: str) -> None:
@@ -173,7 +179,9 @@ def build_ppo_models(
         functools.partial(PolicyLossHead, vocab, temperature, aro.actor, norm),
         kl_bound=cfg.trainer.early_stop.ppo_kl_bound,
     )  # fmt: skip
+    planner = MicroBatchPlanner(ctx, use_thd(ctx))
+    reward = RewardModelScorer.from_config(cfg, ctx, planner, budgets.ref) or require_scored
     return PPOModels(
-        actor, ref, critic, actor_update, critic_update, MicroBatchPlanner(ctx, use_thd(ctx)),
-        budgets, LogprobHead(vocab, temperature), LogprobHead(vocab, 1.0),
+        actor, ref, critic, actor_update, critic_update, planner, budgets,
+        LogprobHead(vocab, temperature), LogprobHead(vocab, 1.0), reward,
     )  # fmt: skip

@@ -17,6 +17,7 @@ takes the same decisions.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -26,6 +27,7 @@ from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.fleet import RolloutFleet
 from rlhf.rollout.generation import RolloutResult, sampling_params
+from rlhf.trainer.metrics import reward_style_metrics
 
 
 def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
@@ -50,10 +52,12 @@ def overlong_penalties(batch: RolloutBatch, max_length: int, cfg: OverlongBuffer
 
 
 def collect_step_batch(
-    fleet: RolloutFleet, sampler: PromptSampler, data: PromptDataset, cfg: RLHFConfig
-) -> tuple[RolloutBatch, list[RolloutResult], dict[str, float]]:
-    """The step's training batch, every generation round's result, and the metrics of
-    dynamic sampling and overlong shaping (when enabled)."""
+    fleet: RolloutFleet, sampler: PromptSampler, data: PromptDataset, cfg: RLHFConfig,
+    score_model_rows: Callable[[RolloutResult], RolloutResult],
+) -> tuple[RolloutBatch, list[RolloutResult], dict[str, float]]:  # fmt: skip
+    """The step's training batch, every generation round's result (with the reward
+    model's scores, `score_model_rows`), and the metrics of dynamic sampling and overlong
+    shaping (when enabled)."""
     params, wanted = sampling_params(cfg), cfg.data.train_batch_size
     filtering = cfg.algorithm.filter_groups
     results: list[RolloutResult] = []
@@ -69,7 +73,8 @@ def collect_step_batch(
             )
         sampled = sampler.next_batch()  # every rank advances its sampler identically
         prompts = [data[i] for i in sampled.prompt_indices]
-        results.append(fleet.generate(prompts, sampled.uids, sampled.prompt_indices, params))
+        generated = fleet.generate(prompts, sampled.uids, sampled.prompt_indices, params)
+        results.append(score_model_rows(generated))
         batch = results[-1].batch
         groups = informative_groups(batch) if filtering.enable else prompt_groups(batch)
         kept += [[offset + i for i in g] for g in groups]
@@ -77,9 +82,9 @@ def collect_step_batch(
         offset += batch.size
     batch = RolloutBatch.concat([r.batch for r in results])
     batch = batch.select([i for g in kept[:wanted] for i in g])
-    metrics = {}
+    metrics = reward_style_metrics(batch)
     if filtering.enable:
-        metrics = {
+        metrics |= {
             "dynamic_sampling/gen_rounds": float(len(results)),
             "dynamic_sampling/dropped_groups": float(dropped),
             "dynamic_sampling/kept_groups": float(len(kept)),

@@ -1,28 +1,33 @@
-"""Model rewards equal HF's pooled sequence-classification logits (one process, TP = PP = 1)."""
+"""The trainer's reward model (rlhf.trainer.reward_model) scores the style=model rows of a
+generation result with HF's pooled sequence-classification logit, through the trainer's
+packed Megatron forward (one process, TP = PP = 1), and leaves rule rows as they were."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlhf.config import load_config
-from rlhf.models.mapping import Placement
 from rlhf.quickstart.tiny_model import TinyModelSpec, tiny_hf_config
-from rlhf.reward import RewardInput, RewardScorer
-from rlhf.reward.model_reward import ModelReward, last_token_values, load_reward_model
+from rlhf.rollout.batch import RolloutBatch
+from rlhf.rollout.generation import RolloutResult
+from rlhf.trainer.micro_batch import MicroBatchPlanner
+from rlhf.trainer.reward_model import RewardModelScorer, require_scored
 
 PAD = 0
 
 
 @pytest.fixture(scope="module")
-def one_rank():
+def ctx():
     """A 1-rank gloo world with Megatron's parallel state."""
     from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 
-    init_parallel("cpu")
+    context = init_parallel("cpu")
     seed_everything(0)
-    yield
+    yield context
     teardown()
 
 
@@ -36,36 +41,46 @@ def reward_dir(tmp_path_factory):
     return out
 
 
-def test_last_token_values_by_hand():
-    values = torch.arange(12.0).reshape(2, 6, 1)
-    assert last_token_values(values, torch.tensor([2, 6])).tolist() == [1.0, 11.0]
-
-
-def test_scores_match_hf_pooled_logits(one_rank, reward_dir):
+def mixed_result() -> RolloutResult:
     gen = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in (5, 11, 3, 8)]
-    scorer = ModelReward(load_reward_model(str(reward_dir), Placement()), PAD, micro_batch_size=2)
-    got = scorer(sequences)
+    ids = lambda n: torch.randint(2, 300, (n,), generator=gen).tolist()  # noqa: E731
+    prompts, responses = [ids(n) for n in (5, 7, 3, 6)], [ids(n) for n in (4, 2, 9, 1)]
+    batch = RolloutBatch(
+        prompt_ids=prompts, response_ids=responses,
+        scores_b=torch.tensor([1.0, math.nan, 0.5, math.nan]),
+        data_sources=["gsm8k", "rm", "gsm8k", "rm"], uids=["a", "b", "c", "d"],
+        reward_styles=["rule", "model", "rule", "model"],
+    )  # fmt: skip
+    return RolloutResult(batch, [], reward_s=0.0)
 
+
+def test_model_rows_get_hf_pooled_logits_rule_rows_unchanged(ctx, reward_dir):
+    cfg = load_config(None, ["actor_rollout_ref.model.path=m", f"reward.model_path={reward_dir}"])
+    scorer = RewardModelScorer.from_config(cfg, ctx, MicroBatchPlanner(ctx, thd=False), 64)
+    assert scorer is not None
+    before = mixed_result()
+    after = scorer(before).batch
     hf = AutoModelForSequenceClassification.from_pretrained(reward_dir).eval()
-    width = max(len(s) for s in sequences)
-    batch = torch.tensor([s + [PAD] * (width - len(s)) for s in sequences])
-    with torch.no_grad():  # HF pools the last non-pad token of each row
-        expected = hf(batch, attention_mask=(batch != PAD).long()).logits[:, 0]
-    torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=1e-4)
-
-    rows = [RewardInput("rm", "", style="model", token_ids=s) for s in sequences[:2]]
-    rows.insert(1, RewardInput("gsm8k", "#### 1", "1"))
-    cfg = load_config(None).reward
-    combined = RewardScorer.from_config(cfg, model_fn=scorer)(rows)
-    assert combined[1] == 1.0
-    torch.testing.assert_close(torch.tensor(combined[::2]), expected[:2], rtol=0, atol=1e-4)
+    for i in (1, 3):
+        sequence = torch.tensor([before.batch.prompt_ids[i] + before.batch.response_ids[i]])
+        with torch.no_grad():
+            expected = hf(sequence).logits[0, 0]
+        assert after.scores_b[i].item() == pytest.approx(expected.item(), abs=1e-4)
+    assert after.scores_b[[0, 2]].tolist() == [1.0, 0.5]
+    assert require_scored(RolloutResult(after, [], 0.0)).batch is after
 
 
-def test_reward_model_path_errors(tiny_qwen2_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"has no 'score\.weight'; a reward model must be an HF"):
-        load_reward_model(str(tiny_qwen2_dir), Placement())
-    with pytest.raises(FileNotFoundError, match=r"reward\.model_path: directory not found"):
-        load_reward_model(str(tmp_path / "none"), Placement())
-    with pytest.raises(ValueError, match=r"reward\.model_path is not set"):
-        ModelReward.from_config(load_config(None).reward, Placement(), PAD)
+def test_model_rows_without_a_reward_model_are_an_error():
+    with pytest.raises(ValueError, match=r"set reward\.model_path .* or reward\.url"):
+        require_scored(mixed_result())
+
+
+def test_a_reward_model_without_a_score_head_is_refused(ctx, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(tiny_hf_config(TinyModelSpec(), 300, PAD, 1)).save_pretrained(
+        tmp_path
+    )
+    cfg = load_config(None, ["actor_rollout_ref.model.path=m", f"reward.model_path={tmp_path}"])
+    with pytest.raises(ValueError, match=r"has no 'score\.weight'"):
+        RewardModelScorer.from_config(cfg, ctx, MicroBatchPlanner(ctx, thd=False), 64)

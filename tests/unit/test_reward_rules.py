@@ -6,8 +6,6 @@ import pytest
 
 from rlhf.config import load_config
 from rlhf.reward import (
-    RewardInput,
-    RewardScorer,
     build_reward_fn,
     compute_score,
     gsm8k,
@@ -157,19 +155,3 @@ def test_custom_fn_errors(tmp_path):
     broken.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(ValueError, match=r"importing .*broken.py failed: RuntimeError\('boom'\)"):
         load_custom_fn(f"{broken}:score")
-
-
-def test_scorer_routes_rule_and_model_rows():
-    rule = build_reward_fn(load_config(None).reward)
-    inputs = [
-        RewardInput("gsm8k", "#### 4", "4"),
-        RewardInput("rm", "", style="model", token_ids=[1, 2, 3]),
-        RewardInput("gsm8k", "#### 5", "4"),
-        RewardInput("rm", "", style="model", token_ids=[7]),
-    ]
-    scorer = RewardScorer(rule, model_fn=lambda seqs: [10.0 * len(s) for s in seqs])
-    assert scorer(inputs) == [1.0, 30.0, 0.0, 10.0]
-    with pytest.raises(ValueError, match=r"need a reward model: set reward\.model_path"):
-        RewardScorer(rule)(inputs)
-    with pytest.raises(ValueError, match="style must be rule or model, got 'human'"):
-        scorer([RewardInput("gsm8k", "x", "1", style="human")])

@@ -16,6 +16,7 @@ from rlhf.config import load_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult
+from rlhf.trainer.reward_model import require_scored
 from rlhf.trainer.step_batch import (
     collect_step_batch,
     informative_groups,
@@ -59,7 +60,7 @@ def config(*overrides: str):
 def collect(fleet: ScriptedFleet, *overrides: str):
     cfg = config(*overrides)
     sampler = PromptSampler(8, cfg.data.train_batch_size, 2, seed=0)
-    return collect_step_batch(fleet, sampler, list(range(8)), cfg)  # type: ignore[arg-type]
+    return collect_step_batch(fleet, sampler, list(range(8)), cfg, require_scored)  # type: ignore[arg-type]
 
 
 def test_groups():

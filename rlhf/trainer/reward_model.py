@@ -1,0 +1,111 @@
+"""Model rewards in the loop: rows with `reward_model.style=model` scored by a reward model.
+
+Generation scores rule rows on the engine rank and leaves model rows as NaN
+(`rlhf.rollout.generation`); every rank then holds the same batch, and this scorer runs the
+reward model (an HF `*ForSequenceClassification` checkpoint, built like the critic and
+sharded like the actor, frozen) over those rows through Megatron's schedule on packed
+micro-batches: the score of a sample is the model's output at its last response token,
+which is what HF pools for a right-padded sequence. An empty response scores 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf.config.loader import ConfigError
+from rlhf.config.schema import RLHFConfig
+from rlhf.distributed.context import ParallelContext
+from rlhf.models.builder import value_model_from_hf
+from rlhf.models.hf_io import HFCheckpointReader
+from rlhf.models.mapping import Placement
+from rlhf.rollout.generation import RolloutResult
+from rlhf.trainer.heads import SequenceScoreHead
+from rlhf.trainer.megatron_model import MegatronModel, gather_per_sample
+from rlhf.trainer.micro_batch import MicroBatchPlanner
+from rlhf.utils import DTYPES
+
+
+def pending_rows(result: RolloutResult) -> list[int]:
+    """The samples generation left for the reward model (style model, score NaN)."""
+    scores, styles = result.batch.scores_b.tolist(), result.batch.styles()
+    return [
+        i for i, (s, style) in enumerate(zip(scores, styles)) if style == "model" and math.isnan(s)
+    ]
+
+
+def require_scored(result: RolloutResult) -> RolloutResult:
+    """Without a reward model: model rows must have been scored by `reward.url`."""
+    if pending_rows(result):
+        raise ValueError(
+            "rows with reward_model.style=model need a reward model: set reward.model_path "
+            "(an HF *ForSequenceClassification directory) or reward.url (a reward endpoint)"
+        )
+    return result
+
+
+class RewardModelScorer:
+    """`scorer(result)`: the result with its model rows scored (collective: every rank)."""
+
+    def __init__(self, model: MegatronModel, planner: MicroBatchPlanner, token_budget: int):
+        self.model, self.planner, self.token_budget = model, planner, token_budget
+
+    @classmethod
+    def from_config(cls, cfg: RLHFConfig, ctx: ParallelContext, planner: MicroBatchPlanner,
+                    token_budget: int) -> RewardModelScorer | None:  # fmt: skip
+        path = cfg.reward.model_path
+        if not path:
+            return None
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"reward.model_path: no config.json in {path!r}")
+        if "score.weight" not in HFCheckpointReader(path):
+            raise ValueError(
+                f"reward.model_path: {path} has no 'score.weight'; a reward model must be an "
+                "HF *ForSequenceClassification checkpoint with num_labels=1"
+            )
+        dtype = DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
+        module, _ = value_model_from_hf(path, Placement.of(ctx), params_dtype=dtype, sp=ctx.sp_size)
+        model = MegatronModel.frozen(module.to(ctx.device), ctx)
+        return cls(model, planner, token_budget)
+
+    def scores(self, result: RolloutResult, rows: list[int]) -> torch.Tensor:
+        """[len(rows)] scores of those samples."""
+        batch = result.batch.select(rows)
+        (micro_batches,) = self.planner.plan(batch, self.token_budget)
+        outputs = self.model.forward(micro_batches, SequenceScoreHead())
+        shape = (batch.size, 1)
+        return gather_per_sample(outputs, micro_batches, "scores", shape, self.planner.ctx)[:, 0]
+
+    def __call__(self, result: RolloutResult) -> RolloutResult:
+        rows = pending_rows(result)
+        if not rows:
+            return result
+        start = time.perf_counter()
+        scores = result.batch.scores_b.clone()
+        scores[rows] = self.scores(result, rows)
+        records = list(result.records)
+        if records:  # the main rank's records are in batch order
+            for i in rows:
+                records[i] = dataclasses.replace(records[i], score=float(scores[i]))
+        batch = dataclasses.replace(result.batch, scores_b=scores)
+        return RolloutResult(batch, records, result.reward_s + time.perf_counter() - start)
+
+
+def check_model_rows_have_a_scorer(cfg: RLHFConfig, datasets: dict[str, Any]) -> None:
+    """Fail at startup, not mid-run, when data has style=model rows and nothing scores them.
+
+    `datasets`: config key -> PromptDataset (e.g. {"data.train_files": train})."""
+    if cfg.reward.model_path or cfg.reward.url:
+        return
+    for key, data in datasets.items():
+        rows = [i for i, p in enumerate(data.prompts) if p.row.style == "model"]
+        if rows:
+            raise ConfigError(
+                f"{key}: {len(rows)} prompts have reward_model.style=model (the first is prompt "
+                f"{rows[0]}) but neither reward.model_path nor reward.url is set to score them"
+            )

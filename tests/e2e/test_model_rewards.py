@@ -1,0 +1,123 @@
+"""Model rewards in whole `rlhf-train` runs (CPU, a real SGLang server).
+
+- A batch mixing rule rows (the arithmetic rule) and model rows (a tiny local
+  `*ForSequenceClassification` reward model, `reward.model_path`) logs rewards of both
+  styles, and every model row's logged score is HF's pooled logit of its prompt + response.
+- `reward.url` sends the model rows to an endpoint (a judge this test runs on 127.0.0.1,
+  scoring by response length); a dead endpoint fails the run with one line naming it.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import math
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rlhf.data.parquet import write_rows
+from rlhf.quickstart.arithmetic import make_problems
+from rlhf.quickstart.tiny_model import TinyModelSpec, tiny_hf_config
+from rlhf.quickstart.tokenizer import build_tiny_tokenizer
+from rlhf.utils import free_port
+from tests.helpers import REPO, metrics_by_step, ppo_overrides
+
+CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def mixed_data(tmp_path_factory) -> tuple[Path, Path]:
+    """Quickstart problems, every odd row scored by a model instead of the rule."""
+    out = tmp_path_factory.mktemp("mixed_data")
+    rows = make_problems(40, seed=0)
+    for i, row in enumerate(rows):
+        if i % 2:
+            row["reward_model"] = {**row["reward_model"], "style": "model"}
+            row["data_source"] = "judged"
+    return write_rows(rows[:32], out / "train.parquet"), write_rows(rows[32:], out / "val.parquet")
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reward_model")
+    tokenizer = build_tiny_tokenizer()
+    config = tiny_hf_config(TinyModelSpec(), len(tokenizer), tokenizer.pad_token_id, 1)
+    config.num_labels = 1
+    torch.manual_seed(7)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
+    return out
+
+
+def train(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+
+
+def records(run_dir: Path, step: int) -> list[dict]:
+    lines = (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ppo_overrides(tiny_qwen2_dir, mixed_data, run_dir, 1, f"reward.model_path={reward_dir}")
+    proc = train(args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = metrics_by_step(run_dir)
+    step = metrics[1]
+    assert step["reward/rule/count"] > 0 and step["reward/model/count"] > 0
+    assert math.isfinite(step["reward/model/mean"]) and math.isfinite(step["critic/score/mean"])
+    assert math.isfinite(metrics[0]["val/test_score/judged"])  # validation scores both too
+    hf = AutoModelForSequenceClassification.from_pretrained(reward_dir).eval()
+    judged = [r for r in records(run_dir, 1) if r["prompt_index"] % 2]
+    assert judged
+    for record in judged:
+        ids = torch.tensor([record["prompt_ids"] + record["response_ids"]])
+        with torch.no_grad():
+            expected = hf(ids).logits[0, 0].item()
+        assert record["score"] == pytest.approx(expected, abs=1e-4)
+    ruled = [r for r in records(run_dir, 1) if r["prompt_index"] % 2 == 0]
+    assert {r["score"] for r in ruled} <= {0.0, 1.0}
+
+
+class _LengthJudge(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
+        body = json.dumps({"scores": [float(len(i["response"])) for i in items]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_reward_endpoint_and_a_dead_one(tiny_qwen2_dir, mixed_data, tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _LengthJudge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        run_dir = tmp_path / "remote"
+        url = f"http://127.0.0.1:{server.server_port}/score"
+        proc = train(ppo_overrides(tiny_qwen2_dir, mixed_data, run_dir, 1, f"reward.url={url}"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    finally:
+        server.shutdown()
+    judged = [r for r in records(run_dir, 1) if r["prompt_index"] % 2]
+    assert judged and all(r["score"] == float(len(r["response_text"])) for r in judged)
+
+    dead = f"http://127.0.0.1:{free_port()}/score"
+    args = ppo_overrides(tiny_qwen2_dir, mixed_data, tmp_path / "dead", 1, f"reward.url={dead}")
+    proc = train([*args, "reward.request_retries=1", "trainer.val_before_train=false"])
+    assert proc.returncode == 1
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf-train:")]
+    assert line.startswith(f"rlhf-train: reward failed: reward endpoint {dead}: unreachable")
+    assert "after 2 attempts" in line
