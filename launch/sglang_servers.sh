@@ -21,6 +21,9 @@
 #   LOG_DIR       one log file per server [logs/sglang]
 #   STARTUP_TIMEOUT  seconds for all servers to answer /health [600]
 #   PYTHON        interpreter [the active environment's python]
+#   CONFIG        a run config whose actor_rollout_ref.rollout.engine_kwargs.sglang (extra
+#                 SGLang server arguments) the servers get too; more with
+#                 --engine-kwarg NAME=VALUE
 #
 # Once every server answers GET /health, stdout gets one URL per line, then the override to
 # paste into the training command (actor_rollout_ref.rollout.server_urls=[...]). The servers
@@ -52,6 +55,7 @@ args=(
 if [[ -n "${DTYPE:-}" ]]; then args+=(--dtype "$DTYPE"); fi
 if [[ -n "${MAX_TOTAL_TOKENS:-}" ]]; then args+=(--max-total-tokens "$MAX_TOTAL_TOKENS"); fi
 if [[ "${ROUTER:-0}" == 1 ]]; then args+=(--router --router-port "${ROUTER_PORT:-30100}"); fi
+if [[ -n "${CONFIG:-}" ]]; then args+=(--config "$CONFIG"); fi
 
 # exec: SIGTERM / SIGINT reach the launcher itself, which stops every server it started.
 exec "$PYTHON" -m rlhf.cli.launch_servers "${args[@]}" "$@"

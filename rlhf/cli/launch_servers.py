@@ -27,8 +27,12 @@ import socket
 import sys
 import time
 from types import FrameType
+from typing import Any
 
-from rlhf.config.loader import ConfigError, build
+import yaml
+
+from rlhf.config.engine_args import server_argv
+from rlhf.config.loader import ConfigError, build, load_config
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.server_group import KEY, ServerGroup
 from rlhf.utils import share_cpu_cores
@@ -60,7 +64,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to get healthy")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts per dead server")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of server 0 (i: seed + i)")
+    p.add_argument("--config", help="a run config: its rollout.engine_kwargs.sglang apply here")
+    p.add_argument("--engine-kwarg", action="append", default=[], metavar="NAME=VALUE",
+                   help="an SGLang server argument (repeatable; after --config's)")  # fmt: skip
     return p.parse_args(argv)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The run config's `engine_kwargs.sglang`, updated by --engine-kwarg NAME=VALUE."""
+    kwargs = dict(load_config(args.config).actor_rollout_ref.rollout.engine_kwargs.sglang) if (
+        args.config
+    ) else {}  # fmt: skip
+    for item in args.engine_kwarg:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--engine-kwarg {item!r}: expected NAME=VALUE")
+        kwargs[name.strip()] = yaml.safe_load(value)
+    return kwargs
 
 
 def rollout_config(args: argparse.Namespace) -> RolloutConfig:
@@ -74,8 +94,11 @@ def rollout_config(args: argparse.Namespace) -> RolloutConfig:
         "num_servers": args.num_servers,
         "use_router": args.router,
         "max_server_restarts": args.max_restarts,
+        "engine_kwargs": {"sglang": engine_kwargs(args)},
     }
-    return build(RolloutConfig, values, f"{KEY}.")
+    rollout = build(RolloutConfig, values, f"{KEY}.")
+    server_argv(rollout.engine_kwargs.sglang)  # checked against SGLang's parser now
+    return rollout
 
 
 def advertised(url: str, host: str) -> str:

@@ -43,6 +43,19 @@ def all_keys(cls: type = RLHFConfig, prefix: str = "") -> list[str]:
     return keys
 
 
+def mapping_keys(cls: type = RLHFConfig, prefix: str = "") -> list[str]:
+    """Keys whose value is a free mapping: `key.name=value` overrides set one entry."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        tp, path = hints[f.name], f"{prefix}{f.name}"
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            found += mapping_keys(tp, path + ".")
+        elif typing.get_origin(tp) is dict:
+            found.append(path)
+    return found
+
+
 def nearest_key(key: str) -> str | None:
     """The valid key closest to a misspelt or misplaced `key`, if any is close."""
     keys = all_keys()
@@ -101,7 +114,7 @@ def _parse_text(text: str, tp: Any) -> Any:
     """Command-line text -> Python value: raw text for str keys, YAML scalars/lists otherwise."""
     if tp is str:
         return text
-    if text == "":
+    if text == "" and tp is not Any:
         return None
     try:
         return yaml.safe_load(text)
@@ -130,6 +143,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         choices = typing.get_args(tp)
         if value not in choices:
             raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is dict:  # a free mapping (e.g. engine_kwargs.sglang), checked by its user
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return {str(k): _coerce(v, Any, f"{path}.{k}") for k, v in value.items()}
+    if tp is Any:
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -220,9 +239,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not valid YAML ({e})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
+    keys = set(all_keys())
+    mappings = mapping_keys()
     for item in overrides or []:
         key, value = parse_override(item)
-        if key not in set(all_keys()):
+        if key not in keys and not any(key.startswith(m + ".") for m in mappings):
             raise _unknown_key(key)
         _set_dotted(tree, key, value)
     cfg = build(RLHFConfig, tree)

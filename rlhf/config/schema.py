@@ -11,6 +11,7 @@ features land. Strings may reference other keys as `${section.key}`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rlhf.config.algorithm import AlgorithmConfig
 from rlhf.config.choices import (
@@ -231,6 +232,17 @@ class ValKwargs:
 
 
 @dataclass
+class EngineKwargs:
+    """Arguments passed to the rollout engine as they are."""
+
+    sglang: dict[str, Any] = doc(
+        dict,
+        "extra SGLang server arguments by their ServerArgs name (chunked_prefill_size: 4096); "
+        "checked against SGLang's parser",
+    )
+
+
+@dataclass
 class RolloutConfig:
     """Generation with SGLang servers."""
 
@@ -280,6 +292,7 @@ class RolloutConfig:
         None, "fail the step when rollout/logprob_diff_max exceeds this (null: only log)", gt=0
     )
     val_kwargs: ValKwargs = doc(ValKwargs, "validation sampling")
+    engine_kwargs: EngineKwargs = doc(EngineKwargs, "arguments for the engine itself")
 
 
 @dataclass

@@ -249,6 +249,13 @@ def _check_reward(cfg: RLHFConfig) -> None:
         raise ConfigError(f"reward.url: {reward.url!r} is not a URL like http://host:port/path")
 
 
+def _check_engine_kwargs(cfg: RLHFConfig) -> None:
+    if cfg.actor_rollout_ref.rollout.engine_kwargs.sglang:
+        from rlhf.config.engine_args import server_argv
+
+        server_argv(cfg.actor_rollout_ref.rollout.engine_kwargs.sglang)
+
+
 def _check_misc(cfg: RLHFConfig) -> None:
     for i, step in enumerate(cfg.global_profiler.steps or []):
         if step < 1:
@@ -257,6 +264,7 @@ def _check_misc(cfg: RLHFConfig) -> None:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
     _check_dapo(cfg)
     _check_reward(cfg)
+    _check_engine_kwargs(cfg)
     if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
         raise ConfigError(
             f"trainer.early_stop.kl_patience={cfg.trainer.early_stop.kl_patience} watches the KL "

@@ -59,6 +59,11 @@ def router_healthy_workers(router_url: str) -> set[str]:
     return {w.get("url") for w in workers if w.get("is_healthy")}
 
 
+def server_info(url: str) -> dict[str, Any]:
+    """The server's arguments as it runs with them (GET /get_server_info)."""
+    return _get(url, "get_server_info")
+
+
 def weight_version(url: str) -> str | None:
     """The weight version a server reports (`/model_info`)."""
     return _get(url, "model_info").get("weight_version")

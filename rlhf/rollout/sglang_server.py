@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf.config.engine_args import server_argv
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout import sglang_api
 
@@ -89,6 +90,7 @@ def build_server_args(
         argv += ["--max-total-tokens", str(max_total_tokens)]
     if base_gpu_id is not None:
         argv += ["--base-gpu-id", str(base_gpu_id)]
+    argv += server_argv(rollout.engine_kwargs.sglang)  # the user's, last
     return ServerLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
 
 

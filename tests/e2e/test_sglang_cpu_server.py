@@ -1,5 +1,6 @@
 """A real SGLang server on CPU, launched from .venv: tokens and log-probs, parity with HF
-transformers on the same weights, and no process left behind."""
+transformers on the same weights, `engine_kwargs.sglang` in effect, and no process left
+behind."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf.config.schema import RolloutConfig
+from rlhf.config.schema import EngineKwargs, RolloutConfig
+from rlhf.rollout import sglang_api
 from rlhf.rollout.client import generate
 from rlhf.rollout.sglang_server import SGLangServer, build_server_args
 from rlhf.utils import free_port
@@ -20,9 +22,12 @@ PROMPTS = [
 MAX_NEW = 8
 
 
+ENGINE_KWARGS = {"max_running_requests": 7, "chunked_prefill_size": 1024}
+
+
 def launch(model_dir, log_path) -> SGLangServer:
     args = build_server_args(
-        RolloutConfig(dtype="float32"),
+        RolloutConfig(dtype="float32", engine_kwargs=EngineKwargs(sglang=dict(ENGINE_KWARGS))),
         model_dir,
         port=free_port(),
         device="cpu",
@@ -69,6 +74,7 @@ def test_server_generates_and_matches_transformers(tiny_qwen2_dir, tmp_path):
         greedy = generate(
             server.url, prompts, {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
         )
+        info = sglang_api.server_info(server.url)
     finally:
         server.stop()
 
@@ -83,6 +89,7 @@ def test_server_generates_and_matches_transformers(tiny_qwen2_dir, tmp_path):
         assert g.output_ids == hf_tokens
         assert g.logprobs == pytest.approx(hf_logprobs, abs=1e-3)
 
+    assert {k: info[k] for k in ENGINE_KWARGS} == ENGINE_KWARGS  # the server runs with them
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
     assert "sglang" in (tmp_path / "server.log").read_text().lower()
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+
+import pytest
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.sglang_server import CPU_SHIM_DIR, build_server_args
@@ -59,3 +62,61 @@ def test_kernel_stand_in_raises_when_called():
     finally:
         sys.path.remove(str(CPU_SHIM_DIR))
         sys.modules.pop("sgl_kernel", None)
+
+
+ENGINE = "actor_rollout_ref.rollout.engine_kwargs.sglang"
+
+
+def test_engine_kwargs_from_yaml_and_overrides_reach_the_command_line(tmp_path):
+    from rlhf.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n  rollout:\n    engine_kwargs:\n      sglang:\n"
+        "        chunked_prefill_size: 4096\n        enable_torch_compile: true\n"
+    )
+    cfg = load_config(
+        path, [f"{ENGINE}.max_running_requests=7", f"{ENGINE}.disable_radix_cache=false"]
+    )
+    argv = build_server_args(cfg.actor_rollout_ref.rollout, "/m", port=1, device="cuda").argv
+    tail = argv[argv.index("--mem-fraction-static") :]
+    assert tail[-5:] == ["--chunked-prefill-size", "4096", "--enable-torch-compile",
+                         "--max-running-requests", "7"]  # fmt: skip
+    assert "--disable-radix-cache" not in argv  # false leaves a switch off
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "chunked_prefil_size=4",
+            "not an SGLang server argument; did you mean 'chunked_prefill_size'",
+        ),
+        ("tp_size=2", "set by actor_rollout_ref.rollout.tensor_model_parallel_size"),
+        ("max_running_requests=abc", "invalid int value: 'abc'"),
+        ("enable_torch_compile=3", "a switch, give true or false"),
+    ],
+)
+def test_bad_engine_kwargs_are_config_errors(override, message):
+    from rlhf.config import ConfigError, load_config, validate_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(
+            load_config(None, ["actor_rollout_ref.model.path=m", f"{ENGINE}.{override}"])
+        )
+
+
+def test_launch_servers_takes_engine_kwargs_from_a_config_and_flags(tmp_path):
+    from rlhf.cli import launch_servers
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n  rollout:\n    engine_kwargs:\n      sglang:\n"
+        "        chunked_prefill_size: 4096\n"
+    )
+    args = launch_servers.parse_args(
+        ["--model", "m", "--config", str(path), "--engine-kwarg", "max_running_requests=7"]
+    )
+    rollout = launch_servers.rollout_config(args)
+    assert rollout.engine_kwargs.sglang == {"chunked_prefill_size": 4096, "max_running_requests": 7}
+    assert launch_servers.main(["--model", "m", "--engine-kwarg", "no_such_arg=1"]) == 2
