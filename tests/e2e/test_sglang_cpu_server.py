@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf.config.schema import EngineKwargs, RolloutConfig
+from rlhf.config.rollout import EngineKwargs, RolloutConfig
 from rlhf.rollout import sglang_api
 from rlhf.rollout.client import generate
 from rlhf.rollout.sglang_server import SGLangServer, build_server_args

@@ -1,0 +1,85 @@
+"""The `actor_rollout_ref.rollout` section: generation with SGLang servers (its own module to
+keep rlhf/config/schema.py within the file-size rule)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf.config.choices import RolloutDtype, RolloutName, WeightSyncTransport
+from rlhf.config.fields import doc
+
+
+@dataclass
+class ValKwargs:
+    """Sampling for validation (verl's `rollout.val_kwargs`)."""
+
+    do_sample: bool = doc(False, "sample (true) or decode greedily (false)")
+    n: int = doc(1, "responses per validation prompt", gt=0)
+    temperature: float = doc(1.0, "sampling temperature when do_sample", ge=0)
+    top_p: float = doc(1.0, "nucleus threshold when do_sample", gt=0, le=1)
+    top_k: int = doc(-1, "top-k when do_sample; -1 disables", ge=-1)
+
+
+@dataclass
+class EngineKwargs:
+    """Arguments passed to the rollout engine as they are."""
+
+    sglang: dict[str, Any] = doc(
+        dict,
+        "extra SGLang server arguments by their ServerArgs name (chunked_prefill_size: 4096); "
+        "checked against SGLang's parser",
+    )
+
+
+@dataclass
+class RolloutConfig:
+    """Generation with SGLang servers."""
+
+    name: RolloutName = doc("sglang", "rollout engine")
+    n: int = doc(2, "responses sampled per prompt", gt=0)
+    temperature: float = doc(1.0, "sampling temperature", ge=0)
+    top_p: float = doc(1.0, "nucleus sampling threshold", gt=0, le=1)
+    top_k: int = doc(-1, "top-k sampling; -1 disables", ge=-1)
+    tensor_model_parallel_size: int = doc(1, "TP size of each SGLang server", gt=0)
+    gpu_memory_utilization: float = doc(
+        0.6, "share of GPU memory SGLang may take (mem fraction)", gt=0, le=1
+    )
+    free_cache_engine: bool = doc(
+        True,
+        "GPU, colocated: SGLang releases its weights and KV cache while the trainer trains "
+        "and resumes them for generation (sleep/wake); CPU: the server stays up",
+    )
+    dtype: RolloutDtype = doc("bfloat16", "weights/activation dtype")
+    server_startup_timeout_s: float = doc(
+        300.0, "seconds to wait for a server to become healthy", gt=0
+    )
+    num_servers: int = doc(1, "SGLang servers to launch (ignored when server_urls is set)", gt=0)
+    server_urls: list[str] | None = doc(
+        None, "running SGLang servers to use instead of launching (never restarted)"
+    )
+    use_router: bool = doc(False, "send /generate through an sglang-router in front of the servers")
+    max_concurrent_requests: int = doc(64, "most /generate requests in flight at once", gt=0)
+    request_timeout_s: float = doc(600.0, "seconds one /generate request may take", gt=0)
+    request_retries: int = doc(
+        3, "retries of a request after a connection error, 5xx or timeout", ge=0
+    )
+    retry_backoff_s: float = doc(1.0, "delay before the first retry; doubles per retry", gt=0)
+    max_server_restarts: int = doc(2, "restarts allowed per launched server before failing", ge=0)
+    weight_sync_transport: WeightSyncTransport = doc(
+        "tensor", "how synced weights reach SGLang: shared memory, a process group, or files"
+    )
+    update_weights_bucket_megabytes: int = doc(
+        512, "size bound of one weight-sync bucket (the extra memory a sync needs)", gt=0
+    )
+    weight_sync_snapshot: bool = doc(
+        True, "keep the last synced weights on disk so a restarted server can be re-synced"
+    )
+    weight_sync_master_address: str = doc(
+        "127.0.0.1", "address SGLang servers use to reach rank 0 (distributed transport)"
+    )
+    logprob_diff_threshold: float | None = doc(
+        None, "fail the step when rollout/logprob_diff_max exceeds this (null: only log)", gt=0
+    )
+    val_kwargs: ValKwargs = doc(ValKwargs, "validation sampling")
+    engine_kwargs: EngineKwargs = doc(EngineKwargs, "arguments for the engine itself")
