@@ -289,6 +289,11 @@ class TrainerConfig:
     nnodes: int = doc(1, "number of nodes", gt=0)
     n_gpus_per_node: int = doc(1, "processes per node (GPUs, or CPU ranks on CPU)", gt=0)
     device: Device = doc("auto", "cuda if available, else cpu")
+    save_hf: bool = doc(
+        False,
+        "also write an HF copy of the actor at each checkpoint (global_step_N/actor_hf; "
+        "converted on rank 0 by a CPU process that holds the whole model)",
+    )
     logger: list[Logger] = doc(
         lambda: ["console", "tensorboard"],
         "metric backends (metrics.jsonl in the run directory is always written)",

@@ -51,9 +51,25 @@ def read_meta(mcore_dir: str | Path) -> dict:
     path = Path(mcore_dir) / META_NAME
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path}: not found; is {mcore_dir} a checkpoint written by rlhf-convert?"
+            f"{path}: not found; is {mcore_dir} a checkpoint written by rlhf-convert or a "
+            "trainer checkpoint's actor/ directory (global_step_N/actor)?"
         )
     return json.loads(path.read_text())
+
+
+def write_meta(out_dir: Path, arch: ModelArch, padded_vocab: int, dtype: torch.dtype,
+               placement: Placement) -> None:  # fmt: skip
+    """`rlhf_checkpoint.json`: what loading a Megatron checkpoint needs besides its tensors."""
+    meta = {
+        "format": "megatron-core-dist",
+        "family": arch.family,
+        "vocab_size": arch.vocab_size,
+        "padded_vocab_size": padded_vocab,
+        "dtype": str(dtype).removeprefix("torch."),
+        "saved_tensor_model_parallel_size": placement.tp_size,
+        "saved_pipeline_model_parallel_size": placement.pp_size,
+    }
+    (out_dir / META_NAME).write_text(json.dumps(meta, indent=2))
 
 
 def _publish(partial: Path, out: Path) -> None:
@@ -98,16 +114,7 @@ def hf_to_mcore(hf_dir: Path, out_dir: Path, placement: Placement) -> None:
     dist_checkpointing.save(model.sharded_state_dict(), str(partial / "model"))
     if _is_main():
         copy_hf_side_files(hf_dir, partial / "hf")
-        meta = {
-            "format": "megatron-core-dist",
-            "family": arch.family,
-            "vocab_size": arch.vocab_size,
-            "padded_vocab_size": model.padded_vocab_size,
-            "dtype": str(dtype).removeprefix("torch."),
-            "saved_tensor_model_parallel_size": placement.tp_size,
-            "saved_pipeline_model_parallel_size": placement.pp_size,
-        }
-        (partial / META_NAME).write_text(json.dumps(meta, indent=2))
+        write_meta(partial, arch, model.padded_vocab_size, dtype, placement)
         _publish(partial, out_dir)
     _barrier()
 
@@ -125,8 +132,10 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
         params_dtype=params_dtype or DTYPES[meta["dtype"]],
         initialize=False,
     )
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(mcore_dir / "model"))
-    model.load_state_dict(state)
+    wanted = model.sharded_state_dict()
+    state = dist_checkpointing.load(wanted, str(mcore_dir / "model"))
+    # a trainer checkpoint also holds the plain optimizer's state: only the model's is read
+    model.load_state_dict({key: value for key, value in state.items() if key in wanted})
     return model, arch
 
 

@@ -200,8 +200,9 @@ class TrainableMegatronModel(MegatronModel):
         return {param: name for name, param in self.module.named_parameters()}
 
     def save(self, directory: Path) -> None:
-        """Model (+ optimizer) in Megatron's distributed format; with the distributed
-        optimizer, the model there and the optimizer in `optimizer/` (all ranks call)."""
+        """`model/`: the model (+ the plain optimizer) in Megatron's distributed format, the
+        layout rlhf-convert reads; `optimizer/`: the distributed optimizer's state, when
+        it is on (all ranks call)."""
         with self.on_device():
             self._save(directory)
 
@@ -212,11 +213,10 @@ class TrainableMegatronModel(MegatronModel):
     def _save(self, directory: Path) -> None:
         from megatron.core import dist_checkpointing
 
-        if not self.distributed_optimizer:
-            dist_checkpointing.save(self.sharded_state_dict(), str(directory))
-            return
         (directory / "model").mkdir(exist_ok=True)
         dist_checkpointing.save(self.sharded_state_dict(), str(directory / "model"))
+        if not self.distributed_optimizer:
+            return
         where = self.optimizer_coordinate()
         save_optimizer_shards(self.optimizer, self.param_names(), where, directory / "optimizer")
 
@@ -233,7 +233,9 @@ class TrainableMegatronModel(MegatronModel):
                 f"{now} it: set megatron.use_distributed_optimizer={saved_distributed} as the "
                 "saving run had it"
             )
-        model_dir = directory / "model" if saved_distributed else directory
+        model_dir = directory / "model"
+        if not model_dir.is_dir():  # written before model/ existed: the plain optimizer's
+            model_dir = directory
         state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(model_dir))
         self.module.load_state_dict(state["model"])
         if saved_distributed:

@@ -3,6 +3,8 @@
 - A batch mixing rule rows (the arithmetic rule) and model rows (a tiny local
   `*ForSequenceClassification` reward model, `reward.model_path`) logs rewards of both
   styles, and every model row's logged score is HF's pooled logit of its prompt + response.
+- `trainer.save_hf` leaves an HF copy of the actor in the checkpoint, whose transformers
+  logits equal the checkpoint's Megatron forward (rlhf-convert verify, 1e-5).
 - `reward.url` sends the model rows to an endpoint (a judge this test runs on 127.0.0.1,
   scoring by response length); a dead endpoint fails the run with one line naming it.
 """
@@ -69,7 +71,7 @@ def records(run_dir: Path, step: int) -> list[dict]:
 def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = ppo_overrides(tiny_qwen2_dir, mixed_data, run_dir, 1, f"reward.model_path={reward_dir}")
-    proc = train(args)
+    proc = train([*args, "trainer.save_hf=true"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = metrics_by_step(run_dir)
     step = metrics[1]
@@ -86,6 +88,12 @@ def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, tmp_p
         assert record["score"] == pytest.approx(expected, abs=1e-4)
     ruled = [r for r in records(run_dir, 1) if r["prompt_index"] % 2 == 0]
     assert {r["score"] for r in ruled} <= {0.0, 1.0}
+
+    checkpoint = run_dir / "checkpoints" / "global_step_1"
+    verify = [sys.executable, "-m", "rlhf.cli.convert", "verify", str(checkpoint / "actor_hf"),
+              str(checkpoint / "actor"), "--tol", "1e-5"]  # fmt: skip
+    checked = subprocess.run(verify, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert checked.returncode == 0 and ": OK" in checked.stdout, checked.stderr[-3000:]
 
 
 class _LengthJudge(http.server.BaseHTTPRequestHandler):

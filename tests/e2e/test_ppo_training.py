@@ -5,6 +5,9 @@
   SGLang's sampling deterministic): losses, grad norms, LR, KL coefficient, rewards.
 - 2-process torchrun runs (DP=2, TP=2, PP=2, Ulysses SP=2) log the metric values of the
   1-process run.
+- A trainer checkpoint's actor (1 process, TP2, PP2) exports with `rlhf-convert mcore-to-hf`
+  to an HF directory whose transformers logits equal the trainer's Megatron forward at the
+  checkpoint's own layout within 1e-5 (`rlhf-convert verify`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,25 @@ def run_train(args: list[str], run_dir: Path, nproc: int = 1) -> str:
     return text
 
 
+def export_and_verify(run_dir: Path, step: int, tp: int = 1, pp: int = 1) -> None:
+    """rlhf-convert mcore-to-hf on checkpoint `step`'s actor, then verify at TP x PP."""
+    actor = run_dir / "checkpoints" / f"global_step_{step}" / "actor"
+    out = run_dir / f"hf_step_{step}"
+    convert = [sys.executable, "-m", "rlhf.cli.convert"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    exported = subprocess.run([*convert, "mcore-to-hf", str(actor), str(out)], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    layout = ["--tp", str(tp), "--pp", str(pp)]
+    checked = subprocess.run(
+        [*convert, "verify", str(out), str(actor), "--tol", "1e-5", *layout],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert checked.returncode == 0 and ": OK" in checked.stdout, (
+        checked.stdout + checked.stderr[-3000:]
+    )
+
+
 def kill_during_checkpoint(args: list[str], run_dir: Path, step: int) -> None:
     """Start a run and SIGKILL it (and its servers) while it writes checkpoint `step`."""
     run_dir.mkdir(parents=True)
@@ -92,6 +114,7 @@ def test_killed_run_resumes_and_matches_uninterrupted(tiny_qwen2_dir, data, tmp_
     assert text.count("rollout.free_cache_engine: no effect on CPU") == 1
     reference = metrics_by_step(full)
     assert sorted(reference) == [0, 1, 2, 3, 4]
+    export_and_verify(full, 4)
 
     resumed = tmp_path / "resumed"
     args = ppo_overrides(tiny_qwen2_dir, data, resumed, 4)
@@ -155,5 +178,9 @@ def test_two_process_run_logs_the_metrics_of_one_process(
             assert rows[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
     assert "val/test_score/arithmetic" in rows[2]
     assert (run_dir / "checkpoints" / "global_step_2" / "COMPLETE").is_file()
+    if layout in ("tp2", "pp2"):  # the trained actor leaves the system at its own layout
+        export_and_verify(
+            run_dir, 2, tp=2 if layout == "tp2" else 1, pp=2 if layout == "pp2" else 1
+        )
     # SGLang's own log-probs of its fp32 greedy samples agree with the trainer's
     assert abs(rows[1]["rollout_corr/kl"]) < 1e-4 and rows[1]["rollout_corr/k3_kl"] < 1e-6
