@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 from rlhf.utils import free_port
 
@@ -79,3 +85,34 @@ def metrics_by_step(run_dir: Path) -> dict[int, dict]:
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row for row in rows}
+
+
+class _LengthJudge(http.server.BaseHTTPRequestHandler):
+    """A reward endpoint (`reward.url` protocol) scoring each item by its response's length;
+    every batch it received is kept in `received`."""
+
+    received: ClassVar[list] = []
+
+    def do_POST(self):
+        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
+        _LengthJudge.received.append(items)
+        body = json.dumps({"scores": [float(len(i["response"])) for i in items]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def length_judge() -> Iterator[tuple[str, list]]:
+    """A running length judge on 127.0.0.1: (its URL, the batches it receives)."""
+    _LengthJudge.received = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _LengthJudge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/score", _LengthJudge.received
+    finally:
+        server.shutdown()

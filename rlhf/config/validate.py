@@ -17,7 +17,14 @@ from typing import Any, Protocol
 from rlhf.config.algorithm import KLControlConfig
 from rlhf.config.choices import CRITIC_ESTIMATORS
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import ActorConfig, CriticConfig, ModelConfig, RefConfig, RLHFConfig
+from rlhf.config.schema import (
+    ActorConfig,
+    CriticConfig,
+    MegatronParallelConfig,
+    ModelConfig,
+    RefConfig,
+    RLHFConfig,
+)
 
 AR = "actor_rollout_ref"
 
@@ -185,6 +192,14 @@ def _check_heads(layout: ParallelLayout, heads: ModelShape) -> None:
             f"rank cannot be split over {layout.sp_size} Ulysses ranks (query heads per TP rank "
             "must be a multiple of the SP size)"
         )
+
+
+def distributed_optimizer_on(megatron: MegatronParallelConfig, optimizer_group: int) -> bool:
+    """`megatron.use_distributed_optimizer`; null: on when the optimizer's data-parallel group
+    (DP x Ulysses SP, the ranks Megatron shards the optimizer state over) has several ranks."""
+    if megatron.use_distributed_optimizer is None:
+        return optimizer_group > 1
+    return megatron.use_distributed_optimizer
 
 
 def uses_critic(cfg: RLHFConfig) -> bool:

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field, replace
 
 from rlhf.config.budgets import token_budgets
 from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
-from rlhf.config.validate import parallel_layout, uses_critic, uses_reference
+from rlhf.config.validate import (
+    distributed_optimizer_on,
+    parallel_layout,
+    uses_critic,
+    uses_reference,
+)
 from rlhf.memory.activations import ActivationShape, forward_peak, training_peak
 from rlhf.memory.params import GradBuffer, stage_params
 from rlhf.models.families import ModelArch, Recompute, padded_vocab_size
@@ -119,10 +124,7 @@ def trained_memory(arch: ModelArch, role: TrainedRole, *, dp: int, sp: int, devi
     padded = padded_vocab_size(arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
     element = DTYPE_BYTES[m.dtype]
     group = dp * sp  # the distributed optimizer shards over DP x SP
-    distributed = (
-        m.use_distributed_optimizer if m.use_distributed_optimizer is not None else group > 1
-    )
-    distributed = distributed and train
+    distributed = train and distributed_optimizer_on(m, group)
     numel, buffer = stage_count(arch, padded, m, stage, group, distributed, role.value_head)
     shape = ActivationShape.of(
         arch, role.token_budget, padded, tp=tp, pp=pp, sp=sp, element=element
@@ -132,7 +134,7 @@ def trained_memory(arch: ModelArch, role: TrainedRole, *, dp: int, sp: int, devi
     if not train:
         activations = forward_peak(shape, flash=flash, last_stage=last)
         return RoleMemory(role.name, weights=numel * element, activations=activations)
-    recompute = Recompute(m.recompute_granularity, m.recompute_method, m.recompute_num_layers)
+    recompute = Recompute.of(m)
     owned = buffer.owned[dp_rank]
     switches = {
         "weights": m.param_offload,

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,13 @@ class Recompute:
     granularity: str | None = None
     method: str | None = None
     num_layers: int | None = None
+
+    @classmethod
+    def of(cls, megatron: Any) -> Recompute:
+        """From a config's `megatron` section (its recompute_* keys)."""
+        return cls(
+            megatron.recompute_granularity, megatron.recompute_method, megatron.recompute_num_layers
+        )
 
     def megatron_kwargs(self) -> dict:
         """TransformerConfig's fields; full recompute defaults to uniform over 1 layer."""

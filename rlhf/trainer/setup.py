@@ -12,7 +12,7 @@ import torch
 
 from rlhf.config.budgets import TokenBudgets, token_budgets
 from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
-from rlhf.config.validate import uses_critic, uses_reference
+from rlhf.config.validate import distributed_optimizer_on, uses_critic, uses_reference
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
 from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute, load_arch
@@ -79,20 +79,6 @@ def use_thd(ctx: ParallelContext) -> bool:
     return ctx.device.type == "cuda" and transformer_engine_usable()
 
 
-def recompute_of(megatron: MegatronParallelConfig) -> Recompute:
-    return Recompute(
-        megatron.recompute_granularity, megatron.recompute_method, megatron.recompute_num_layers
-    )
-
-
-def use_distributed_optimizer(megatron: MegatronParallelConfig, ctx: ParallelContext) -> bool:
-    """The key's value; null: on when the optimizer's data-parallel group (DP x SP) has more
-    than one rank, the group Megatron shards the optimizer state over."""
-    if megatron.use_distributed_optimizer is None:
-        return ctx.dp_sp_size > 1
-    return megatron.use_distributed_optimizer
-
-
 def build_policy(
     arch: ModelArch, model_path: str, ctx: ParallelContext, dtype: torch.dtype,
     recompute: Recompute = NO_RECOMPUTE,
@@ -106,7 +92,7 @@ def build_policy(
 def _trained(cfg: RLHFConfig, role: str, module, ctx: ParallelContext, total_steps: int):
     section = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
     steps = optimizer_steps(cfg, total_steps, section.ppo_mini_batch_size, section.ppo_epochs)
-    distributed = use_distributed_optimizer(section.megatron, ctx)
+    distributed = distributed_optimizer_on(section.megatron, ctx.dp_sp_size)
     settings = OptimizerSettings(section.optim, section.grad_clip, steps, distributed)
     model = TrainableMegatronModel(module, ctx, settings)
     model.offload_between_uses(offload_kinds(section.megatron, ctx, role))
@@ -139,7 +125,7 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int
     module, _ = value_model_from_hf(
         cfg.critic.model.path, Placement.of(ctx), seed=cfg.critic.megatron.seed,
         params_dtype=DTYPES[cfg.critic.megatron.dtype], sp=ctx.sp_size,
-        recompute=recompute_of(cfg.critic.megatron),
+        recompute=Recompute.of(cfg.critic.megatron),
     )  # fmt: skip
     critic = _trained(cfg, "critic", module.to(ctx.device), ctx, total_steps)
     n, norm = cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length
@@ -159,7 +145,7 @@ def build_ppo_models(
     check_model_dir(aro.model.path, "actor_rollout_ref.model.path")
     policy_dtype = DTYPES[aro.actor.megatron.dtype]
     actor_module = build_policy(
-        arch, aro.model.path, ctx, policy_dtype, recompute_of(aro.actor.megatron)
+        arch, aro.model.path, ctx, policy_dtype, Recompute.of(aro.actor.megatron)
     )
     actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
     ref = None

@@ -11,12 +11,10 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,7 @@ from rlhf.quickstart.arithmetic import make_problems
 from rlhf.quickstart.tiny_model import TinyModelSpec, tiny_hf_config
 from rlhf.quickstart.tokenizer import build_tiny_tokenizer
 from rlhf.utils import free_port
-from tests.helpers import REPO, metrics_by_step, ppo_overrides
+from tests.helpers import REPO, length_judge, metrics_by_step, ppo_overrides
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 
@@ -96,30 +94,12 @@ def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, tmp_p
     assert checked.returncode == 0 and ": OK" in checked.stdout, checked.stderr[-3000:]
 
 
-class _LengthJudge(http.server.BaseHTTPRequestHandler):
-    def do_POST(self):
-        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
-        body = json.dumps({"scores": [float(len(i["response"])) for i in items]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_reward_endpoint_and_a_dead_one(tiny_qwen2_dir, mixed_data, tmp_path):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _LengthJudge)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        run_dir = tmp_path / "remote"
-        url = f"http://127.0.0.1:{server.server_port}/score"
+    run_dir = tmp_path / "remote"
+    with length_judge() as (url, _):
         args = ppo_overrides(tiny_qwen2_dir, mixed_data, run_dir, 1, f"reward.url={url}")
         proc = train([*args, "trainer.val_before_train=false"])
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    finally:
-        server.shutdown()
+    assert proc.returncode == 0, proc.stderr[-4000:]
     judged = [r for r in records(run_dir, 1) if r["prompt_index"] % 2]
     assert judged and all(r["score"] == float(len(r["response_text"])) for r in judged)
 

@@ -5,11 +5,7 @@ dead endpoint fails after bounded retries naming its URL."""
 
 from __future__ import annotations
 
-import http.server
-import json
 import math
-import threading
-from typing import ClassVar
 
 import pytest
 
@@ -17,6 +13,7 @@ from rlhf.config import load_config
 from rlhf.reward import RewardInput, RewardScorer
 from rlhf.reward.remote import RemoteReward, RemoteRewardError
 from rlhf.utils import free_port
+from tests.helpers import length_judge
 
 ROWS = [
     RewardInput("gsm8k", "#### 4", "4"),
@@ -26,31 +23,10 @@ ROWS = [
 ]
 
 
-class _Judge(http.server.BaseHTTPRequestHandler):
-    """Scores each item by the length of its response; remembers what it received."""
-
-    received: ClassVar[list] = []
-
-    def do_POST(self):
-        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
-        _Judge.received.append(items)
-        body = json.dumps({"scores": [float(len(i["response"])) for i in items]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
-def judge_url():
-    _Judge.received = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/score"
-    server.shutdown()
+def judge():
+    with length_judge() as running:
+        yield running
 
 
 def scorer_for(*overrides: str) -> RewardScorer:
@@ -73,10 +49,11 @@ def test_a_process_pool_gives_the_same_rule_scores():
         pooled.close()
 
 
-def test_model_rows_scored_by_the_endpoint(judge_url):
-    scores = scorer_for(f"reward.url={judge_url}")(ROWS)
+def test_model_rows_scored_by_the_endpoint(judge):
+    url, received = judge
+    scores = scorer_for(f"reward.url={url}")(ROWS)
     assert scores == [1.0, 13.0, 0.0, 5.0]
-    (items,) = _Judge.received  # one batch with the model rows only, in order
+    (items,) = received  # one batch with the model rows only, in order
     assert [i["prompt"] for i in items] == ["Q1", "Q2"]
     assert items[0] == {"data_source": "judge", "prompt": "Q1", "response": "a long answer",
                         "ground_truth": None, "extra_info": {"k": 1}}  # fmt: skip
