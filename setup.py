@@ -56,6 +56,7 @@ setup(
         "console_scripts": [
             "rlhf-train=rlhf.cli.train:main",
             "rlhf-convert=rlhf.cli.convert:main",
+            "rlhf-eval=rlhf.cli.eval:main",
             "rlhf-preprocess=rlhf.cli.preprocess:main",
             "rlhf-plot=rlhf.cli.plot:main",
             "rlhf-doctor=rlhf.cli.doctor:main",

@@ -4,6 +4,10 @@
     rlhf-convert mcore-to-hf MCORE_DIR OUT_DIR [--max-shard-size-mb M]
     rlhf-convert verify HF_DIR MCORE_DIR [--tol X] [--tp N] [--pp N]
 
+MCORE_DIR may be a trainer checkpoint's `global_step_N/actor` (a causal LM) or
+`global_step_N/critic` (exported as a one-label `*ForTokenClassification` model whose
+per-token logits are the critic's values).
+
 With TP x PP > 1 the command re-launches itself under torchrun with that many processes
 (or runs as is when torchrun already started it with the right world size). `verify`
 prints the largest absolute logit difference and exits 1 above the tolerance. Errors in
@@ -87,11 +91,13 @@ def verify(args: argparse.Namespace, ctx) -> int:
 
     model, arch = convert.load_mcore(args.mcore_dir, Placement.of(ctx))
     model = model.float().eval()
+    value_model = convert.read_meta(args.mcore_dir).get("head") == "value"  # [b, s, 1] values
     tokens = convert.random_tokens(arch.vocab_size, args.batch, args.seq, args.seed)
     logits = forward_logits(model, tokens, micro_batch_size=1)
     diff = torch.zeros((), device=ctx.device)
     if logits is not None:
-        full = gather_vocab(logits, ctx.tp_group, arch.vocab_size).cpu()
+        full = logits if value_model else gather_vocab(logits, ctx.tp_group, arch.vocab_size)
+        full = full.cpu()
         if ctx.tp_rank == 0:
             diff = (full - convert.hf_logits(args.hf_dir, tokens)).abs().max().to(ctx.device)
             if args.dump_logits:

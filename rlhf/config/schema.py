@@ -291,8 +291,8 @@ class TrainerConfig:
     device: Device = doc("auto", "cuda if available, else cpu")
     save_hf: bool = doc(
         False,
-        "also write an HF copy of the actor at each checkpoint (global_step_N/actor_hf; "
-        "converted on rank 0 by a CPU process that holds the whole model)",
+        "also write HF copies of the actor and critic at each checkpoint (global_step_N/"
+        "actor_hf, critic_hf; converted on rank 0 by a CPU process that holds a whole model)",
     )
     logger: list[Logger] = doc(
         lambda: ["console", "tensorboard"],

@@ -4,7 +4,12 @@ Layout of a Megatron checkpoint written here (a directory):
 
     model/                 Megatron-Core distributed checkpoint (torch_dist), any TP/PP on load
     hf/                    the HF config, generation config and tokenizer files, verbatim
-    rlhf_checkpoint.json   family, true and padded vocabulary, dtype, the TP/PP it was saved at
+    rlhf_checkpoint.json   family, true and padded vocabulary, dtype, the TP/PP it was saved at,
+                           head: "lm" (a policy) or "value" (a critic's scalar head)
+
+A value model (a trainer checkpoint's critic) exports as an HF `*ForTokenClassification`
+model with one label: `score.weight` is the value head and `score.bias` is zero, so its
+per-token logits are the critic's values.
 
 Each rank reads only its own slices of the HF safetensors. Output directories appear
 atomically: everything is written under `<out>.partial` and renamed when complete.
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf.models.builder import build_model, load_hf_weights
+from rlhf.models.builder import ValueHead, attach_value_head, build_model, load_hf_weights
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
@@ -58,8 +63,9 @@ def read_meta(mcore_dir: str | Path) -> dict:
 
 
 def write_meta(out_dir: Path, arch: ModelArch, padded_vocab: int, dtype: torch.dtype,
-               placement: Placement) -> None:  # fmt: skip
-    """`rlhf_checkpoint.json`: what loading a Megatron checkpoint needs besides its tensors."""
+               placement: Placement, head: str = "lm") -> None:  # fmt: skip
+    """`rlhf_checkpoint.json`: what loading a Megatron checkpoint needs besides its tensors
+    (`head`: "lm" for a policy, "value" for a critic)."""
     meta = {
         "format": "megatron-core-dist",
         "family": arch.family,
@@ -68,6 +74,7 @@ def write_meta(out_dir: Path, arch: ModelArch, padded_vocab: int, dtype: torch.d
         "dtype": str(dtype).removeprefix("torch."),
         "saved_tensor_model_parallel_size": placement.tp_size,
         "saved_pipeline_model_parallel_size": placement.pp_size,
+        "head": head,
     }
     (out_dir / META_NAME).write_text(json.dumps(meta, indent=2))
 
@@ -132,6 +139,8 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
         params_dtype=params_dtype or DTYPES[meta["dtype"]],
         initialize=False,
     )
+    if meta.get("head", "lm") == "value":
+        model = attach_value_head(model, arch)
     wanted = model.sharded_state_dict()
     state = dist_checkpointing.load(wanted, str(mcore_dir / "model"))
     # a trainer checkpoint also holds the plain optimizer's state: only the model's is read
@@ -140,10 +149,11 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
 
 
 def value_model_from_mcore(mcore_dir: Path, placement: Placement, seed: int = 0):
-    """Critic initialised from a converted actor checkpoint: same trunk, fresh scalar head."""
-    from rlhf.models.builder import attach_value_head
-
+    """Critic from a converted checkpoint: a critic's as saved, an actor's trunk with a fresh
+    scalar head."""
     model, arch = load_mcore(mcore_dir, placement)
+    if isinstance(getattr(model, "output_layer", None), ValueHead):
+        return model, arch
     return attach_value_head(model, arch, seed), arch
 
 
@@ -152,6 +162,10 @@ def export_hf_tensors(model, arch: ModelArch, placement: Placement, progress: bo
     assert placement.tp_size == 1 and placement.pp_size == 1
     params = list(model.named_parameters())
     for name, param in tqdm(params, desc="export HF tensors", disable=not progress, unit="tensor"):
+        if name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
+            yield "score.weight", param.detach()
+            yield "score.bias", torch.zeros(1, dtype=param.dtype)
+            continue
         rule, layer = resolve(arch, name, placement)
         if not skip_on_export(arch, rule):
             yield from shards_to_hf(rule, layer, [param.detach()], arch)
@@ -168,7 +182,24 @@ def mcore_to_hf(mcore_dir: Path, out_dir: Path, max_shard_bytes: int) -> None:
     tensors = export_hf_tensors(model, arch, placement, progress=True)
     write_sharded_safetensors(tensors, partial, max_shard_bytes=max_shard_bytes)
     copy_hf_side_files(mcore_dir / "hf", partial)
+    if isinstance(model.output_layer, ValueHead):
+        as_token_classifier(partial / "config.json")
     _publish(partial, out_dir)
+
+
+def as_token_classifier(config_path: Path) -> None:
+    """Rewrite an HF config as the one-label `*ForTokenClassification` of its family."""
+    config = json.loads(config_path.read_text())
+    name = (config.get("architectures") or ["ForCausalLM"])[0]
+    for suffix in ("ForCausalLM", "ForSequenceClassification", "ForTokenClassification"):
+        name = name.removesuffix(suffix)
+    config |= {
+        "architectures": [f"{name}ForTokenClassification"],
+        "num_labels": 1,
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+    }
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def random_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -176,9 +207,13 @@ def random_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch
 
 
 def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    """Reference logits from HF transformers in fp32."""
-    from transformers import AutoModelForCausalLM
+    """Reference logits from HF transformers in fp32: [b, s, V] of a causal LM, or [b, s, 1]
+    (the values) of an exported critic (`*ForTokenClassification`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    token_classifier = any(a.endswith("ForTokenClassification") for a in config["architectures"])
+    auto = AutoModelForTokenClassification if token_classifier else AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits

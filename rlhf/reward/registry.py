@@ -31,6 +31,11 @@ class RuleSettings:
     format_score: float = 0.0
     correct_score: float = 1.0
 
+    @classmethod
+    def of(cls, reward_cfg: Any) -> RuleSettings:
+        """From the `reward` config section."""
+        return cls(reward_cfg.gsm8k_method, reward_cfg.format_score, reward_cfg.correct_score)
+
 
 def _gsm8k_rule(solution: str, ground_truth: Any, settings: RuleSettings) -> float:
     return gsm8k.compute_score(
@@ -63,9 +68,44 @@ _RULES: dict[str, RuleFn] = {
 }
 
 
-def register_rule(data_source: str, rule: RuleFn) -> None:
-    """Score rows of `data_source` with `rule(solution, ground_truth, settings)`."""
+def _gsm8k_answer(solution: str, settings: RuleSettings) -> str | None:
+    answer = gsm8k.extract_answer(solution, settings.gsm8k_method)
+    if answer is None:
+        return None
+    return gsm8k.normalize_number(answer) or answer.strip()
+
+
+def _math_answer(solution: str, settings: RuleSettings) -> str | None:
+    boxed = math.last_boxed(solution)
+    if boxed is None:
+        return None
+    text = math.normalize_latex(boxed)
+    value = math.as_number(text)
+    return text if value is None else str(value)
+
+
+AnswerFn = Callable[[str, RuleSettings], "str | None"]
+_ANSWERS: dict[str, AnswerFn] = {
+    source: _gsm8k_answer if rule is _gsm8k_rule else _math_answer
+    for source, rule in _RULES.items()
+}
+
+
+def register_rule(data_source: str, rule: RuleFn, answer: AnswerFn | None = None) -> None:
+    """Score rows of `data_source` with `rule(solution, ground_truth, settings)`; `answer`
+    (solution, settings) -> the response's final answer in a canonical form (None: it gave
+    none) lets validation take majority votes (maj@N) on that source."""
     _RULES[data_source] = rule
+    if answer is None:
+        _ANSWERS.pop(data_source, None)
+    else:
+        _ANSWERS[data_source] = answer
+
+
+def answer_extractor(data_source: str) -> AnswerFn | None:
+    """The canonical-answer function of `data_source` (equal strings = the same answer), or
+    None when the source has none (no majority vote)."""
+    return _ANSWERS.get(data_source)
 
 
 def known_sources() -> list[str]:
@@ -143,11 +183,7 @@ def build_reward_fn(reward_cfg: Any) -> RewardFn:
     """The reward function the `reward` config section asks for (custom, else the rules)."""
     if reward_cfg.custom_fn:
         return load_custom_fn(reward_cfg.custom_fn)
-    settings = RuleSettings(
-        gsm8k_method=reward_cfg.gsm8k_method,
-        format_score=reward_cfg.format_score,
-        correct_score=reward_cfg.correct_score,
-    )
+    settings = RuleSettings.of(reward_cfg)
 
     def rules(data_source: str, solution_str: str, ground_truth: Any, extra_info=None) -> float:
         return compute_score(data_source, solution_str, ground_truth, extra_info, settings=settings)

@@ -1,14 +1,17 @@
-"""What a trainer checkpoint needs so that the actor can leave the system.
+"""What a trainer checkpoint needs so that its models can leave the system.
 
-`global_step_N/actor/` is a Megatron checkpoint in the layout `rlhf-convert` reads: `model/`
-(Megatron's distributed format), `rlhf_checkpoint.json` (family, vocabulary, dtype, layout)
-and `hf/` (the policy's config, generation config and tokenizer files). So
+`global_step_N/actor/` and `global_step_N/critic/` are Megatron checkpoints in the layout
+`rlhf-convert` reads: `model/` (Megatron's distributed format), `rlhf_checkpoint.json`
+(family, vocabulary, dtype, layout, head) and `hf/` (the model's config, generation config
+and tokenizer files). So
 
     rlhf-convert mcore-to-hf runs/quickstart/checkpoints/global_step_N/actor OUT_DIR
 
-writes an HF directory from any TP/PP layout. `trainer.save_hf` does that at every
-checkpoint into `global_step_N/actor_hf/`, in a separate single CPU process on rank 0 (it
-loads the whole model in host memory), before the checkpoint is published.
+writes an HF causal LM from any TP/PP layout, and `.../critic` a one-label
+`*ForTokenClassification` model whose logits are the critic's values. `trainer.save_hf` does
+that at every checkpoint into `global_step_N/actor_hf/` (and `critic_hf/`), in a separate
+single CPU process on rank 0 (it loads the whole model in host memory), before the
+checkpoint is published.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from pathlib import Path
 
 import torch
 
+from rlhf.config.schema import RLHFConfig
 from rlhf.models.convert import copy_hf_side_files, write_meta
-from rlhf.models.families import ModelArch
+from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.mapping import Placement
+from rlhf.utils import DTYPES
 
 # What torchrun sets: a converter started from a trainer rank must not inherit it.
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -30,18 +35,34 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GRO
                     "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")  # fmt: skip
 
 
-def write_export_files(actor_dir: Path, model_path: str, arch: ModelArch, padded_vocab: int,
-                       dtype: torch.dtype, placement: Placement) -> None:  # fmt: skip
-    """The checkpoint's meta file and the policy's HF side files (rank 0)."""
-    copy_hf_side_files(Path(model_path), actor_dir / "hf")
-    write_meta(actor_dir, arch, padded_vocab, dtype, placement)
+def write_export_files(model_dir: Path, model_path: str, arch: ModelArch, padded_vocab: int,
+                       dtype: torch.dtype, placement: Placement, head: str) -> None:  # fmt: skip
+    """A checkpointed model's meta file and its HF side files (rank 0); `head`: "lm" for
+    the actor, "value" for the critic."""
+    copy_hf_side_files(Path(model_path), model_dir / "hf")
+    write_meta(model_dir, arch, padded_vocab, dtype, placement, head)
 
 
-def export_hf(actor_dir: Path, out_dir: Path) -> None:
-    """`rlhf-convert mcore-to-hf actor_dir out_dir` in a fresh single CPU process."""
+def export_hf(model_dir: Path, out_dir: Path) -> None:
+    """`rlhf-convert mcore-to-hf model_dir out_dir` in a fresh single CPU process."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "rlhf.cli.convert", "mcore-to-hf", str(actor_dir), str(out_dir)]
+    cmd = [sys.executable, "-m", "rlhf.cli.convert", "mcore-to-hf", str(model_dir), str(out_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"trainer.save_hf: exporting {actor_dir} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"exporting {model_dir} to HF failed:\n{proc.stderr[-3000:]}")
+
+
+def write_model_exports(checkpoint: Path, cfg: RLHFConfig, trained: dict, placement: Placement):
+    """Rank 0, inside the checkpoint being written: each trained model's export files (and
+    its HF copy under `trainer.save_hf`). `trained`: directory name -> TrainableMegatronModel."""
+    for name, model in trained.items():
+        section = cfg.actor_rollout_ref if name == "actor" else cfg.critic
+        megatron = cfg.actor_rollout_ref.actor.megatron if name == "actor" else cfg.critic.megatron
+        path = section.model.path
+        write_export_files(
+            checkpoint / name, path, load_arch(path), model.module.padded_vocab_size,
+            DTYPES[megatron.dtype], placement, "lm" if name == "actor" else "value",
+        )  # fmt: skip
+        if cfg.trainer.save_hf:
+            export_hf(checkpoint / name, checkpoint / f"{name}_hf")

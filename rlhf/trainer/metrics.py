@@ -36,16 +36,6 @@ def rollout_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, 
     }
 
 
-def validation_metrics(batch: RolloutBatch) -> dict[str, float]:
-    """`val/test_score/<data_source>` (mean score per data source) and `val/test_score/all`."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    for source, score in zip(batch.data_sources, batch.scores_b.tolist()):
-        groups[source].append(score)
-    metrics = {f"val/test_score/{s}": sum(v) / len(v) for s, v in sorted(groups.items())}
-    metrics["val/test_score/all"] = float(batch.scores_b.mean())
-    return metrics
-
-
 def model_passes(cfg: RLHFConfig) -> tuple[int, int]:
     """(forward-only passes, update epochs) of one step over its batch, all models."""
     critic = uses_critic(cfg)

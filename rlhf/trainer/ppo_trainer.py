@@ -23,13 +23,14 @@ from rlhf.distributed.context import ParallelContext
 from rlhf.logging import MetricTracker, StepProfiler, Timer
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.mapping import Placement
+from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.fleet import RolloutFleet
 from rlhf.rollout.generation import val_sampling_params, write_records
 from rlhf.trainer.early_stop import Decision, EarlyStopper
-from rlhf.trainer.export import export_hf, write_export_files
+from rlhf.trainer.export import write_model_exports
 from rlhf.trainer.megatron_model import TrainableMegatronModel
-from rlhf.trainer.metrics import model_passes, perf_metrics, rollout_metrics, validation_metrics
+from rlhf.trainer.metrics import model_passes, perf_metrics, rollout_metrics
 from rlhf.trainer.perf import measure_matmul_flops
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer
 from rlhf.trainer.setup import build_ppo_models, load_policy_arch
@@ -156,7 +157,11 @@ class PPOTrainer:
         assert self.val_data is not None
         prompts = list(self.val_data.prompts)
         result = self.rollout.validate(prompts, val_sampling_params(self.cfg))
-        return validation_metrics(self.models.score_model_rows(result).batch)
+        batch = self.models.score_model_rows(result).batch
+        texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        scores = batch.scores_b.tolist()
+        samples = val_samples(batch.data_sources, batch.uids, scores, texts, self.cfg.reward)
+        return validation_metrics(samples)
 
     # ---- checkpoints ------------------------------------------------------------------
 
@@ -185,20 +190,8 @@ class PPOTrainer:
                 model.save(tmp / name)
             save_trainer_state(tmp, self.state_dict(step), self.ctx.rank)
             if self.ctx.is_main:
-                self.write_actor_export(tmp / "actor")
+                write_model_exports(tmp, self.cfg, self.trained(), Placement.of(self.ctx))
         log.info("checkpoint of step %d written to %s", step, self.checkpoints.path_for(step))
-
-    def write_actor_export(self, actor_dir: Path) -> None:
-        """What `rlhf-convert mcore-to-hf` needs next to the actor; its HF copy when
-        `trainer.save_hf` (rlhf.trainer.export)."""
-        module, model_path = self.models.actor.module, self.cfg.actor_rollout_ref.model.path
-        dtype = DTYPES[self.cfg.actor_rollout_ref.actor.megatron.dtype]
-        placement = Placement.of(self.ctx)
-        write_export_files(
-            actor_dir, model_path, self.arch, module.padded_vocab_size, dtype, placement
-        )
-        if self.cfg.trainer.save_hf:
-            export_hf(actor_dir, actor_dir.with_name("actor_hf"))
 
     def load_models(self, path: Path) -> dict:
         """Actor, critic (model + optimizer + LR schedule) and the trainer state at `path`."""

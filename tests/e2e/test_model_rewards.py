@@ -3,8 +3,11 @@
 - A batch mixing rule rows (the arithmetic rule) and model rows (a tiny local
   `*ForSequenceClassification` reward model, `reward.model_path`) logs rewards of both
   styles, and every model row's logged score is HF's pooled logit of its prompt + response.
-- `trainer.save_hf` leaves an HF copy of the actor in the checkpoint, whose transformers
-  logits equal the checkpoint's Megatron forward (rlhf-convert verify, 1e-5).
+- `trainer.save_hf` leaves HF copies of the actor and the critic in the checkpoint. The
+  actor's transformers logits equal the checkpoint's Megatron forward (rlhf-convert verify,
+  1e-5). The critic's is a `*ForTokenClassification` model: run by transformers on the
+  next step's logged rollouts, its values average to the `critic/values/mean` the trainer
+  logged for that step (computed with the checkpointed critic).
 - `reward.url` sends the model rows to an endpoint (a judge this test runs on 127.0.0.1,
   scoring by response length); a dead endpoint fails the run with one line naming it.
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from rlhf.data.parquet import write_rows
 from rlhf.quickstart.arithmetic import make_problems
@@ -68,8 +71,8 @@ def records(run_dir: Path, step: int) -> list[dict]:
 
 def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, tmp_path):
     run_dir = tmp_path / "run"
-    args = ppo_overrides(tiny_qwen2_dir, mixed_data, run_dir, 1, f"reward.model_path={reward_dir}")
-    proc = train([*args, "trainer.save_hf=true"])
+    args = ppo_overrides(tiny_qwen2_dir, mixed_data, run_dir, 2, f"reward.model_path={reward_dir}")
+    proc = train([*args, "trainer.save_hf=true", "trainer.save_freq=1"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = metrics_by_step(run_dir)
     step = metrics[1]
@@ -92,6 +95,23 @@ def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, tmp_p
               str(checkpoint / "actor"), "--tol", "1e-5"]  # fmt: skip
     checked = subprocess.run(verify, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert checked.returncode == 0 and ": OK" in checked.stdout, checked.stderr[-3000:]
+    assert critic_values_mean(checkpoint / "critic_hf", records(run_dir, 2)) == pytest.approx(
+        metrics[2]["critic/values/mean"], abs=1e-5
+    )
+
+
+def critic_values_mean(critic_hf: Path, samples: list[dict]) -> float:
+    """The mean over every response token of an exported critic's value, as transformers
+    computes it: token t's value is the output at the position before t."""
+    critic = AutoModelForTokenClassification.from_pretrained(critic_hf).eval()
+    total, count = 0.0, 0
+    for sample in samples:
+        prompt, response = sample["prompt_ids"], sample["response_ids"]
+        with torch.no_grad():
+            values = critic(torch.tensor([prompt + response])).logits[0, :, 0]
+        total += values[len(prompt) - 1 : len(prompt) - 1 + len(response)].sum().item()
+        count += len(response)
+    return total / count
 
 
 def test_reward_endpoint_and_a_dead_one(tiny_qwen2_dir, mixed_data, tmp_path):

@@ -8,7 +8,8 @@
 - A trainer checkpoint's actor (TP2, PP2; 1 process: tests/e2e/test_model_rewards.py)
   exports with `rlhf-convert mcore-to-hf` to an HF directory whose transformers logits equal
   the trainer's Megatron forward at the checkpoint's own layout within 1e-5
-  (`rlhf-convert verify`).
+  (`rlhf-convert verify`); so does the PP2 critic (its value head is on the last stage), as
+  a `*ForTokenClassification` model.
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ def run_train(args: list[str], run_dir: Path, nproc: int = 1) -> str:
     return text
 
 
-def export_and_verify(run_dir: Path, step: int, tp: int = 1, pp: int = 1) -> None:
-    """rlhf-convert mcore-to-hf on checkpoint `step`'s actor, then verify at TP x PP."""
-    actor = run_dir / "checkpoints" / f"global_step_{step}" / "actor"
-    out = run_dir / f"hf_step_{step}"
+def export_and_verify(run_dir: Path, step: int, tp: int = 1, pp: int = 1, role="actor") -> None:
+    """rlhf-convert mcore-to-hf on checkpoint `step`'s actor (or critic), then verify at TP x
+    PP."""
+    actor = run_dir / "checkpoints" / f"global_step_{step}" / role
+    out = run_dir / f"{role}_hf_step_{step}"
     convert = [sys.executable, "-m", "rlhf.cli.convert"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     exported = subprocess.run([*convert, "mcore-to-hf", str(actor), str(out)], cwd=REPO,
@@ -182,5 +184,7 @@ def test_two_process_run_logs_the_metrics_of_one_process(
         export_and_verify(
             run_dir, 2, tp=2 if layout == "tp2" else 1, pp=2 if layout == "pp2" else 1
         )
+    if layout == "pp2":
+        export_and_verify(run_dir, 2, pp=2, role="critic")
     # SGLang's own log-probs of its fp32 greedy samples agree with the trainer's
     assert abs(rows[1]["rollout_corr/kl"]) < 1e-4 and rows[1]["rollout_corr/k3_kl"] < 1e-6
