@@ -82,16 +82,26 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def share_cpu_cores(processes_per_node: int) -> int:
-    """CPU runs: split this node's cores between the processes sharing them.
+def cpu_threads(active_processes: int) -> int:
+    """Threads for one of `active_processes` processes that compute at the same time on this
+    node's cores; an explicit OMP_NUM_THREADS wins.
 
-    Trainer ranks and SGLang servers run side by side on CPU; with every process using all
-    cores, OpenMP threads spin against each other and a step gets ~40x slower (measured on
-    2 cores). An explicit OMP_NUM_THREADS wins. Children (servers) inherit the setting.
+    The thread policy of CPU runs: the phases of a step are sequential (the trainer ranks wait
+    while the SGLang servers generate, the servers sleep while the trainer trains), so each
+    side gets all the cores, split only among its own processes: a trainer rank
+    cores / local ranks, a server cores / servers on the node. Idle processes must not spin:
+    servers run with SGLang's `--sleep-on-idle` (its scheduler otherwise busy-polls a core),
+    and OpenMP's idle threads sleep after a short spin. Measured on 2 cores
+    (benchmarks/ppo_vs_plain.py): one thread per process 3.1 s per step, this policy 1.9 s.
     """
-    if "OMP_NUM_THREADS" in os.environ:
-        return torch.get_num_threads()
-    threads = max(1, (os.cpu_count() or 1) // max(1, processes_per_node))
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+    explicit = os.environ.get("OMP_NUM_THREADS")
+    if explicit:
+        return max(1, int(explicit))
+    return max(1, (os.cpu_count() or 1) // max(1, active_processes))
+
+
+def share_cpu_cores(active_processes: int) -> int:
+    """Give this process `cpu_threads(active_processes)` torch threads (see there)."""
+    threads = cpu_threads(active_processes)
     torch.set_num_threads(threads)
     return threads

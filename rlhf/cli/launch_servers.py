@@ -35,7 +35,6 @@ from rlhf.config.engine_args import server_argv
 from rlhf.config.loader import ConfigError, build, load_config
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.server_group import KEY, ServerGroup
-from rlhf.utils import share_cpu_cores
 
 log = logging.getLogger("rlhf.launch_servers")
 
@@ -141,8 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"launch_servers: error: {e}", file=sys.stderr)
         return 2
-    if args.device == "cpu":
-        share_cpu_cores(args.num_servers)
     # Installed first: the group's own SIGTERM handler stops the servers, then chains here.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     group = ServerGroup(

@@ -54,11 +54,8 @@ def run(cfg: RLHFConfig) -> Path:
     run_dir = Path(cfg.trainer.default_local_dir)
     world = bootstrap.launched_world_size() or 1
     layout = validate_config(cfg, world, load_policy_arch(cfg))
-    if bootstrap.pick_device(cfg.trainer.device).type == "cpu":
-        rollout = cfg.actor_rollout_ref.rollout
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        servers = 0 if rollout.server_urls else rollout.num_servers
-        share_cpu_cores(local_ranks + servers)
+    if bootstrap.pick_device(cfg.trainer.device).type == "cpu":  # rlhf.utils.cpu_threads
+        share_cpu_cores(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     ctx = bootstrap.init_parallel(
         cfg.trainer.device,
         tp_size=layout.tp_size,

@@ -30,7 +30,7 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.rollout import sglang_api
 from rlhf.rollout.client import RETRIES_KEY, RetryPolicy
 from rlhf.rollout.sglang_server import SGLangServer, build_router_args, build_server_args
-from rlhf.utils import free_ports
+from rlhf.utils import cpu_threads, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ class ServerGroup:
                 max_total_tokens=self.max_total_tokens,
                 seed=self.seed + i,  # distinct sampling streams per server
                 base_gpu_id=i * tp if self.spread_gpus else None,
+                cpu_threads=cpu_threads(num),  # the node's servers generate together
             )
             self.servers.append(SGLangServer(launch, self.log_dir / f"sglang_server_{i}.log"))
             self.servers[-1].start()

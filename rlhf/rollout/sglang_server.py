@@ -51,11 +51,13 @@ def build_server_args(
     max_total_tokens: int | None = None,
     seed: int = 0,
     base_gpu_id: int | None = None,
+    cpu_threads: int = 1,
 ) -> ServerLaunch:
     """The `sglang.launch_server` command line and environment for `rollout` on `device`.
 
     `base_gpu_id`: first GPU of this server (several servers on one node take
     `tensor_model_parallel_size` GPUs each); None leaves SGLang's default, GPU 0.
+    `cpu_threads`: the server's OpenMP threads on CPU (`rlhf.utils.cpu_threads`).
     """
     argv = [
         sys.executable,
@@ -78,8 +80,10 @@ def build_server_args(
             "--disable-overlap-schedule",
             "--disable-cuda-graph",
             "--skip-server-warmup",
+            "--sleep-on-idle",  # the idle scheduler would busy-poll a core
         ]  # fmt: skip
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["OMP_NUM_THREADS"] = str(cpu_threads)
         if importlib.util.find_spec("sgl_kernel") is None:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(CPU_SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p

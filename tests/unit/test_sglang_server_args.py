@@ -10,6 +10,7 @@ import pytest
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.sglang_server import CPU_SHIM_DIR, build_server_args
+from rlhf.utils import cpu_threads
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -35,9 +36,12 @@ def test_config_maps_to_flags():
 
 
 def test_cpu_flags_and_kernel_stand_in():
-    launch = build_server_args(RolloutConfig(), "/m", port=1, device="cpu", max_total_tokens=4096)
+    launch = build_server_args(
+        RolloutConfig(), "/m", port=1, device="cpu", max_total_tokens=4096, cpu_threads=3
+    )
     argv = launch.argv
     assert flag(argv, "--device") == "cpu"
+    assert "--sleep-on-idle" in argv and launch.env["OMP_NUM_THREADS"] == "3"
     assert flag(argv, "--attention-backend") == "torch_native"
     assert flag(argv, "--max-total-tokens") == "4096"
     assert {"--disable-cuda-graph", "--disable-overlap-schedule", "--skip-server-warmup"} <= set(
@@ -120,3 +124,13 @@ def test_launch_servers_takes_engine_kwargs_from_a_config_and_flags(tmp_path):
     rollout = launch_servers.rollout_config(args)
     assert rollout.engine_kwargs.sglang == {"chunked_prefill_size": 4096, "max_running_requests": 7}
     assert launch_servers.main(["--model", "m", "--engine-kwarg", "no_such_arg=1"]) == 2
+
+
+def test_cpu_thread_policy(monkeypatch):
+    """Each side of a step gets the node's cores split among its own processes; an explicit
+    OMP_NUM_THREADS wins."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert [cpu_threads(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(1) == 3

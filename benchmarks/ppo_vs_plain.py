@@ -1,0 +1,186 @@
+"""rlhf's PPO step against a plain PyTorch loop doing the same work, back to back in one run.
+
+    python benchmarks/ppo_vs_plain.py [--steps 6 --hidden 256 --layers 3 --prompts 16 --n 2]
+
+Builds a tiny Qwen2 (random weights, the quickstart tokenizer) and the quickstart's problems,
+then runs `rlhf-train` (critic + GAE, KL in the reward, one epoch of one mini-batch, a real
+SGLang server) and `benchmarks/plain_ppo.py` (HF generate + padded forwards + AdamW in one
+process) for the same number of steps, with the same prompts per step, samples, response
+length and loss settings. The first step of each side is a warm-up and is left out of the
+medians.
+
+Prints one JSON object: for each side the median seconds per stage (`timing_s/*`), the
+median step, `startup_s` (launch to the start of the first step), `peak_pss_gb` (the
+largest sum over the side's processes, SGLang's included, of their proportional set size,
+sampled every 0.25 s); `step_ratio` (rlhf / plain; the aim is <= 0.5, the bar 0.75),
+`startup_ratio`; and the compute floor: the step's model FLOPs (generation = one forward per
+token, old log-probs, reference and values forwards, forward + backward of both updates)
+over a matmul rate measured in this run, with each side's step as a multiple of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
+          "update_actor", "update_weights", "step")  # fmt: skip
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="steps per side (1 warm-up)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=2)
+    parser.add_argument("--response", type=int, default=16)
+    parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
+    parser.add_argument("overrides", nargs="*", help="extra rlhf-train overrides (key=value)")
+    return parser.parse_args()
+
+
+class PeakPSS:
+    """The largest sum of PSS over a process and its descendants, sampled in a thread; also
+    the wall time `watch` (a file) first had content."""
+
+    def __init__(self, pid: int, watch: Path | None = None, interval_s: float = 0.25):
+        self.root, self.interval_s, self.peak = psutil.Process(pid), interval_s, 0
+        self.watch = watch
+        self.watch_seen: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            total = 0
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for proc in procs:
+                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                    total += proc.memory_full_info().pss
+            self.peak = max(self.peak, total)
+            watched = self.watch is not None and self.watch.is_file()
+            if self.watch_seen is None and watched and self.watch.stat().st_size:
+                self.watch_seen = time.time()
+            self._done.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def run_side(cmd: list[str], log: Path, watch: Path | None = None) -> tuple[float, PeakPSS]:
+    """Run `cmd` (stdout to `log`); (launch wall time, its finished PeakPSS)."""
+    launched = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        pss = PeakPSS(proc.pid, watch)
+        code = proc.wait()
+        pss.stop()
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed ({code}); see {log}")
+    return launched, pss
+
+
+def medians(rows: list[dict]) -> dict[str, float]:
+    timed = rows[1:] if len(rows) > 1 else rows  # the first step warms up
+    keys = [f"timing_s/{s}" for s in STAGES if f"timing_s/{s}" in timed[0]]
+    return {k: statistics.median(r[k] for r in timed) for k in keys}
+
+
+def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
+    run_dir = root / "rlhf_run"
+    overrides = [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", "data.val_files=null",
+        f"data.train_batch_size={args.prompts}", f"data.max_response_length={args.response}",
+        f"actor_rollout_ref.rollout.n={args.n}", f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
+        "trainer.logger=[console]", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+        f"critic.ppo_mini_batch_size={args.prompts}", "trainer.save_freq=-1", *args.overrides,
+    ]  # fmt: skip
+    config = str(REPO / "configs" / "quickstart_cpu.yaml")
+    cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", config, *overrides]
+    metrics = run_dir / "metrics.jsonl"
+    launched, pss = run_side(cmd, root / "rlhf.log", watch=metrics)
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert pss.watch_seen is not None and rows[0]["step"] == 1
+    # the first row is written when step 1 ends (within one sampling interval)
+    first_start = pss.watch_seen - rows[0]["timing_s/step"]
+    return {
+        "median_s": medians(rows), "startup_s": first_start - launched,
+        "peak_pss_gb": pss.peak / 1024**3,
+        "tokens": statistics.median(r["perf/total_num_tokens"] for r in rows),
+    }  # fmt: skip
+
+
+def plain_side(args, model: Path, train: Path, root: Path) -> dict:
+    cmd = [sys.executable, str(REPO / "benchmarks" / "plain_ppo.py"), str(model), str(train),
+           "--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
+           "--response", str(args.response)]  # fmt: skip
+    launched, pss = run_side(cmd, root / "plain.log")
+    lines = (root / "plain.log").read_text().splitlines()
+    rows = [json.loads(x) for x in lines if x.startswith("{")]
+    return {
+        "median_s": medians(rows), "startup_s": rows[0]["t_start"] - launched,
+        "peak_pss_gb": pss.peak / 1024**3,
+        "tokens": statistics.median(r["tokens"] for r in rows),
+    }  # fmt: skip
+
+
+def compute_floor_s(model: Path, tokens: float, samples: int) -> tuple[float, float]:
+    """(seconds, FLOPs) of the step's model FLOPs at this run's measured fp32 matmul rate."""
+    import torch
+
+    from rlhf.models.families import load_arch
+    from rlhf.trainer.perf import measure_matmul_flops, ppo_step_flops
+
+    arch = load_arch(model)
+    # forward-only: generation (one forward per token), old log-probs, reference, values;
+    # updates: actor and critic, one epoch each
+    flops = ppo_step_flops(arch, int(tokens), tokens / samples, 4, 2)
+    return flops / measure_matmul_flops(torch.device("cpu"), torch.float32), flops
+
+
+def main() -> None:
+    args = parse_args()
+    from rlhf.quickstart.data import write_quickstart_data
+    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.out or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        model = save_tiny_model(root / "model", TinyModelSpec.scaled(args.hidden, args.layers))
+        train, _ = write_quickstart_data(root / "data", num_train=256, num_val=8)
+        rlhf = rlhf_side(args, model, train, root)
+        plain = plain_side(args, model, train, root)
+        floor_s, flops = compute_floor_s(model, rlhf["tokens"], args.prompts * args.n)
+    step = {"rlhf": rlhf["median_s"]["timing_s/step"], "plain": plain["median_s"]["timing_s/step"]}
+    print(json.dumps({
+        "setup": {"hidden": args.hidden, "layers": args.layers, "prompts": args.prompts,
+                  "n": args.n, "response": args.response, "steps": args.steps},
+        "rlhf": rlhf, "plain": plain,
+        "step_ratio": step["rlhf"] / step["plain"],
+        "startup_ratio": rlhf["startup_s"] / plain["startup_s"],
+        "compute_floor": {"step_flops": flops, "floor_s": floor_s,
+                          "rlhf_x_floor": step["rlhf"] / floor_s,
+                          "plain_x_floor": step["plain"] / floor_s},
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
