@@ -9,7 +9,10 @@ local spec (CPU; unfused attention), per transformer layer
                                             linear's input in the model dtype
     rotary embedding      4 x T.d.e         cos/sin of q and k
     core attention        3 x T.q.e         q, k^T, v (k and v expanded to all query heads)
-                          a'.T^2.(4 + [e=2].2)  softmax output in fp32 (+ its bf16 copy)
+      packed rows         T.q.e + 4.a'.T    per-sample attention (`rlhf.models.packed_
+                                            attention`): its output and log-sum-exp
+      under Ulysses       a'.T^2.(4 + [e=2].2)  the masked row: softmax output in fp32
+                                            (+ its bf16 copy)
     output projection     T.q.e             its input
     SwiGLU MLP            5 x T.f'.e        fc1 output, silu output and product, fc2 input
 Transformer Engine (GPU; fused attention), estimated from the tensors TE's layers keep (not
@@ -26,9 +29,10 @@ attention's tensors (keeping its q, k, v inputs) and recomputes one layer's at a
 The peak of a training micro-batch adds to the saved tensors of all the stage's layers the
 larger of the last stage's log-prob head (logits T.V' in the model dtype and five fp32
 T.V' tensors: masked logits, shifted logits, exp, probs, then the gradient) and the
-backward of one layer: its recomputed tensors and, on the local spec, the a'.T^2 gradients
-of the softmax output, the scores and the scaled scores (12 bytes per score in fp32, 8 in
-bf16) alive at once while the layer's MLP and second norm tensors are already freed.
+backward of one layer: its recomputed tensors and, on the local spec under Ulysses, the
+a'.T^2 gradients of the softmax output, the scores and the scaled scores (12 bytes per score
+in fp32, 8 in bf16) alive at once while the layer's MLP and second norm tensors are
+already freed.
 """
 
 from __future__ import annotations
@@ -53,6 +57,12 @@ class ActivationShape:
     vocab: int  # V': vocabulary slice on this rank
     layers: int  # on this pipeline stage
     element: int  # bytes of the model dtype
+
+    @property
+    def masked_row(self) -> bool:
+        """The local spec attends over the whole row with a T^2 mask only under Ulysses;
+        otherwise per sample, without T^2 tensors."""
+        return self.row != self.tokens
 
     @classmethod
     def of(cls, arch: ModelArch, tokens: int, padded_vocab: int, *, tp: int, pp: int, sp: int,
@@ -89,6 +99,8 @@ def core_attention_bytes(s: ActivationShape, flash: bool) -> int:
     expanded = (
         3 * s.tokens * s.query * s.element - s.tokens * (s.query + 2 * s.key_value) * s.element
     )
+    if not s.masked_row:  # per-sample attention: its output and log-sum-exp
+        return expanded + s.tokens * s.query * s.element + 4 * s.heads * s.tokens
     return expanded + _scores(s)
 
 
@@ -117,7 +129,7 @@ def _attention_backward(s: ActivationShape, flash: bool) -> int:
     gradients of the softmax output, the scores and the scaled scores, three fp32 ones in
     fp32 (measured ~8 bytes per score in bf16, where the softmax runs in fp32 and its bf16
     gradients are cast), while the MLP and the second norm's tensors are already freed."""
-    if flash:
+    if flash or not s.masked_row:
         return 0
     scores = (12 if s.element == 4 else 8) * s.heads * s.row * s.row
     return max(0, scores - _mlp(s, flash) - _norms(s, flash) // 2)

@@ -23,8 +23,10 @@ def transformer_engine_usable() -> bool:
 def gpt_layer_spec(config: TransformerConfig, qk_layernorm: bool = False) -> ModuleSpec:
     """The transformer-layer spec for `config`: TE layers on GPU, local layers otherwise.
 
-    With a context-parallel size > 1 the core attention is wrapped in Ulysses sequence
-    parallelism (`rlhf.parallel.ulysses`), whatever the attention implementation.
+    The local spec's core attention computes packed rows per sample
+    (`rlhf.models.packed_attention`). With a context-parallel size > 1 the core attention is
+    Megatron's (masked on the local spec), wrapped in Ulysses sequence parallelism
+    (`rlhf.parallel.ulysses`).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -34,6 +36,10 @@ def gpt_layer_spec(config: TransformerConfig, qk_layernorm: bool = False) -> Mod
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
             normalization=config.normalization, qk_layernorm=qk_layernorm
         )
+        if config.context_parallel_size == 1:  # packed rows: attention per sample
+            from rlhf.models.packed_attention import PackedDotProductAttention
+
+            spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     if config.context_parallel_size > 1:
         from rlhf.parallel.ulysses import UlyssesAttention
 

@@ -3,9 +3,12 @@
 A micro-batch packs its samples (prompt + response each) back to back in one row of T
 tokens, so no compute goes to padding. Attention must not cross samples:
 
-- with the local (CPU) spec, a block-diagonal causal mask [1, 1, T, T] does it. Positions
-  are not restarted per sample: RoPE scores depend only on the distance between two tokens,
-  so a sample shifted along the row attends exactly as it would alone (tested against
+- with the local (CPU) spec, `PackedSeqParams` in the "sbhd" format give the samples'
+  boundaries and the core attention runs on each sample's slice
+  (`rlhf.models.packed_attention`), so a row costs the sum of its samples' squares; under
+  Ulysses SP a block-diagonal causal mask [1, 1, T, T] does it instead. Positions are not
+  restarted per sample: RoPE scores depend only on the distance between two tokens, so a
+  sample shifted along the row attends exactly as it would alone (tested against
   per-sample forwards);
 - with Transformer Engine (GPU), Megatron's THD path takes `PackedSeqParams` (cu_seqlens)
   built by `rlhf.data.packed`.
@@ -39,10 +42,11 @@ class MicroBatch:
     """Inputs of one packed forward.
 
     tokens, position_ids: [1, T]; attention_mask: [1, 1, T, T] bool, True = masked (local
-    spec) or None (THD: `packed_seq_params` set); labels: [1, T] the next token of each
-    position (meaningless at sample ends, which are never gathered); gather_index: [n, R]
-    row positions of each sample's response tokens (0 where masked); mask: [n, R];
-    sample_ids: the n samples, indices into the step's batch.
+    spec under Ulysses SP) or None (`packed_seq_params` set: THD, or "sbhd" sample
+    bounds); labels: [1, T] the next token of each position (meaningless at sample ends,
+    which are never gathered); gather_index: [n, R] row positions of each sample's response
+    tokens (0 where masked); mask: [n, R]; sample_ids: the n samples, indices into the
+    step's batch.
     """
 
     tokens: Tensor
@@ -110,6 +114,20 @@ class MicroBatch:
         )
 
 
+def sample_bounds_params(bounds: list[int]):
+    """`PackedSeqParams` ("sbhd") marking where each sample of a packed row starts and ends.
+
+    Positions run along the whole row, so the max_seqlen fields (which size Megatron's RoPE
+    table) are the row's length."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu, max_seqlen_q=bounds[-1], max_seqlen_kv=bounds[-1],
+    )  # fmt: skip
+
+
 def block_causal_mask(lengths: list[int]) -> Tensor:
     """[1, 1, T, T] True where attention is not allowed (other samples, or the future)."""
     segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
@@ -162,6 +180,8 @@ def build_micro_batch(
             packed.packed_seq_params(),
             packed.cu_seqlens_padded,
         )
+    elif multiple == 1:
+        positions, params = torch.arange(row_len), sample_bounds_params([*starts, row_len])
     else:
         positions = torch.arange(row_len)
         padding = row_len - sum(lengths)

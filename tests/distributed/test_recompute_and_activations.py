@@ -3,10 +3,12 @@
 
 - Selective and full recompute give the gradients of no recompute bit for bit, and lower
   the measured peak memory of a training micro-batch (torch.profiler's memory timeline,
-  `rlhf.memory.measure`): core attention's T^2 softmax tensors are the ones dropped first.
+  `rlhf.memory.measure`); full by more than 10%. Selective drops only the core attention's
+  tensors, which per-sample attention on packed rows keeps small (no T^2 softmax), so it
+  saves little here.
 - The planner's activation estimate (`rlhf.memory.activations`) is within 30% of the measured
   peak for each recompute setting, at two token budgets where different terms dominate
-  (the log-prob head at 256 tokens, the T^2 attention scores at 1024), in fp32 and bf16.
+  (the log-prob head at 256 tokens, the layers' tensors at 1024), in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def test_recompute_gives_the_same_gradients_with_less_memory(measured, recompute
         for name, grad in plain["grads"].items():
             assert torch.equal(recomputed["grads"][name], grad), (case, name)
         assert any(g.abs().max() > 0 for g in plain["grads"].values())
+    bound = 0.9 if recompute == "full" else 1.0
     for case in ("1024", "1024-bf16"):
-        assert measured[case][recompute]["peak"] < 0.9 * measured[case]["none"]["peak"]
+        assert measured[case][recompute]["peak"] < bound * measured[case]["none"]["peak"]
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])

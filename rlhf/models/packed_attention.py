@@ -1,0 +1,63 @@
+"""Causal attention within each sample of a packed row, for the local (non-TE) layer spec.
+
+A packed micro-batch puts many samples back to back in one row of T tokens. Megatron's local
+`DotProductAttention` can only mask: it computes all T x T scores and discards those across
+samples, so a row's attention costs T^2 instead of the sum of its samples' squares, and keeps a
+T x T softmax for the backward. `PackedDotProductAttention` is the local spec's core attention:
+given `PackedSeqParams` with `qkv_format="sbhd"` and the samples' boundaries (`cu_seqlens_q`),
+it runs causal `scaled_dot_product_attention` on each sample's slice of the row; without
+them (a plain causal batch, e.g. `rlhf-convert verify`) it is Megatron's own attention.
+Positions are not restarted per sample: RoPE scores depend only on the distance between two
+tokens. With Transformer Engine the THD path does the same in one fused kernel.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from torch import Tensor
+
+
+def sample_boundaries(packed_seq_params) -> list[int] | None:
+    """[0, end_1, ..., T] of a "sbhd" packed row, or None for an unpacked batch."""
+    if packed_seq_params is None or packed_seq_params.qkv_format != "sbhd":
+        return None
+    return [int(x) for x in packed_seq_params.cu_seqlens_q.tolist()]
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """Megatron's local core attention, computed per sample on packed rows (see the module)."""
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None):  # fmt: skip
+        bounds = sample_boundaries(packed_seq_params)
+        if bounds is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params)  # fmt: skip
+        # [s, b, heads, d] -> [b, heads, s, d]; grouped KV heads repeated for the queries
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        q = query.permute(1, 2, 0, 3)
+        k = key.repeat_interleave(groups, dim=2).permute(1, 2, 0, 3)
+        v = value.repeat_interleave(groups, dim=2).permute(1, 2, 0, 3)
+        scale = self.softmax_scale
+        if self.config.apply_query_key_layer_scaling:
+            scale *= self.layer_number  # Megatron divides it out of the scale, then back in
+        dropout = self.config.attention_dropout if self.training else 0.0
+        parts = [
+            F.scaled_dot_product_attention(
+                q[:, :, a:b],
+                k[:, :, a:b],
+                v[:, :, a:b],
+                is_causal=True,
+                scale=scale,
+                dropout_p=dropout,
+            )
+            for a, b in itertools.pairwise(bounds)
+            if b > a
+        ]
+        context = torch.cat(parts, dim=2)  # [b, heads, s, d]
+        s, b = query.shape[0], query.shape[1]
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
