@@ -14,13 +14,17 @@ Prints one JSON object:
   the training dtype (`--dtype`; bfloat16 is Megatron's mixed precision);
 - overhead: update_actor time / the time of a plain loop (forward, log-prob loss, backward,
   Adam step) over the same packed micro-batches on the same model — what the schedule,
-  loss bookkeeping and metric reductions cost.
+  loss bookkeeping and metric reductions cost;
+- packed_attention: that plain loop with attention per sample (what the trainer does,
+  `rlhf.models.packed_attention`) and with each packed row masked as a whole (T x T
+  scores), and the speedup of the former.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import tempfile
 import time
@@ -114,16 +118,29 @@ def run_stages(models, batch, algorithm, budget: int, kl_coef: float) -> dict[st
     return seconds
 
 
-def plain_update_seconds(module, micro_batches, vocab, temperature: float) -> float:
-    """Forward, log-prob loss, backward, Adam step over `micro_batches`: nothing else."""
+def plain_update_seconds(module, micro_batches, vocab, temperature: float,
+                         masked_rows: bool = False) -> float:  # fmt: skip
+    """Forward, log-prob loss, backward, Adam step over `micro_batches`: nothing else.
+
+    `masked_rows`: attend over each whole packed row with a block-diagonal T x T mask (the
+    local spec before per-sample attention) instead of per sample."""
     from rlhf.trainer.heads import token_logprobs
+    from rlhf.trainer.micro_batch import block_causal_mask
 
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-6)
+
+    def inputs(mb):
+        if not masked_rows or mb.packed_seq_params is None:
+            return mb.attention_mask, mb.packed_seq_params
+        bounds = mb.packed_seq_params.cu_seqlens_q.tolist()
+        lengths = [b - a for a, b in itertools.pairwise(bounds)]
+        return block_causal_mask(lengths).to(mb.tokens.device), None
 
     def one_step():
         optimizer.zero_grad()
         for mb in micro_batches:
-            logits = module(mb.tokens, mb.position_ids, mb.attention_mask)
+            mask, packed = inputs(mb)
+            logits = module(mb.tokens, mb.position_ids, mask, packed_seq_params=packed)
             logp, _ = token_logprobs(logits, mb, vocab, temperature)
             (-logp.sum() / max(1, int(mb.mask.sum()))).backward()
         optimizer.step()
@@ -167,6 +184,9 @@ def measure(args, model_dir: Path) -> dict:
     (micro_batches,) = models.planner.plan(batch, args.budget)
     head = models.logprob_head
     plain_s = plain_update_seconds(models.actor.module, micro_batches, head.vocab, head.temperature)
+    masked_s = plain_update_seconds(
+        models.actor.module, micro_batches, head.vocab, head.temperature, masked_rows=True
+    )
     num_params = sum(p.numel() for p in models.actor.module.parameters())
     bootstrap.teardown()
     return {
@@ -179,6 +199,11 @@ def measure(args, model_dir: Path) -> dict:
         "mfu": flops / stage_s["step"] / peak,
         "plain_update_s": round(plain_s, 4),
         "overhead": stage_s["update_actor"] / plain_s,
+        "packed_attention": {
+            "per_sample_update_s": round(plain_s, 4),
+            "masked_row_update_s": round(masked_s, 4),
+            "speedup": masked_s / plain_s,
+        },
         "device": env.device.type,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),

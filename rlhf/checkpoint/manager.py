@@ -3,10 +3,12 @@
 A run that is killed at any instant must resume from the last checkpoint that was fully written.
 So every step is written into a hidden temp dir, made durable (fsync), marked `COMPLETE`, and
 only then renamed to `global_step_<N>`; the pointer file is replaced atomically afterwards.
-Readers trust a directory only if it carries the marker. Layout (verl's names):
+Readers trust a directory only if it carries the marker, and its files still have the sizes
+the marker recorded (`damage`): a truncated or missing file makes the resume fall back to the
+previous complete checkpoint, saying so in one line. Layout (verl's names):
 
     root/latest_checkpointed_iteration.txt   N of the newest checkpoint
-    root/global_step_<N>/COMPLETE            {"step", "time", "world_size"}
+    root/global_step_<N>/COMPLETE            {"step", "time", "world_size", "files"}
     root/.tmp_global_step_<N>/               being written; removed when a manager starts
 """
 
@@ -72,6 +74,31 @@ def is_complete(path: Path) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file()
 
 
+def file_sizes(path: Path) -> dict[str, int]:
+    """Bytes of every file under a checkpoint directory (but its marker), by relative path."""
+    return {
+        str(f.relative_to(path)): f.stat().st_size
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != COMPLETE_MARKER
+    }
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files against the sizes its marker recorded
+    (None: intact, or written before sizes were recorded)."""
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return f"its {COMPLETE_MARKER} marker is unreadable"
+    for name, size in marker.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
 def step_of(path: Path | str) -> int:
     """The step N of a `global_step_<N>` directory."""
     match = _STEP_RE.match(Path(path).name)
@@ -112,18 +139,29 @@ def _unfinished(root: Path) -> list[str]:
 
 
 def find_latest(root: Path) -> Path | None:
-    """The pointer's checkpoint if complete, else the highest complete one, else None."""
+    """The pointer's checkpoint if complete and intact, else the highest complete, intact one
+    (each damaged one said in a warning), else None."""
+    steps = complete_steps_in(root)[::-1]
     step = read_pointer(root)
     if step is not None:
-        path = root / f"{STEP_PREFIX}{step}"
-        if is_complete(path):
-            return path
-        log.warning("checkpoint pointer names step %d but %s is missing or incomplete", step, path)
+        if step in steps:
+            steps.remove(step)
+            steps.insert(0, step)
+        else:
+            path = root / f"{STEP_PREFIX}{step}"
+            log.warning(
+                "checkpoint pointer names step %d but %s is missing or incomplete", step, path
+            )
     unfinished = _unfinished(root)
     if unfinished:
         log.warning("ignoring unfinished checkpoints in %s: %s", root, ", ".join(unfinished))
-    steps = complete_steps_in(root)
-    return root / f"{STEP_PREFIX}{steps[-1]}" if steps else None
+    for candidate in steps:
+        path = root / f"{STEP_PREFIX}{candidate}"
+        problem = damage(path)
+        if problem is None:
+            return path
+        log.warning("checkpoint %s is damaged (%s); falling back to an earlier one", path, problem)
+    return None
 
 
 def _distributed() -> bool:
@@ -180,6 +218,11 @@ class CheckpointManager:
             return self.latest()
         path = Path(mode).expanduser()
         if path.is_dir() and is_complete(path):
+            problem = damage(path)
+            if problem is not None:
+                raise FileNotFoundError(
+                    f"resume_mode={mode!r}: the checkpoint is damaged: {problem}"
+                )
             return path
         if path.is_dir() and not _STEP_RE.match(path.name):
             found = find_latest(path)
@@ -230,7 +273,8 @@ class CheckpointManager:
     def _publish(self, tmp: Path, step: int) -> None:
         fsync_tree(tmp)
         world_size = dist.get_world_size() if _distributed() else 1
-        marker = {"step": step, "time": time.time(), "world_size": world_size}
+        marker = {"step": step, "time": time.time(), "world_size": world_size,
+                  "files": file_sizes(tmp)}  # fmt: skip
         write_durable(tmp / COMPLETE_MARKER, json.dumps(marker).encode())
         final = self.path_for(step)
         old = self.root / f"{OLD_PREFIX}{step}"

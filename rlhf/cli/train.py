@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validate_config
 from rlhf.config.validate import ignored_settings
 from rlhf.data.parquet import DataError
@@ -45,13 +46,23 @@ def resolve(args: argparse.Namespace) -> RLHFConfig:
 
 
 def run(cfg: RLHFConfig) -> Path:
-    """Check the config against the launched world and the model, bootstrap, then train."""
+    """Lock the run directory (main rank), check the config against the launched world and
+    the model, bootstrap, then train."""
+    run_dir = Path(cfg.trainer.default_local_dir)
+    lock = RunDirLock(run_dir).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        return _run(cfg, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
     from rlhf.distributed import bootstrap
     from rlhf.trainer.ppo_trainer import PPOTrainer
     from rlhf.trainer.setup import load_policy_arch
     from rlhf.utils import share_cpu_cores
 
-    run_dir = Path(cfg.trainer.default_local_dir)
     world = bootstrap.launched_world_size() or 1
     layout = validate_config(cfg, world, load_policy_arch(cfg))
     if bootstrap.pick_device(cfg.trainer.device).type == "cpu":  # rlhf.utils.cpu_threads
@@ -109,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         run(cfg)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError, NotADirectoryError, PermissionError,
+            RunDirBusy) as e:  # fmt: skip
         print(f"rlhf-train: error: {e}", file=sys.stderr)
         return 2
     except (GenerateError, TimeoutError) as e:  # servers unreachable or never healthy
@@ -117,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except RemoteRewardError as e:  # reward.url unreachable or answering wrongly
         print(f"rlhf-train: reward failed: {e}", file=sys.stderr)
+        return 1
+    except FloatingPointError as e:  # rlhf.trainer.nonfinite: a NaN/inf found in a step
+        print(f"rlhf-train: stopped: {e}", file=sys.stderr)
         return 1
     return 0
 

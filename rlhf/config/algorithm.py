@@ -34,6 +34,12 @@ class RolloutCorrectionConfig:
         "per response (truncated importance sampling; null: off, mismatch metrics still logged)",
     )
     rollout_is_threshold: float = doc(2.0, "cap of the importance weights", gt=0)
+    bypass_mode: bool = doc(
+        False,
+        "use the engine's log-probs of the sampled tokens as the old log-probs and skip the "
+        "actor's forward before the updates (fp32 on CPU they agree with the trainer's within "
+        "1e-7; in bf16 the PPO ratio is then taken against the sampling policy itself)",
+    )
 
 
 @dataclass

@@ -34,6 +34,7 @@ BadRows = Literal["error", "skip"]
 GSM8KMethod = Literal["strict", "flexible"]
 Device = Literal["auto", "cuda", "cpu"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
+OnNonFinite = Literal["stop", "skip"]
 
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
 CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)  # the estimators that need a value model

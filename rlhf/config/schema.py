@@ -21,6 +21,7 @@ from rlhf.config.choices import (
     Logger,
     LossAggMode,
     LRDecayStyle,
+    OnNonFinite,
     PolicyLossMode,
     RecomputeGranularity,
     RecomputeMethod,
@@ -312,6 +313,11 @@ class TrainerConfig:
         None, "keep only the newest K checkpoints (null: keep all)", gt=0
     )
     early_stop: EarlyStopConfig = doc(EarlyStopConfig, "early stopping and rollback")
+    on_nonfinite: OnNonFinite = doc(
+        "stop",
+        "a NaN/inf in a step's log-probs, values, advantages, losses or gradients: stop the "
+        "run with one line naming it, or skip that update (weights stay as they were)",
+    )
 
 
 @dataclass

@@ -262,6 +262,12 @@ def _check_reward(cfg: RLHFConfig) -> None:
         )
     if reward.url and not reward.url.startswith(("http://", "https://")):
         raise ConfigError(f"reward.url: {reward.url!r} is not a URL like http://host:port/path")
+    correction = cfg.algorithm.rollout_correction
+    if correction.bypass_mode and correction.rollout_is is not None:
+        raise ConfigError(
+            "algorithm.rollout_correction.bypass_mode takes the engine's log-probs as the old "
+            f"ones, so rollout_is={correction.rollout_is} would weight by 1: set one of them"
+        )
 
 
 def _check_engine_kwargs(cfg: RLHFConfig) -> None:

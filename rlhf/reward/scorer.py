@@ -48,10 +48,17 @@ def _score_in_worker(item: RewardInput) -> float:
     return _rule_score(_WORKER_FN, item)
 
 
+class NonFiniteReward(FloatingPointError):
+    """A reward function returned NaN or inf (the message names the sample)."""
+
+
 def _rule_score(fn: RewardFn, item: RewardInput) -> float:
     score = float(fn(item.data_source, item.response_text, item.ground_truth, item.extra_info))
     if not math.isfinite(score):
-        raise ValueError(f"the reward of data_source {item.data_source!r} returned {score}")
+        raise NonFiniteReward(
+            f"the reward function of data_source {item.data_source!r} returned {score} for "
+            f"the response {item.response_text[:80]!r} (ground truth {item.ground_truth!r})"
+        )
     return score
 
 

@@ -175,7 +175,10 @@ class SGLangEngine:
         seed: int = 0,
         max_total_tokens: int | None = None,
         on_restart: Callable[[str], None] | None = None,
+        wait: bool = True,
     ):
+        """`wait=False`: return once the servers are launched; call `wait_ready()` before
+        generating."""
         self.group = ServerGroup(
             rollout,
             model_path,
@@ -184,15 +187,25 @@ class SGLangEngine:
             seed=seed,
             max_total_tokens=max_total_tokens,
             on_restart=on_restart,
-        ).start()
+        ).start(wait=False)
+        self.rollout = rollout
+        self.client: GenerateClient | None = None
+        self.last_stats: RolloutStats | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until every server (and the router) is healthy; then /generate can go to them."""
+        if self.client is not None:
+            return
+        self.group.wait_ready()
         self.client = GenerateClient(
             self.group.generate_urls,
-            max_concurrent=rollout.max_concurrent_requests,
-            timeout_s=rollout.request_timeout_s,
-            retry=RetryPolicy.from_config(rollout),
+            max_concurrent=self.rollout.max_concurrent_requests,
+            timeout_s=self.rollout.request_timeout_s,
+            retry=RetryPolicy.from_config(self.rollout),
             recover=self.group.recover,
         )
-        self.last_stats: RolloutStats | None = None
 
     @property
     def server_urls(self) -> list[str]:
@@ -208,6 +221,8 @@ class SGLangEngine:
         empty = [i for i, p in enumerate(prompts) if not p]
         if empty:
             raise ValueError(f"prompts {empty[:10]} have no tokens")
+        self.wait_ready()
+        assert self.client is not None
         requests = request_payloads(prompts, params)
         start = time.perf_counter()
         results = self.client.generate([payload for _, payload in requests]) if requests else []

@@ -53,6 +53,7 @@ class RolloutFleet:
                 rollout, cfg.actor_rollout_ref.model.path, log_dir=self.node_dir / "logs",
                 device=ctx.device.type, seed=cfg.data.seed,
                 max_total_tokens=kv_cache_tokens(cfg, max_prompts) if cpu else None,
+                wait=False,  # PPOTrainer builds its models while SGLang loads: wait_ready()
             )  # fmt: skip
         self.server_urls = self._node_server_urls()
         # Colocated on GPUs: SGLang gives its memory to training between generations.
@@ -64,6 +65,11 @@ class RolloutFleet:
                 "rollout.free_cache_engine: no effect on CPU (SGLang's memory release needs "
                 "CUDA); the servers keep their weights and KV cache"
             )
+
+    def wait_ready(self) -> None:
+        """Until this rank's servers are healthy (they were launched without waiting)."""
+        if self.engine is not None:
+            self.engine.wait_ready()
 
     def release_memory(self) -> None:
         """Sleep: the engine's servers free their weights and KV cache (GPU, colocated)."""

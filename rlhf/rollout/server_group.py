@@ -90,8 +90,11 @@ class ServerGroup:
         """Where /generate goes: the router, or every server."""
         return [self.router.url] if self.router else self.server_urls
 
-    def start(self) -> ServerGroup:
-        """Launch or check the servers (and the router); on any failure stop what started."""
+    def start(self, wait: bool = True) -> ServerGroup:
+        """Launch or check the servers (and the router); on any failure stop what started.
+
+        `wait=False` returns once the server processes are started (their URLs known), so
+        the caller can build its models while SGLang loads; `wait_ready()` then finishes."""
         self._install_sigterm()
         try:
             if self.external:
@@ -99,7 +102,17 @@ class ServerGroup:
                     self._check_external(url)
             else:
                 self._run_on_launcher(self._launch_servers)
-            if self.rollout.use_router:
+        except BaseException:
+            self.stop()
+            raise
+        return self.wait_ready() if wait else self
+
+    def wait_ready(self) -> ServerGroup:
+        """Wait until every launched server is healthy, then start the router (if any)."""
+        try:
+            for server in self.servers:
+                server.wait_healthy(self.rollout.server_startup_timeout_s)
+            if self.rollout.use_router and self.router is None:
                 self._run_on_launcher(self._launch_router)
         except BaseException:
             self.stop()
@@ -128,8 +141,6 @@ class ServerGroup:
             )
             self.servers.append(SGLangServer(launch, self.log_dir / f"sglang_server_{i}.log"))
             self.servers[-1].start()
-        for server in self.servers:
-            server.wait_healthy(self.rollout.server_startup_timeout_s)
 
     def _check_external(self, url: str) -> None:
         """Health-check an external server with the request retry policy; raise naming it."""

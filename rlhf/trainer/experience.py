@@ -17,7 +17,8 @@ class Experience:
     beyond each response (`batch.mask_bt()`), identical on every rank:
 
     old_logprobs_bt / old_entropy_bt: the actor's log-probs of the response tokens and its
-        entropies before the update (at the rollout temperature);
+        entropies before the update (at the rollout temperature); under
+        `algorithm.rollout_correction.bypass_mode` the engine's log-probs and no entropies;
     ref_logprobs_bt: the frozen reference's log-probs (None without a reference);
     values_bt: the critic's values before the update (None without a critic);
     token_rewards_bt: score at the last token minus the KL penalty (beta x KL) per token;
@@ -29,7 +30,7 @@ class Experience:
 
     batch: RolloutBatch
     old_logprobs_bt: Tensor
-    old_entropy_bt: Tensor
+    old_entropy_bt: Tensor | None
     ref_logprobs_bt: Tensor | None
     values_bt: Tensor | None
     token_rewards_bt: Tensor

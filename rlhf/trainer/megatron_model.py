@@ -12,6 +12,7 @@ over DP x CP; `loss_scale` undoes all three.
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from rlhf.config.schema import OptimConfig
 from rlhf.distributed.context import ParallelContext
 from rlhf.trainer.micro_batch import MicroBatch
+from rlhf.trainer.nonfinite import tensors_finite
 from rlhf.trainer.offload import ModelOffloader
 from rlhf.trainer.optimizer_shards import (
     OptimizerCoordinate,
@@ -170,18 +172,31 @@ class TrainableMegatronModel(MegatronModel):
         """One optimizer step over this rank's micro-batches of a mini-batch.
 
         Returns the summed head metrics (over micro-batches and DP ranks, i.e. the
-        mini-batch values) plus `grad_norm` and `lr`; identical on every rank.
+        mini-batch values) plus `grad_norm`, `lr` and `skipped_updates` (1 when a gradient
+        was not finite on some rank and no step was taken); identical on every rank.
         """
         with self.on_device():
             outputs = self.compute_gradients(micro_batches, head)
-            ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: non-finite gradients")
-        self.scheduler.step(increment=1)
+            finite = self.gradients_finite()
+            if finite:
+                ok, grad_norm, _ = self.optimizer.step()
+                finite = bool(ok)
         metrics = reduce_metrics(outputs, self.ctx)
-        metrics["grad_norm"] = float(grad_norm)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        return metrics
+        if not finite:  # no step: weights and optimizer state stay (rlhf.trainer.nonfinite)
+            return metrics | {"grad_norm": math.nan, "skipped_updates": 1.0}
+        self.scheduler.step(increment=1)
+        return metrics | {"grad_norm": float(grad_norm), "skipped_updates": 0.0}
+
+    def gradients_finite(self) -> bool:
+        """Every parameter's gradient finite on every rank (before the optimizer runs)."""
+        grads = [p.main_grad for p in self.module.parameters() if p.requires_grad]
+        return tensors_finite(grads, self.ctx.device)
+
+    def weights_finite(self) -> bool:
+        """Every parameter finite on every rank (before a checkpoint is written)."""
+        with self.on_device():
+            return tensors_finite([p.data for p in self.module.parameters()], self.ctx.device)
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
         model_sd = self.module.sharded_state_dict()

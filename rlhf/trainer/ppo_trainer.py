@@ -31,6 +31,7 @@ from rlhf.trainer.early_stop import Decision, EarlyStopper
 from rlhf.trainer.export import write_model_exports
 from rlhf.trainer.megatron_model import TrainableMegatronModel
 from rlhf.trainer.metrics import model_passes, perf_metrics, rollout_metrics
+from rlhf.trainer.nonfinite import NonFiniteError, check_scores
 from rlhf.trainer.perf import measure_matmul_flops
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer
 from rlhf.trainer.setup import build_ppo_models, load_policy_arch
@@ -67,27 +68,40 @@ class PPOTrainer:
             cfg.trainer.total_epochs * self.sampler.steps_per_epoch
         )
         self.log_memory_plan()
+        self.checkpoints = CheckpointManager(
+            run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep
+        )
+        # before any server starts: a missing or damaged checkpoint fails (or falls back) now
+        self.resume_path = self.checkpoints.resolve_resume(cfg.trainer.resume_mode)
+        num_val = len(self.val_data) if self.val_data is not None else 0
+        max_prompts = max(cfg.data.train_batch_size, num_val)
+        # SGLang starts loading now; the models are built meanwhile, then wait_ready()
+        self.rollout = RolloutFleet(cfg, ctx, run_dir, self.tokenizer, max_prompts)
+        try:
+            self.build_training_side()
+            self.rollout.wait_ready()
+            self.syncer = build_weight_syncer(
+                rollout, self.rollout.server_urls, self.arch,
+                SyncTopology.of(ctx, per_node=self.rollout.per_node),
+                run_dir=self.rollout.node_dir, model_path=cfg.actor_rollout_ref.model.path,
+            )  # fmt: skip
+        except BaseException:
+            self.rollout.shutdown()
+            raise
+        self.rollout.on_server_restart(self.syncer.resync_server)
+
+    def build_training_side(self) -> None:
+        """Models, controllers, profiler, the MFU yardstick and the tracker."""
+        cfg, ctx = self.cfg, self.ctx
         self.models = build_ppo_models(cfg, self.arch, ctx, self.total_steps)
         self.passes = model_passes(cfg)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.stopper = EarlyStopper(cfg.trainer.early_stop, cfg.algorithm.kl_ctrl.target_kl)
-        self.checkpoints = CheckpointManager(
-            run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep
-        )
         self.profiler = StepProfiler.from_config(cfg)
         self.peak_flops = measure_matmul_flops(
             ctx.device, DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
         )
         self.tracker = MetricTracker.from_config(cfg) if ctx.is_main else None
-        num_val = len(self.val_data) if self.val_data is not None else 0
-        max_prompts = max(cfg.data.train_batch_size, num_val)
-        self.rollout = RolloutFleet(cfg, ctx, run_dir, self.tokenizer, max_prompts)
-        self.syncer = build_weight_syncer(
-            rollout, self.rollout.server_urls, self.arch,
-            SyncTopology.of(ctx, per_node=self.rollout.per_node),
-            run_dir=self.rollout.node_dir, model_path=cfg.actor_rollout_ref.model.path,
-        )  # fmt: skip
-        self.rollout.on_server_restart(self.syncer.resync_server)
 
     def log_memory_plan(self) -> None:
         """The planner's per-GPU table (rlhf.memory), once, before the models are built."""
@@ -128,6 +142,7 @@ class PPOTrainer:
                 self.rollout, self.sampler, self.train_data, self.cfg,
                 self.models.score_model_rows,
             )  # fmt: skip
+        check_scores(batch)
         self.rollout.release_memory()  # GPU, colocated: training gets SGLang's memory
         reward_s = sum(r.reward_s for r in results)
         timer.seconds["gen"] -= reward_s  # scoring ran inside the gen stage
@@ -150,7 +165,8 @@ class PPOTrainer:
         metrics |= timer.metrics() | {"timing_s/step": step_s}
         world, peak = self.ctx.world_size, self.peak_flops
         metrics |= perf_metrics(self.arch, batch, step_s, world, peak, self.passes)
-        metrics["actor/entropy_old"] = float(masked_mean(exp.old_entropy_bt, batch.mask_bt()))
+        if exp.old_entropy_bt is not None:  # not under rollout_correction.bypass_mode
+            metrics["actor/entropy_old"] = float(masked_mean(exp.old_entropy_bt, batch.mask_bt()))
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -158,6 +174,7 @@ class PPOTrainer:
         prompts = list(self.val_data.prompts)
         result = self.rollout.validate(prompts, val_sampling_params(self.cfg))
         batch = self.models.score_model_rows(result).batch
+        check_scores(batch)
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         scores = batch.scores_b.tolist()
         samples = val_samples(batch.data_sources, batch.uids, scores, texts, self.cfg.reward)
@@ -180,6 +197,13 @@ class PPOTrainer:
         }
 
     def save_checkpoint(self, step: int) -> None:
+        """The models, optimizer and trainer state at `step`; never from non-finite weights
+        (the previous checkpoint stays the latest)."""
+        for name, model in self.trained().items():
+            if not model.weights_finite():
+                raise NonFiniteError(
+                    f"step {step}: the {name}'s weights are not finite; checkpoint not written"
+                )
         with self.checkpoints.writing(step) as tmp:
             if self.ctx.is_main:
                 for name in self.trained():
@@ -205,7 +229,7 @@ class PPOTrainer:
 
     def resume(self) -> int:
         """Load the checkpoint `trainer.resume_mode` names; the step to continue after."""
-        path = self.checkpoints.resolve_resume(self.cfg.trainer.resume_mode)
+        path = self.resume_path
         if path is None:
             return 0
         state = self.load_models(path)
@@ -251,7 +275,15 @@ class PPOTrainer:
         while step < self.total_steps:
             step += 1
             with self.profiler.step(step):
-                metrics = self.train_step(step)
+                try:
+                    metrics = self.train_step(step)
+                except NonFiniteError as e:
+                    raise NonFiniteError(f"step {step}: {e}") from None
+            found = [k.removeprefix("nonfinite/") for k in metrics if k.startswith("nonfinite/")]
+            if found:
+                what = "the step" if "training/skipped_step" in metrics else "updates"
+                log.warning("step %d: skipped %s, not finite: %s (trainer.on_nonfinite=skip)",
+                            step, what, ", ".join(found))  # fmt: skip
             decision = self.stopper.observe_step(
                 step, metrics.get("actor/reward_kl_penalty"), metrics["critic/score/mean"]
             )

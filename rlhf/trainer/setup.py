@@ -132,6 +132,7 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int
     update = UpdateSpec(
         "critic", critic, budget, cfg.critic.ppo_mini_batch_size * n, cfg.critic.ppo_epochs,
         functools.partial(ValueLossHead, cfg.critic, norm),
+        on_nonfinite=cfg.trainer.on_nonfinite,
     )  # fmt: skip
     return critic, update
 
@@ -163,7 +164,7 @@ def build_ppo_models(
     actor_update = UpdateSpec(
         "actor", actor, budgets.actor, aro.actor.ppo_mini_batch_size * n, aro.actor.ppo_epochs,
         functools.partial(PolicyLossHead, vocab, temperature, aro.actor, norm),
-        kl_bound=cfg.trainer.early_stop.ppo_kl_bound,
+        kl_bound=cfg.trainer.early_stop.ppo_kl_bound, on_nonfinite=cfg.trainer.on_nonfinite,
     )  # fmt: skip
     planner = MicroBatchPlanner(ctx, use_thd(ctx))
     reward = RewardModelScorer.from_config(cfg, ctx, planner, budgets.ref) or require_scored

@@ -31,6 +31,7 @@ from rlhf.trainer.megatron_model import (
     gather_per_sample,
 )
 from rlhf.trainer.micro_batch import MicroBatch, MicroBatchPlanner
+from rlhf.trainer.nonfinite import NonFiniteError, nonfinite_marks, nonfinite_metrics
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class UpdateSpec:
 
     role: 'actor' or 'critic' (the prefix of its grad_norm and lr metrics); token_budget:
     tokens per micro-batch; mini_batch_samples: samples per optimizer step; kl_bound: end
-    the step's epochs once a mini-batch's actor/ppo_kl exceeds it (None: never).
+    the step's epochs once a mini-batch's actor/ppo_kl exceeds it (None: never);
+    on_nonfinite: `trainer.on_nonfinite` for a mini-batch whose gradients are not finite.
     """
 
     role: str
@@ -54,6 +56,7 @@ class UpdateSpec:
     epochs: int
     loss_head: LossHeadFactory
     kl_bound: float | None = None
+    on_nonfinite: str = "stop"  # trainer.on_nonfinite (rlhf.trainer.nonfinite)
 
 
 def forward_outputs(
@@ -104,14 +107,15 @@ def probe_logprobs(
 
 
 def build_experience(
-    batch: RolloutBatch, old: tuple[Tensor, Tensor], ref_logprobs_bt: Tensor | None,
+    batch: RolloutBatch, old: tuple[Tensor, Tensor | None], ref_logprobs_bt: Tensor | None,
     values_bt: Tensor | None, algo: AlgorithmConfig, kl_coef: float,
 ) -> tuple[Experience, dict[str, float]]:  # fmt: skip
     """Token rewards (score - beta * KL), advantages, returns; the step's KL and reward metrics.
 
-    `old` is the actor's (log-probs, entropies). With a reference, the KL reported (and fed
-    to the controller) is the mean over responses of each response's mean per-token KL, as
-    in verl; beta is `kl_coef` when `algo.use_kl_in_reward`, else 0.
+    `old` is the actor's (log-probs, entropies), or the engine's log-probs and None
+    (`rollout_correction.bypass_mode`: no mismatch to measure). With a reference, the KL
+    reported (and fed to the controller) is the mean over responses of each response's mean
+    per-token KL, as in verl; beta is `kl_coef` when `algo.use_kl_in_reward`, else 0.
     """
     old_logprobs_bt, old_entropy_bt = old
     mask = batch.mask_bt()
@@ -129,7 +133,9 @@ def build_experience(
         algo.adv_estimator, rewards, mask, values_bt=values_bt, uids=batch.uids,
         gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std_in_grpo,
     )  # fmt: skip
-    weights, metrics_is = rollout_correction(batch, old_logprobs_bt, algo.rollout_correction)
+    weights, metrics_is = None, dict[str, float]()
+    if not algo.rollout_correction.bypass_mode:
+        weights, metrics_is = rollout_correction(batch, old_logprobs_bt, algo.rollout_correction)
     experience = Experience(
         batch, old_logprobs_bt, old_entropy_bt, ref_logprobs_bt, values_bt, rewards,
         out.advantages_bt, out.returns_bt, weights,
@@ -166,6 +172,19 @@ def rollout_correction(
     return weights, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
+def _nonfinite_update(spec: UpdateSpec, metrics: dict[str, float]) -> list[str]:
+    """What a mini-batch whose gradients were not finite (no step was taken) found; raises
+    under `trainer.on_nonfinite=stop`."""
+    names = [f"{spec.role}/{n}" if "/" not in n else n for n in nonfinite_metrics(metrics)]
+    names = names or [f"{spec.role}/gradients"]
+    if spec.on_nonfinite == "stop":
+        raise NonFiniteError(
+            f"{spec.role} update: not finite: {', '.join(names)} (trainer.on_nonfinite=stop; "
+            "skip would skip such updates)"
+        )
+    return names
+
+
 def mini_batch_counts(micro_batches: list[MicroBatch], planner: MicroBatchPlanner) -> BatchCounts:
     """Response tokens / responses of a whole mini-batch (this rank's micro-batches, all DP)."""
     ctx = planner.ctx
@@ -177,7 +196,8 @@ def mini_batch_counts(micro_batches: list[MicroBatch], planner: MicroBatchPlanne
 def run_updates(spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner) -> dict[str, float]:
     """`spec.epochs` passes of one optimizer step per mini-batch; metrics averaged over steps.
 
-    grad_norm and lr come back as `<role>/grad_norm` and `<role>/lr`.
+    grad_norm, lr and the count of skipped updates come back as `<role>/grad_norm`,
+    `<role>/lr` and `<role>/skipped_updates` (the means are over the updates taken).
     """
     with spec.model.on_device():  # one reload for all mini-batches of an offloaded model
         return _run_updates(spec, exp, planner)
@@ -186,12 +206,17 @@ def run_updates(spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner) -
 def _run_updates(spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner) -> dict[str, float]:
     minis = planner.plan(exp.batch, spec.token_budget, spec.mini_batch_samples)
     totals: dict[str, float] = {}
-    steps = 0
+    steps = skipped = 0
     stop_note: dict[str, float] = {}
+    found: list[str] = []
     for epoch in range(spec.epochs):
         for micro_batches in minis:
             head = spec.loss_head(exp, mini_batch_counts(micro_batches, planner))
             metrics = spec.model.train_mini_batch(micro_batches, head)
+            if metrics.pop("skipped_updates"):
+                skipped += 1
+                found += _nonfinite_update(spec, metrics)
+                continue
             steps += 1
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v
@@ -206,5 +231,7 @@ def _run_updates(spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner) 
         if stop_note:
             break
     averaged = {k: v / steps for k, v in totals.items()} | stop_note
-    prefixed = ("grad_norm", "lr")
-    return {(f"{spec.role}/{k}" if k in prefixed else k): v for k, v in averaged.items()}
+    averaged["skipped_updates"] = float(skipped)
+    prefixed = ("grad_norm", "lr", "skipped_updates")
+    named = {(f"{spec.role}/{k}" if k in prefixed else k): v for k, v in averaged.items()}
+    return named | nonfinite_marks(sorted(set(found)))

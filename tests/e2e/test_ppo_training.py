@@ -4,7 +4,8 @@
   and then logs exactly the per-step metrics of an uninterrupted run (greedy rollouts make
   SGLang's sampling deterministic): losses, grad norms, LR, KL coefficient, rewards.
 - 2-process torchrun runs (DP=2, TP=2, PP=2, Ulysses SP=2) log the metric values of the
-  1-process run.
+  1-process run; so does a 1-process run with `algorithm.rollout_correction.bypass_mode`
+  (the engine's fp32 log-probs as the old ones, no old-log-prob pass).
 - A trainer checkpoint's actor (TP2, PP2; 1 process: tests/e2e/test_model_rewards.py)
   exports with `rlhf-convert mcore-to-hf` to an HF directory whose transformers logits equal
   the trainer's Megatron forward at the checkpoint's own layout within 1e-5
@@ -145,6 +146,25 @@ def one_process_run(tiny_qwen2_dir, data, tmp_path_factory) -> dict[int, dict]:
     run_dir = tmp_path_factory.mktemp("one_process") / "run"
     run_train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 2), run_dir)
     return metrics_by_step(run_dir)
+
+
+BYPASS_EQUAL = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm",
+                "actor/reward_kl_penalty", "critic/score/mean", "response_length/mean")  # fmt: skip
+
+
+def test_bypass_mode_skips_the_old_log_prob_pass_and_trains_the_same(
+    tiny_qwen2_dir, data, tmp_path, one_process_run
+):
+    """SGLang's fp32 log-probs of its greedy samples equal the trainer's within ~1e-7, so the
+    losses, grad norms and the next step's rollouts are those of the run that recomputes them."""
+    run_dir = tmp_path / "bypass"
+    extra = "algorithm.rollout_correction.bypass_mode=true"
+    run_train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 2, extra), run_dir)
+    rows = metrics_by_step(run_dir)
+    for step in (1, 2):
+        assert "timing_s/old_log_prob" not in rows[step] and "actor/entropy_old" not in rows[step]
+        for key in BYPASS_EQUAL:
+            assert rows[step][key] == pytest.approx(one_process_run[step][key], rel=1e-4, abs=1e-6)
 
 
 LAYOUT_KEYS = {

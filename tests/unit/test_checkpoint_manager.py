@@ -162,6 +162,41 @@ def test_resolve_resume_errors_say_what_was_looked_for_and_what_exists(tmp_path)
         manager.resolve_resume(str(empty))
 
 
+@pytest.mark.reliability
+@pytest.mark.parametrize("harm", ["truncate", "delete", "grow"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, harm):
+    manager = CheckpointManager(tmp_path, keep_last=None)
+    for step in (1, 2):
+        with manager.writing(step) as d:
+            (d / "model.txt").write_text("x" * 100)
+            (d / "sub").mkdir()
+            (d / "sub" / "shard.distcp").write_bytes(b"\0" * 64)
+    shard = manager.path_for(2) / "sub" / "shard.distcp"
+    if harm == "truncate":
+        os.truncate(shard, 10)
+    elif harm == "delete":
+        shard.unlink()
+    else:
+        shard.write_bytes(b"\0" * 65)
+    assert manager.latest() == manager.path_for(1)
+    (line,) = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert str(shard) in line and "falling back" in line
+    assert manager.resolve_resume("auto") == manager.path_for(1)
+    with pytest.raises(FileNotFoundError, match=r"global_step_2.*is damaged: .*shard.distcp"):
+        manager.resolve_resume(str(manager.path_for(2)))
+
+
+def test_checkpoints_without_recorded_sizes_are_trusted(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=None)
+    path = save(manager, 1)
+    marker = json.loads((path / COMPLETE_MARKER).read_text())
+    assert marker["files"] == {"model.txt": len("weights 1")}
+    del marker["files"]  # as written before sizes were recorded
+    (path / COMPLETE_MARKER).write_text(json.dumps(marker))
+    (path / "model.txt").write_text("w")
+    assert manager.latest() == path
+
+
 def test_keep_last_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager(tmp_path, keep_last=0)

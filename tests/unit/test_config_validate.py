@@ -107,6 +107,13 @@ def test_server_urls_must_be_urls():
         check(["actor_rollout_ref.rollout.server_urls=[rollout-0:30000,http://ok:1]"])
 
 
+def test_bypass_mode_excludes_importance_weights():
+    keys = ["algorithm.rollout_correction.bypass_mode=true"]
+    check(keys)
+    with pytest.raises(ConfigError, match=r"bypass_mode .* rollout_is=token would weight by 1"):
+        check([*keys, "algorithm.rollout_correction.rollout_is=token"])
+
+
 COLOCATED_2_NODES = ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"]
 
 

@@ -1,0 +1,95 @@
+"""Faults a whole `rlhf-train` run (CPU, a real SGLang server) reports in one line or survives.
+
+- An absurd critic learning rate (1e30): the first update is finite but leaves the critic
+  huge, so step 2's values are inf. Under `trainer.on_nonfinite=stop` the run exits 1 with one
+  line naming the step and what was not finite; under `skip` it finishes, each later step
+  skipped and said in one warning line with its step. Either way every checkpoint written
+  holds only finite weights (read from the HF copies `trainer.save_hf` exports).
+- A truncated file in the latest checkpoint: the next run says which file, falls back to the
+  previous checkpoint and goes on from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.quickstart.data import write_quickstart_data
+from tests.helpers import REPO, metrics_by_step, ppo_overrides
+
+pytestmark = pytest.mark.reliability
+CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
+ABSURD = ["critic.optim.lr=1e30", "critic.ppo_mini_batch_size=16", "trainer.save_freq=1",
+          "trainer.save_hf=true", "trainer.val_before_train=false"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_quickstart_data(tmp_path_factory.mktemp("data"), num_train=32, num_val=8)
+
+
+def train(args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+def finite_checkpoints(run_dir: Path) -> list[int]:
+    """The checkpoints' steps; asserts every exported actor and critic tensor is finite."""
+    steps = []
+    for checkpoint in sorted((run_dir / "checkpoints").glob("global_step_*")):
+        for role in ("actor_hf", "critic_hf"):
+            for shard in (checkpoint / role).glob("*.safetensors"):
+                for name, tensor in load_file(shard).items():
+                    assert torch.isfinite(tensor).all(), (checkpoint, role, name)
+        steps.append(int(checkpoint.name.removeprefix("global_step_")))
+    return steps
+
+
+def test_nan_stops_the_run_in_one_line(tiny_qwen2_dir, data, tmp_path):
+    run_dir = tmp_path / "stop"
+    proc = train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 3, *ABSURD))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf-train:")]
+    assert line.startswith("rlhf-train: stopped: step 2: not finite before the updates: values")
+    assert finite_checkpoints(run_dir) == [1]
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+
+
+@pytest.fixture(scope="module")
+def skipping_run(tiny_qwen2_dir, data, tmp_path_factory) -> tuple[Path, list[str]]:
+    run_dir = tmp_path_factory.mktemp("skip") / "run"
+    skip = ["trainer.on_nonfinite=skip", "trainer.save_freq=2"]  # checkpoints 2 and 3 (the end)
+    args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 3, *ABSURD, *skip)
+    proc = train(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, args
+
+
+def test_nan_steps_are_skipped_and_said(skipping_run):
+    run_dir, _ = skipping_run
+    rows = metrics_by_step(run_dir)
+    assert "training/skipped_step" not in rows[1]
+    assert rows[2]["training/skipped_step"] == rows[3]["training/skipped_step"] == 1.0
+    assert rows[2]["nonfinite/values"] == 1.0
+    assert finite_checkpoints(run_dir) == [2, 3]
+
+
+def test_truncated_latest_checkpoint_resumes_from_the_previous(skipping_run):
+    run_dir, args = skipping_run
+    shard = max((run_dir / "checkpoints" / "global_step_3" / "critic").rglob("*.distcp"),
+                key=lambda p: p.stat().st_size)  # fmt: skip
+    os.truncate(shard, shard.stat().st_size // 2)
+    proc = train([*args, "trainer.total_training_steps=4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (damaged,) = [x for x in proc.stderr.splitlines() if "is damaged" in x]
+    assert str(shard) in damaged and "falling back" in damaged
+    assert "resumed from" in proc.stderr and "global_step_2 (step 2)" in proc.stderr
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines][-2:] == [3, 4]  # step 3 again, then 4
