@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo test test-unit test-distributed test-e2e test-gpu lint format bench lock clean
+.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock clean
 
 setup: $(STAMP)
 
@@ -38,8 +38,12 @@ quickstart-assets: setup
 	$(PY) tools/make_tiny_model.py runs/quickstart/model --warm-start
 	$(VENV)/bin/rlhf-preprocess quickstart --local_dir runs/quickstart/data
 
+# Everything but the slow whole runs (about 27 minutes on 2 cores); test-slow runs those.
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest tests -m slow $(PYTEST_ARGS)
 
 test-unit test-distributed test-e2e test-gpu: setup
 	$(PY) -m pytest tests -m $(subst test-,,$@) $(PYTEST_ARGS)

@@ -6,7 +6,8 @@
 #
 # Wheels placed in .whl/ (e.g. megatron-core built for that python) are installed into a
 # private directory first. Writes gpu.txt (device and versions), pytest_gpu.log,
-# ppo_step_*.json, memory_bf16.json (measured vs planned activations) and plan_*.txt (the
+# ppo_step_*.json (MFU, and `packed_attention`: per-sample against masked-row attention on the
+# local spec, the issue-17 comparison when Transformer Engine is absent), memory_bf16.json (measured vs planned activations) and plan_*.txt (the
 # memory planner on this GPU) to OUT_DIR; exits non-zero when any part failed.
 set -uo pipefail
 

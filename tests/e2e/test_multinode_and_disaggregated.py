@@ -60,6 +60,7 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float =
         assert code == 0, log.read_text()[-6000:]
 
 
+@pytest.mark.slow
 def test_two_simulated_nodes_match_one_node(tiny_qwen2_dir, data, tmp_path):
     single = tmp_path / "single"
     log = tmp_path / "single.log"

@@ -111,6 +111,7 @@ def kill_during_checkpoint(args: list[str], run_dir: Path, step: int) -> None:
     assert partial.exists(), "the run ended before writing the checkpoint it was to be killed in"
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_and_matches_uninterrupted(tiny_qwen2_dir, data, tmp_path):
     full = tmp_path / "full"
     text = run_train(ppo_overrides(tiny_qwen2_dir, data, full, 4), full)

@@ -4,7 +4,8 @@
   huge, so step 2's values are inf. Under `trainer.on_nonfinite=stop` the run exits 1 with one
   line naming the step and what was not finite; under `skip` it finishes, each later step
   skipped and said in one warning line with its step. Either way every checkpoint written
-  holds only finite weights (read from the HF copies `trainer.save_hf` exports).
+  holds only finite weights and optimizer state (every tensor of its Megatron checkpoints,
+  read with torch's `dcp_to_torch_save`).
 - A truncated file in the latest checkpoint: the next run says which file, falls back to the
   previous checkpoint and goes on from there.
 """
@@ -19,15 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from rlhf.quickstart.data import write_quickstart_data
 from tests.helpers import REPO, metrics_by_step, ppo_overrides
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 ABSURD = ["critic.optim.lr=1e30", "critic.ppo_mini_batch_size=16", "trainer.save_freq=1",
-          "trainer.save_hf=true", "trainer.val_before_train=false"]  # fmt: skip
+          "trainer.val_before_train=false"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +42,17 @@ def train(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def finite_checkpoints(run_dir: Path) -> list[int]:
-    """The checkpoints' steps; asserts every exported actor and critic tensor is finite."""
+    """The checkpoints' steps; asserts every tensor of their actor and critic is finite."""
     steps = []
     for checkpoint in sorted((run_dir / "checkpoints").glob("global_step_*")):
-        for role in ("actor_hf", "critic_hf"):
-            for shard in (checkpoint / role).glob("*.safetensors"):
-                for name, tensor in load_file(shard).items():
-                    assert torch.isfinite(tensor).all(), (checkpoint, role, name)
+        for role in ("actor", "critic"):
+            flat = run_dir / f"{checkpoint.name}_{role}.pt"
+            dcp_to_torch_save(checkpoint / role / "model", flat)
+            state = torch.load(flat, weights_only=False)
+            tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
+            assert len(tensors) > 10
+            for name, tensor in tensors.items():
+                assert torch.isfinite(tensor).all(), (checkpoint, role, name)
         steps.append(int(checkpoint.name.removeprefix("global_step_")))
     return steps
 
