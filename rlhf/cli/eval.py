@@ -3,7 +3,7 @@
     rlhf-eval MODEL --data FILE.parquet [FILE ...] [--n 4] [--config CFG] [key=value ...]
 
 MODEL is an HF model directory or a trainer checkpoint: `global_step_N`, its `actor/`, or a
-`checkpoints/` directory (its newest complete step). A checkpoint's HF copy is used when
+`checkpoints/` directory (its newest complete, intact step). A checkpoint's HF copy is used when
 `trainer.save_hf` wrote one (`actor_hf/`); otherwise the actor is exported to a temporary
 directory first (`rlhf-convert mcore-to-hf`). An SGLang server is started on the model, or
 `--server-url` names a running one (MODEL then only gives the tokenizer). The config (the
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlhf.checkpoint.manager import STEP_PREFIX, is_complete, step_of
+from rlhf.checkpoint.manager import find_latest
 from rlhf.config import ConfigError, RLHFConfig, load_config
 from rlhf.data.parquet import DataError
 from rlhf.reward.remote import RemoteRewardError
@@ -72,9 +72,9 @@ def policy_hf_dir(model: Path, scratch: Path) -> Path:
     """An HF directory of the policy MODEL names (exported into `scratch` when needed)."""
     if not model.exists():
         raise FileNotFoundError(f"model not found: {model}")
-    steps = [p for p in model.glob(f"{STEP_PREFIX}*") if is_complete(p)]
-    if steps:  # a checkpoints/ directory: its newest complete step
-        model = max(steps, key=step_of)
+    latest = find_latest(model)  # a checkpoints/ directory: its newest intact step
+    if latest is not None:
+        model = latest
     if (model / "actor").is_dir():
         model = model / "actor"
     if (model / "rlhf_checkpoint.json").is_file():

@@ -9,6 +9,7 @@ server is started on the model, or `rollout.server_urls` are used as they are).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from rlhf.config.schema import RLHFConfig
 from rlhf.data.parquet import read_prompt_rows
 from rlhf.data.prompts import PromptDataset, build_prompt_dataset, load_tokenizer
 from rlhf.reward.scorer import RewardScorer
-from rlhf.reward.validation import ValSample, val_samples, validation_metrics
+from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.engine import SGLangEngine
 from rlhf.rollout.generation import (
     RolloutRecord,
@@ -35,7 +36,6 @@ class EvalResult:
 
     metrics: dict[str, float]
     prompts_per_source: dict[str, int]
-    samples: list[ValSample]
     records: list[RolloutRecord]
 
 
@@ -100,7 +100,5 @@ def evaluate(
         sources, [r.uid for r in records], [r.score for r in records],
         [r.response_text for r in records], cfg.reward,
     )  # fmt: skip
-    counts: dict[str, int] = {}
-    for p in prompts:
-        counts[p.row.data_source] = counts.get(p.row.data_source, 0) + 1
-    return EvalResult(validation_metrics(samples), counts, samples, records)
+    counts = dict(Counter(p.row.data_source for p in prompts))
+    return EvalResult(validation_metrics(samples), counts, records)
