@@ -4,7 +4,10 @@
 
 One process (TP = PP = 1) holds a Megatron actor built from a random Qwen2-shaped HF
 checkpoint and a real SGLang server on the same machine. Each transport syncs the full
-model once (version 1, 2, 3); the log-prob probe checks every sync. Prints one JSON object.
+model once (version 1, 2, 3); the log-prob probe checks every sync. Per transport: the
+seconds of each phase (gather: TP/PP gathers, HF layout and bucketing; pack: flatten and
+serialize, or write the shard; deliver: the server receives and loads), and the rate as a
+share of the memory-copy rate. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def main() -> None:
                 results[kind] = {
                     "seconds": round(stats.seconds, 3),
                     "gb_per_s": round(stats.num_bytes / 1e9 / stats.seconds, 3),
+                    "share_of_memcpy_rate": round(memcpy_s / stats.seconds, 3),
+                    "phase_s": {k: round(v, 3) for k, v in stats.phase_s.items()},
                     "buckets": stats.num_buckets,
                     "probe_logprob_diff_max": syncer.compare_probe(probe, ctx.device),
                 }

@@ -2,8 +2,8 @@
 # Start SGLang servers for disaggregated rollouts and keep them up until SIGTERM / Ctrl-C.
 #
 # Usage:
-#   MODEL=/shared/models/Qwen2.5-7B-Instruct NUM_SERVERS=2 TP=4 HOST=0.0.0.0 \
-#     launch/sglang_servers.sh [extra flags of python -m rlhf.cli.launch_servers]
+#   RLHF_SGLANG_API_KEY=<secret> MODEL=/shared/models/Qwen2.5-7B-Instruct NUM_SERVERS=2 TP=4 \
+#     HOST=0.0.0.0 launch/sglang_servers.sh [extra flags of python -m rlhf.cli.launch_servers]
 #   MODEL=runs/quickstart/model DEVICE=cpu launch/sglang_servers.sh      # one CPU server
 #
 # Environment (defaults in brackets):
@@ -12,7 +12,9 @@
 #   TP            tensor-parallel GPUs per server [1]
 #   BASE_PORT     server i listens on BASE_PORT+i [30000]
 #   HOST          address to bind [127.0.0.1]; 0.0.0.0 to serve other nodes (URLs then use
-#                 this host's name)
+#                 this host's name; needs RLHF_SGLANG_API_KEY)
+#   RLHF_SGLANG_API_KEY  key the servers and the router require (Authorization: Bearer);
+#                 export the same value for the trainer. Required unless HOST is loopback.
 #   DEVICE        cuda | cpu [cuda if nvidia-smi lists a GPU, else cpu]
 #   DTYPE         float32 | bfloat16 | float16 [bfloat16 on cuda, float32 on cpu]
 #   MEM_FRACTION  share of GPU memory SGLang may take [0.85]

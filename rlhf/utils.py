@@ -1,4 +1,5 @@
-"""Small helpers every layer may use: ports, CPU threads, dtype names, integer rounding.
+"""Small helpers every layer may use: ports, CPU threads, dtype names, integer rounding,
+atomic file writes.
 
 The bottom of the package: it imports nothing from `rlhf`.
 """
@@ -8,6 +9,9 @@ from __future__ import annotations
 import os
 import random
 import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -105,3 +109,39 @@ def share_cpu_cores(active_processes: int) -> int:
     threads = cpu_threads(active_processes)
     torch.set_num_threads(threads)
     return threads
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """A temp path to write `path`'s new content to; renamed over `path` once the block ends.
+
+    A writer that dies half-way (an error, a full disk, a kill) must leave neither a torn file
+    at `path` nor any change to a file already there: readers see the old file or the whole
+    new one. The temp file is hidden, unique per call and in `path`'s directory (a rename is
+    atomic only within one file system); it is fsynced before the rename and the directory
+    after, so a crash right after does not bring back the old file or an empty one. On an
+    exception the temp file is removed and the exception propagates.
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(final.parent)

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
+import pytest
+
 from rlhf.utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,3 +118,19 @@ def length_judge() -> Iterator[tuple[str, list]]:
         yield f"http://127.0.0.1:{server.server_port}/score", _LengthJudge.received
     finally:
         server.shutdown()
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size_kib: int, read_only: bool = False):
+    """A real file system of `size_kib` KiB (tmpfs) mounted at `path`, for full-disk and
+    read-only faults; the test is skipped where mounting is not permitted (not root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size_kib}k" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)

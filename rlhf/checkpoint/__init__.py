@@ -23,17 +23,20 @@ from rlhf.checkpoint.state import (
     rng_file,
     save_trainer_state,
 )
+from rlhf.checkpoint.storage import CheckpointStorageError, probe_storage
 
 __all__ = [
     "COMPLETE_MARKER",
     "POINTER_FILE",
     "TRAINER_STATE_FILE",
     "CheckpointManager",
+    "CheckpointStorageError",
     "capture_rng_state",
     "complete_steps_in",
     "find_latest",
     "is_complete",
     "load_trainer_state",
+    "probe_storage",
     "restore_rng_state",
     "rng_file",
     "save_trainer_state",

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from rlhf.checkpoint.storage import CheckpointStorageError, write_failure
+
 log = logging.getLogger(__name__)
 
 POINTER_FILE = "latest_checkpointed_iteration.txt"
@@ -249,7 +251,8 @@ class CheckpointManager:
         """Yield a temp dir for all ranks to write `step` into; publish it when the body ends.
 
         Collective under torch.distributed: every rank must enter and leave it. If the body
-        raises, nothing is published and earlier checkpoints and the pointer stay as they were.
+        raises, nothing is published and earlier checkpoints and the pointer stay as they were;
+        a full disk or a read-only directory is raised as `CheckpointStorageError` saying so.
         """
         tmp = self.root / f"{TMP_PREFIX}{step}"
         if _rank() == 0:
@@ -259,10 +262,13 @@ class CheckpointManager:
         _barrier()
         try:
             yield tmp
-        except BaseException:
+        except BaseException as e:
+            problem = write_failure(self.root, e)  # before the cleanup frees the space
             # Under torch.distributed other ranks may still be writing; the next manager cleans.
             if not _distributed():
                 shutil.rmtree(tmp, ignore_errors=True)
+            if problem is not None:
+                raise CheckpointStorageError(f"step {step}: {problem}") from e
             raise
         _barrier()
         if _rank() == 0:

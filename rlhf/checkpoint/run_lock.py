@@ -25,6 +25,10 @@ class RunDirBusy(RuntimeError):
     """Another live process holds the run directory."""
 
 
+class RunDirUnusable(RuntimeError):
+    """The run directory cannot be created or written (read-only, a file, no permission)."""
+
+
 class RunDirLock:
     """`RunDirLock(run_dir).acquire()`; released by `release()` or the process's exit."""
 
@@ -35,11 +39,17 @@ class RunDirLock:
 
     def acquire(self) -> RunDirLock:
         """Create the run directory if needed and lock it; `RunDirBusy` naming the holder, or
-        `OSError` with the path when the directory cannot be used."""
+        `RunDirUnusable` naming the directory when it cannot be used."""
         if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise NotADirectoryError(f"run directory {self.run_dir} is a file")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            raise RunDirUnusable(f"run directory {self.run_dir} is a file")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirUnusable(
+                f"run directory {self.run_dir} cannot be written ({e.strerror}); set "
+                "trainer.default_local_dir to a writable directory"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

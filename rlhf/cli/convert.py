@@ -11,7 +11,8 @@ per-token logits are the critic's values).
 With TP x PP > 1 the command re-launches itself under torchrun with that many processes
 (or runs as is when torchrun already started it with the right world size). `verify`
 prints the largest absolute logit difference and exits 1 above the tolerance. Errors in
-the inputs exit 2 with one line naming the file or tensor.
+the inputs exit 2 with one line naming the file or tensor; those found from the configs and
+safetensors headers alone are found before torchrun starts.
 """
 
 from __future__ import annotations
@@ -113,14 +114,24 @@ def verify(args: argparse.Namespace, ctx) -> int:
     return 0 if ok else 1
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """The input checks that need no process group, run before torchrun launches workers:
+    a worker that fails ends in torchrun's traceback, after the one-line message."""
+    from rlhf.models import convert
+
+    tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
+    if args.command == "hf-to-mcore":
+        convert.check_hf_to_mcore(args.hf_dir, args.out_dir, tp, pp)
+    elif args.command == "verify":
+        convert.check_verify(args.mcore_dir, tp, pp)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     num_procs = getattr(args, "tp", 1) * getattr(args, "pp", 1)
     launched = int(os.environ.get("WORLD_SIZE", 0))
-    if num_procs > 1 and not launched:
-        return relaunch_under_torchrun(num_procs, argv)
     if launched and launched != num_procs:
         print(
             f"rlhf-convert: error: launched with {launched} processes, "
@@ -129,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
+        preflight(args)
+        if num_procs > 1 and not launched:
+            return relaunch_under_torchrun(num_procs, argv)
         return run(args)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e

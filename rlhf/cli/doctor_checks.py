@@ -23,6 +23,7 @@ from rlhf.cli.check_env import lock_problems, read_pins
 from rlhf.config import RLHFConfig, validate
 from rlhf.data.files import resolve_files
 from rlhf.models.families import load_arch
+from rlhf.models.model_dir import check_model_dir
 from rlhf.rollout import sglang_api
 
 PASS, WARN, SKIP, FAIL = "PASS", "WARN", "SKIP", "FAIL"
@@ -228,19 +229,32 @@ def check_config(cfg: RLHFConfig, world_size: int | None) -> Check:
     return Check("config", PASS, detail)
 
 
-def check_inputs(cfg: RLHFConfig) -> Check:
-    """The model directories and the Parquet files exist."""
-    problems = []
+def _model_problems(cfg: RLHFConfig) -> list[str]:
+    """Each model directory as the trainer checks it before starting servers: config.json of
+    a supported family, readable safetensors headers (each bad directory reported once)."""
     models = {
         "actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path,
         "critic.model.path": cfg.critic.model.path,
         "reward.model_path": cfg.reward.model_path,
     }
-    missing = set()
+    problems, seen = [], set()
     for key, path in models.items():
-        if path and path not in missing and not (Path(path) / "config.json").is_file():
-            missing.add(path)
+        if not path or path in seen:
+            continue
+        seen.add(path)
+        if not (Path(path) / "config.json").is_file():
             problems.append(f"{key}: no config.json in {path!r}")
+            continue
+        try:
+            check_model_dir(path, key)
+        except (OSError, ValueError) as e:
+            problems.append(str(e))
+    return problems
+
+
+def check_inputs(cfg: RLHFConfig) -> Check:
+    """The model directories are usable and the Parquet files exist."""
+    problems = _model_problems(cfg)
     specs = {"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files}
     for key, spec in specs.items():
         if spec is None and key == "data.val_files":
@@ -251,4 +265,4 @@ def check_inputs(cfg: RLHFConfig) -> Check:
             problems.append(str(e))
     if problems:
         return Check("model/data", FAIL, "; ".join(problems), "fix the paths named")
-    return Check("model/data", PASS, "model config.json and data files found")
+    return Check("model/data", PASS, "models of supported families, weights and data files found")

@@ -16,11 +16,16 @@ It then runs until SIGTERM or SIGINT and stops every server (and the router) bef
 A server that dies is restarted at most `--max-restarts` times (default 0: the launcher stops
 the others and exits 1, naming the URL and its log); a restarted server serves the weights of
 `--model` until the trainer's next weight sync. Startup failures exit 1, bad arguments 2.
+
+The servers (and the router) require the key in `RLHF_SGLANG_API_KEY` when it is set; give
+the trainer the same value. Binding an address other machines can reach without a key is
+refused: SGLang's weight-update routes would take requests from anyone who reaches the port.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
 import socket
@@ -35,6 +40,7 @@ from rlhf.config.engine_args import server_argv
 from rlhf.config.loader import ConfigError, build, load_config
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.server_group import KEY, ServerGroup
+from rlhf.rollout.sglang_api import API_KEY_ENV, api_key
 
 log = logging.getLogger("rlhf.launch_servers")
 
@@ -100,6 +106,26 @@ def rollout_config(args: argparse.Namespace) -> RolloutConfig:
     return rollout
 
 
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach `host` (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume other machines can resolve and reach it
+        return False
+
+
+def check_exposure(host: str) -> None:
+    """Refuse a reachable bind address without an API key (ConfigError, one line)."""
+    if not is_loopback(host) and api_key() is None:
+        raise ConfigError(
+            f"--host {host} lets other machines reach the servers, whose weight-update routes "
+            f"need no key unless {API_KEY_ENV} is set: export {API_KEY_ENV}=<secret> here "
+            "and for the trainer, or bind 127.0.0.1"
+        )
+
+
 def advertised(url: str, host: str) -> str:
     """The URL other machines use: a wildcard bind address is replaced by this host's name."""
     if host in ("0.0.0.0", "::", ""):
@@ -136,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
+        check_exposure(args.host)
         rollout = rollout_config(args)
     except ConfigError as e:
         print(f"launch_servers: error: {e}", file=sys.stderr)

@@ -1,13 +1,16 @@
 """rlhf-preprocess: check prompt Parquet files, convert GSM8K, write the quickstart data.
 
-    rlhf-preprocess check FILE... [--prompt_key prompt]
+    rlhf-preprocess check FILE... [--prompt_key prompt] [--custom_fn path/to/file.py:function]
     rlhf-preprocess gsm8k --input DIR_OR_FILE --local_dir OUT
     rlhf-preprocess quickstart --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
 
 `check` runs the loader's validation: for each file it prints the rows and data sources and
 exits 0, or prints every problem (file, row, column, what is wrong) and exits 1. FILE may be
-a path, a glob or a URI. `gsm8k` works offline on the original release (jsonl or Parquet).
-Errors in the inputs of `gsm8k`/`quickstart` print one line and exit 2.
+a path, a glob or a URI. Like training startup it checks each rule row against the built-in
+rule rewards (a known data_source, a ground truth its rule can score); `--custom_fn`, the
+run's `reward.custom_fn`, is imported and then accepts any data source and ground truth.
+`gsm8k` works offline on the original release (jsonl or Parquet). Errors in the inputs of
+`gsm8k`/`quickstart`, or a `--custom_fn` that does not load, print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import argparse
 import sys
 
 from rlhf.data.gsm8k import preprocess_gsm8k
-from rlhf.data.parquet import FileReport, Problem, check_files
+from rlhf.data.parquet import FileReport, GroundTruthCheck, Problem, check_files
 from rlhf.quickstart.data import write_quickstart_data
+from rlhf.reward import check_ground_truth, load_custom_fn
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -26,6 +30,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     check = sub.add_parser("check", help="validate prompt Parquet files")
     check.add_argument("files", nargs="+", help="paths, globs or URIs")
     check.add_argument("--prompt_key", default="prompt", help="column holding the prompt")
+    check.add_argument(
+        "--custom_fn",
+        help="the run's reward.custom_fn (path/to/file.py:function; imported, i.e. run): it "
+        "decides which data sources and ground truths it scores, so they are not checked",
+    )
     gsm8k = sub.add_parser("gsm8k", help="GSM8K release -> train/test Parquet in our schema")
     gsm8k.add_argument("--input", required=True, help="GSM8K directory or one train/test file")
     gsm8k.add_argument("--local_dir", required=True, help="output directory")
@@ -37,16 +46,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _reports(spec: str, prompt_key: str) -> list[FileReport]:
+def _reports(spec: str, prompt_key: str, check: GroundTruthCheck | None) -> list[FileReport]:
     try:
-        return check_files(spec, prompt_key, key="FILE")
+        return check_files(spec, prompt_key, key="FILE", check_ground_truth=check)
     except (FileNotFoundError, ValueError) as e:
         message = str(e).removeprefix("FILE: ")
         return [FileReport(spec, problems=[Problem(spec, None, None, message)])]
 
 
-def run_check(files: list[str], prompt_key: str) -> int:
-    reports = [r for spec in files for r in _reports(spec, prompt_key)]
+def run_check(files: list[str], prompt_key: str, custom_fn: str | None = None) -> int:
+    check: GroundTruthCheck | None = check_ground_truth
+    if custom_fn:
+        try:
+            load_custom_fn(custom_fn)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"rlhf-preprocess: error: {e}", file=sys.stderr)
+            return 2
+        check = None
+    reports = [r for spec in files for r in _reports(spec, prompt_key, check)]
     problems = [p for r in reports for p in r.problems]
     for report in reports:
         if not report.problems:
@@ -64,7 +81,7 @@ def run_check(files: list[str], prompt_key: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "check":
-        return run_check(args.files, args.prompt_key)
+        return run_check(args.files, args.prompt_key, args.custom_fn)
     try:
         if args.command == "gsm8k":
             written = preprocess_gsm8k(args.input, args.local_dir)

@@ -11,17 +11,27 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
-from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock
+from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock, RunDirUnusable
+from rlhf.checkpoint.storage import CheckpointStorageError
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validate_config
 from rlhf.config.validate import ignored_settings
 from rlhf.data.parquet import DataError
+from rlhf.models.hf_io import CheckpointFileError
 from rlhf.reward.remote import RemoteRewardError
 from rlhf.rollout.client import GenerateError
+from rlhf.rollout.server_group import ServerLost
+from rlhf.rollout.sglang_api import SGLangAPIError
+from rlhf.trainer.preemption import Preempted
 
 log = logging.getLogger("rlhf.cli.train")
+
+# Exit 2 with one line: the user's config, data, model files, run or checkpoint directory.
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, NotADirectoryError, PermissionError,
+               RunDirBusy, RunDirUnusable, CheckpointStorageError, CheckpointFileError)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         run(cfg)
-    except (ConfigError, DataError, FileNotFoundError, NotADirectoryError, PermissionError,
-            RunDirBusy) as e:  # fmt: skip
+    except USER_ERRORS as e:
         print(f"rlhf-train: error: {e}", file=sys.stderr)
         return 2
-    except (GenerateError, TimeoutError) as e:  # servers unreachable or never healthy
+    except (GenerateError, TimeoutError, ConnectionError, ServerLost, SGLangAPIError) as e:
         print(f"rlhf-train: rollout failed: {e}", file=sys.stderr)
         return 1
     except RemoteRewardError as e:  # reward.url unreachable or answering wrongly
@@ -133,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:  # rlhf.trainer.nonfinite: a NaN/inf found in a step
         print(f"rlhf-train: stopped: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:  # SIGTERM: ended after a step (rlhf.trainer.preemption)
+        print(f"rlhf-train: {e}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     return 0
 
 

@@ -31,6 +31,8 @@ OWNED = {
     "host": "the launcher (each server's address)",
     "port": "the launcher (each server's address)",
     "base_gpu_id": "the launcher (GPUs of each server)",
+    "api_key": "the RLHF_SGLANG_API_KEY environment variable (clients send the same key)",
+    "admin_api_key": "the RLHF_SGLANG_API_KEY environment variable (one key for every route)",
 }
 
 

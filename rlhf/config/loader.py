@@ -6,8 +6,10 @@ the command-line entry points print it as one line and exit non-zero.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -122,6 +124,23 @@ def _parse_text(text: str, tp: Any) -> Any:
         return text
 
 
+def _finite_float(value: Any, path: str) -> float:
+    """A float key's value; ints and YAML-1.1 strings such as "1e-3" convert.
+
+    NaN and inf are refused: no key takes them (a limit is switched off with null or 0, as
+    its doc says), and Megatron would stop on a bare assertion long after startup."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)  # YAML 1.1 reads "1e-3" as a string
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, float):
+        raise ConfigError(f"{path}: expected float, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+    return value
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check `value` against the annotation `tp`, converting only lossless cases."""
     if isinstance(value, _OverrideText):
@@ -155,13 +174,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
         (item_tp,) = typing.get_args(tp)
         return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
-    if tp is float and isinstance(value, str):
-        try:
-            return float(value)  # YAML 1.1 reads "1e-3" as a string
-        except ValueError:
-            pass
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if tp is float:
+        return _finite_float(value, path)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     return value

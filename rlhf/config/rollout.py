@@ -60,7 +60,12 @@ class RolloutConfig:
     )
     use_router: bool = doc(False, "send /generate through an sglang-router in front of the servers")
     max_concurrent_requests: int = doc(64, "most /generate requests in flight at once", gt=0)
-    request_timeout_s: float = doc(600.0, "seconds one /generate request may take", gt=0)
+    request_timeout_s: float = doc(
+        120.0,
+        "seconds one /generate attempt may take; a hung server is reported after about "
+        "(request_retries + 1) x this, so raise it only for responses that take longer",
+        gt=0,
+    )
     request_retries: int = doc(
         3, "retries of a request after a connection error, 5xx or timeout", ge=0
     )

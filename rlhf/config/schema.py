@@ -313,6 +313,13 @@ class TrainerConfig:
         None, "keep only the newest K checkpoints (null: keep all)", gt=0
     )
     early_stop: EarlyStopConfig = doc(EarlyStopConfig, "early stopping and rollback")
+    preemption_grace_s: float = doc(
+        30.0,
+        "seconds from SIGTERM to the scheduler's SIGKILL (SLURM KillWait, Kubernetes "
+        "terminationGracePeriodSeconds): on SIGTERM the run ends after the current step, "
+        "with a checkpoint when one fits in what is left (0: never)",
+        ge=0,
+    )
     on_nonfinite: OnNonFinite = doc(
         "stop",
         "a NaN/inf in a step's log-probs, values, advantages, losses or gradients: stop the "

@@ -2,8 +2,8 @@
 
 `validate_config` applies them all: parallel sizes against the world size, batch-size
 divisibility, shared layouts, colocated multi-node placement, server URLs, and, when the
-model's architecture is given, its attention heads against the Ulysses and TP sizes and
-its layers against the recompute settings. Single
+model's architecture is given, its attention and KV heads against the TP and Ulysses sizes
+and its layers against the PP size and the recompute settings. Single
 keys (types, allowed values, ranges) are checked earlier by the loader. Each violation is a
 `ConfigError` naming every key involved and the numbers it saw.
 """
@@ -181,6 +181,21 @@ def _check_recompute(role: str, cfg: RLHFConfig, shape: ModelShape | None) -> No
         )
 
 
+def _check_model_split(layout: ParallelLayout, shape: ModelShape) -> None:
+    """TP splits query heads and KV heads, PP the layers: a model that does not divide is
+    refused here, before any server starts, rather than by Megatron after."""
+    tp_key = f"{AR}.actor.megatron.tensor_model_parallel_size={layout.tp_size}"
+    for what, count in (("attention heads", shape.num_attention_heads),
+                        ("KV heads", shape.num_query_groups)):  # fmt: skip
+        if count % layout.tp_size:
+            raise ConfigError(f"{tp_key}: the model's {count} {what} do not divide by it")
+    if shape.num_layers % layout.pp_size:
+        raise ConfigError(
+            f"{AR}.actor.megatron.pipeline_model_parallel_size={layout.pp_size}: the model's "
+            f"{shape.num_layers} layers do not divide by it"
+        )
+
+
 def _check_heads(layout: ParallelLayout, heads: ModelShape) -> None:
     """Ulysses splits each TP rank's query heads over the SP ranks."""
     per_tp_rank = heads.num_attention_heads // layout.tp_size
@@ -315,6 +330,7 @@ def validate_config(
         _check_critic_layout(actor, critic)
     _check_rollout_placement(cfg, actor)
     if shape is not None:
+        _check_model_split(actor, shape)
         _check_heads(actor, shape)
     _check_misc(cfg)
     return actor

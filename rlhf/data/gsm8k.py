@@ -122,11 +122,15 @@ def convert_split(files: list[Path], split: str) -> list[dict[str, Any]]:
 
 
 def preprocess_gsm8k(input_path: str | Path, local_dir: str | Path) -> dict[str, tuple[Path, int]]:
-    """Write `<local_dir>/<split>.parquet` for each split found; returns {split: (path, rows)}."""
-    written = {}
+    """Write `<local_dir>/<split>.parquet` for each split found; returns {split: (path, rows)}.
+
+    Every split is converted before any is written, so a bad record in one split leaves the
+    files of a previous run as they were instead of a new train beside an old test file.
+    """
+    splits = {}
     for split, files in sorted(find_split_files(input_path).items()):
-        rows = convert_split(files, split)
-        if not rows:
+        splits[split] = convert_split(files, split)
+        if not splits[split]:
             raise ValueError(f"--input: the {split} files hold no records: {files}")
-        written[split] = (write_rows(rows, Path(local_dir) / f"{split}.parquet"), len(rows))
-    return written
+    out = Path(local_dir)
+    return {s: (write_rows(rows, out / f"{s}.parquet"), len(rows)) for s, rows in splits.items()}

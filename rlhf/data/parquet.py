@@ -15,6 +15,11 @@ same checks back `rlhf-preprocess check`. Schema (one row per prompt):
 
 Row numbers count from 0, as in pyarrow and pandas. File-level problems (not Parquet, empty,
 a missing or wrongly typed column) are always errors; `bad_rows="skip"` skips only bad rows.
+
+A row can be well-formed and still unscorable: a data source no reward function knows, or a
+ground truth its rule cannot compare (`['4']` for gsm8k scores every answer 0). The reward
+registry sits above this layer, so callers pass its check in (`check_ground_truth`, from
+`rlhf.reward.ground_truth_checker`); it runs on every `style: rule` row.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,11 +37,15 @@ import pyarrow.parquet as pq
 
 from rlhf.config.choices import BadRows
 from rlhf.data.files import DataFile, resolve_files
+from rlhf.utils import atomic_output
 
 log = logging.getLogger(__name__)
 
 REWARD_STYLES = ("rule", "model")
 MAX_PROBLEMS_IN_MESSAGE = 20
+
+GroundTruthCheck = Callable[[str, Any], "tuple[str, str] | None"]
+"""(data_source, ground_truth) -> (column, what is wrong), or None when the row can be scored."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,9 @@ def _prompt_problem(prompt: Any) -> str | None:
     return None
 
 
-def _row_problems(values: dict[str, Any], prompt_key: str) -> list[tuple[str, str]]:
+def _row_problems(
+    values: dict[str, Any], prompt_key: str, check: GroundTruthCheck | None = None
+) -> list[tuple[str, str]]:
     problems = []
     source = values["data_source"]
     if source is None or not source.strip():
@@ -174,6 +185,9 @@ def _row_problems(values: dict[str, Any], prompt_key: str) -> list[tuple[str, st
         problems.append(("reward_model", f"style must be 'rule' or 'model', got {style!r}"))
     elif reward["style"] == "rule" and reward.get("ground_truth") is None:
         problems.append(("reward_model", "null ground_truth (style 'rule' needs one)"))
+    elif reward["style"] == "rule" and check is not None and source and source.strip():
+        found = check(source, reward["ground_truth"])
+        problems += [found] if found else []
     return problems
 
 
@@ -212,7 +226,9 @@ def _read_table(data_file: DataFile, report: FileReport) -> pa.Table | None:
 
 
 def read_file(
-    data_file: DataFile, prompt_key: str = "prompt"
+    data_file: DataFile,
+    prompt_key: str = "prompt",
+    check_ground_truth: GroundTruthCheck | None = None,
 ) -> tuple[list[PromptRow], FileReport]:
     """Every valid row of one file, and the file's report (with every problem found)."""
     report = FileReport(data_file.name)
@@ -225,7 +241,7 @@ def read_file(
         return [], report
     rows = []
     for i, values in enumerate(table.to_pylist()):
-        found = _row_problems(values, prompt_key)
+        found = _row_problems(values, prompt_key, check_ground_truth)
         report.problems.extend(Problem(data_file.name, i, c, m) for c, m in found)
         if not found:
             rows.append(_make_row(values, prompt_key, data_file.name, i))
@@ -235,10 +251,13 @@ def read_file(
 
 
 def check_files(
-    spec: str | Sequence[str], prompt_key: str = "prompt", key: str = "data.train_files"
+    spec: str | Sequence[str],
+    prompt_key: str = "prompt",
+    key: str = "data.train_files",
+    check_ground_truth: GroundTruthCheck | None = None,
 ) -> list[FileReport]:
     """A report per file named by `spec` (path, list, glob or URI)."""
-    return [read_file(f, prompt_key)[1] for f in resolve_files(spec, key)]
+    return [read_file(f, prompt_key, check_ground_truth)[1] for f in resolve_files(spec, key)]
 
 
 def read_prompt_rows(
@@ -247,17 +266,19 @@ def read_prompt_rows(
     prompt_key: str = "prompt",
     bad_rows: BadRows = "error",
     key: str = "data.train_files",
+    check_ground_truth: GroundTruthCheck | None = None,
 ) -> list[PromptRow]:
     """Valid rows of every file named by `spec`; raises `DataError` listing every problem.
 
     With `bad_rows="skip"` bad rows are dropped (count and the first few logged); problems
-    with a whole file still raise. `key` is the config key named in messages.
+    with a whole file still raise. `key` is the config key named in messages;
+    `check_ground_truth` (None: not checked) judges each rule row's source and ground truth.
     """
     rows: list[PromptRow] = []
     fatal: list[Problem] = []
     skipped: list[Problem] = []
     for data_file in resolve_files(spec, key):
-        file_rows, report = read_file(data_file, prompt_key)
+        file_rows, report = read_file(data_file, prompt_key, check_ground_truth)
         rows.extend(file_rows)
         for problem in report.problems:
             (fatal if problem.row is None or bad_rows == "error" else skipped).append(problem)
@@ -273,10 +294,10 @@ def read_prompt_rows(
 
 
 def write_rows(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Write schema rows (dicts) to a Parquet file atomically (temp file, then rename)."""
+    """Write schema rows (dicts) to a Parquet file atomically: a write that fails leaves no
+    file at `path` and a file already there untouched (`rlhf.utils.atomic_output`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
-    os.replace(tmp, path)
+    table = pa.Table.from_pylist(list(rows))
+    with atomic_output(path) as tmp:
+        pq.write_table(table, tmp)
     return path

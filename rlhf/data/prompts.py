@@ -4,7 +4,8 @@ Rollouts send token ids to SGLang, so the prompt is tokenized once here, with th
 model's own tokenizer and chat template (generation prompt added), and its length is settled
 before any batch is formed: overlong prompts are dropped and counted
 (`data.filter_overlong_prompts`), or cut from the left or right, or rejected with the file
-and row (`data.truncation`).
+and row (`data.truncation`). When no prompt fits, the error names the files, the limit and
+the shortest and longest prompt.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rlhf.config import ConfigError
 from rlhf.config.choices import Truncation
-from rlhf.data.parquet import PromptRow, read_prompt_rows
+from rlhf.data.parquet import GroundTruthCheck, PromptRow, read_prompt_rows
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +48,25 @@ class PromptDataset:
 
 
 def load_tokenizer(path: str | Path):
-    """The HF tokenizer in a local model directory (no hub access)."""
+    """The HF tokenizer in a local model directory (no hub access), with a vocabulary.
+
+    Without its tokenizer files transformers still builds a tokenizer, an empty one, from
+    config.json alone; that is refused here naming the files, instead of showing up later
+    as prompts of no tokens or a missing chat template.
+    """
     from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {path} (a local model dir)")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens):
+        files = sorted(set(getattr(tokenizer, "vocab_files_names", {}).values()))
+        missing = [f for f in files if not Path(path, f).is_file()]
+        raise FileNotFoundError(
+            f"{path}: the tokenizer has no vocabulary (missing tokenizer files: "
+            f"{', '.join(missing) or 'unknown'}); copy the model's tokenizer files there"
+        )
+    return tokenizer
 
 
 def _messages(prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:
@@ -102,6 +117,18 @@ def fit_length(ids: list[int], max_length: int, truncation: Truncation) -> list[
     raise ValueError(f"data.truncation must be left, right or error, got {truncation!r}")
 
 
+def _all_overlong(rows: Sequence[PromptRow], lengths: list[int], max_prompt_length: int) -> str:
+    """The message when no prompt fits: which files, the limit, the shortest and longest."""
+    files = sorted({str(row.file) for row in rows})
+    shown = ", ".join(files[:3]) + (f" (+{len(files) - 3} more)" if len(files) > 3 else "")
+    return (
+        f"no prompts left: all {len(rows)} prompts of {shown} are longer than "
+        f"data.max_prompt_length={max_prompt_length} (shortest {min(lengths)} tokens, longest "
+        f"{max(lengths)}); raise data.max_prompt_length to at least {min(lengths)}, or cut "
+        "them with data.truncation=left|right and data.filter_overlong_prompts=false"
+    )
+
+
 def build_prompt_dataset(
     rows: Sequence[PromptRow],
     tokenizer: Any,
@@ -112,16 +139,23 @@ def build_prompt_dataset(
     truncation: Truncation = "error",
     prompt_key: str = "prompt",
 ) -> PromptDataset:
-    """Encode `rows` and apply the length policy (filtering first, then truncation)."""
+    """Encode `rows` and apply the length policy (filtering first, then truncation); length
+    problems are `ConfigError`s: data.max_prompt_length does not suit the data."""
+    if not rows:
+        raise ValueError("no prompt rows to encode")
     dataset = PromptDataset(prompts=[])
     encoded = encode_prompts([r.prompt for r in rows], tokenizer, apply_chat_template)
+    lengths = [len(ids) for ids in encoded]
+    cut = truncation in ("left", "right") and not filter_overlong_prompts
+    if not cut and min(lengths) > max_prompt_length:
+        raise ConfigError(_all_overlong(rows, lengths, max_prompt_length))
     for row, ids in zip(rows, encoded):
         if len(ids) > max_prompt_length and filter_overlong_prompts:
             dataset.num_filtered += 1
             continue
         fitted = fit_length(ids, max_prompt_length, truncation)
         if fitted is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{row.file}: row {row.row}, column '{prompt_key}': prompt is {len(ids)} tokens, "
                 f"longer than data.max_prompt_length={max_prompt_length}; set "
                 "data.filter_overlong_prompts=true to drop such prompts or "
@@ -134,24 +168,29 @@ def build_prompt_dataset(
             "dropped %d of %d prompts longer than data.max_prompt_length=%d",
             dataset.num_filtered, len(rows), max_prompt_length,
         )  # fmt: skip
-    if not dataset.prompts:
-        raise ValueError(
-            f"no prompts left: all {len(rows)} are longer than data.max_prompt_length="
-            f"{max_prompt_length} (data.filter_overlong_prompts=true)"
-        )
     return dataset
 
 
 def prompt_dataset_from_config(
-    data_cfg: Any, tokenizer: Any, split: Literal["train", "val"]
+    data_cfg: Any,
+    tokenizer: Any,
+    split: Literal["train", "val"],
+    *,
+    check_ground_truth: GroundTruthCheck | None = None,
 ) -> PromptDataset:
-    """The `PromptDataset` of `data.train_files` or `data.val_files`, per the `data.*` keys."""
+    """The `PromptDataset` of `data.train_files` or `data.val_files`, per the `data.*` keys.
+
+    `check_ground_truth` is `rlhf.reward.ground_truth_checker(cfg.reward)` (the reward layer
+    sits above data, so the caller passes it): an unscorable rule row then fails here, at
+    startup, as a `DataError` naming file, row and column, not mid-run at reward time.
+    """
     key = f"data.{split}_files"
     rows = read_prompt_rows(
         getattr(data_cfg, f"{split}_files"),
         prompt_key=data_cfg.prompt_key,
         bad_rows=data_cfg.bad_rows,
         key=key,
+        check_ground_truth=check_ground_truth,
     )
     return build_prompt_dataset(
         rows,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
 from datetime import timedelta
 
 import numpy as np
@@ -17,7 +18,6 @@ import torch.distributed as dist
 
 from rlhf.distributed.context import ParallelContext
 from rlhf.distributed.cpu_compat import apply_cpu_compat
-from rlhf.utils import free_port
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +49,40 @@ def _init_process_group(device: torch.device, timeout_minutes: int) -> None:
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return
-    launched = "RANK" in os.environ
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
-        # torchrun's MASTER_ADDR/PORT when launched by it, else a private 1-rank store
-        init_method="env://" if launched else f"tcp://127.0.0.1:{free_port()}",
-        rank=int(os.environ.get("RANK", 0)),
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        timeout=timedelta(minutes=timeout_minutes),
-    )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(minutes=timeout_minutes)
+    if "RANK" in os.environ:  # torchrun's MASTER_ADDR/PORT
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            timeout=timeout,
+        )
+    else:
+        dist.init_process_group(
+            backend=backend, store=bound_store("127.0.0.1", 1, timeout), rank=0, world_size=1,
+            timeout=timeout,
+        )  # fmt: skip
+
+
+def bound_store(host: str, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """A master TCPStore listening on `host` only (127.0.0.1: only this machine reaches it);
+    its port is `.port`.
+
+    `TCPStore(host, port, is_master=True)` and `init_method="tcp://host:port"` listen on every
+    interface whatever the host says: torch's libuv store binds "::" (else "0.0.0.0") in
+    `UvTcpServer::makeWithPort` (torch/csrc/distributed/c10d/TCPStoreLibUvBackend.cpp) and
+    uses no address of ours. It listens on a socket it is handed instead (`master_listen_fd`,
+    used by `LibUVStoreDaemon::init`), so we bind one ourselves; the store takes the
+    descriptor over and closes it. Bound before the store exists, the port cannot be taken.
+    """
+    sock = socket.create_server((host, 0))
+    port = sock.getsockname()[1]
+    return dist.TCPStore(
+        host, port, world_size, True, timeout=timeout, wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )  # fmt: skip
 
 
 def init_parallel(

@@ -20,8 +20,11 @@ from pathlib import Path
 
 from rlhf.config.choices import LOGGERS
 from rlhf.logging.profiler import stage_range
+from rlhf.utils import atomic_output
 
 log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
 
 CONSOLE_KEYS = (
     "critic/score/mean",
@@ -57,7 +60,8 @@ class MetricTracker:
         if unknown:
             raise ValueError(f"trainer.logger: unknown {unknown}; choose from {list(LOGGERS)}")
         self.loggers = list(loggers)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 (closed in close())
         self._tb = self._wandb = self._mlflow = None
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
@@ -119,6 +123,30 @@ class MetricTracker:
         keys += sorted(k for k in values if k not in CONSOLE_KEYS and "/" in k)[: 8 - len(keys)]
         return " | ".join([f"step {step}"] + [f"{k} {values[k]:.4g}" for k in keys])
 
+    def drop_after(self, step: int) -> int:
+        """Remove the rows of steps after `step` from metrics.jsonl; returns how many went.
+
+        Why: a run resumed from the checkpoint of step K runs steps K+1, ... again, and the
+        interrupted run may already have written rows for them; kept, the file would hold
+        two rows for such a step and the curves would go back in time. A line that is not a
+        JSON object (the torn last line of a crash) is dropped with a warning: appending
+        after it would glue the next row onto it. The file is replaced atomically, so a crash
+        in here leaves it as it was. Call it before logging the first resumed step.
+        """
+        self._jsonl.close()
+        try:
+            old = self.metrics_path.read_text()
+            kept, superseded = _rows_up_to(old, step)
+            new = "".join(line + "\n" for line in kept)
+            if new != old:
+                with atomic_output(self.metrics_path) as tmp:
+                    tmp.write_text(new)
+        finally:
+            self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 (closed in close())
+        if superseded:
+            log.info("%s: dropped %d rows of steps after %d", self.metrics_path, superseded, step)
+        return superseded
+
     def close(self) -> None:
         self._jsonl.close()
         if self._tb is not None:
@@ -135,6 +163,32 @@ class MetricTracker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _rows_up_to(text: str, step: int) -> tuple[list[str], int]:
+    """The lines of a metrics.jsonl text to keep (rows of steps <= `step`, and rows without
+    a step) and the number of rows of later steps; unreadable lines are left out, named in
+    a warning."""
+    kept: list[str] = []
+    superseded = 0
+    unreadable: list[int] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            unreadable.append(number)
+        elif isinstance(row.get("step"), int | float) and row["step"] > step:
+            superseded += 1
+        else:
+            kept.append(line)
+    if unreadable:
+        log.warning("metrics.jsonl: dropped %d unreadable lines (line %s), e.g. a torn "
+                    "last line from a crash", len(unreadable), unreadable[:10])  # fmt: skip
+    return kept, superseded
 
 
 class Timer:

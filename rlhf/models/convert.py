@@ -28,9 +28,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf.models.builder import ValueHead, attach_value_head, build_model, load_hf_weights
-from rlhf.models.families import ModelArch, load_arch
+from rlhf.models.families import ModelArch, check_parallel_sizes, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
+from rlhf.models.model_dir import check_model_dir
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
@@ -102,13 +103,34 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def check_hf_to_mcore(hf_dir: Path, out_dir: Path, tp: int, pp: int) -> ModelArch:
+    """What `hf_to_mcore` needs of its inputs, from config.json and the safetensors headers
+    alone: cheap enough to run before any worker process is launched."""
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another OUT_DIR")
+    arch = check_model_dir(hf_dir)
+    _check_split(arch, hf_dir, tp, pp)
+    return arch
+
+
+def check_verify(mcore_dir: Path, tp: int, pp: int) -> None:
+    """`verify`'s checkpoint is one written here, and its model splits over TP x PP."""
+    read_meta(mcore_dir)
+    _check_split(load_arch(mcore_dir / "hf"), mcore_dir / "hf", tp, pp)
+
+
+def _check_split(arch: ModelArch, hf_dir: Path, tp: int, pp: int) -> None:
+    try:
+        check_parallel_sizes(arch, tp, pp)
+    except ValueError as e:
+        raise ValueError(f"{hf_dir / 'config.json'}: {e} (--tp {tp} --pp {pp})") from None
+
+
 def hf_to_mcore(hf_dir: Path, out_dir: Path, placement: Placement) -> None:
     """Convert on every rank of the current TP x PP world (call on all ranks)."""
     from megatron.core import dist_checkpointing
 
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists; remove it or choose another OUT_DIR")
-    arch = load_arch(hf_dir)
+    arch = check_hf_to_mcore(hf_dir, out_dir, placement.tp_size, placement.pp_size)
     reader = HFCheckpointReader(hf_dir)
     dtype = checkpoint_dtype(reader)
     model = build_model(arch, placement, params_dtype=dtype, initialize=False)

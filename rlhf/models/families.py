@@ -188,6 +188,24 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
+def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:
+    """Megatron splits heads over TP ranks and layers over PP stages; needs only the config,
+    so the CLIs check it before launching any worker."""
+    for key, count in (
+        ("num_attention_heads", arch.num_attention_heads),
+        ("num_key_value_heads", arch.num_query_groups),
+    ):
+        if count % tp:
+            raise ValueError(
+                f"{key} ({count}) must be divisible by the tensor parallel size ({tp})"
+            )
+    if arch.num_layers % pp:
+        raise ValueError(
+            f"num_hidden_layers ({arch.num_layers}) must be divisible by the pipeline "
+            f"parallel size ({pp})"
+        )
+
+
 def transformer_config(
     arch: ModelArch,
     *,
@@ -206,16 +224,7 @@ def transformer_config(
     """
     from megatron.core.transformer import TransformerConfig
 
-    if arch.num_query_groups % tp:
-        raise ValueError(
-            f"num_key_value_heads ({arch.num_query_groups}) must be divisible by the tensor "
-            f"parallel size ({tp})"
-        )
-    if arch.num_layers % pp:
-        raise ValueError(
-            f"num_hidden_layers ({arch.num_layers}) must be divisible by the pipeline "
-            f"parallel size ({pp})"
-        )
+    check_parallel_sizes(arch, tp, pp)
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

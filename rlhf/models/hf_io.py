@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -31,6 +31,24 @@ DTYPE_BYTES = {
     "BOOL": 1,
 }
 SINGLE_NAME = "model.safetensors"
+
+
+class CheckpointFileError(ValueError):
+    """A weights file that cannot be read (truncated, not safetensors); names the file."""
+
+
+def open_safetensors(path: Path):
+    """`safe_open` of `path`; a damaged file is a one-line `CheckpointFileError`.
+
+    safetensors checks the header against the file size, so a download or copy cut short
+    is found here, from the header alone, instead of while the weights load."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise CheckpointFileError(
+            f"{path} ({path.stat().st_size} bytes) is not a readable safetensors file: {e}; "
+            "truncated by an interrupted download or copy? fetch it again"
+        ) from None
 
 
 class HFCheckpointReader:
@@ -52,7 +70,7 @@ class HFCheckpointReader:
                 f"{self.model_dir}: neither {INDEX_NAME} nor {SINGLE_NAME} found "
                 "(only safetensors checkpoints are supported)"
             )
-        with safe_open(single, framework="pt") as f:
+        with open_safetensors(single) as f:
             return {name: SINGLE_NAME for name in f.keys()}  # noqa: SIM118
 
     def __contains__(self, name: str) -> bool:
@@ -61,15 +79,25 @@ class HFCheckpointReader:
     def _handle(self, name: str):
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} is not in the checkpoint {self.model_dir}")
-        file = self.weight_map[name]
+        return self._file_handle(self.weight_map[name], name)
+
+    def _file_handle(self, file: str, name: str):
         if file not in self._handles:
             path = self.model_dir / file
             if not path.is_file():
                 raise FileNotFoundError(
                     f"shard file {path} (holding {name!r}) is missing from the checkpoint"
                 )
-            self._handles[file] = safe_open(path, framework="pt")
+            self._handles[file] = open_safetensors(path)
         return self._handles[file]
+
+    def check_files(self) -> None:
+        """Open every shard once (headers only): a missing or damaged one fails now."""
+        first: dict[str, str] = {}
+        for name, file in self.weight_map.items():
+            first.setdefault(file, name)
+        for file, name in first.items():
+            self._file_handle(file, name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())

@@ -12,8 +12,10 @@ Numbers are compared after normalisation ($ and thousands commas removed, `12.50
 
 from __future__ import annotations
 
+import numbers
 import re
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 from rlhf.config.choices import GSM8KMethod
 
@@ -36,6 +38,21 @@ def normalize_number(text: str) -> str | None:
     if value == value.to_integral_value():
         return str(int(value))
     return format(value.normalize(), "f")
+
+
+def ground_truth_problem(ground_truth: Any) -> str | None:
+    """Why this rule cannot score `ground_truth` (None: it can). The rule compares numbers, so
+    a word or a list would match no answer and every response would silently score 0."""
+    if isinstance(ground_truth, bool) or not isinstance(ground_truth, str | numbers.Real):
+        kind = f"a {type(ground_truth).__name__}, not a number"
+    elif normalize_number(str(ground_truth)) is None:
+        kind = "not a number"
+    else:
+        return None
+    return (
+        f"{kind}; the gsm8k rule compares numbers ('42', '-3.5', '1,200'), "
+        "so every answer would score 0"
+    )
 
 
 def extract_answer(solution: str, method: GSM8KMethod = "strict") -> str | None:

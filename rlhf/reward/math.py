@@ -9,8 +9,10 @@ Score: no boxed answer 0, a wrong one `format_score`, a correct one `correct_sco
 
 from __future__ import annotations
 
+import numbers
 import re
 from fractions import Fraction
+from typing import Any
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "^\\circ", "^{\\circ}")
@@ -77,6 +79,16 @@ def is_equivalent(answer: str, ground_truth: str) -> bool:
         return True
     x, y = as_number(a), as_number(b)
     return x is not None and x == y
+
+
+def ground_truth_problem(ground_truth: Any) -> str | None:
+    """Why this rule cannot score `ground_truth` (None: it can): it needs LaTeX text or a
+    number; an empty string or a list would be compared as text and score nonsense."""
+    if isinstance(ground_truth, str):
+        return None if ground_truth.strip() else "empty; the math rule needs the answer's LaTeX"
+    if isinstance(ground_truth, numbers.Real) and not isinstance(ground_truth, bool):
+        return None
+    return f"a {type(ground_truth).__name__}; the math rule needs a LaTeX string or a number"
 
 
 def compute_score(

@@ -6,19 +6,27 @@ replaces the rules with a user function: that file is imported and executed as o
 Python with the trainer's permissions, so only point it at code you trust. All reward
 functions are called as `fn(data_source=, solution_str=, ground_truth=, extra_info=)` and
 return a number.
+
+Each rule also says which ground truths it can score (`check_ground_truth`): a gsm8k rule
+given `['4']` or `"five"` would score every answer 0 without an error, so the data is checked
+against the rules when it is loaded (`rlhf-preprocess check`, training startup) instead.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf.config.choices import GSM8KMethod
 from rlhf.reward import gsm8k, math
+
+if TYPE_CHECKING:  # pyarrow stays out of reward worker processes
+    from rlhf.data.parquet import GroundTruthCheck
 
 RewardFn = Callable[..., float]
 
@@ -90,16 +98,31 @@ _ANSWERS: dict[str, AnswerFn] = {
     for source, rule in _RULES.items()
 }
 
+TruthCheck = Callable[[Any], "str | None"]
+_TRUTH_CHECKS: dict[str, TruthCheck] = {
+    source: gsm8k.ground_truth_problem if rule is _gsm8k_rule else math.ground_truth_problem
+    for source, rule in _RULES.items()
+}
 
-def register_rule(data_source: str, rule: RuleFn, answer: AnswerFn | None = None) -> None:
+
+def register_rule(
+    data_source: str,
+    rule: RuleFn,
+    answer: AnswerFn | None = None,
+    check: TruthCheck | None = None,
+) -> None:
     """Score rows of `data_source` with `rule(solution, ground_truth, settings)`; `answer`
     (solution, settings) -> the response's final answer in a canonical form (None: it gave
-    none) lets validation take majority votes (maj@N) on that source."""
+    none) lets validation take majority votes (maj@N) on that source; `check(ground_truth)`
+    -> why the rule cannot score it (None: it can) lets the data loader reject such rows
+    (without one, any non-null ground truth is accepted)."""
     _RULES[data_source] = rule
-    if answer is None:
-        _ANSWERS.pop(data_source, None)
-    else:
+    _ANSWERS.pop(data_source, None)
+    _TRUTH_CHECKS.pop(data_source, None)
+    if answer is not None:
         _ANSWERS[data_source] = answer
+    if check is not None:
+        _TRUTH_CHECKS[data_source] = check
 
 
 def answer_extractor(data_source: str) -> AnswerFn | None:
@@ -110,6 +133,37 @@ def answer_extractor(data_source: str) -> AnswerFn | None:
 
 def known_sources() -> list[str]:
     return sorted(_RULES)
+
+
+def _unknown_source(data_source: str) -> str:
+    near = difflib.get_close_matches(data_source, known_sources(), n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return (
+        f"no rule reward for data_source {data_source!r}{hint}; known: "
+        f"{', '.join(known_sources())} (or set reward.custom_fn=path/to/file.py:function)"
+    )
+
+
+def check_ground_truth(data_source: str, ground_truth: Any) -> tuple[str, str] | None:
+    """(column, what is wrong) when no rule can score `ground_truth` for `data_source`, else
+    None. Called on every rule row when data is loaded, so a row that would fail or silently
+    score 0 at reward time is reported at startup with its file and row."""
+    if data_source not in _RULES:
+        return "data_source", _unknown_source(data_source)
+    check = _TRUTH_CHECKS.get(data_source)
+    problem = check(ground_truth) if check is not None else None
+    if problem is None:
+        return None
+    shown = repr(ground_truth)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return "reward_model", f"ground_truth {shown} of data_source {data_source!r}: {problem}"
+
+
+def ground_truth_checker(reward_cfg: Any) -> GroundTruthCheck | None:
+    """The check the `reward` config section implies for loaded rule rows: the rules' own, or
+    none with `reward.custom_fn` (the user's function scores every data source and decides
+    which ground truths it accepts)."""
+    return None if reward_cfg.custom_fn else check_ground_truth
 
 
 def compute_score(
@@ -123,10 +177,7 @@ def compute_score(
     """The rule reward of one response; unknown `data_source` is a ValueError."""
     rule = _RULES.get(data_source)
     if rule is None:
-        raise ValueError(
-            f"no rule reward for data_source {data_source!r}; known: {', '.join(known_sources())}"
-            " (or set reward.custom_fn=path/to/file.py:function)"
-        )
+        raise ValueError(_unknown_source(data_source))
     return float(rule(solution_str, ground_truth, settings))
 
 

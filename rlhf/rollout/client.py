@@ -19,10 +19,13 @@ from typing import Any
 import aiohttp
 
 from rlhf.config.schema import RolloutConfig
+from rlhf.rollout.sglang_api import API_KEY_ENV, auth_headers
 
 log = logging.getLogger(__name__)
 
 RETRIES_KEY = "actor_rollout_ref.rollout.request_retries"
+
+_AUTH_HINT = f"; the server wants an API key: set {API_KEY_ENV} to the key it was started with"
 
 # Given the URL a request just failed on, return the URL to retry it on (may block while a
 # dead server is restarted; raises when there is none to retry on).
@@ -135,7 +138,7 @@ class GenerateClient:
         urls: Sequence[str],
         *,
         max_concurrent: int = 64,
-        timeout_s: float = 600.0,
+        timeout_s: float = 120.0,
         retry: RetryPolicy | None = None,
         recover: Recover | None = None,
     ):
@@ -156,7 +159,9 @@ class GenerateClient:
         limit = asyncio.Semaphore(self.max_concurrent)
         connector = aiohttp.TCPConnector(limit=self.max_concurrent)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=timeout, headers=auth_headers()
+        ) as session:
             tasks = [
                 asyncio.create_task(self._request(session, limit, i, payload))
                 for i, payload in enumerate(payloads)
@@ -211,6 +216,7 @@ class GenerateClient:
                     raise GenerateError(
                         f"SGLang /generate at {url} rejected the request with HTTP "
                         f"{response.status}: {(await response.text())[:500]}"
+                        f"{_AUTH_HINT if response.status in (401, 403) else ''}"
                     )
                 body = await response.json(content_type=None)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:

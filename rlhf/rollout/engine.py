@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from rlhf.config.schema import RolloutConfig
+from rlhf.rollout import sglang_api
 from rlhf.rollout.client import GenerateClient, RequestResult, RetryPolicy, generate_payload
 from rlhf.rollout.server_group import ServerGroup
 
@@ -178,7 +179,10 @@ class SGLangEngine:
         wait: bool = True,
     ):
         """`wait=False`: return once the servers are launched; call `wait_ready()` before
-        generating."""
+        generating. Servers launched here require an API key: `RLHF_SGLANG_API_KEY`, or a
+        random one made for this process (`sglang_api.ensure_api_key`)."""
+        if not rollout.server_urls:
+            sglang_api.ensure_api_key()
         self.group = ServerGroup(
             rollout,
             model_path,
@@ -232,6 +236,10 @@ class SGLangEngine:
             for (index, _), result in zip(requests, results)
             for g in result.generations
         ]
+
+    def recover(self, url: str) -> str:
+        """`url` stopped answering: restart it if it died; the URL to use now."""
+        return self.group.recover(url)
 
     def on_server_restart(self, handler: Callable[[str], None]) -> None:
         """Call `handler(url)` after a launched server was restarted (before requests resume)."""

@@ -19,6 +19,7 @@ from rlhf.config import ConfigError
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.parquet import read_prompt_rows
 from rlhf.data.prompts import PromptDataset, build_prompt_dataset, load_tokenizer
+from rlhf.reward import ground_truth_checker
 from rlhf.reward.scorer import RewardScorer
 from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.engine import SGLangEngine
@@ -44,8 +45,9 @@ def eval_prompts(cfg: RLHFConfig, data_files: list[str], tokenizer) -> PromptDat
     reward is a model need `reward.url` (no reward model runs here)."""
     data = cfg.data
     rows = read_prompt_rows(
-        data_files, prompt_key=data.prompt_key, bad_rows=data.bad_rows, key="--data"
-    )
+        data_files, prompt_key=data.prompt_key, bad_rows=data.bad_rows, key="--data",
+        check_ground_truth=ground_truth_checker(cfg.reward),
+    )  # fmt: skip
     model_rows = [r for r in rows if r.style == "model"]
     if model_rows and not cfg.reward.url:
         first = model_rows[0]

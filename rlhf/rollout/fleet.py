@@ -27,6 +27,7 @@ from rlhf.rollout import sglang_api
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 from rlhf.rollout.generation import RolloutResult, generate_and_score, kv_cache_tokens
+from rlhf.rollout.server_group import ServerLost
 from rlhf.utils import split_evenly
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,17 @@ class RolloutFleet:
         urls = everyone[owner]
         assert urls is not None, f"rank {owner} owns an engine"
         return urls
+
+    def restart_server(self, url: str) -> None:
+        """One of this rank's servers stopped answering (weight sync, probe): restart it if
+        it died, within `rollout.max_server_restarts`; the `on_server_restart` handler then
+        gives it the current weights. External servers are never restarted."""
+        assert self.engine is not None, "called on the rank that owns the servers"
+        if self.engine.recover(url) != url:
+            raise ServerLost(
+                f"external SGLang server at {url} was lost; external servers are never "
+                "restarted by the trainer: restart it, then resume the run"
+            )
 
     def on_server_restart(self, handler: Callable[[str], None]) -> None:
         """Call `handler(url)` (on the owning rank) after one of its servers restarted."""

@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 KEY = "actor_rollout_ref.rollout"
 
 
+class ServerLost(RuntimeError):
+    """A server is gone for good: out of restarts, or an external one (never restarted)."""
+
+
 class ServerGroup:
     """Launched or external SGLang servers, optionally behind an sglang-router."""
 
@@ -227,7 +231,7 @@ class ServerGroup:
     def _recover_servers(self) -> None:
         if self.external:
             if not any(sglang_api.healthy(u) for u in self.external):
-                raise RuntimeError(
+                raise ServerLost(
                     f"no external SGLang server answers /health ({KEY}.server_urls="
                     f"{self.external}); external servers are never restarted by the trainer"
                 )
@@ -241,7 +245,7 @@ class ServerGroup:
             return url
         others = [u for u in self.external if u != url and sglang_api.healthy(u)]
         if not others:
-            raise RuntimeError(
+            raise ServerLost(
                 f"external SGLang server at {url} ({KEY}.server_urls) is down and no other "
                 "listed server is healthy; external servers are never restarted by the "
                 "trainer: restart it, or remove it from the list"
@@ -260,7 +264,7 @@ class ServerGroup:
         code = server.proc.returncode if server.proc is not None else None
         used = self.restarts.get(url, 0)
         if used >= limit:
-            raise RuntimeError(
+            raise ServerLost(
                 f"SGLang process at {url} died (exit code {code}) after {used} restart(s), the "
                 f"limit ({KEY}.max_server_restarts={limit}); log {server.log_path}:\n"
                 f"{server.log_tail()}"

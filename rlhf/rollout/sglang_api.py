@@ -3,49 +3,98 @@
 One function per route, each a blocking call that raises `SGLangAPIError` naming the server
 and the route (or returns False for health). Weight sync, the log-prob probe, the server
 group and the preflight checks call these; nothing else builds SGLang requests.
+
+Authentication: a server bound to a reachable address would let anyone load weights into
+it (`update_weights_from_disk`, ...), so servers and the router are started with SGLang's
+`--api-key` whenever `RLHF_SGLANG_API_KEY` is set, and every request here and in
+`rlhf.rollout.client` sends it as `Authorization: Bearer <key>`. SGLang then refuses every
+route but /health*, /ready* and /metrics* without it (401). A run that launches its own
+servers sets a random key for itself when none is given (`ensure_api_key`).
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 from typing import Any
 
 import requests
 
 HEALTH_TIMEOUT_S = 5.0
 ADMIN_TIMEOUT_S = 600.0  # weight loads of a large model take minutes
+API_KEY_ENV = "RLHF_SGLANG_API_KEY"
+
+
+def api_key() -> str | None:
+    """The key this process's SGLang servers and router require (None: they take anyone)."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def ensure_api_key() -> str:
+    """The run's key; when none is set, a random one, kept in this process's environment so
+    every client here (and every server launched from here) uses the same one."""
+    key = api_key()
+    if key is None:
+        key = secrets.token_urlsafe(32)
+        os.environ[API_KEY_ENV] = key
+    return key
+
+
+def auth_headers() -> dict[str, str]:
+    """The header every request to SGLang carries (none without a key)."""
+    key = api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class SGLangAPIError(RuntimeError):
-    """An SGLang route was unreachable or answered with a failure."""
+    """An SGLang route was unreachable or answered with a failure.
+
+    `unreachable`: no answer came (connection refused or reset, timeout): the server may
+    have died, so the caller may restart it and try again; an answer that reports a
+    failure is not retried."""
+
+    def __init__(self, message: str, url: str, unreachable: bool):
+        super().__init__(message)
+        self.url = url
+        self.unreachable = unreachable
 
 
 def _post(url: str, route: str, payload: dict | None = None, timeout_s: float = ADMIN_TIMEOUT_S):
     """POST `payload` to `url/route`; the JSON answer, or an error naming both."""
     try:
-        response = requests.post(f"{url}/{route}", json=payload or {}, timeout=timeout_s)
+        response = requests.post(
+            f"{url}/{route}", json=payload or {}, headers=auth_headers(), timeout=timeout_s
+        )
     except requests.RequestException as e:
-        raise SGLangAPIError(f"{url}/{route} unreachable: {e}") from e
+        raise SGLangAPIError(f"{url}/{route} unreachable: {e}", url, unreachable=True) from e
     body = response.json() if response.content else {}
     failed = isinstance(body, dict) and body.get("success") is False
     if response.status_code != 200 or failed:
         message = body.get("message", response.text) if isinstance(body, dict) else response.text
-        raise SGLangAPIError(f"{url}/{route} answered {response.status_code}: {message}")
+        raise SGLangAPIError(
+            f"{url}/{route} answered {response.status_code}: {message}", url, unreachable=False
+        )
     return body
 
 
 def _get(url: str, route: str, timeout_s: float = 30.0) -> Any:
     try:
-        response = requests.get(f"{url}/{route}", timeout=timeout_s)
-        response.raise_for_status()
+        response = requests.get(f"{url}/{route}", headers=auth_headers(), timeout=timeout_s)
     except requests.RequestException as e:
-        raise SGLangAPIError(f"{url}/{route} failed: {e}") from e
+        raise SGLangAPIError(f"{url}/{route} unreachable: {e}", url, unreachable=True) from e
+    if response.status_code != 200:
+        raise SGLangAPIError(
+            f"{url}/{route} answered {response.status_code}: {response.text}", url,
+            unreachable=False,
+        )  # fmt: skip
     return response.json()
 
 
 def healthy(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
     """Whether GET `url`/health answers 200 (SGLang server or router)."""
     try:
-        return requests.get(f"{url}/health", timeout=timeout_s).status_code == 200
+        response = requests.get(f"{url}/health", headers=auth_headers(), timeout=timeout_s)
+        return response.status_code == 200
     except requests.RequestException:
         return False
 

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from rlhf.config.engine_args import server_argv
 from rlhf.config.schema import RolloutConfig
@@ -94,6 +95,7 @@ def build_server_args(
         argv += ["--max-total-tokens", str(max_total_tokens)]
     if base_gpu_id is not None:
         argv += ["--base-gpu-id", str(base_gpu_id)]
+    argv += _api_key_args()
     argv += server_argv(rollout.engine_kwargs.sglang)  # the user's, last
     return ServerLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
 
@@ -125,8 +127,29 @@ def build_router_args(
         "--worker-startup-check-interval", "1",
         "--disable-circuit-breaker",
         "--shutdown-grace-period-secs", "5",
+        *_api_key_args(),  # the router requires it from clients and sends it to workers
     ]  # fmt: skip
     return ServerLaunch(argv=argv, env={}, url=f"http://{host}:{port}")
+
+
+def _api_key_args() -> list[str]:
+    """`--api-key KEY` when the run has a key (`sglang_api.API_KEY_ENV`), else nothing.
+
+    SGLang's server and sglang-router take the same flag: each then answers 401 to every
+    request without `Authorization: Bearer KEY` except /health; the router also sends it to
+    its workers. The key is visible in the process list to users of the same machine."""
+    key = sglang_api.api_key()
+    return ["--api-key", key] if key else []
+
+
+def _open_log(path: Path, private: bool) -> BinaryIO:
+    """The server's log for appending; `private`: readable by this user only, since SGLang
+    writes its arguments, the API key included, into it at startup."""
+    if not private:
+        return open(path, "ab")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # a log from an earlier start may be world-readable
+    return os.fdopen(fd, "ab")
 
 
 def _die_with_parent() -> None:
@@ -146,7 +169,7 @@ class SGLangServer:
 
     def start(self) -> SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
+        with _open_log(self.log_path, private="--api-key" in self.launch.argv) as log_file:
             self.proc = subprocess.Popen(
                 self.launch.argv,
                 stdout=log_file,

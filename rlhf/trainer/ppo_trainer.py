@@ -15,14 +15,22 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf.algo import build_kl_controller, masked_mean
-from rlhf.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
+from rlhf.checkpoint import (
+    CheckpointManager,
+    CheckpointStorageError,
+    load_trainer_state,
+    probe_storage,
+    save_trainer_state,
+)
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
 from rlhf.logging import MetricTracker, StepProfiler, Timer
+from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.mapping import Placement
+from rlhf.reward import ground_truth_checker
 from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.fleet import RolloutFleet
@@ -33,6 +41,7 @@ from rlhf.trainer.megatron_model import TrainableMegatronModel
 from rlhf.trainer.metrics import model_passes, perf_metrics, rollout_metrics
 from rlhf.trainer.nonfinite import NonFiniteError, check_scores
 from rlhf.trainer.perf import measure_matmul_flops
+from rlhf.trainer.preemption import Preempted, PreemptionGuard
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer
 from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 from rlhf.trainer.stages import probe_logprobs
@@ -52,9 +61,12 @@ class PPOTrainer:
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.arch = load_policy_arch(cfg)
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
-        self.train_data = prompt_dataset_from_config(cfg.data, self.tokenizer, "train")
+        scorable = ground_truth_checker(cfg.reward)  # unscorable rule rows fail here
+        self.train_data = prompt_dataset_from_config(
+            cfg.data, self.tokenizer, "train", check_ground_truth=scorable
+        )
         self.val_data = (
-            prompt_dataset_from_config(cfg.data, self.tokenizer, "val")
+            prompt_dataset_from_config(cfg.data, self.tokenizer, "val", check_ground_truth=scorable)
             if cfg.data.val_files
             else None
         )
@@ -68,6 +80,13 @@ class PPOTrainer:
             cfg.trainer.total_epochs * self.sampler.steps_per_epoch
         )
         self.log_memory_plan()
+        # before any server starts: a read-only or too small checkpoint directory fails now
+        self.checkpoint_bytes = checkpoint_bytes(cfg, self.arch)
+        self.write_rate = (
+            probe_storage(run_dir / "checkpoints", self.checkpoint_bytes) if ctx.is_main else 0.0
+        )
+        self.last_save_s: float | None = None
+        self.last_saved_step: int | None = None
         self.checkpoints = CheckpointManager(
             run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep
         )
@@ -89,6 +108,8 @@ class PPOTrainer:
             self.rollout.shutdown()
             raise
         self.rollout.on_server_restart(self.syncer.resync_server)
+        if self.rollout.engine is not None:  # the owner of the servers is their sender
+            self.syncer.restart_server = self.rollout.restart_server
 
     def build_training_side(self) -> None:
         """Models, controllers, profiler, the MFU yardstick and the tracker."""
@@ -133,7 +154,9 @@ class PPOTrainer:
             self.rollout.resume_memory(["kv_cache"])
             probe = probe_logprobs(m.actor, self.syncer.probe_tokens, m.planner, m.probe_head)
         diff = self.syncer.compare_probe(probe, self.ctx.device)
-        return {"perf/weight_sync_bytes": float(stats.num_bytes), "rollout/logprob_diff_max": diff}
+        phases = {f"perf/weight_sync_{k}_s": v for k, v in stats.phase_s.items()}
+        return {"perf/weight_sync_bytes": float(stats.num_bytes), "rollout/logprob_diff_max": diff,
+                **phases}  # fmt: skip
 
     def generate(self, step: int, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
         """The step's scored batch (`rlhf.trainer.step_batch`) and its metrics."""
@@ -198,12 +221,31 @@ class PPOTrainer:
 
     def save_checkpoint(self, step: int) -> None:
         """The models, optimizer and trainer state at `step`; never from non-finite weights
-        (the previous checkpoint stays the latest)."""
+        (the previous checkpoint stays the latest); a failed write says what is lost."""
         for name, model in self.trained().items():
             if not model.weights_finite():
                 raise NonFiniteError(
                     f"step {step}: the {name}'s weights are not finite; checkpoint not written"
                 )
+        start = time.perf_counter()
+        try:
+            self._write_checkpoint(step)
+        except CheckpointStorageError as e:
+            raise CheckpointStorageError(f"{e}; {self.work_lost(step)}") from e.__cause__
+        self.last_save_s, self.last_saved_step = time.perf_counter() - start, step
+        log.info("checkpoint of step %d written to %s", step, self.checkpoints.path_for(step))
+
+    def work_lost(self, step: int) -> str:
+        """In words: which steps up to `step` no checkpoint holds."""
+        kept = [s for s in self.checkpoints.complete_steps() if s <= step]
+        if not kept:
+            return f"no checkpoint holds steps 1-{step}"
+        if kept[-1] == step:
+            return f"checkpoint {self.checkpoints.path_for(step)} holds step {step}"
+        latest = self.checkpoints.path_for(kept[-1])
+        return f"steps {kept[-1] + 1}-{step} are lost (the latest checkpoint is {latest})"
+
+    def _write_checkpoint(self, step: int) -> None:
         with self.checkpoints.writing(step) as tmp:
             if self.ctx.is_main:
                 for name in self.trained():
@@ -215,7 +257,6 @@ class PPOTrainer:
             save_trainer_state(tmp, self.state_dict(step), self.ctx.rank)
             if self.ctx.is_main:
                 write_model_exports(tmp, self.cfg, self.trained(), Placement.of(self.ctx))
-        log.info("checkpoint of step %d written to %s", step, self.checkpoints.path_for(step))
 
     def load_models(self, path: Path) -> dict:
         """Actor, critic (model + optimizer + LR schedule) and the trainer state at `path`."""
@@ -236,6 +277,8 @@ class PPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.stopper.load_state_dict(state["early_stop"])
         step = int(state["step"])
+        if self.tracker is not None:  # rows of steps after the checkpoint are redone
+            self.tracker.drop_after(step)
         self.sync_weights(step)  # the servers started from the HF weights
         log.info("resumed from %s (step %d)", path, step)
         return step
@@ -263,13 +306,15 @@ class PPOTrainer:
             total=self.total_steps, initial=step, desc="ppo", unit="step",
             disable=not (self.ctx.is_main and "console" in cfg.logger),
         )  # fmt: skip
+        guard = PreemptionGuard(cfg.preemption_grace_s, self.ctx.device)
         try:
-            step = self._run_steps(step, bar)
+            with guard:
+                step = self._run_steps(step, bar, guard)
         finally:
             bar.close()  # a failure's message then starts on its own line
         return step
 
-    def _run_steps(self, step: int, bar: tqdm) -> int:
+    def _run_steps(self, step: int, bar: tqdm, guard: PreemptionGuard) -> int:
         """Steps after `step` to the end (or an early stop); the last step run."""
         cfg = self.cfg.trainer
         while step < self.total_steps:
@@ -302,9 +347,31 @@ class PPOTrainer:
                 self.save_checkpoint(step)
             self.log(metrics, step)
             bar.update(1)
+            self.end_if_preempted(step, guard)
             if decision is not None and decision.action == "stop":
                 break
         return step
+
+    def end_if_preempted(self, step: int, guard: PreemptionGuard) -> None:
+        """After SIGTERM on any rank: checkpoint `step` if that fits in the grace period
+        left, then raise `Preempted` (all ranks, together)."""
+        estimate = self.last_save_s
+        if estimate is None:  # no save yet: the planned size at the rate measured at startup
+            estimate = self.checkpoint_bytes / self.write_rate if self.write_rate else 0.0
+        signalled, left_s, needed_s = guard.poll(estimate)
+        if not signalled:
+            return
+        saved = self.last_saved_step == step
+        if not saved and needed_s <= left_s:
+            self.save_checkpoint(step)
+            saved = True
+        if saved:
+            raise Preempted(step, f"{self.work_lost(step)}; the same command resumes from it")
+        raise Preempted(
+            step,
+            f"no checkpoint written (one takes about {needed_s:.0f} s, {max(left_s, 0):.0f} s "
+            f"of trainer.preemption_grace_s were left); {self.work_lost(step)}",
+        )
 
     def after_validation(self, step: int, val: dict, metrics: dict, saving: bool):
         """Rollback when validation falls behind training; else mark a good checkpoint."""

@@ -6,7 +6,6 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -15,11 +14,12 @@ from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
 from rlhf.config.validate import distributed_optimizer_on, uses_critic, uses_reference
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
-from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute, load_arch
+from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
 from rlhf.models.mapping import Placement
+from rlhf.models.model_dir import check_model_dir, read_model_arch
 from rlhf.rollout.generation import RolloutResult
 from rlhf.trainer.heads import LogprobHead, PolicyLossHead, ValueLossHead
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
@@ -55,18 +55,22 @@ class PPOModels:
     score_model_rows: Callable[[RolloutResult], RolloutResult]  # the reward model's rows
 
 
-def check_model_dir(path: str, key: str) -> None:
-    if not Path(path, "config.json").is_file():
-        raise FileNotFoundError(
-            f"{key}={path}: no config.json there (an HF model directory is expected; "
-            "'make quickstart' builds a tiny one)"
-        )
+def model_dirs(cfg: RLHFConfig) -> dict[str, str]:
+    """Config key -> HF directory of every model the run loads."""
+    dirs = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
+    if uses_critic(cfg):
+        dirs["critic.model.path"] = cfg.critic.model.path
+    if cfg.reward.model_path:
+        dirs["reward.model_path"] = cfg.reward.model_path
+    return dirs
 
 
 def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
-    """The policy's architecture (`actor_rollout_ref.model.path`)."""
-    check_model_dir(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path")
-    return load_arch(cfg.actor_rollout_ref.model.path)
+    """The policy's architecture (`actor_rollout_ref.model.path`), once every model directory
+    of the run has passed `check_model_dir`: this runs before any server starts, so a model
+    the trainer cannot load fails in one line instead of after SGLang has loaded it."""
+    arches = {key: check_model_dir(path, key) for key, path in model_dirs(cfg).items()}
+    return arches["actor_rollout_ref.model.path"]
 
 
 def optimizer_steps(cfg: RLHFConfig, total_steps: int, mini_batch_size: int, epochs: int) -> int:
@@ -121,7 +125,7 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int
     """The critic and its update spec, or (None, None) for critic-free estimators."""
     if not uses_critic(cfg):
         return None, None
-    check_model_dir(cfg.critic.model.path, "critic.model.path")
+    read_model_arch(cfg.critic.model.path, "critic.model.path")
     module, _ = value_model_from_hf(
         cfg.critic.model.path, Placement.of(ctx), seed=cfg.critic.megatron.seed,
         params_dtype=DTYPES[cfg.critic.megatron.dtype], sp=ctx.sp_size,
@@ -143,7 +147,6 @@ def build_ppo_models(
     """Actor, and when the config needs them reference and critic, on this rank, loaded from
     the HF checkpoints, with their update specs for a run of `total_steps` steps."""
     aro = cfg.actor_rollout_ref
-    check_model_dir(aro.model.path, "actor_rollout_ref.model.path")
     policy_dtype = DTYPES[aro.actor.megatron.dtype]
     actor_module = build_policy(
         arch, aro.model.path, ctx, policy_dtype, Recompute.of(aro.actor.megatron)

@@ -34,16 +34,16 @@ def build_weight_syncer(
     kind = rollout.weight_sync_transport
     transport: Transport
     if kind == "tensor":
-        transport = TensorTransport(server_urls, rollout.tensor_model_parallel_size)
+        transport = TensorTransport(rollout.tensor_model_parallel_size)
     elif kind == "distributed":
         transport = DistributedTransport(
             server_urls, rollout.tensor_model_parallel_size, rollout.weight_sync_master_address
         )
     else:
-        transport = DiskTransport(server_urls, run_dir / "weights", Path(model_path))
+        transport = DiskTransport(run_dir / "weights", Path(model_path))
     snapshot = None
     if rollout.weight_sync_snapshot and kind != "disk":
-        snapshot = DiskTransport([], run_dir / "weights_snapshot", Path(model_path))
+        snapshot = DiskTransport(run_dir / "weights_snapshot", Path(model_path))
     return WeightSyncer(
         transport,
         server_urls,

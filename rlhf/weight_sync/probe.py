@@ -9,10 +9,10 @@ training on mismatched rollouts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
-
-from rlhf.rollout import sglang_api
 
 
 class LogprobMismatchError(RuntimeError):
@@ -26,18 +26,19 @@ def probe_tokens(vocab_size: int, length: int = 32, seed: int = 1234) -> list[in
 
 def logprob_diff_max(
     actor_logprobs: torch.Tensor,
-    tokens: list[int],
+    server_logprobs: Callable[[str], list[float]],
     server_urls: list[str],
     is_sender: bool,
     device: torch.device,
 ) -> float:
     """Max |SGLang - actor| over the probe and `server_urls` (queried by the senders only),
     the same on every rank. `actor_logprobs`: log p(token_t | tokens_<t) for t >= 1;
-    `device`: where this rank's collectives run."""
+    `server_logprobs(url)`: the same from a server (`sglang_api.prompt_logprobs` of the
+    probe tokens); `device`: where this rank's collectives run."""
     diff = torch.zeros((), dtype=torch.float32)
     if is_sender:
         for url in server_urls:
-            sglang = torch.tensor(sglang_api.prompt_logprobs(url, tokens), dtype=torch.float32)
+            sglang = torch.tensor(server_logprobs(url), dtype=torch.float32)
             diff = torch.maximum(diff, (sglang - actor_logprobs.float().cpu()).abs().max())
     diff = diff.to(device)
     if dist.is_initialized():

@@ -13,13 +13,22 @@ A server that dies and is restarted comes back with the *initial* weights. With 
 `snapshot` (a `DiskTransport` that talks to no server) the sender also keeps the last
 synced weights on disk, and `resync_server(url)` loads them into the restarted server
 without involving the other ranks; the disk transport is its own snapshot.
+
+A server that stops answering during a sync (or the probe) is left out of the rest of it,
+so the other servers and the other ranks finish the sync as usual; then the sender has it
+restarted (`restart_server`, the rollout engine's recovery, bounded by
+`rollout.max_server_restarts`) and loads the snapshot into it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,11 +36,12 @@ from torch import nn
 
 from rlhf.models.families import ModelArch
 from rlhf.rollout import sglang_api
-from rlhf.weight_sync.gather import SyncTopology, iter_buckets
+from rlhf.weight_sync.gather import Bucket, SyncTopology, iter_buckets
 from rlhf.weight_sync.probe import check_parity, logprob_diff_max, probe_tokens
 from rlhf.weight_sync.transports import DiskTransport, Transport
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,10 @@ class SyncStats:
     num_tensors: int
     num_buckets: int
     max_bucket_bytes: int
+    # seconds by phase: gather (TP/PP gathers, HF layout, bucketing), pack (flatten and
+    # serialize, or write the disk shard), snapshot (the restart snapshot's shard), deliver
+    # (the servers receive and load the buckets; begin/end of the update window included)
+    phase_s: dict[str, float] = field(default_factory=dict)
 
 
 class WeightSyncer:
@@ -67,6 +81,9 @@ class WeightSyncer:
         self.version: int | None = None
         self.probe_threshold = probe_threshold
         self.probe_tokens = probe_tokens(arch.vocab_size)
+        # url -> None: restarts a lost server (the rollout engine's recovery); set by the
+        # trainer on the rank that owns the servers, which is the sender
+        self.restart_server: Callable[[str], None] | None = None
 
     def _writers(self) -> list[Transport]:
         writers: list[Transport] = [self.transport]
@@ -76,45 +93,82 @@ class WeightSyncer:
 
     def sync(self, model: nn.Module, version: int) -> SyncStats:
         """Send `model`'s weights to every server as `version` (all ranks call)."""
-        start = time.perf_counter()
+        start, phases = time.perf_counter(), Phases()
         sender, writers = self.topology.is_sender, self._writers()
+        targets = _Targets(list(self.server_urls) if sender else [], self.transport, version)
         if sender:
-            for url in self.server_urls:
-                sglang_api.begin_weight_update(url)
+            with phases("deliver"):
+                targets.each(sglang_api.begin_weight_update)
             for writer in writers:
                 writer.begin(version)
         num_bytes = num_tensors = num_buckets = max_bucket = 0
         pending = None  # hold one bucket back so the last one is known when sent
-        for bucket in iter_buckets(model, self.arch, self.topology, self.bucket_bytes):
+        for bucket in phases.iterate("gather", iter_buckets(
+                model, self.arch, self.topology, self.bucket_bytes)):  # fmt: skip
             if pending is not None:
-                for writer in writers:
-                    writer.send(pending, False, version)
+                self._send(pending, False, version, targets, phases)
             pending = bucket
             size = sum(t.numel() * t.element_size() for _, t in bucket)
             num_bytes, num_tensors = num_bytes + size, num_tensors + len(bucket)
             num_buckets, max_bucket = num_buckets + 1, max(max_bucket, size)
         if sender:
             assert pending is not None, "a model has at least one parameter"
-            for writer in writers:
-                writer.send(pending, True, version)
-                writer.finish(version)
-            for url in self.server_urls:
-                sglang_api.end_weight_update(url)
+            self._send(pending, True, version, targets, phases)
+            with phases("deliver"):
+                targets.each(sglang_api.end_weight_update)
         self.version = version
+        for url in targets.lost:
+            self.recover_server(url)
         if dist.is_initialized():
             dist.barrier()
         seconds = time.perf_counter() - start
-        return SyncStats(seconds, num_bytes, num_tensors, num_buckets, max_bucket)
+        return SyncStats(
+            seconds, num_bytes, num_tensors, num_buckets, max_bucket, dict(phases.seconds)
+        )
+
+    def _send(
+        self, bucket: Bucket, last: bool, version: int, targets: _Targets, phases: Phases
+    ) -> None:
+        """Pack `bucket` for every writer (the snapshot too), deliver it to the live servers."""
+        with phases("pack"):
+            packed = self.transport.pack(bucket, last, version)
+        if self.snapshot is not None and self.snapshot is not self.transport:
+            with phases("snapshot"):
+                self.snapshot.pack(bucket, last, version)
+        with phases("deliver"):
+            targets.each(self.transport.deliver, packed, last, version)
+
+    def recover_server(self, url: str) -> None:
+        """Have the lost server at `url` restarted, then make it hold the synced version
+        (sender rank only). Raises when it cannot be restarted."""
+        if self.restart_server is None:
+            raise RuntimeError(f"SGLang server {url} was lost and nobody can restart it")
+        self.restart_server(url)  # a restarted server is re-synced by the restart hook
+        if sglang_api.weight_version(url) != str(self.version):
+            self.resync_server(url)  # alive, but it missed buckets of this sync
+        log.warning("SGLang server %s holds the weights of version %s again", url, self.version)
 
     def compare_probe(self, actor_logprobs: torch.Tensor, device: torch.device) -> float:
         """rollout/logprob_diff_max of `actor_logprobs` (the actor's log-probs of
         `probe_tokens[1:]`) against every server; raises above the threshold. All ranks call."""
         diff = logprob_diff_max(
-            actor_logprobs, self.probe_tokens, self.server_urls, self.topology.is_sender, device
-        )
+            actor_logprobs, self._server_logprobs, self.server_urls, self.topology.is_sender,
+            device,
+        )  # fmt: skip
         log.debug("weight sync v%s: rollout/logprob_diff_max = %.3e", self.version, diff)
         check_parity(diff, self.probe_threshold)
         return diff
+
+    def _server_logprobs(self, url: str) -> list[float]:
+        """The server's log-probs of the probe; a lost server is recovered and asked again."""
+        try:
+            return sglang_api.prompt_logprobs(url, self.probe_tokens)
+        except sglang_api.SGLangAPIError as e:
+            if not e.unreachable:
+                raise
+            log.warning("SGLang server %s lost during the log-prob probe: %s", url, e)
+        self.recover_server(url)
+        return sglang_api.prompt_logprobs(url, self.probe_tokens)
 
     def resync_server(self, url: str) -> None:
         """Load the last synced weights into a restarted server (sender rank only)."""
@@ -133,3 +187,52 @@ class WeightSyncer:
         """Release the transports' resources (the distributed transport's process groups)."""
         for writer in self._writers():
             writer.close()
+
+
+class _Targets:
+    """The servers a sync still delivers to; one that stops answering is moved to `lost`
+    (and its transport state forgotten) instead of failing the sync for everyone."""
+
+    def __init__(self, urls: list[str], transport: Transport, version: int):
+        self.live, self.lost = urls, list[str]()
+        self.transport, self.version = transport, version
+
+    def each(self, call: Callable[..., None], *args: Any) -> None:
+        """`call(url, *args)` for every live server."""
+        for url in list(self.live):
+            try:
+                call(url, *args)
+            except sglang_api.SGLangAPIError as e:
+                if not e.unreachable:
+                    raise  # the server answered with a failure: not a lost server
+                log.warning(
+                    "SGLang server %s lost during weight sync v%d (%s); it is restarted and "
+                    "re-synced after this sync", url, self.version, e,
+                )  # fmt: skip
+                self.live.remove(url)
+                self.lost.append(url)
+                self.transport.forget(url)
+
+
+class Phases:
+    """Seconds spent per named phase, summed over a sync."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def iterate(self, name: str, items: Iterator[T]) -> Iterator[T]:
+        """`items`, with the time spent producing each counted as `name`."""
+        while True:
+            with self(name):
+                item = next(items, None)
+            if item is None:
+                return
+            yield item

@@ -9,7 +9,8 @@
 - `disk`: each bucket becomes a safetensors shard of a checkpoint directory, then
   `update_weights_from_disk` loads it (shared storage, any placement).
 
-All follow `Transport`; the `WeightSyncer` wraps each sync in begin/end_weight_update.
+All follow `Transport`; the `WeightSyncer` wraps each sync in begin/end_weight_update and
+delivers every packed bucket to each server.
 """
 
 from __future__ import annotations
@@ -19,32 +20,45 @@ import logging
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
-from torch.distributed import ProcessGroup
+from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
+from rlhf.distributed.bootstrap import bound_store
 from rlhf.rollout import sglang_api
-from rlhf.utils import free_port
 from rlhf.weight_sync.gather import Bucket
 
 log = logging.getLogger(__name__)
+STORE_TIMEOUT = timedelta(minutes=30)
 
 
 class Transport(Protocol):
-    """One way of loading buckets into servers: `begin`, `send` each bucket, `finish`."""
+    """One way of loading buckets into servers.
+
+    Per sync: `begin`, then for every bucket `pack` it once (local work: flatten, serialize,
+    write a file) and `deliver` the packed bucket to each server. Per-server steps are
+    separate so that a server lost in the middle of a sync can be left out (`forget`) while
+    the others get every bucket; the syncer restarts and re-syncs it afterwards."""
 
     def begin(self, version: int) -> None:
         """Prepare to send the weights of `version`."""
         ...
 
-    def send(self, bucket: Bucket, last: bool, version: int) -> None:
-        """Deliver one bucket (`last`: the servers flush their KV cache and take `version`)."""
+    def pack(self, bucket: Bucket, last: bool, version: int) -> Any:
+        """The bucket in the form `deliver` sends (`last`: the final bucket of `version`)."""
         ...
 
-    def finish(self, version: int) -> None:
-        """After the last bucket."""
+    def deliver(self, url: str, packed: Any, last: bool, version: int) -> None:
+        """Load one packed bucket into the server at `url` (`last`: it flushes its KV cache
+        and takes `version`)."""
+        ...
+
+    def forget(self, url: str) -> None:
+        """Drop what is held for `url` (its server died); it is set up anew on next use."""
         ...
 
     def close(self) -> None:
@@ -61,109 +75,129 @@ def _flattened(bucket: Bucket):
 class TensorTransport:
     """update_weights_from_tensor with flattened buckets (same-machine servers)."""
 
-    def __init__(self, server_urls: list[str], server_tp_size: int):
-        self.server_urls = server_urls
+    def __init__(self, server_tp_size: int):
         self.server_tp_size = server_tp_size
 
     def begin(self, version: int) -> None:
         if not torch.cuda.is_available():
             torch.multiprocessing.set_sharing_strategy("file_system")
 
-    def send(self, bucket: Bucket, last: bool, version: int) -> None:
+    def pack(self, bucket: Bucket, last: bool, version: int) -> str:
         from sglang.srt.utils import MultiprocessingSerializer
 
         flat = _flattened(bucket)
         payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-        blob = MultiprocessingSerializer.serialize(payload, output_str=True)
-        for url in self.server_urls:
-            blobs = [blob] * self.server_tp_size
-            sglang_api.update_weights_from_tensor(url, blobs, last, version if last else None)
+        return MultiprocessingSerializer.serialize(payload, output_str=True)
 
-    def finish(self, version: int) -> None:
+    def deliver(self, url: str, packed: str, last: bool, version: int) -> None:
+        blobs = [packed] * self.server_tp_size
+        sglang_api.update_weights_from_tensor(url, blobs, last, version if last else None)
+
+    def forget(self, url: str) -> None:
         pass
 
     def close(self) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class _FlatBucket:
+    """A bucket as one flat uint8 buffer plus what the server needs to cut it up."""
+
+    flat: torch.Tensor
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
 class DistributedTransport:
-    """Broadcast buckets over one custom process group per server."""
+    """Broadcast buckets over one custom process group per server (opened on first use)."""
 
     def __init__(self, server_urls: list[str], server_tp_size: int, master_address: str):
-        self.server_urls = server_urls
+        self.group_names = {url: f"rlhf_weight_sync_{i}" for i, url in enumerate(server_urls)}
         self.server_tp_size = server_tp_size
         self.master_address = master_address
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.groups: dict[str, ProcessGroup] = {}
-
-    def _group_name(self, index: int) -> str:
-        return f"rlhf_weight_sync_{index}"
+        self.stores: dict[str, TCPStore] = {}
 
     def begin(self, version: int) -> None:
-        if self.groups:
-            return
+        pass
+
+    def _join(self, url: str) -> ProcessGroup:
+        """Open the sender's end of `url`'s group while the server joins it."""
         from sglang.srt.utils.common import init_custom_process_group
 
-        for i, url in enumerate(self.server_urls):
-            port, name = free_port(), self._group_name(i)
-            request = {
-                "master_address": self.master_address,
-                "master_port": port,
-                "rank_offset": 1,
-                "world_size": 1 + self.server_tp_size,
-                "group_name": name,
-                "backend": self.backend,
-            }
-            with ThreadPoolExecutor(1) as pool:
-                joined = pool.submit(sglang_api.init_weights_update_group, url, request)
-                self.groups[url] = init_custom_process_group(
-                    backend=self.backend,
-                    init_method=f"tcp://{self.master_address}:{port}",
-                    world_size=1 + self.server_tp_size,
-                    rank=0,
-                    group_name=name,
-                )
-                joined.result()
+        name, world_size = self.group_names[url], 1 + self.server_tp_size
+        # listening on master_address only (a tcp:// init_method listens on every interface)
+        store = bound_store(self.master_address, world_size, STORE_TIMEOUT)
+        request = {
+            "master_address": self.master_address,
+            "master_port": store.port,
+            "rank_offset": 1,
+            "world_size": world_size,
+            "group_name": name,
+            "backend": self.backend,
+        }
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(sglang_api.init_weights_update_group, url, request)
+            group = init_custom_process_group(
+                backend=self.backend,
+                store=PrefixStore(name, store),  # the server's side keys by the group's name
+                world_size=world_size,
+                rank=0,
+                group_name=name,
+            )
+            joined.result()
+        self.stores[url] = store
+        return group
 
-    def send(self, bucket: Bucket, last: bool, version: int) -> None:
+    def pack(self, bucket: Bucket, last: bool, version: int) -> _FlatBucket:
         flat = _flattened(bucket).get_flattened_tensor()
         if self.backend == "nccl":
             flat = flat.cuda()
         names = [n for n, _ in bucket]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
-        for i, url in enumerate(self.server_urls):
-            with ThreadPoolExecutor(1) as pool:
-                done = pool.submit(
-                    sglang_api.update_weights_from_distributed, url, names, dtypes, shapes,
-                    self._group_name(i), last, version if last else None,
-                )  # fmt: skip
-                torch.distributed.broadcast(flat, src=0, group=self.groups[url])
-                done.result()
+        return _FlatBucket(flat, names, dtypes, [list(t.shape) for _, t in bucket])
 
-    def finish(self, version: int) -> None:
-        pass
+    def deliver(self, url: str, packed: _FlatBucket, last: bool, version: int) -> None:
+        if url not in self.groups:
+            self.groups[url] = self._join(url)
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(
+                sglang_api.update_weights_from_distributed, url, packed.names, packed.dtypes,
+                packed.shapes, self.group_names[url], last, version if last else None,
+            )  # fmt: skip
+            try:
+                torch.distributed.broadcast(packed.flat, src=0, group=self.groups[url])
+            except RuntimeError as e:  # the collective's peer (the server) went away
+                raise sglang_api.SGLangAPIError(
+                    f"{url}: weight broadcast failed: {e}", url, unreachable=True
+                ) from e
+            done.result()
+
+    def forget(self, url: str) -> None:
+        group = self.groups.pop(url, None)
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
+        self.stores.pop(url, None)
 
     def close(self) -> None:
         """Destroy every server's process group here, and ask the server to do the same."""
-        for i, url in enumerate(self.server_urls):
-            group = self.groups.pop(url, None)
-            if group is None:
-                continue
+        for url in list(self.groups):
             try:
-                sglang_api.destroy_weights_update_group(url, self._group_name(i))
+                sglang_api.destroy_weights_update_group(url, self.group_names[url])
             except sglang_api.SGLangAPIError as e:  # a dead server has no group left
                 log.warning("weight-sync group of %s not destroyed there: %s", url, e)
-            torch.distributed.destroy_process_group(group)
+            self.forget(url)
 
 
 class DiskTransport:
-    """Write an HF checkpoint directory per version, then update_weights_from_disk."""
+    """Write an HF checkpoint directory per version, then update_weights_from_disk.
 
-    def __init__(
-        self, server_urls: list[str], out_root: Path, hf_side_files_dir: Path, keep: int = 1
-    ):
-        self.server_urls = server_urls
+    With no servers to deliver to it is the restart snapshot of another transport."""
+
+    def __init__(self, out_root: Path, hf_side_files_dir: Path, keep: int = 1):
         self.out_root = Path(out_root)
         self.side_files = Path(hf_side_files_dir)
         self.keep = keep
@@ -180,28 +214,36 @@ class DiskTransport:
         copy_hf_side_files(self.side_files, partial)
         self._weight_map = {}
 
-    def send(self, bucket: Bucket, last: bool, version: int) -> None:
+    def pack(self, bucket: Bucket, last: bool, version: int) -> None:
+        """Write the bucket as one safetensors shard; the last one publishes the directory."""
         from safetensors.torch import save_file
 
         partial = self._dir(version).with_suffix(".partial")
         file = f"model-{len(set(self._weight_map.values())) + 1:05d}.safetensors"
         save_file(dict(bucket), partial / file, metadata={"format": "pt"})
         self._weight_map.update(dict.fromkeys((n for n, _ in bucket), file))
+        if last:
+            self._publish(version)
 
-    def finish(self, version: int) -> None:
+    def _publish(self, version: int) -> None:
         partial, final = self._dir(version).with_suffix(".partial"), self._dir(version)
         index = {"metadata": {}, "weight_map": self._weight_map}
         (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        for url in self.server_urls:
-            self.load_into(url, version)
         for old in sorted(self.out_root.glob("v*"))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def deliver(self, url: str, packed: None, last: bool, version: int) -> None:
+        if last:
+            self.load_into(url, version)
 
     def load_into(self, url: str, version: int) -> None:
         """update_weights_from_disk of a version written earlier."""
         sglang_api.update_weights_from_disk(url, str(self._dir(version).resolve()), version)
+
+    def forget(self, url: str) -> None:
+        pass
 
     def close(self) -> None:
         pass

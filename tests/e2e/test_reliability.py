@@ -8,6 +8,8 @@
   read with torch's `dcp_to_torch_save`).
 - A truncated file in the latest checkpoint: the next run says which file, falls back to the
   previous checkpoint and goes on from there.
+- An SGLang server killed during a weight sync and during the log-prob probe: restarted,
+  re-synced, and the run completes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tests.helpers import REPO, metrics_by_step, ppo_overrides
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
+FAULT_DRIVER = Path(__file__).with_name("server_fault_driver.py")
 ABSURD = ["critic.optim.lr=1e30", "critic.ppo_mini_batch_size=16", "trainer.save_freq=1",
           "trainer.val_before_train=false"]  # fmt: skip
 
@@ -98,3 +101,27 @@ def test_truncated_latest_checkpoint_resumes_from_the_previous(skipping_run):
     assert "resumed from" in proc.stderr and "global_step_2 (step 2)" in proc.stderr
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines][-2:] == [3, 4]  # step 3 again, then 4
+
+
+def test_server_killed_during_sync_and_probe_is_restarted(tiny_qwen2_dir, data, tmp_path):
+    """Two servers; the driver SIGKILLs server 0 before step 2's weight bucket reaches it,
+    and again before step 3's log-prob probe asks it. Server 1 gets every bucket meanwhile;
+    server 0 is restarted and re-synced each time, and the run finishes with the probe
+    equal to the trainer (a server left with its initial weights would be far off)."""
+    run_dir = tmp_path / "faults"
+    kills = ["--kill", "update_weights_from_tensor:3", "--kill", "prompt_logprobs:5"]
+    args = ppo_overrides(
+        tiny_qwen2_dir, data, run_dir, 3, "trainer.val_before_train=false",
+        "actor_rollout_ref.rollout.num_servers=2",
+    )  # fmt: skip
+    cmd = [sys.executable, str(FAULT_DRIVER), *kills, "--", "--config", CONFIG, *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert out.count("server_fault_driver: killed") == 2
+    assert "lost during weight sync v2" in out and "lost during the log-prob probe" in out
+    assert "restarting it (1/2)" in out and "restarting it (2/2)" in out
+    rows = metrics_by_step(run_dir)
+    assert sorted(rows) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert rows[step]["rollout/logprob_diff_max"] < 1e-3, (step, rows[step])

@@ -130,6 +130,16 @@ def test_wrong_type_names_key_expected_type_and_value(override, message):
             "actor_rollout_ref.actor.clip_ratio_c=0.5",
             "actor_rollout_ref.actor.clip_ratio_c: must be > 1, got 0.5",
         ),
+        # no float key takes NaN or inf, bounded or not, alone or in a list
+        ("critic.cliprange_value=.nan", "critic.cliprange_value: must be a finite number, got nan"),
+        (
+            "actor_rollout_ref.actor.optim.betas=[0.9, -.inf]",
+            "actor_rollout_ref.actor.optim.betas[1]: must be a finite number, got -inf",
+        ),
+        (
+            "actor_rollout_ref.rollout.request_timeout_s=inf",
+            "actor_rollout_ref.rollout.request_timeout_s: must be a finite number, got inf",
+        ),
     ],
 )
 def test_out_of_range_values(override, message):

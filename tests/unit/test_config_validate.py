@@ -162,6 +162,26 @@ def test_ulysses_needs_query_heads_divisible_per_tp_rank():
     assert "3 query heads per TP rank cannot be split over 2 Ulysses ranks" in message
 
 
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        ((2, 4, 1), "tensor_model_parallel_size=2: the model's 1 KV heads do not divide"),
+        ((2, 3, 3), "tensor_model_parallel_size=2: the model's 3 attention heads do not divide"),
+        ((3, 4, 2), "pipeline_model_parallel_size=2: the model's 3 layers do not divide"),
+    ],
+)
+def test_model_must_split_over_tp_and_pp(shape, expected):
+    """Megatron would refuse these after the servers started; the config check names them."""
+    layers, heads, kv_heads = shape
+    model = SimpleNamespace(num_layers=layers, num_attention_heads=heads, num_query_groups=kv_heads)
+    sizes = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+    key = "tensor" if "tensor" in expected else "pipeline"
+    for role in ("actor_rollout_ref.actor", "critic"):
+        sizes += [f"{role}.megatron.{key}_model_parallel_size=2"]
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(load_config(QUICKSTART, sizes), None, model)
+
+
 def test_critic_free_estimators_skip_the_critic_rules_and_name_ignored_critic_keys():
     from rlhf.config.validate import ignored_settings, uses_critic, uses_reference
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rlhf.checkpoint.run_lock import LOCK_NAME, RunDirBusy, RunDirLock
+from rlhf.checkpoint.run_lock import LOCK_NAME, RunDirBusy, RunDirLock, RunDirUnusable
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.reliability
@@ -59,5 +59,5 @@ def test_lock_dies_with_its_holder(tmp_path):
 
 def test_run_dir_that_is_a_file(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(NotADirectoryError, match="is a file"):
+    with pytest.raises(RunDirUnusable, match="is a file"):
         RunDirLock(tmp_path / "file").acquire()

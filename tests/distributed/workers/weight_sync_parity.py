@@ -43,10 +43,10 @@ def make_transport(kind: str, url: str, out_dir: Path, hf_dir: str):
     from rlhf.weight_sync import transports
 
     if kind == "tensor":
-        return transports.TensorTransport([url], server_tp_size=1)
+        return transports.TensorTransport(server_tp_size=1)
     if kind == "distributed":
         return transports.DistributedTransport([url], server_tp_size=1, master_address="127.0.0.1")
-    return transports.DiskTransport([url], out_dir / "disk_weights", Path(hf_dir))
+    return transports.DiskTransport(out_dir / "disk_weights", Path(hf_dir))
 
 
 def actor_logprobs(model, arch, ctx, tokens: list[int]) -> torch.Tensor:

@@ -1,0 +1,30 @@
+"""How many bytes one `global_step_N` checkpoint of a run takes on disk (planned, before any
+is written), so that a too-small checkpoint directory is refused at startup and a
+preemption checkpoint can be timed."""
+
+from __future__ import annotations
+
+from rlhf.config.schema import RLHFConfig
+from rlhf.config.validate import uses_critic
+from rlhf.memory.planner import DTYPE_BYTES, hf_param_count
+from rlhf.models.families import ModelArch
+
+ADAM_BYTES = 2 * 4  # exp_avg and exp_avg_sq in fp32
+
+
+def checkpoint_bytes(cfg: RLHFConfig, arch: ModelArch) -> int:
+    """Per trained model (actor; critic under GAE): its weights in the training dtype, Adam's
+    two fp32 moments, fp32 master weights when training in 16 bits, and with
+    `trainer.save_hf` an HF copy of the weights. The critic is counted at the actor's size
+    (its value head is smaller than the LM head it replaces: a slight overestimate)."""
+    params = hf_param_count(arch)
+    roles = [cfg.actor_rollout_ref.actor.megatron.dtype]
+    if uses_critic(cfg):
+        roles.append(cfg.critic.megatron.dtype)
+    total = 0
+    for dtype in roles:
+        weight = DTYPE_BYTES[dtype]
+        master = 4 if weight < 4 else 0
+        copies = 2 if cfg.trainer.save_hf else 1
+        total += params * (weight * copies + master + ADAM_BYTES)
+    return total

@@ -1,0 +1,81 @@
+"""SIGTERM (a preemption) ends a real `rlhf-train` run (CPU, SGLang) after the step in
+flight: with a checkpoint of that step when one fits in trainer.preemption_grace_s, which
+the same command then resumes from; with no time left, no checkpoint is started and the
+one line says which steps are lost."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf.checkpoint import complete_steps_in
+from rlhf.config import load_config
+from rlhf.memory.checkpoint_size import checkpoint_bytes
+from rlhf.models.families import load_arch
+from rlhf.quickstart.data import write_quickstart_data
+from tests.helpers import REPO, ppo_overrides
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def sigterm_after_a_step(args: list[str], run_dir: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """Start rlhf-train, SIGTERM it once it logged a step it had not logged before; its exit
+    and the one `rlhf-train:` line it printed."""
+    before = set(logged_steps(run_dir))
+    cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not set(logged_steps(run_dir)) - before and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    (line,) = [x for x in err.splitlines() if x.startswith("rlhf-train:")]
+    return done, line
+
+
+def test_sigterm_checkpoints_the_step_then_the_run_resumes(tiny_qwen2_dir, tmp_path):
+    data = write_quickstart_data(tmp_path / "data", num_train=64, num_val=8)
+    run_dir = tmp_path / "run"
+    args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 8, "trainer.save_freq=-1",
+                         "trainer.test_freq=-1", "trainer.val_before_train=false")  # fmt: skip
+    first, line = sigterm_after_a_step(args, run_dir)
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
+    step = logged_steps(run_dir)[-1]
+    assert 1 <= step < 8
+    checkpoint = run_dir / "checkpoints" / f"global_step_{step}"
+    assert line == (f"rlhf-train: stopped by SIGTERM after step {step}: checkpoint {checkpoint} "
+                    f"holds step {step}; the same command resumes from it")  # fmt: skip
+    assert complete_steps_in(run_dir / "checkpoints") == [step]
+    on_disk = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+    planned = checkpoint_bytes(load_config(CONFIG, args), load_arch(tiny_qwen2_dir))
+    assert 0.8 * planned < on_disk < 1.25 * planned, (on_disk, planned)
+
+    second, line = sigterm_after_a_step([*args, "trainer.preemption_grace_s=0"], run_dir)
+    assert second.returncode == 128 + signal.SIGTERM, second.stderr[-3000:]
+    assert f"resumed from {checkpoint} (step {step})" in second.stderr
+    last = logged_steps(run_dir)[-1]
+    assert last > step
+    pattern = (rf"rlhf-train: stopped by SIGTERM after step {last}: no checkpoint written "
+               rf"\(one takes about \d+ s, 0 s of trainer.preemption_grace_s were left\); "
+               rf"steps {step + 1}-{last} are lost "
+               rf"\(the latest checkpoint is {checkpoint}\)")  # fmt: skip
+    assert re.fullmatch(pattern, line), line
+    assert complete_steps_in(run_dir / "checkpoints") == [step]

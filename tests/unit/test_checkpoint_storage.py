@@ -1,0 +1,102 @@
+"""Checkpoint storage faults on real (tmpfs) file systems: read-only, too small, filling up
+during a save; the checkpoint size plan against a real model; SIGTERM bookkeeping."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import AutoModelForCausalLM
+
+from rlhf.checkpoint import CheckpointManager, CheckpointStorageError, probe_storage
+from rlhf.checkpoint.storage import available_bytes
+from rlhf.config import load_config
+from rlhf.memory.checkpoint_size import checkpoint_bytes
+from rlhf.models.families import load_arch
+from rlhf.trainer.preemption import SAVE_MARGIN, PreemptionGuard
+from tests.helpers import REPO, small_filesystem
+
+pytestmark = pytest.mark.reliability
+MIB = 1024 * 1024
+
+
+def test_read_only_directory_is_refused_at_startup(tmp_path):
+    with (
+        small_filesystem(tmp_path / "ro", 1024, read_only=True) as ro,
+        pytest.raises(CheckpointStorageError, match="read-only") as e,
+    ):
+        probe_storage(ro / "checkpoints", 10 * MIB)
+    assert str(ro / "checkpoints") in str(e.value)
+
+
+def test_too_little_space_is_refused_with_both_sizes(tmp_path):
+    with small_filesystem(tmp_path / "small", 4096) as small:
+        rate = probe_storage(small, 1 * MIB)  # fits: the measured write rate comes back
+        assert rate > 0 and not any(small.iterdir())  # the probe file is gone
+        with pytest.raises(CheckpointStorageError) as e:
+            probe_storage(small, 6 * MIB)
+    message = str(e.value)
+    assert "has 4.0 MiB free" in message and "takes about 6.0 MiB" in message
+    assert "trainer.default_local_dir" in message
+
+
+def test_a_save_that_fills_the_disk_says_enospc_and_keeps_the_previous(tmp_path):
+    """torch's own checkpoint writer on a full disk (it reports an unclear error of its own):
+    the manager names ENOSPC, publishes nothing and leaves step 1 the latest."""
+    with small_filesystem(tmp_path / "disk", 4096) as disk:
+        manager = CheckpointManager(disk / "checkpoints")
+        with manager.writing(1) as tmp:
+            dcp.save({"w": torch.zeros(1000)}, checkpoint_id=tmp / "model")
+        free_before = available_bytes(disk)
+        with (
+            pytest.raises(CheckpointStorageError, match=r"step 2: .*\(ENOSPC\)") as e,
+            manager.writing(2) as tmp,
+        ):
+            dcp.save({"w": torch.zeros(2 * 1024 * 1024)}, checkpoint_id=tmp / "model")
+        assert str(disk / "checkpoints") in str(e.value)
+        assert manager.complete_steps() == [1]
+        assert (disk / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+        assert available_bytes(disk) >= free_before - 64 * 1024  # the partial save is gone
+
+
+def test_other_failures_are_not_called_storage_errors(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    with pytest.raises(ValueError, match="not storage"), manager.writing(1):
+        raise ValueError("not storage")
+
+
+def test_planned_checkpoint_size_counts_weights_and_adam(tiny_qwen2_dir):
+    """Against transformers' own parameter count: fp32 weights + 2 fp32 Adam moments, for the
+    actor and (GAE) the critic; bf16 adds fp32 master weights; save_hf an HF copy."""
+    params = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir).num_parameters()
+    arch = load_arch(tiny_qwen2_dir)
+    config = str(REPO / "configs" / "quickstart_cpu.yaml")
+    cfg = load_config(config, [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"])
+    assert checkpoint_bytes(cfg, arch) == 2 * params * (4 + 8)
+    grpo = load_config(config, ["algorithm.adv_estimator=grpo", "trainer.save_hf=true",
+                                "actor_rollout_ref.actor.megatron.dtype=bfloat16"])  # fmt: skip
+    assert checkpoint_bytes(grpo, arch) == params * (2 * 2 + 4 + 8)
+
+
+def test_sigterm_is_recorded_and_a_second_one_goes_to_the_previous_handler():
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        guard = PreemptionGuard(grace_s=30.0, device=torch.device("cpu"))
+        with guard:
+            assert guard.poll(2.0) == (False, 30.0, 2.0 * SAVE_MARGIN)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            signalled, left, needed = guard.poll(2.0)
+            assert signalled and 29.0 < left < 30.0 and needed == 2.0 * SAVE_MARGIN
+            assert seen == []
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            assert seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is not guard._on_sigterm
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,159 @@
+"""Inputs that used to end in a traceback, deep in a run, now fail in one line naming the file
+or key, before any SGLang server starts (issue 18, item 7; one test per letter).
+
+Each runs the real entry point (`rlhf.cli.train.main`, `rlhf.cli.doctor.main`,
+`rlhf.cli.convert.main` in-process, or `python -m rlhf.cli.convert` where torchrun would be
+involved) on the tiny Qwen2 model and quickstart data.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf.cli import convert, doctor, train
+from rlhf.quickstart.data import write_quickstart_data
+from rlhf.utils import free_port
+from tests.helpers import REPO, ppo_overrides
+
+pytestmark = pytest.mark.reliability
+
+QUICKSTART = str(REPO / "configs" / "quickstart_cpu.yaml")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(autouse=True)
+def no_sglang_server(monkeypatch):
+    """Every case must fail before a server starts; one that would start fails the test."""
+    from rlhf.rollout.sglang_server import SGLangServer
+
+    def start(self):
+        raise AssertionError(f"an SGLang server was started ({self.url})")
+
+    monkeypatch.setattr(SGLangServer, "start", start)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    return write_quickstart_data(tmp_path_factory.mktemp("data"), num_train=16, num_val=8)
+
+
+def model_copy(src: Path, dst: Path, drop: tuple[str, ...] = (), **config) -> Path:
+    """A copy of the model at `src` with `config` merged into config.json, `drop` removed."""
+    shutil.copytree(src, dst)
+    hf = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(hf | config))
+    for name in drop:
+        (dst / name).unlink()
+    return dst
+
+
+def one_line(stderr: str, prefix: str) -> str:
+    """The single line of `stderr` starting with `prefix`; no traceback anywhere."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def table_row(table: str, name: str) -> str:
+    """The row `name` of rlhf-doctor's table, its wrapped lines joined."""
+    lines = table.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
+    end = start + 1
+    while end < len(lines) and lines[end].startswith(" "):
+        end += 1
+    return " ".join(lines[start:end])
+
+
+def train_error(capsys, model: Path, data, tmp_path: Path, *extra: str) -> tuple[int, str]:
+    """rlhf-train's exit code and its one line, for a run of `model` on `data`."""
+    overrides = ppo_overrides(model, data, tmp_path / "run", 1, *extra)
+    code = train.main(["--config", QUICKSTART, *overrides])
+    return code, one_line(capsys.readouterr().err, "rlhf-train: ")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"model_type": "gemma2"}, {"model_type": "mistral", "sliding_window": 128}],
+    ids=["gemma2", "mistral-sliding-window"],
+)
+def test_a_unsupported_family(capsys, monkeypatch, tiny_qwen2_dir, data, tmp_path, config):
+    model = model_copy(tiny_qwen2_dir, tmp_path / "model", **config)
+    code, line = train_error(capsys, model, data, tmp_path)
+    assert code == 2 and line.startswith("rlhf-train: error: actor_rollout_ref.model.path=")
+    assert str(model) in line and repr(config["model_type"]) in line
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    args = ["--config", QUICKSTART, *ppo_overrides(model, data, tmp_path / "run", 1)]
+    assert doctor.main(args) == 1
+    row = table_row(capsys.readouterr().out, "model/data")
+    assert "| FAIL " in row and repr(config["model_type"]) in row
+
+
+@pytest.mark.parametrize("filtered", [False, True], ids=["truncation-error", "filtered"])
+def test_b_every_prompt_too_long(capsys, tiny_qwen2_dir, data, tmp_path, filtered):
+    extra = ["data.max_prompt_length=4", f"data.filter_overlong_prompts={filtered}"]
+    code, line = train_error(capsys, tiny_qwen2_dir, data, tmp_path, *extra)
+    assert code == 2 and "no prompts left" in line
+    assert str(data[0]) in line and "data.max_prompt_length=4" in line
+    assert "shortest" in line and "longest" in line
+
+
+def test_c_empty_train_files(capsys, tiny_qwen2_dir, data, tmp_path):
+    code, line = train_error(capsys, tiny_qwen2_dir, data, tmp_path, "data.train_files=[]")
+    assert code == 2 and line.startswith("rlhf-train: error: data.train_files")
+
+
+def test_d_unreachable_external_server(capsys, tiny_qwen2_dir, data, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    extra = [
+        f"actor_rollout_ref.rollout.server_urls=[{url}]",
+        "actor_rollout_ref.rollout.request_retries=0",
+        "actor_rollout_ref.rollout.retry_backoff_s=0.01",
+    ]
+    code, line = train_error(capsys, tiny_qwen2_dir, data, tmp_path, *extra)
+    assert code == 1 and line.startswith("rlhf-train: rollout failed: ") and url in line
+
+
+def test_e_truncated_safetensors(capsys, tiny_qwen2_dir, data, tmp_path):
+    model = model_copy(tiny_qwen2_dir, tmp_path / "model")
+    weights = model / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    code, line = train_error(capsys, model, data, tmp_path)
+    assert code == 2 and "actor_rollout_ref.model.path" in line and str(weights) in line
+
+    assert convert.main(["hf-to-mcore", str(model), str(tmp_path / "mcore")]) == 2
+    line = one_line(capsys.readouterr().err, "rlhf-convert: ")
+    assert line.startswith("rlhf-convert: error: ") and str(weights) in line
+    assert not (tmp_path / "mcore").exists()
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.optim.lr", "critic.optim.lr"])
+def test_f_infinite_learning_rate(capsys, tiny_qwen2_dir, data, tmp_path, key):
+    code, line = train_error(capsys, tiny_qwen2_dir, data, tmp_path, f"{key}=.inf")
+    assert code == 2 and line.startswith(f"rlhf-train: config error: {key}: ")
+    assert "finite" in line
+
+
+def test_g_convert_kv_heads_not_divisible_by_tp(tiny_qwen2_dir, tmp_path):
+    model = model_copy(tiny_qwen2_dir, tmp_path / "model", num_key_value_heads=1)
+    cmd = [sys.executable, "-m", "rlhf.cli.convert", "hf-to-mcore", str(model),
+           str(tmp_path / "mcore"), "--tp", "2"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    line = one_line(proc.stdout + proc.stderr, "rlhf-convert: ")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == line
+    assert str(model / "config.json") in line and "num_key_value_heads (1)" in line
+
+
+def test_h_missing_tokenizer_files(capsys, tiny_qwen2_dir, data, tmp_path):
+    model = model_copy(tiny_qwen2_dir, tmp_path / "model", drop=TOKENIZER_FILES)
+    code, line = train_error(capsys, model, data, tmp_path)
+    assert code == 2 and line.startswith(f"rlhf-train: error: {model}: ")
+    assert "tokenizer.json" in line
