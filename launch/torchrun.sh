@@ -48,6 +48,10 @@ NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
+# After a SIGTERM torchrun SIGKILLs its workers after this many seconds (its own default:
+# 30): long enough that the trainer's trainer.preemption_grace_s, not torchrun, decides
+# whether the step in flight gets its checkpoint; the scheduler's SIGKILL still bounds it.
+SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-600}"
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
     GPUS_PER_NODE=0
     if command -v nvidia-smi >/dev/null 2>&1; then
@@ -66,6 +70,7 @@ cmd=(
     --nproc-per-node "$GPUS_PER_NODE"
     --master-addr "$MASTER_ADDR"
     --master-port "$MASTER_PORT"
+    --shutdown-timeout "$SHUTDOWN_TIMEOUT"
     -m rlhf.cli.train
     "${options[@]}"
     "${overrides[@]}"

@@ -120,6 +120,12 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     """A temp path to write `path`'s new content to; renamed over `path` once the block ends.
@@ -134,6 +140,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; the result is an ordinary file
     os.close(fd)
     tmp = Path(tmp_name)
     try:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from rlhf.checkpoint.storage import CheckpointStorageError, write_failure
+from rlhf.utils import atomic_output, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +38,6 @@ TMP_PREFIX = ".tmp_" + STEP_PREFIX  # being written
 OLD_PREFIX = ".old_" + STEP_PREFIX  # a same-step checkpoint being replaced
 TRASH_PREFIX = ".trash_" + STEP_PREFIX  # being pruned
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (creations, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(path: Path) -> None:
@@ -61,14 +53,9 @@ def fsync_tree(path: Path) -> None:
 
 
 def write_durable(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically: temp file, fsync, os.replace, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Write `data` to `path` atomically and durably (`rlhf.utils.atomic_output`)."""
+    with atomic_output(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def is_complete(path: Path) -> bool:
@@ -263,7 +250,10 @@ class CheckpointManager:
         try:
             yield tmp
         except BaseException as e:
-            problem = write_failure(self.root, e)  # before the cleanup frees the space
+            # before the cleanup frees the space; an interrupt is not the storage's fault
+            # (torch's CheckpointException is a BaseException, so it is checked too)
+            interrupted = isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit)
+            problem = None if interrupted else write_failure(self.root, e)
             # Under torch.distributed other ranks may still be writing; the next manager cleans.
             if not _distributed():
                 shutil.rmtree(tmp, ignore_errors=True)

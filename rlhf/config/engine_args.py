@@ -32,7 +32,8 @@ OWNED = {
     "port": "the launcher (each server's address)",
     "base_gpu_id": "the launcher (GPUs of each server)",
     "api_key": "the RLHF_SGLANG_API_KEY environment variable (clients send the same key)",
-    "admin_api_key": "the RLHF_SGLANG_API_KEY environment variable (one key for every route)",
+    "admin_api_key": "the RLHF_SGLANG_API_KEY environment variable (the servers get it as "
+    "--api-key, which SGLang then requires on the admin routes too)",
 }
 
 

@@ -181,19 +181,33 @@ def _check_recompute(role: str, cfg: RLHFConfig, shape: ModelShape | None) -> No
         )
 
 
-def _check_model_split(layout: ParallelLayout, shape: ModelShape) -> None:
-    """TP splits query heads and KV heads, PP the layers: a model that does not divide is
-    refused here, before any server starts, rather than by Megatron after."""
-    tp_key = f"{AR}.actor.megatron.tensor_model_parallel_size={layout.tp_size}"
-    for what, count in (("attention heads", shape.num_attention_heads),
-                        ("KV heads", shape.num_query_groups)):  # fmt: skip
-        if count % layout.tp_size:
-            raise ConfigError(f"{tp_key}: the model's {count} {what} do not divide by it")
-    if shape.num_layers % layout.pp_size:
-        raise ConfigError(
-            f"{AR}.actor.megatron.pipeline_model_parallel_size={layout.pp_size}: the model's "
-            f"{shape.num_layers} layers do not divide by it"
+def model_split_problem(shape: ModelShape, tp: int, pp: int) -> tuple[str, str] | None:
+    """("tp" or "pp", what does not divide) when Megatron cannot split `shape` over TP ranks
+    (query heads, KV heads) and PP stages (layers); None when it can. Also used by
+    `rlhf.models.families.check_parallel_sizes` (the CLIs that take --tp/--pp)."""
+    for key, count in (("num_attention_heads", shape.num_attention_heads),
+                       ("num_key_value_heads", shape.num_query_groups)):  # fmt: skip
+        if count % tp:
+            return "tp", f"{key} ({count}) must be divisible by the tensor parallel size ({tp})"
+    if shape.num_layers % pp:
+        return "pp", (
+            f"num_hidden_layers ({shape.num_layers}) must be divisible by the pipeline "
+            f"parallel size ({pp})"
         )
+    return None
+
+
+def _check_model_split(layout: ParallelLayout, shape: ModelShape) -> None:
+    """A model that does not divide is refused here, before any server starts, rather than
+    by Megatron after."""
+    problem = model_split_problem(shape, layout.tp_size, layout.pp_size)
+    if problem is not None:
+        which, what = problem
+        if which == "tp":
+            key = f"{AR}.actor.megatron.tensor_model_parallel_size={layout.tp_size}"
+        else:
+            key = f"{AR}.actor.megatron.pipeline_model_parallel_size={layout.pp_size}"
+        raise ConfigError(f"{key}: the model's {what}")
 
 
 def _check_heads(layout: ParallelLayout, heads: ModelShape) -> None:

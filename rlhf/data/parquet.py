@@ -289,7 +289,8 @@ def read_prompt_rows(
         first = "; ".join(str(p) for p in skipped[:5])
         log.warning("%s: skipped %d invalid rows (data.bad_rows=skip); first: %s", key, bad, first)
     if not rows:
-        raise ValueError(f"{key}: no valid rows left ({len(skipped)} problems skipped)")
+        left = Problem(key, None, None, f"no valid rows left ({len(skipped)} problems skipped)")
+        raise DataError([left, *skipped])
     return rows
 
 

@@ -124,7 +124,8 @@ class MetricTracker:
         return " | ".join([f"step {step}"] + [f"{k} {values[k]:.4g}" for k in keys])
 
     def drop_after(self, step: int) -> int:
-        """Remove the rows of steps after `step` from metrics.jsonl; returns how many went.
+        """Remove the rows of steps after `step` from metrics.jsonl (and from what TensorBoard
+        shows: its writer starts anew with `purge_step`); returns how many rows went.
 
         Why: a run resumed from the checkpoint of step K runs steps K+1, ... again, and the
         interrupted run may already have written rows for them; kept, the file would hold
@@ -143,6 +144,11 @@ class MetricTracker:
                     tmp.write_text(new)
         finally:
             self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 (closed in close())
+        if self._tb is not None:  # TensorBoard hides the earlier events of steps > `step`
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir=self._tb.log_dir, purge_step=step + 1)
         if superseded:
             log.info("%s: dropped %d rows of steps after %d", self.metrics_path, superseded, step)
         return superseded

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlhf.config.validate import model_split_problem
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -191,19 +193,9 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:
     """Megatron splits heads over TP ranks and layers over PP stages; needs only the config,
     so the CLIs check it before launching any worker."""
-    for key, count in (
-        ("num_attention_heads", arch.num_attention_heads),
-        ("num_key_value_heads", arch.num_query_groups),
-    ):
-        if count % tp:
-            raise ValueError(
-                f"{key} ({count}) must be divisible by the tensor parallel size ({tp})"
-            )
-    if arch.num_layers % pp:
-        raise ValueError(
-            f"num_hidden_layers ({arch.num_layers}) must be divisible by the pipeline "
-            f"parallel size ({pp})"
-        )
+    problem = model_split_problem(arch, tp, pp)
+    if problem is not None:
+        raise ValueError(problem[1])
 
 
 def transformer_config(

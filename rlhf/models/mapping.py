@@ -232,6 +232,11 @@ def _load_vocab(name, read, arch: ModelArch, placement: Placement, padded_vocab:
     return torch.cat([real, padding])
 
 
+def _joined(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The shards concatenated along `dim`; a single shard as it is."""
+    return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
+
+
 def shards_to_hf(
     rule: ParamRule, layer: int | None, shards: list[torch.Tensor], arch: ModelArch
 ) -> list[tuple[str, torch.Tensor]]:
@@ -239,10 +244,13 @@ def shards_to_hf(
     names = hf_names(rule, layer)
     if rule.layout is Layout.REPLICATED:
         return [(names[0], shards[0])]
+    # ROW and VOCAB give one HF tensor per parameter, so at TP = 1 the parameter itself (or
+    # a slice) is the result: no copy. The layouts that split a parameter in several HF
+    # tensors copy, so that no two exported tensors share memory (safetensors refuses that).
     if rule.layout is Layout.ROW:
-        return [(names[0], torch.cat(shards, dim=1))]
+        return [(names[0], _joined(shards, dim=1))]
     if rule.layout is Layout.VOCAB:
-        return [(names[0], torch.cat(shards, dim=0)[: arch.vocab_size])]
+        return [(names[0], _joined(shards, dim=0)[: arch.vocab_size])]
     if rule.layout is Layout.GATE_UP:
         halves = [s.chunk(2, dim=0) for s in shards]
         gate = torch.cat([g for g, _ in halves])

@@ -93,16 +93,17 @@ def _math_answer(solution: str, settings: RuleSettings) -> str | None:
 
 
 AnswerFn = Callable[[str, RuleSettings], "str | None"]
-_ANSWERS: dict[str, AnswerFn] = {
-    source: _gsm8k_answer if rule is _gsm8k_rule else _math_answer
-    for source, rule in _RULES.items()
-}
+# What each built-in rule extracts as its answer and accepts as a ground truth; a new
+# built-in rule needs an entry here (a KeyError at import otherwise).
+_RULE_ANSWERS: dict[RuleFn, AnswerFn] = {_gsm8k_rule: _gsm8k_answer, _math_rule: _math_answer}
+_ANSWERS: dict[str, AnswerFn] = {source: _RULE_ANSWERS[rule] for source, rule in _RULES.items()}
 
 TruthCheck = Callable[[Any], "str | None"]
-_TRUTH_CHECKS: dict[str, TruthCheck] = {
-    source: gsm8k.ground_truth_problem if rule is _gsm8k_rule else math.ground_truth_problem
-    for source, rule in _RULES.items()
+_RULE_CHECKS: dict[RuleFn, TruthCheck] = {
+    _gsm8k_rule: gsm8k.ground_truth_problem,
+    _math_rule: math.ground_truth_problem,
 }
+_TRUTH_CHECKS: dict[str, TruthCheck] = {s: _RULE_CHECKS[rule] for s, rule in _RULES.items()}
 
 
 def register_rule(

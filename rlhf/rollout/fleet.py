@@ -103,11 +103,15 @@ class RolloutFleet:
         it died, within `rollout.max_server_restarts`; the `on_server_restart` handler then
         gives it the current weights. External servers are never restarted."""
         assert self.engine is not None, "called on the rank that owns the servers"
+        restarts = self.engine.group.restarts
+        before = restarts.get(url, 0)
         if self.engine.recover(url) != url:
             raise ServerLost(
                 f"external SGLang server at {url} was lost; external servers are never "
                 "restarted by the trainer: restart it, then resume the run"
             )
+        if restarts.get(url, 0) > before:  # a new process holds all its memory (GPU)
+            self.asleep.discard(url)
 
     def on_server_restart(self, handler: Callable[[str], None]) -> None:
         """Call `handler(url)` (on the owning rank) after one of its servers restarted."""

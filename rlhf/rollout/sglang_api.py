@@ -67,13 +67,11 @@ def _post(url: str, route: str, payload: dict | None = None, timeout_s: float = 
         )
     except requests.RequestException as e:
         raise SGLangAPIError(f"{url}/{route} unreachable: {e}", url, unreachable=True) from e
-    body = response.json() if response.content else {}
+    body = _json(response)
     failed = isinstance(body, dict) and body.get("success") is False
     if response.status_code != 200 or failed:
         message = body.get("message", response.text) if isinstance(body, dict) else response.text
-        raise SGLangAPIError(
-            f"{url}/{route} answered {response.status_code}: {message}", url, unreachable=False
-        )
+        raise _answered(url, route, response.status_code, message)
     return body
 
 
@@ -83,11 +81,25 @@ def _get(url: str, route: str, timeout_s: float = 30.0) -> Any:
     except requests.RequestException as e:
         raise SGLangAPIError(f"{url}/{route} unreachable: {e}", url, unreachable=True) from e
     if response.status_code != 200:
-        raise SGLangAPIError(
-            f"{url}/{route} answered {response.status_code}: {response.text}", url,
-            unreachable=False,
-        )  # fmt: skip
-    return response.json()
+        raise _answered(url, route, response.status_code, response.text)
+    return _json(response)
+
+
+def _json(response: requests.Response) -> Any:
+    """The answer's JSON; its text when it is none (a proxy's error page)."""
+    if not response.content:
+        return {}
+    try:
+        return response.json()
+    except ValueError:
+        return response.text[:300]
+
+
+def _answered(url: str, route: str, status: int, message: str) -> SGLangAPIError:
+    hint = ""
+    if status in (401, 403):
+        hint = f" (the server wants an API key: set {API_KEY_ENV} to the key it was started with)"
+    return SGLangAPIError(f"{url}/{route} answered {status}: {message}{hint}", url, False)
 
 
 def healthy(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:

@@ -15,19 +15,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf.algo import build_kl_controller, masked_mean
-from rlhf.checkpoint import (
-    CheckpointManager,
-    CheckpointStorageError,
-    load_trainer_state,
-    probe_storage,
-    save_trainer_state,
-)
+from rlhf.checkpoint import load_trainer_state, save_trainer_state
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
 from rlhf.logging import MetricTracker, StepProfiler, Timer
-from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.mapping import Placement
 from rlhf.reward import ground_truth_checker
@@ -35,13 +28,14 @@ from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.fleet import RolloutFleet
 from rlhf.rollout.generation import val_sampling_params, write_records
+from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
 from rlhf.trainer.early_stop import Decision, EarlyStopper
 from rlhf.trainer.export import write_model_exports
 from rlhf.trainer.megatron_model import TrainableMegatronModel
 from rlhf.trainer.metrics import model_passes, perf_metrics, rollout_metrics
 from rlhf.trainer.nonfinite import NonFiniteError, check_scores
 from rlhf.trainer.perf import measure_matmul_flops
-from rlhf.trainer.preemption import Preempted, PreemptionGuard
+from rlhf.trainer.preemption import PreemptionGuard
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer
 from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 from rlhf.trainer.stages import probe_logprobs
@@ -81,15 +75,8 @@ class PPOTrainer:
         )
         self.log_memory_plan()
         # before any server starts: a read-only or too small checkpoint directory fails now
-        self.checkpoint_bytes = checkpoint_bytes(cfg, self.arch)
-        self.write_rate = (
-            probe_storage(run_dir / "checkpoints", self.checkpoint_bytes) if ctx.is_main else 0.0
-        )
-        self.last_save_s: float | None = None
-        self.last_saved_step: int | None = None
-        self.checkpoints = CheckpointManager(
-            run_dir / "checkpoints", cfg.trainer.max_actor_ckpt_to_keep
-        )
+        self.keeper = CheckpointKeeper(cfg, self.arch, run_dir, ctx.is_main, self.total_steps)
+        self.checkpoints = self.keeper.manager
         # before any server starts: a missing or damaged checkpoint fails (or falls back) now
         self.resume_path = self.checkpoints.resolve_resume(cfg.trainer.resume_mode)
         num_val = len(self.val_data) if self.val_data is not None else 0
@@ -227,36 +214,19 @@ class PPOTrainer:
                 raise NonFiniteError(
                     f"step {step}: the {name}'s weights are not finite; checkpoint not written"
                 )
-        start = time.perf_counter()
-        try:
-            self._write_checkpoint(step)
-        except CheckpointStorageError as e:
-            raise CheckpointStorageError(f"{e}; {self.work_lost(step)}") from e.__cause__
-        self.last_save_s, self.last_saved_step = time.perf_counter() - start, step
-        log.info("checkpoint of step %d written to %s", step, self.checkpoints.path_for(step))
+        self.keeper.save(step, lambda tmp: self._write_checkpoint(step, tmp))
 
-    def work_lost(self, step: int) -> str:
-        """In words: which steps up to `step` no checkpoint holds."""
-        kept = [s for s in self.checkpoints.complete_steps() if s <= step]
-        if not kept:
-            return f"no checkpoint holds steps 1-{step}"
-        if kept[-1] == step:
-            return f"checkpoint {self.checkpoints.path_for(step)} holds step {step}"
-        latest = self.checkpoints.path_for(kept[-1])
-        return f"steps {kept[-1] + 1}-{step} are lost (the latest checkpoint is {latest})"
-
-    def _write_checkpoint(self, step: int) -> None:
-        with self.checkpoints.writing(step) as tmp:
-            if self.ctx.is_main:
-                for name in self.trained():
-                    (tmp / name).mkdir()
-            if dist.is_initialized():
-                dist.barrier()
-            for name, model in self.trained().items():
-                model.save(tmp / name)
-            save_trainer_state(tmp, self.state_dict(step), self.ctx.rank)
-            if self.ctx.is_main:
-                write_model_exports(tmp, self.cfg, self.trained(), Placement.of(self.ctx))
+    def _write_checkpoint(self, step: int, tmp: Path) -> None:
+        if self.ctx.is_main:
+            for name in self.trained():
+                (tmp / name).mkdir()
+        if dist.is_initialized():
+            dist.barrier()
+        for name, model in self.trained().items():
+            model.save(tmp / name)
+        save_trainer_state(tmp, self.state_dict(step), self.ctx.rank)
+        if self.ctx.is_main:
+            write_model_exports(tmp, self.cfg, self.trained(), Placement.of(self.ctx))
 
     def load_models(self, path: Path) -> dict:
         """Actor, critic (model + optimizer + LR schedule) and the trainer state at `path`."""
@@ -347,31 +317,11 @@ class PPOTrainer:
                 self.save_checkpoint(step)
             self.log(metrics, step)
             bar.update(1)
-            self.end_if_preempted(step, guard)
+            if not last:  # the run ends here anyway, with its final checkpoint
+                self.keeper.end_if_preempted(step, guard, self.save_checkpoint)
             if decision is not None and decision.action == "stop":
                 break
         return step
-
-    def end_if_preempted(self, step: int, guard: PreemptionGuard) -> None:
-        """After SIGTERM on any rank: checkpoint `step` if that fits in the grace period
-        left, then raise `Preempted` (all ranks, together)."""
-        estimate = self.last_save_s
-        if estimate is None:  # no save yet: the planned size at the rate measured at startup
-            estimate = self.checkpoint_bytes / self.write_rate if self.write_rate else 0.0
-        signalled, left_s, needed_s = guard.poll(estimate)
-        if not signalled:
-            return
-        saved = self.last_saved_step == step
-        if not saved and needed_s <= left_s:
-            self.save_checkpoint(step)
-            saved = True
-        if saved:
-            raise Preempted(step, f"{self.work_lost(step)}; the same command resumes from it")
-        raise Preempted(
-            step,
-            f"no checkpoint written (one takes about {needed_s:.0f} s, {max(left_s, 0):.0f} s "
-            f"of trainer.preemption_grace_s were left); {self.work_lost(step)}",
-        )
 
     def after_validation(self, step: int, val: dict, metrics: dict, saving: bool):
         """Rollback when validation falls behind training; else mark a good checkpoint."""

@@ -7,8 +7,10 @@ checkpointed half-way, so the step in flight finishes; then every rank agrees (o
 all-reduce per step) whether a signal came, how long ago, and how long a save takes (the
 last save's measured time, or the planned checkpoint size over the write rate measured at
 startup). If the save fits in what is left of the grace period the checkpoint is written,
-otherwise nothing is started that SIGKILL would cut off. A second SIGTERM does what SIGTERM
-did before (the SGLang server group's handler: stop the servers and die).
+otherwise nothing is started that SIGKILL would cut off. Later SIGTERMs are only logged:
+a worker under torchrun on SLURM gets one from the scheduler and one forwarded by torchrun
+(`launch/torchrun.sh` gives torchrun a shutdown timeout long enough not to cut the grace
+period short). SIGINT (Ctrl-C) stops at once.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class PreemptionGuard:
         self.signalled_at: float | None = None
         self._previous: Any = None
         self._installed = False
+        self.num_signals = 0
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
@@ -57,21 +60,21 @@ class PreemptionGuard:
             signal.signal(signal.SIGTERM, self._previous)
         self._installed = False
 
+    @property
+    def installed(self) -> bool:
+        """Whether SIGTERM is this guard's now."""
+        return self._installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm
+
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self.num_signals += 1
         if self.signalled_at is None:
             self.signalled_at = time.monotonic()
             log.warning(
                 "SIGTERM: the run ends after this step, with a checkpoint if one fits in "
-                "trainer.preemption_grace_s=%.0f s (a second SIGTERM stops at once)",
-                self.grace_s,
-            )
-            return
-        previous = self._previous
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        if callable(previous):
-            previous(signum, frame)
+                "trainer.preemption_grace_s=%.0f s (Ctrl-C stops at once)", self.grace_s,
+            )  # fmt: skip
         else:
-            signal.raise_signal(signal.SIGTERM)
+            log.warning("SIGTERM again: still ending the run after this step")
 
     def poll(self, save_estimate_s: float) -> tuple[bool, float, float]:
         """(signalled on any rank, grace seconds left, seconds a save takes), the same on

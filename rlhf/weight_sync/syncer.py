@@ -22,6 +22,7 @@ restarted (`restart_server`, the rollout engine's recovery, bounded by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -36,6 +37,7 @@ from torch import nn
 
 from rlhf.models.families import ModelArch
 from rlhf.rollout import sglang_api
+from rlhf.rollout.server_group import ServerLost
 from rlhf.weight_sync.gather import Bucket, SyncTopology, iter_buckets
 from rlhf.weight_sync.probe import check_parity, logprob_diff_max, probe_tokens
 from rlhf.weight_sync.transports import DiskTransport, Transport
@@ -142,10 +144,13 @@ class WeightSyncer:
         """Have the lost server at `url` restarted, then make it hold the synced version
         (sender rank only). Raises when it cannot be restarted."""
         if self.restart_server is None:
-            raise RuntimeError(f"SGLang server {url} was lost and nobody can restart it")
+            raise ServerLost(f"SGLang server {url} was lost and nobody can restart it")
         self.restart_server(url)  # a restarted server is re-synced by the restart hook
         if sglang_api.weight_version(url) != str(self.version):
-            self.resync_server(url)  # alive, but it missed buckets of this sync
+            # alive (it answered too late), with this sync's update window still open
+            with contextlib.suppress(sglang_api.SGLangAPIError):
+                sglang_api.end_weight_update(url)
+            self.resync_server(url)
         log.warning("SGLang server %s holds the weights of version %s again", url, self.version)
 
     def compare_probe(self, actor_logprobs: torch.Tensor, device: torch.device) -> float:
@@ -175,7 +180,7 @@ class WeightSyncer:
         if self.version is None:
             return  # nothing synced yet: the restarted server's initial weights are current
         if self.snapshot is None:
-            raise RuntimeError(
+            raise ServerLost(
                 f"SGLang server {url} restarted with its initial weights and cannot be re-synced: "
                 "enable actor_rollout_ref.rollout.weight_sync_snapshot or use the disk transport"
             )

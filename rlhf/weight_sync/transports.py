@@ -33,7 +33,9 @@ from rlhf.rollout import sglang_api
 from rlhf.weight_sync.gather import Bucket
 
 log = logging.getLogger(__name__)
-STORE_TIMEOUT = timedelta(minutes=30)
+# a server joins its weight-sync group in seconds; one that never does (its join request
+# failed) must not keep the sender waiting for torch's default half hour
+STORE_TIMEOUT = timedelta(minutes=5)
 
 
 class Transport(Protocol):
@@ -73,10 +75,18 @@ def _flattened(bucket: Bucket):
 
 
 class TensorTransport:
-    """update_weights_from_tensor with flattened buckets (same-machine servers)."""
+    """update_weights_from_tensor with flattened buckets (same-machine servers).
+
+    On GPU a bucket is flattened on the device and travels as a CUDA IPC handle. On CPU it
+    travels as a shared-memory file (torch's file_system sharing strategy); flattening each
+    bucket into a new tensor and then moving that into shared memory would copy every byte
+    twice into freshly faulted pages, so buckets are copied once into a shared-memory staging
+    buffer kept across buckets and syncs. Reusing it is safe: `deliver` returns after the
+    server has loaded the bucket, before the next one is packed."""
 
     def __init__(self, server_tp_size: int):
         self.server_tp_size = server_tp_size
+        self._staging: torch.Tensor | None = None  # CPU: uint8, in shared memory
 
     def begin(self, version: int) -> None:
         if not torch.cuda.is_available():
@@ -85,9 +95,30 @@ class TensorTransport:
     def pack(self, bucket: Bucket, last: bool, version: int) -> str:
         from sglang.srt.utils import MultiprocessingSerializer
 
-        flat = _flattened(bucket)
-        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+        if bucket[0][1].is_cuda:
+            flat = _flattened(bucket)
+            payload = {"flattened_tensor": flat.get_flattened_tensor(),
+                       "metadata": flat.get_metadata()}  # fmt: skip
+        else:
+            payload = self._stage(bucket)
         return MultiprocessingSerializer.serialize(payload, output_str=True)
+
+    def _stage(self, bucket: Bucket) -> dict[str, Any]:
+        """The bucket copied into the staging buffer, in FlattenedTensorBucket's layout."""
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        total = sum(t.numel() * t.element_size() for _, t in bucket)
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = torch.empty(total, dtype=torch.uint8).share_memory_()
+        metadata, offset = [], 0
+        for name, tensor in bucket:
+            size = tensor.numel() * tensor.element_size()
+            target = self._staging[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+            target.copy_(tensor)
+            metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset,
+                                                    offset + size, size))  # fmt: skip
+            offset += size
+        return {"flattened_tensor": self._staging[:total], "metadata": metadata}
 
     def deliver(self, url: str, packed: str, last: bool, version: int) -> None:
         blobs = [packed] * self.server_tp_size
@@ -147,6 +178,7 @@ class DistributedTransport:
                 world_size=world_size,
                 rank=0,
                 group_name=name,
+                timeout=STORE_TIMEOUT,
             )
             joined.result()
         self.stores[url] = store
@@ -177,18 +209,21 @@ class DistributedTransport:
             done.result()
 
     def forget(self, url: str) -> None:
+        """Destroy `url`'s group here and, if the server still runs, there (so that it can
+        join a new one under the same name)."""
         group = self.groups.pop(url, None)
-        if group is not None:
-            torch.distributed.destroy_process_group(group)
+        if group is None:
+            return
+        try:
+            sglang_api.destroy_weights_update_group(url, self.group_names[url])
+        except sglang_api.SGLangAPIError as e:  # a dead server has no group left
+            log.warning("weight-sync group of %s not destroyed there: %s", url, e)
+        torch.distributed.destroy_process_group(group)
         self.stores.pop(url, None)
 
     def close(self) -> None:
-        """Destroy every server's process group here, and ask the server to do the same."""
+        """Destroy every server's process group, here and there."""
         for url in list(self.groups):
-            try:
-                sglang_api.destroy_weights_update_group(url, self.group_names[url])
-            except sglang_api.SGLangAPIError as e:  # a dead server has no group left
-                log.warning("weight-sync group of %s not destroyed there: %s", url, e)
             self.forget(url)
 
 

@@ -8,6 +8,7 @@ writes a hidden temp file beside the output and renames it into place when compl
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -83,6 +84,9 @@ def test_atomic_output_renames_only_a_finished_file(tmp_path):
         tmp.write_text("new")
         assert not final.exists() and tmp.parent == tmp_path and tmp.name.startswith(".f.txt.")
     assert final.read_text() == "new"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert final.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() would make it
     with pytest.raises(KeyboardInterrupt), atomic_output(final) as tmp:
         tmp.write_text("half")
         raise KeyboardInterrupt

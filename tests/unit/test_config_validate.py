@@ -165,9 +165,21 @@ def test_ulysses_needs_query_heads_divisible_per_tp_rank():
 @pytest.mark.parametrize(
     ("shape", "expected"),
     [
-        ((2, 4, 1), "tensor_model_parallel_size=2: the model's 1 KV heads do not divide"),
-        ((2, 3, 3), "tensor_model_parallel_size=2: the model's 3 attention heads do not divide"),
-        ((3, 4, 2), "pipeline_model_parallel_size=2: the model's 3 layers do not divide"),
+        (
+            (2, 4, 1),
+            r"tensor_model_parallel_size=2: the model's num_key_value_heads \(1\) "
+            r"must be divisible by the tensor parallel size \(2\)",
+        ),
+        (
+            (2, 3, 3),
+            r"tensor_model_parallel_size=2: the model's num_attention_heads \(3\) "
+            r"must be divisible",
+        ),
+        (
+            (3, 4, 2),
+            r"pipeline_model_parallel_size=2: the model's num_hidden_layers \(3\) "
+            r"must be divisible by the pipeline parallel size \(2\)",
+        ),
     ],
 )
 def test_model_must_split_over_tp_and_pp(shape, expected):

@@ -47,7 +47,8 @@ def test_torchrun_dry_run_assembles_the_command():
     assert result.returncode == 0, result.stderr
     expected = (
         f"{sys.executable} -m torch.distributed.run --nnodes 2 --node-rank 1 "
-        "--nproc-per-node 4 --master-addr head --master-port 1234 -m rlhf.cli.train "
+        "--nproc-per-node 4 --master-addr head --master-port 1234 --shutdown-timeout 600 "
+        "-m rlhf.cli.train "
         f"--config {QUICKSTART} --print-config data.seed=3 trainer.experiment_name=a\\ b "
         "trainer.nnodes=2 trainer.n_gpus_per_node=4"
     )
@@ -119,6 +120,6 @@ def test_slurm_batch_launches_one_torchrun_per_node(fake_slurm):
     for rank, line in enumerate(lines):
         assert (
             f"--nnodes 2 --node-rank {rank} --nproc-per-node 4 --master-addr gpu-a "
-            "--master-port 29500 -m rlhf.cli.train" in line
+            "--master-port 29500 --shutdown-timeout 600 -m rlhf.cli.train" in line
         )
         assert line.endswith("data.seed=3 trainer.nnodes=2 trainer.n_gpus_per_node=4")

@@ -65,3 +65,21 @@ def test_a_failed_rewrite_keeps_the_old_file_and_the_tracker_working(tmp_path, m
         tracker.log({"a/b": 1.0}, step=4)
     assert [r["step"] for r in rows(metrics)] == [0, 1, 2, 3, 4]
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_tensorboard_shows_the_resumed_steps_once(tmp_path):
+    """A run that logged steps 1-4, resumed from step 2: TensorBoard (its own event reader)
+    shows steps 1-2 of the first run and 3-4 of the resumed one, each once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricTracker(tmp_path, ["tensorboard"]) as first:
+        for step in (1, 2, 3, 4):
+            first.log({"critic/score/mean": float(step)}, step=step)
+    with MetricTracker(tmp_path, ["tensorboard"]) as resumed:
+        resumed.drop_after(2)
+        for step in (3, 4):
+            resumed.log({"critic/score/mean": 10.0 * step}, step=step)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("critic/score/mean")]
+    assert scalars == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

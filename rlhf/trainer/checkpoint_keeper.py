@@ -1,0 +1,95 @@
+"""The run's checkpoints as the trainer keeps them: the directory checked before training
+(writable, room for the planned checkpoints), every save timed and a failed one explained
+with the steps it loses, and the SIGTERM decision (`rlhf.trainer.preemption`) taken with the
+measured save time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rlhf.checkpoint import CheckpointManager, CheckpointStorageError, probe_storage
+from rlhf.checkpoint.storage import available_bytes, size_text
+from rlhf.config.schema import RLHFConfig
+from rlhf.memory.checkpoint_size import checkpoint_bytes
+from rlhf.models.families import ModelArch
+from rlhf.trainer.preemption import Preempted, PreemptionGuard
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointKeeper:
+    """`manager` writes and finds checkpoints; this adds the run's bookkeeping around it."""
+
+    def __init__(self, cfg: RLHFConfig, arch: ModelArch, run_dir: Path, is_main: bool,
+                 total_steps: int):  # fmt: skip
+        trainer = cfg.trainer
+        # the manager first: it removes what a failed save left before space is counted
+        self.manager = CheckpointManager(run_dir / "checkpoints", trainer.max_actor_ckpt_to_keep)
+        self.size = checkpoint_bytes(cfg, arch)
+        saves = total_steps // trainer.save_freq + 1 if trainer.save_freq > 0 else 1
+        self.write_rate = self._probe(saves, trainer.max_actor_ckpt_to_keep) if is_main else 0.0
+        self.last_save_s: float | None = None
+        self.last_saved_step: int | None = None
+
+    def _probe(self, saves: int, keep: int | None) -> float:
+        """Fail unless one checkpoint fits; warn when all the run's may not (a new one is
+        written before the oldest kept one is pruned). The write rate in bytes/s."""
+        root = self.manager.root
+        rate = probe_storage(root, self.size)
+        peak = saves if keep is None else min(saves, keep + 1)  # on disk at once, at most
+        needed = self.size * (peak - len(self.manager.complete_steps()))
+        if available_bytes(root) < needed:
+            log.warning(
+                "checkpoint directory %s has %s free; this run's checkpoints may need %s more "
+                "(up to %d at about %s each; trainer.max_actor_ckpt_to_keep bounds how many are "
+                "kept)", root, size_text(available_bytes(root)), size_text(needed), peak,
+                size_text(self.size),
+            )  # fmt: skip
+        return rate
+
+    def save(self, step: int, write: Callable[[Path], None]) -> None:
+        """`write(tmp_dir)` as the checkpoint of `step` (all ranks), timed; a full or
+        read-only disk is raised naming the steps that are lost."""
+        start = time.perf_counter()
+        try:
+            with self.manager.writing(step) as tmp:
+                write(tmp)
+        except CheckpointStorageError as e:
+            raise CheckpointStorageError(f"{e}; {self.work_lost(step)}") from e.__cause__
+        self.last_save_s, self.last_saved_step = time.perf_counter() - start, step
+        log.info("checkpoint of step %d written to %s", step, self.manager.path_for(step))
+
+    def work_lost(self, step: int) -> str:
+        """In words: which steps up to `step` no checkpoint holds."""
+        kept = [s for s in self.manager.complete_steps() if s <= step]
+        if not kept:
+            return f"no checkpoint holds steps 1-{step}"
+        if kept[-1] == step:
+            return f"checkpoint {self.manager.path_for(step)} holds step {step}"
+        latest = self.manager.path_for(kept[-1])
+        return f"steps {kept[-1] + 1}-{step} are lost (the latest checkpoint is {latest})"
+
+    def end_if_preempted(self, step: int, guard: PreemptionGuard,
+                         save: Callable[[int], None]) -> None:  # fmt: skip
+        """After SIGTERM on any rank: `save(step)` if that fits in the grace period left,
+        then raise `Preempted` (all ranks, together)."""
+        estimate = self.last_save_s
+        if estimate is None:  # no save yet: the planned size at the rate measured at startup
+            estimate = self.size / self.write_rate if self.write_rate else 0.0
+        signalled, left_s, needed_s = guard.poll(estimate)
+        if not signalled:
+            return
+        saved = self.last_saved_step == step
+        if not saved and needed_s <= left_s:
+            save(step)
+            saved = True
+        if saved:
+            raise Preempted(step, f"{self.work_lost(step)}; the same command resumes from it")
+        raise Preempted(
+            step,
+            f"no checkpoint written (one takes about {needed_s:.0f} s, {max(left_s, 0):.0f} s "
+            f"of trainer.preemption_grace_s were left); {self.work_lost(step)}",
+        )
