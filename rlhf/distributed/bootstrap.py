@@ -6,6 +6,7 @@ The only code that initialises, reads and tears down Megatron's global `parallel
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import random
@@ -66,6 +67,32 @@ def _init_process_group(device: torch.device, timeout_minutes: int) -> None:
         )  # fmt: skip
 
 
+def listen_host(address: str) -> str:
+    """Where to listen so that peers told `address` reach us: `address` itself, unless it
+    is a host name that resolves to a loopback address here (hosts files often map the
+    machine's own name to 127.0.1.1) while peers elsewhere resolve it to a real address:
+    then every interface, with a warning naming the name."""
+    try:
+        if ipaddress.ip_address(address):
+            return address
+    except ValueError:
+        pass
+    if address == "localhost":
+        return address
+    try:
+        resolved = socket.gethostbyname(address)
+    except OSError:
+        return address  # binding fails with a message naming it
+    if ipaddress.ip_address(resolved).is_loopback:
+        log.warning(
+            "%s resolves to %s (loopback) on this machine; listening on every interface so "
+            "that other machines can reach it; give an IP address to listen on one", address,
+            resolved,
+        )  # fmt: skip
+        return ""
+    return resolved
+
+
 def bound_store(host: str, world_size: int, timeout: timedelta) -> dist.TCPStore:
     """A master TCPStore listening on `host` only (127.0.0.1: only this machine reaches it);
     its port is `.port`.
@@ -77,7 +104,9 @@ def bound_store(host: str, world_size: int, timeout: timedelta) -> dist.TCPStore
     used by `LibUVStoreDaemon::init`), so we bind one ourselves; the store takes the
     descriptor over and closes it. Bound before the store exists, the port cannot be taken.
     """
-    sock = socket.create_server((host, 0))
+    listen = listen_host(host)
+    family = socket.AF_INET6 if ":" in listen else socket.AF_INET
+    sock = socket.create_server((listen, 0), family=family)
     port = sock.getsockname()[1]
     return dist.TCPStore(
         host, port, world_size, True, timeout=timeout, wait_for_workers=False,
