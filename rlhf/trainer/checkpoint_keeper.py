@@ -70,7 +70,8 @@ class CheckpointKeeper:
         if kept[-1] == step:
             return f"checkpoint {self.manager.path_for(step)} holds step {step}"
         latest = self.manager.path_for(kept[-1])
-        return f"steps {kept[-1] + 1}-{step} are lost (the latest checkpoint is {latest})"
+        lost = f"step {step} is" if kept[-1] + 1 == step else f"steps {kept[-1] + 1}-{step} are"
+        return f"{lost} lost (the latest checkpoint is {latest})"
 
     def end_if_preempted(self, step: int, guard: PreemptionGuard,
                          save: Callable[[int], None]) -> None:  # fmt: skip

@@ -141,7 +141,7 @@ class PPOTrainer:
             self.rollout.resume_memory(["kv_cache"])
             probe = probe_logprobs(m.actor, self.syncer.probe_tokens, m.planner, m.probe_head)
         diff = self.syncer.compare_probe(probe, self.ctx.device)
-        phases = {f"perf/weight_sync_{k}_s": v for k, v in stats.phase_s.items()}
+        phases = {f"timing_s/update_weights_{k}": v for k, v in stats.phase_s.items()}
         return {"perf/weight_sync_bytes": float(stats.num_bytes), "rollout/logprob_diff_max": diff,
                 **phases}  # fmt: skip
 

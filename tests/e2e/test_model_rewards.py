@@ -69,6 +69,7 @@ def records(run_dir: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+@pytest.mark.slow
 def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = ppo_overrides(tiny_qwen2_dir, mixed_data, run_dir, 2, f"reward.model_path={reward_dir}")
@@ -114,6 +115,7 @@ def critic_values_mean(critic_hf: Path, samples: list[dict]) -> float:
     return total / count
 
 
+@pytest.mark.slow
 def test_reward_endpoint_and_a_dead_one(tiny_qwen2_dir, mixed_data, tmp_path):
     run_dir = tmp_path / "remote"
     with length_judge() as (url, _):

@@ -90,6 +90,7 @@ def test_two_simulated_nodes_match_one_node(tiny_qwen2_dir, data, tmp_path):
                 assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
 
 
+@pytest.mark.slow
 def test_disaggregated_servers_from_the_launch_script(tiny_qwen2_dir, data, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable,
            "MODEL": str(tiny_qwen2_dir), "NUM_SERVERS": "1", "DEVICE": "cpu",

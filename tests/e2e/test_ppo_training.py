@@ -153,6 +153,7 @@ BYPASS_EQUAL = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/gr
                 "actor/reward_kl_penalty", "critic/score/mean", "response_length/mean")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bypass_mode_skips_the_old_log_prob_pass_and_trains_the_same(
     tiny_qwen2_dir, data, tmp_path, one_process_run
 ):
@@ -176,6 +177,7 @@ LAYOUT_KEYS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUT_KEYS))
 def test_two_process_run_logs_the_metrics_of_one_process(
     tiny_qwen2_dir, data, tmp_path, layout, one_process_run

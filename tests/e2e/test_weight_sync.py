@@ -98,6 +98,7 @@ def test_sync_makes_sglang_match_exported_weights(
     assert sglang_greedy(server.url) == hf_greedy(exported)
 
 
+@pytest.mark.slow
 def test_restarted_server_gets_the_synced_weights_back(tiny_qwen2_dir, tmp_path):
     run_torchrun(
         "weight_sync_restart.py", 1, ["--hf-dir", str(tiny_qwen2_dir), "--out-dir", str(tmp_path)]

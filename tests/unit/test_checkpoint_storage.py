@@ -17,7 +17,8 @@ from rlhf.checkpoint.storage import available_bytes
 from rlhf.config import load_config
 from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.models.families import load_arch
-from rlhf.trainer.preemption import SAVE_MARGIN, PreemptionGuard
+from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
+from rlhf.trainer.preemption import SAVE_MARGIN, Preempted, PreemptionGuard
 from tests.helpers import REPO, small_filesystem
 
 pytestmark = pytest.mark.reliability
@@ -106,3 +107,37 @@ def test_sigterm_is_recorded_and_later_ones_do_not_kill():
         assert not guard.installed and signal.getsignal(signal.SIGTERM) is previous
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_keeper_says_what_is_lost_and_decides_the_preemption_save(tiny_qwen2_dir, tmp_path):
+    cfg = load_config(str(REPO / "configs" / "quickstart_cpu.yaml"),
+                      [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"])  # fmt: skip
+    keeper = CheckpointKeeper(cfg, load_arch(tiny_qwen2_dir), tmp_path, True, total_steps=10)
+    root = tmp_path / "checkpoints"
+    assert keeper.write_rate > 0 and keeper.last_save_s is None
+    assert keeper.work_lost(3) == "no checkpoint holds steps 1-3"
+    keeper.save(1, lambda tmp: (tmp / "state").write_text("1"))
+    assert keeper.last_saved_step == 1 and keeper.last_save_s > 0
+    assert keeper.work_lost(1) == f"checkpoint {root / 'global_step_1'} holds step 1"
+    latest = f"(the latest checkpoint is {root / 'global_step_1'})"
+    assert keeper.work_lost(2) == f"step 2 is lost {latest}"
+    assert keeper.work_lost(4) == f"steps 2-4 are lost {latest}"
+
+    saved = []
+
+    def save(step):
+        saved.append(step)
+        keeper.save(step, lambda tmp: (tmp / "state").write_text(str(step)))
+
+    cpu = torch.device("cpu")
+    keeper.end_if_preempted(2, PreemptionGuard(30.0, cpu), save)  # no signal: nothing
+    assert saved == []
+    signalled = PreemptionGuard(30.0, cpu)
+    signalled.signalled_at = time.monotonic()
+    with pytest.raises(Preempted, match=r"after step 3: checkpoint .*global_step_3 holds step 3"):
+        keeper.end_if_preempted(3, signalled, save)
+    no_time = PreemptionGuard(0.0, cpu)
+    no_time.signalled_at = time.monotonic()
+    with pytest.raises(Preempted, match=r"after step 4: no checkpoint written .* step 4 is lost"):
+        keeper.end_if_preempted(4, no_time, save)
+    assert saved == [3]
