@@ -77,16 +77,14 @@ def _flattened(bucket: Bucket):
 class TensorTransport:
     """update_weights_from_tensor with flattened buckets (same-machine servers).
 
-    On GPU a bucket is flattened on the device and travels as a CUDA IPC handle. On CPU it
-    travels as a shared-memory file (torch's file_system sharing strategy); flattening each
-    bucket into a new tensor and then moving that into shared memory would copy every byte
-    twice into freshly faulted pages, so buckets are copied once into a shared-memory staging
-    buffer kept across buckets and syncs. Reusing it is safe: `deliver` returns after the
-    server has loaded the bucket, before the next one is packed."""
+    Each bucket is a new flattened tensor, shared as a CUDA IPC handle on GPU and as a
+    shared-memory file on CPU (torch's file_system strategy). A staging buffer reused across
+    buckets would save the copy into fresh shared memory on CPU (~5x faster pack), but the
+    reused shm file was gone after a server that had mapped it was killed, and the
+    other server then crashed opening it (seen in the lost-server test), so it is not done."""
 
     def __init__(self, server_tp_size: int):
         self.server_tp_size = server_tp_size
-        self._staging: torch.Tensor | None = None  # CPU: uint8, in shared memory
 
     def begin(self, version: int) -> None:
         if not torch.cuda.is_available():
@@ -95,30 +93,9 @@ class TensorTransport:
     def pack(self, bucket: Bucket, last: bool, version: int) -> str:
         from sglang.srt.utils import MultiprocessingSerializer
 
-        if bucket[0][1].is_cuda:
-            flat = _flattened(bucket)
-            payload = {"flattened_tensor": flat.get_flattened_tensor(),
-                       "metadata": flat.get_metadata()}  # fmt: skip
-        else:
-            payload = self._stage(bucket)
+        flat = _flattened(bucket)
+        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
         return MultiprocessingSerializer.serialize(payload, output_str=True)
-
-    def _stage(self, bucket: Bucket) -> dict[str, Any]:
-        """The bucket copied into the staging buffer, in FlattenedTensorBucket's layout."""
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
-        total = sum(t.numel() * t.element_size() for _, t in bucket)
-        if self._staging is None or self._staging.numel() < total:
-            self._staging = torch.empty(total, dtype=torch.uint8).share_memory_()
-        metadata, offset = [], 0
-        for name, tensor in bucket:
-            size = tensor.numel() * tensor.element_size()
-            target = self._staging[offset : offset + size].view(tensor.dtype).view(tensor.shape)
-            target.copy_(tensor)
-            metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset,
-                                                    offset + size, size))  # fmt: skip
-            offset += size
-        return {"flattened_tensor": self._staging[:total], "metadata": metadata}
 
     def deliver(self, url: str, packed: str, last: bool, version: int) -> None:
         blobs = [packed] * self.server_tp_size
