@@ -74,7 +74,8 @@ def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
     from rlhf.utils import share_cpu_cores
 
     world = bootstrap.launched_world_size() or 1
-    layout = validate_config(cfg, world, load_policy_arch(cfg))
+    arch = load_policy_arch(cfg)  # every model directory checked, once
+    layout = validate_config(cfg, world, arch)
     if bootstrap.pick_device(cfg.trainer.device).type == "cpu":  # rlhf.utils.cpu_threads
         share_cpu_cores(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     ctx = bootstrap.init_parallel(
@@ -92,7 +93,7 @@ def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
             log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
             for note in ignored_settings(cfg):
                 log.warning("config: %s", note)
-        trainer = PPOTrainer(cfg, ctx, run_dir)
+        trainer = PPOTrainer(cfg, ctx, run_dir, arch)
         last = trainer.fit()
         if ctx.is_main:
             report(run_dir, last)

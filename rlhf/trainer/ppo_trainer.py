@@ -22,6 +22,7 @@ from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
 from rlhf.logging import MetricTracker, StepProfiler, Timer
 from rlhf.memory.report import startup_report, verdict
+from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
 from rlhf.reward import ground_truth_checker
 from rlhf.reward.validation import val_samples, validation_metrics
@@ -37,7 +38,7 @@ from rlhf.trainer.nonfinite import NonFiniteError, check_scores
 from rlhf.trainer.perf import measure_matmul_flops
 from rlhf.trainer.preemption import PreemptionGuard
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer
-from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+from rlhf.trainer.setup import build_ppo_models
 from rlhf.trainer.stages import probe_logprobs
 from rlhf.trainer.step import train_on_batch
 from rlhf.trainer.step_batch import collect_step_batch
@@ -51,9 +52,10 @@ log = logging.getLogger(__name__)
 class PPOTrainer:
     """Holds the run: models, data, rollout fleet, weight syncer, controllers, checkpoints."""
 
-    def __init__(self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path):
-        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
-        self.arch = load_policy_arch(cfg)
+    def __init__(self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path, arch: ModelArch):
+        """`arch`: the policy's, from `rlhf.trainer.setup.load_policy_arch` (which checked
+        every model directory of the run)."""
+        self.cfg, self.ctx, self.run_dir, self.arch = cfg, ctx, run_dir, arch
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
         scorable = ground_truth_checker(cfg.reward)  # unscorable rule rows fail here
         self.train_data = prompt_dataset_from_config(
