@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # a server joins its weight-sync group in seconds; one that never does (its join request
 # failed) must not keep the sender waiting for torch's default half hour
 STORE_TIMEOUT = timedelta(minutes=5)
+STAGING_ALIGN = 64  # bytes; a cache line, and a multiple of every dtype's size
 
 
 class Transport(Protocol):
@@ -77,35 +78,76 @@ def _flattened(bucket: Bucket):
 class TensorTransport:
     """update_weights_from_tensor with flattened buckets (same-machine servers).
 
-    Each bucket is a new flattened tensor, shared as a CUDA IPC handle on GPU and as a
-    shared-memory file on CPU (torch's file_system strategy). A staging buffer reused across
-    buckets would save the copy into fresh shared memory on CPU (~5x faster pack), but the
-    reused shm file was gone after a server that had mapped it was killed, and the
-    other server then crashed opening it (seen in the lost-server test), so it is not done."""
+    On GPU a bucket is flattened on the device and travels as a CUDA IPC handle. On CPU it
+    travels as a shared-memory file (torch's file_system sharing strategy): every bucket is
+    copied once into a staging buffer in shared memory kept across buckets and syncs
+    (flattening into new memory and moving that into a new shm file costs two copies into
+    freshly zeroed pages). Reusing it is safe because `deliver` returns after the server has
+    loaded the bucket, before the next one is packed.
+
+    Each receiver (server TP rank) gets a handle serialized for it alone: torch counts the
+    users of a shared-memory file, every serialization adds one and every receiver takes one
+    off, so one handle read by two receivers removes the file while it is still in use (the
+    third receiver, or the next sync, then fails to open it)."""
 
     def __init__(self, server_tp_size: int):
         self.server_tp_size = server_tp_size
+        self._staging: torch.Tensor | None = None  # CPU: uint8, in shared memory
 
     def begin(self, version: int) -> None:
         if not torch.cuda.is_available():
             torch.multiprocessing.set_sharing_strategy("file_system")
 
-    def pack(self, bucket: Bucket, last: bool, version: int) -> str:
+    def pack(self, bucket: Bucket, last: bool, version: int) -> dict[str, Any]:
+        """FlattenedTensorBucket's payload: the flat tensor and its metadata."""
+        if bucket[0][1].is_cuda:
+            flat = _flattened(bucket)
+            return {
+                "flattened_tensor": flat.get_flattened_tensor(),
+                "metadata": flat.get_metadata(),
+            }
+        return self._stage(bucket)
+
+    def _stage(self, bucket: Bucket) -> dict[str, Any]:
+        """The bucket copied into the staging buffer, in FlattenedTensorBucket's layout with
+        every tensor starting at a multiple of `STAGING_ALIGN` bytes (the server views its
+        bytes as the tensor's dtype, which needs an aligned start)."""
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        spans, end = [], 0
+        for _, tensor in bucket:
+            start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
+            end = start + tensor.numel() * tensor.element_size()
+            spans.append((start, end))
+        if self._staging is None or self._staging.numel() < end:
+            self._staging = None  # the old file goes when its last receiver lets it go
+            storage = torch.UntypedStorage._new_shared(end)
+            self._staging = torch.empty(0, dtype=torch.uint8).set_(storage)
+        metadata = []
+        for (name, tensor), (start, stop) in zip(bucket, spans, strict=True):
+            target = self._staging[start:stop].view(tensor.dtype).view(tensor.shape)
+            target.copy_(tensor)
+            metadata.append(FlattenedTensorMetadata(
+                name, tensor.shape, tensor.dtype, start, stop, stop - start))  # fmt: skip
+        return {"flattened_tensor": self._staging[:end], "metadata": metadata}
+
+    def handles(self, packed: dict[str, Any]) -> list[str]:
+        """One serialized handle per server TP rank (see the class docstring)."""
         from sglang.srt.utils import MultiprocessingSerializer
 
-        flat = _flattened(bucket)
-        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-        return MultiprocessingSerializer.serialize(payload, output_str=True)
+        return [MultiprocessingSerializer.serialize(packed, output_str=True)
+                for _ in range(self.server_tp_size)]  # fmt: skip
 
-    def deliver(self, url: str, packed: str, last: bool, version: int) -> None:
-        blobs = [packed] * self.server_tp_size
-        sglang_api.update_weights_from_tensor(url, blobs, last, version if last else None)
+    def deliver(self, url: str, packed: dict[str, Any], last: bool, version: int) -> None:
+        sglang_api.update_weights_from_tensor(
+            url, self.handles(packed), last, version if last else None
+        )
 
     def forget(self, url: str) -> None:
         pass
 
     def close(self) -> None:
-        pass
+        self._staging = None
 
 
 @dataclass(frozen=True)

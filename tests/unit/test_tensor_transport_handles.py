@@ -1,0 +1,88 @@
+"""The CPU tensor transport's shared-memory handles, read by receivers in other processes.
+
+Each receiver stands for one SGLang server (TP rank): a long-lived process that decodes the
+handle with SGLang's own deserializer and rebuilds the bucket with its FlattenedTensorBucket,
+as the server's weight loader does, then lets the tensors go. Two servers and two syncs
+through the one staging buffer: every receiver must read this sync's values.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rlhf.weight_sync.transports import TensorTransport
+
+pytest.importorskip("sglang")
+
+
+def _receiver(conn) -> None:
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    while (handle := conn.recv()) is not None:
+        try:
+            payload = MultiprocessingSerializer.deserialize(handle)
+            bucket = FlattenedTensorBucket(
+                flattened_tensor=payload["flattened_tensor"], metadata=payload["metadata"]
+            )
+            loaded = {name: t.clone() for name, t in bucket.reconstruct_tensors()}
+            del payload, bucket
+            gc.collect()  # the server's loader drops the bucket once the weights are copied
+            conn.send(loaded)
+        except Exception as e:  # reported to the test
+            conn.send(repr(e))
+
+
+def _bucket(step: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(step)
+    return [
+        ("odd.bf16", torch.randn(3, 5, generator=gen).to(torch.bfloat16)),  # 30 bytes
+        ("after.fp32", torch.randn(7, generator=gen)),  # starts unaligned for fp32
+        ("strided.fp32", torch.randn(4, 6, generator=gen).t()),  # not contiguous
+    ]
+
+
+@pytest.fixture(scope="module")
+def receivers():
+    """Two receiver processes (pipes to them); each decodes what it is sent until None."""
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_receiver, args=(child,), daemon=True) for _, child in pipes]
+    for proc in procs:
+        proc.start()
+    yield [parent for parent, _ in pipes]
+    for parent, _ in pipes:
+        parent.send(None)
+    for proc in procs:
+        proc.join(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("servers", "server_tp_size"), [(2, 1), (1, 2)], ids=["two-servers", "one-server-tp2"]
+)
+def test_every_receiver_of_every_sync_reads_that_syncs_bucket(receivers, servers, server_tp_size):
+    """The receivers are two servers, or the two TP ranks of one; two syncs each."""
+    transport = TensorTransport(server_tp_size=server_tp_size)
+    try:
+        for step in (1, 2):
+            transport.begin(step)
+            bucket = _bucket(step)
+            packed = transport.pack(bucket, last=True, version=step)
+            for server in range(servers):  # one server after the other, as the syncer delivers
+                handles = transport.handles(packed)
+                assert len(handles) == server_tp_size
+                ranks = receivers[server * server_tp_size : (server + 1) * server_tp_size]
+                for rank, handle in zip(ranks, handles, strict=True):
+                    rank.send(handle)
+                for rank in ranks:
+                    loaded = rank.recv()
+                    assert isinstance(loaded, dict), f"step {step}: receiver failed: {loaded}"
+                    for name, tensor in bucket:
+                        assert loaded[name].dtype == tensor.dtype
+                        assert torch.equal(loaded[name], tensor), (step, name)
+    finally:
+        transport.close()
