@@ -88,7 +88,9 @@ class TensorTransport:
     Each receiver (server TP rank) gets a handle serialized for it alone: torch counts the
     users of a shared-memory file, every serialization adds one and every receiver takes one
     off, so one handle read by two receivers removes the file while it is still in use (the
-    third receiver, or the next sync, then fails to open it)."""
+    third receiver, or the next sync, then fails to open it). A server killed before it read
+    its handle leaves the count one high: that file then stays until the run ends, when
+    torch's shm manager removes what the run created."""
 
     def __init__(self, server_tp_size: int):
         self.server_tp_size = server_tp_size
