@@ -1,0 +1,71 @@
+"""The syncer's bookkeeping without servers: which servers a sync still delivers to, and the
+seconds it counts per phase."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from rlhf.rollout.sglang_api import SGLangAPIError
+from rlhf.weight_sync import syncer
+from rlhf.weight_sync.syncer import Phases, _Targets
+from rlhf.weight_sync.transports import TensorTransport
+
+
+class ForgetfulTransport(TensorTransport):
+    """The tensor transport, noting which servers it was told to forget."""
+
+    def __init__(self) -> None:
+        super().__init__(server_tp_size=1)
+        self.forgotten: list[str] = []
+
+    def forget(self, url: str) -> None:
+        self.forgotten.append(url)
+
+
+def test_a_server_that_stops_answering_is_set_aside_and_the_others_get_every_call():
+    transport = ForgetfulTransport()
+    targets = _Targets(["http://a", "http://b", "http://c"], transport, version=5)
+    delivered = []
+
+    def deliver(url: str, bucket: int) -> None:
+        if url == "http://b" and bucket == 2:
+            raise SGLangAPIError("http://b: connection refused", url, unreachable=True)
+        delivered.append((url, bucket))
+
+    for bucket in (1, 2, 3):
+        targets.each(deliver, bucket)
+    assert delivered == [("http://a", 1), ("http://b", 1), ("http://c", 1), ("http://a", 2),
+                         ("http://c", 2), ("http://a", 3), ("http://c", 3)]  # fmt: skip
+    assert targets.live == ["http://a", "http://c"]
+    assert targets.lost == ["http://b"]
+    assert transport.forgotten == ["http://b"]
+
+
+def test_a_failure_the_server_answered_fails_the_sync():
+    transport = ForgetfulTransport()
+    targets = _Targets(["http://a", "http://b"], transport, version=1)
+
+    def deliver(url: str) -> None:
+        raise SGLangAPIError(f"{url}: 400 bad weight name", url, unreachable=False)
+
+    with pytest.raises(SGLangAPIError, match="bad weight name"):
+        targets.each(deliver)
+    assert targets.live == ["http://a", "http://b"] and targets.lost == []
+    assert transport.forgotten == []
+
+
+def test_phases_add_up_per_name_including_the_time_to_produce_each_item(monkeypatch):
+    clock = itertools.count(0.0, 1.0)  # every reading of the clock is one second later
+    monkeypatch.setattr(syncer.time, "perf_counter", lambda: next(clock))
+    phases = Phases()
+    items = list(phases.iterate("gather", iter(["b1", "b2"])))
+    for _ in items:
+        with phases("deliver"):
+            pass
+    with phases("deliver"):
+        pass
+    assert items == ["b1", "b2"]
+    # three next() calls (the last finds the end), each between two readings: 1 s each
+    assert phases.seconds == {"gather": 3.0, "deliver": 3.0}
