@@ -2,8 +2,9 @@
 
 Each receiver stands for one SGLang server (TP rank): a long-lived process that decodes the
 handle with SGLang's own deserializer and rebuilds the bucket with its FlattenedTensorBucket,
-as the server's weight loader does, then lets the tensors go. Two servers and two syncs
-through the one staging buffer: every receiver must read this sync's values.
+as the server's weight loader does, then lets the tensors go. Two servers, or the two TP
+ranks of one, over two syncs through the one staging buffer: every receiver must read that
+sync's values.
 """
 
 from __future__ import annotations
