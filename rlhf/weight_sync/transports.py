@@ -78,12 +78,13 @@ def _flattened(bucket: Bucket):
 class TensorTransport:
     """update_weights_from_tensor with flattened buckets (same-machine servers).
 
-    On GPU a bucket is flattened on the device and travels as a CUDA IPC handle. On CPU it
-    travels as a shared-memory file (torch's file_system sharing strategy): every bucket is
-    copied once into a staging buffer in shared memory kept across buckets and syncs
-    (flattening into new memory and moving that into a new shm file costs two copies into
-    freshly zeroed pages). Reusing it is safe because `deliver` returns after the server has
-    loaded the bucket, before the next one is packed.
+    On GPU a bucket is flattened into a new device tensor and travels as a CUDA IPC handle.
+    On CPU it travels as a shared-memory file (torch's file_system sharing strategy): every
+    bucket is copied once into a staging buffer in shared memory kept across buckets and
+    syncs (flattening into new memory and moving that into a new shm file costs two copies
+    into freshly zeroed pages). Both use the same aligned layout (`pack`). Reusing the
+    staging buffer is safe because `deliver` returns after the server has loaded the
+    bucket, before the next one is packed.
 
     Each receiver (server TP rank) gets a handle serialized for it alone: torch counts the
     users of a shared-memory file, every serialization adds one and every receiver takes one
@@ -101,19 +102,9 @@ class TensorTransport:
             torch.multiprocessing.set_sharing_strategy("file_system")
 
     def pack(self, bucket: Bucket, last: bool, version: int) -> dict[str, Any]:
-        """FlattenedTensorBucket's payload: the flat tensor and its metadata."""
-        if bucket[0][1].is_cuda:
-            flat = _flattened(bucket)
-            return {
-                "flattened_tensor": flat.get_flattened_tensor(),
-                "metadata": flat.get_metadata(),
-            }
-        return self._stage(bucket)
-
-    def _stage(self, bucket: Bucket) -> dict[str, Any]:
-        """The bucket copied into the staging buffer, in FlattenedTensorBucket's layout with
-        every tensor starting at a multiple of `STAGING_ALIGN` bytes (the server views its
-        bytes as the tensor's dtype, which needs an aligned start)."""
+        """FlattenedTensorBucket's payload: the flat tensor and its metadata, every tensor
+        starting at a multiple of `STAGING_ALIGN` bytes (the server views its bytes as the
+        tensor's dtype, which needs an aligned start)."""
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
         spans, end = [], 0
@@ -121,17 +112,23 @@ class TensorTransport:
             start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
             end = start + tensor.numel() * tensor.element_size()
             spans.append((start, end))
-        if self._staging is None or self._staging.numel() < end:
-            self._staging = None  # the old file goes when its last receiver lets it go
-            storage = torch.UntypedStorage._new_shared(end)
-            self._staging = torch.empty(0, dtype=torch.uint8).set_(storage)
+        device = bucket[0][1].device
+        flat = self._staging_buffer(end) if device.type == "cpu" else (
+            torch.empty(end, dtype=torch.uint8, device=device))  # fmt: skip
         metadata = []
         for (name, tensor), (start, stop) in zip(bucket, spans, strict=True):
-            target = self._staging[start:stop].view(tensor.dtype).view(tensor.shape)
-            target.copy_(tensor)
+            flat[start:stop].view(tensor.dtype).view(tensor.shape).copy_(tensor)
             metadata.append(FlattenedTensorMetadata(
                 name, tensor.shape, tensor.dtype, start, stop, stop - start))  # fmt: skip
-        return {"flattened_tensor": self._staging[:end], "metadata": metadata}
+        return {"flattened_tensor": flat, "metadata": metadata}
+
+    def _staging_buffer(self, num_bytes: int) -> torch.Tensor:
+        """The first `num_bytes` of the shared-memory staging buffer, grown when too small."""
+        if self._staging is None or self._staging.numel() < num_bytes:
+            self._staging = None  # the old file goes when its last receiver lets it go
+            storage = torch.UntypedStorage._new_shared(num_bytes)
+            self._staging = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return self._staging[:num_bytes]
 
     def handles(self, packed: dict[str, Any]) -> list[str]:
         """One serialized handle per server TP rank (see the class docstring)."""
