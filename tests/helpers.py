@@ -17,33 +17,51 @@ from typing import ClassVar
 import pytest
 
 from rlhf.utils import free_port
+from tests.rank_launcher import launch_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "distributed" / "workers"
 
 
-def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 600) -> None:
-    """Run `tests/distributed/workers/<script>` on `nproc` gloo ranks; raise with its log."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()),
-        str(WORKERS / script), *args,
-    ]  # fmt: skip
+def run_torchrun(
+    script: str, nproc: int, args: list[str], timeout_s: float = 600, torchrun: bool = False
+) -> None:
+    """Run `tests/distributed/workers/<script>` on `nproc` gloo ranks; raise with its log.
+
+    The ranks are forked from the session's preloaded fork server (tests/rank_launcher.py);
+    `torchrun=True` starts them with real torchrun instead (the bootstrap tests).
+    """
+    port = free_port()
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     # Output goes to a file, not a pipe: helper daemons a worker leaves behind (e.g. torch's
     # shared-memory manager, which lives as long as an SGLang server uses its tensors)
     # would keep a pipe open and make the wait hang.
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    with tempfile.NamedTemporaryFile(mode="w+", suffix=".log") as log:
+        if torchrun:
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(nproc),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(WORKERS / script),
+                *args,
+            ]
+            proc = subprocess.run(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+            )
+            code = proc.returncode
+        else:
+            code = launch_ranks(WORKERS / script, nproc, args, env, Path(log.name), port, timeout_s)
         log.seek(0)
         output = log.read()
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{script} on {nproc} ranks exited {proc.returncode}:\n{output[-8000:]}"
-        )
+    if code != 0:
+        raise AssertionError(f"{script} on {nproc} ranks exited {code}:\n{output[-8000:]}")
 
 
 def run_worker_layouts(
@@ -63,9 +81,37 @@ def run_worker_layouts(
     return found
 
 
-def ppo_overrides(model_dir, data, run_dir: Path, steps: int, *extra: str) -> list[str]:
-    """A short, deterministic (greedy) quickstart PPO run on `data` = (train, val) Parquet."""
+def rlhf_train(
+    config: str | Path, args: list[str], log_dir: Path, timeout_s: float = 900
+) -> subprocess.CompletedProcess:
+    """`rlhf-train --config config ARGS` from the repository; its exit code and output.
+
+    stdout and stderr go to files in `log_dir` (train.out, train.err), not to pipes: a run
+    that fed an SGLang server through the tensor transport leaves torch's shared-memory
+    manager behind for as long as that server lives (the session's shared server outlives
+    the run), and the manager holds the run's stdout and stderr open.
+    """
+    cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", str(config), *args]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out, err = log_dir / "train.out", log_dir / "train.err"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr, timeout=timeout_s
+        )
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text())
+
+
+def ppo_overrides(
+    model_dir, data, run_dir: Path, steps: int, *extra: str, server=None
+) -> list[str]:
+    """A short, deterministic (greedy) quickstart PPO run on `data` = (train, val) Parquet.
+
+    `server`: an `SGLangServer` the run uses as an external server (`rollout.server_urls`;
+    the run loads its weights into it first) instead of launching its own.
+    """
     train, val = data
+    external = [f"actor_rollout_ref.rollout.server_urls=[{server.url}]"] if server else []
     return [
         f"actor_rollout_ref.model.path={model_dir}",
         f"data.train_files={train}",
@@ -77,8 +123,22 @@ def ppo_overrides(model_dir, data, run_dir: Path, steps: int, *extra: str) -> li
         "trainer.logger=[console]",
         "actor_rollout_ref.rollout.temperature=0",  # greedy: deterministic rollouts
         "actor_rollout_ref.actor.optim.lr=1e-3",  # large enough that every step matters
+        *external,
         *extra,
     ]
+
+
+def processes_on(model_dir) -> set[int]:
+    """Live processes whose command line names `model_dir` (SGLang servers launched on it)."""
+    import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and str(model_dir) in " ".join(
+            proc.info["cmdline"] or []
+        ):
+            found.add(proc.pid)
+    return found
 
 
 def metrics_by_step(run_dir: Path) -> dict[int, dict]:

@@ -5,7 +5,7 @@
 Skips the work when OUT_DIR already holds a model, unless --force is given.
 --warm-start then fine-tunes the model into a weak arithmetic "base model" (right format,
 correct about a third of the time; see rlhf/quickstart/warm_start.py), which the CPU quickstart
-needs for PPO to have any reward to learn from. It takes well under a minute on 2 cores.
+needs for PPO to have any reward to learn from. It takes about a minute on 2 cores.
 """
 
 from __future__ import annotations

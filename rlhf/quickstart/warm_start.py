@@ -3,7 +3,7 @@
 PPO learns only from rewards it sees. A randomly initialised model never writes
 `#### <correct number>`, so every reward is 0 and the quickstart would show nothing. Real
 RLHF starts from a pretrained model that already answers in the right format and is right
-some of the time; this module gives the tiny model that kind of start in well under a minute.
+some of the time; this module gives the tiny model that kind of start in about a minute.
 
 It is a short supervised fine-tuning on the response tokens of arithmetic problems drawn with
 a seed disjoint from the quickstart data. The final targets say: the correct answer with
@@ -54,7 +54,10 @@ class WarmStartConfig:
     warmup_steps: int = 30  # steps of linear warmup
     weight_decay: float = 0.0  # AdamW weight decay
     seed: int = 0  # batch shuffling
-    num_threads: int = 2  # torch CPU threads
+    # torch CPU threads. One: measured on 2 cores (benchmarks/warm_start.py), 2 threads are
+    # 1.6x faster alone but 9x slower while other processes keep the cores busy (a thread
+    # that is not running stalls every op), 1 thread only 1.6x slower under that load.
+    num_threads: int = 1
 
     def __post_init__(self) -> None:
         for key in ("p_correct", "clean_fraction", "anneal_fraction"):

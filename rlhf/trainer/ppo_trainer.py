@@ -244,6 +244,11 @@ class PPOTrainer:
         """Load the checkpoint `trainer.resume_mode` names; the step to continue after."""
         path = self.resume_path
         if path is None:
+            if self.cfg.actor_rollout_ref.rollout.server_urls:
+                # servers this run did not launch may hold any weights (another run's, an
+                # older step's); launched ones loaded model.path, which the actor starts from
+                self.sync_weights(0)
+                log.info("loaded the actor's weights into the external SGLang servers")
             return 0
         state = self.load_models(path)
         self.sampler.load_state_dict(state["sampler"])

@@ -17,7 +17,7 @@ def reports(out_dir, world_size):
 
 
 def test_two_ranks_tp2(tmp_path):
-    run_torchrun("bootstrap_probe.py", 2, ["--tp", "2", "--out-dir", str(tmp_path)])
+    run_torchrun("bootstrap_probe.py", 2, ["--tp", "2", "--out-dir", str(tmp_path)], torchrun=True)
     r0, r1 = reports(tmp_path, 2)
     expected_backend = "nccl" if torch.cuda.is_available() else "gloo"
     for r in (r0, r1):
@@ -34,7 +34,7 @@ def test_two_ranks_tp2(tmp_path):
 
 
 def test_two_ranks_dp2(tmp_path):
-    run_torchrun("bootstrap_probe.py", 2, ["--out-dir", str(tmp_path)])
+    run_torchrun("bootstrap_probe.py", 2, ["--out-dir", str(tmp_path)], torchrun=True)
     r0, r1 = reports(tmp_path, 2)
     assert (r0["tp_size"], r0["dp_size"]) == (1, 2)
     assert r0["tp_draw"] == r1["tp_draw"]  # same TP rank 0 in both DP replicas

@@ -1,5 +1,6 @@
 """rlhf-convert as a user runs it: HF -> Megatron (TP2) -> HF is bitwise, a TP2 checkpoint
-loads at TP1 and PP2 with identical logits, verify catches corruption, inputs fail clearly."""
+loads at TP1 and PP2 with identical logits, verify catches corruption, inputs fail clearly
+(checked before any process group or worker starts, so those cases call `main` here)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlhf.cli.convert import main
 from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
 
 CONVERT = str(Path(sys.executable).with_name("rlhf-convert"))
@@ -100,7 +102,15 @@ def test_verify_fails_on_corrupted_checkpoint(tiny_qwen2_dir, tmp_path):
     assert "FAILED" in proc.stdout
 
 
-def test_clear_errors_for_bad_inputs(tiny_qwen2_dir, tp2_checkpoint, tmp_path):
+def test_clear_errors_for_bad_inputs(tiny_qwen2_dir, tp2_checkpoint, tmp_path, capsys):
+    def fails(*args) -> str:
+        """`rlhf-convert ARGS` exits 2; its one error line."""
+        assert main([str(a) for a in args]) == 2
+        err = capsys.readouterr().err
+        (line,) = [x for x in err.splitlines() if x.startswith("rlhf-convert:")]
+        assert line.startswith("rlhf-convert: error: ") and "Traceback" not in err
+        return line
+
     # a shard listed in the index is missing
     missing = tmp_path / "missing_shard"
     shutil.copytree(tiny_qwen2_dir, missing)
@@ -109,9 +119,8 @@ def test_clear_errors_for_bad_inputs(tiny_qwen2_dir, tp2_checkpoint, tmp_path):
     save_file(weights, missing / "model-00001-of-00001.safetensors")
     index = {"weight_map": {name: "model-00001-of-00002.safetensors" for name in weights}}
     (missing / "model.safetensors.index.json").write_text(json.dumps(index))
-    proc = rlhf_convert("hf-to-mcore", missing, tmp_path / "a")
-    assert proc.returncode == 2
-    assert "model-00001-of-00002.safetensors" in proc.stderr and "is missing" in proc.stderr
+    line = fails("hf-to-mcore", missing, tmp_path / "a")
+    assert "model-00001-of-00002.safetensors" in line and "is missing" in line
 
     # config and tensors disagree: the error names the tensor
     mismatch = tmp_path / "mismatch"
@@ -119,22 +128,20 @@ def test_clear_errors_for_bad_inputs(tiny_qwen2_dir, tp2_checkpoint, tmp_path):
     config = json.loads((mismatch / "config.json").read_text())
     config["intermediate_size"] = 96
     (mismatch / "config.json").write_text(json.dumps(config))
-    proc = rlhf_convert("hf-to-mcore", mismatch, tmp_path / "b")
-    assert proc.returncode == 2
-    assert "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [128, 64]" in proc.stderr
-    assert "the config implies [96, 64]" in proc.stderr
+    line = fails("hf-to-mcore", mismatch, tmp_path / "b")
+    assert "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [128, 64]" in line
+    assert "the config implies [96, 64]" in line
 
     # unsupported family
     other = tmp_path / "gpt2"
     shutil.copytree(tiny_qwen2_dir, other)
     (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    proc = rlhf_convert("hf-to-mcore", other, tmp_path / "c")
-    assert proc.returncode == 2
-    assert "unsupported model family 'gpt2'" in proc.stderr and "llama, qwen2, qwen3" in proc.stderr
+    line = fails("hf-to-mcore", other, tmp_path / "c")
+    assert "unsupported model family 'gpt2'" in line and "llama, qwen2, qwen3" in line
 
     # never overwrite, and a missing Megatron checkpoint is named
-    proc = rlhf_convert("hf-to-mcore", tiny_qwen2_dir, tp2_checkpoint)
-    assert proc.returncode == 2 and "already exists" in proc.stderr
-    proc = rlhf_convert("mcore-to-hf", tmp_path / "nothing", tmp_path / "d")
-    assert proc.returncode == 2 and "rlhf_checkpoint.json: not found" in proc.stderr
+    assert "already exists" in fails("hf-to-mcore", tiny_qwen2_dir, tp2_checkpoint)
+    assert "rlhf_checkpoint.json: not found" in fails(
+        "mcore-to-hf", tmp_path / "no", tmp_path / "d"
+    )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

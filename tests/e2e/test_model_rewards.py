@@ -1,4 +1,4 @@
-"""Model rewards in whole `rlhf-train` runs (CPU, a real SGLang server).
+"""Model rewards in whole `rlhf-train` runs (CPU, the session's shared SGLang server).
 
 - A batch mixing rule rows (the arithmetic rule) and model rows (a tiny local
   `*ForSequenceClassification` reward model, `reward.model_path`) logs rewards of both
@@ -29,7 +29,7 @@ from rlhf.quickstart.arithmetic import make_problems
 from rlhf.quickstart.tiny_model import TinyModelSpec, tiny_hf_config
 from rlhf.quickstart.tokenizer import build_tiny_tokenizer
 from rlhf.utils import free_port
-from tests.helpers import REPO, length_judge, metrics_by_step, ppo_overrides
+from tests.helpers import REPO, length_judge, metrics_by_step, ppo_overrides, rlhf_train
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 
@@ -57,11 +57,8 @@ def reward_dir(tmp_path_factory) -> Path:
     return out
 
 
-def train(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+def train(args: list[str], log_dir: Path) -> subprocess.CompletedProcess:
+    return rlhf_train(CONFIG, args, log_dir)
 
 
 def records(run_dir: Path, step: int) -> list[dict]:
@@ -69,11 +66,18 @@ def records(run_dir: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-@pytest.mark.slow
-def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, tmp_path):
+@pytest.mark.slow(reason="a whole run scored by a reward model")
+def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, sglang_server, tmp_path):
     run_dir = tmp_path / "run"
-    args = ppo_overrides(tiny_qwen2_dir, mixed_data, run_dir, 2, f"reward.model_path={reward_dir}")
-    proc = train([*args, "trainer.save_hf=true", "trainer.save_freq=1"])
+    args = ppo_overrides(
+        tiny_qwen2_dir,
+        mixed_data,
+        run_dir,
+        2,
+        f"reward.model_path={reward_dir}",
+        server=sglang_server,
+    )
+    proc = train([*args, "trainer.save_hf=true", "trainer.save_freq=1"], tmp_path / "logs")
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = metrics_by_step(run_dir)
     step = metrics[1]
@@ -115,19 +119,26 @@ def critic_values_mean(critic_hf: Path, samples: list[dict]) -> float:
     return total / count
 
 
-@pytest.mark.slow
-def test_reward_endpoint_and_a_dead_one(tiny_qwen2_dir, mixed_data, tmp_path):
+@pytest.mark.slow(reason="a whole run scored by an endpoint")
+def test_reward_endpoint_and_a_dead_one(tiny_qwen2_dir, mixed_data, sglang_server, tmp_path):
     run_dir = tmp_path / "remote"
     with length_judge() as (url, _):
-        args = ppo_overrides(tiny_qwen2_dir, mixed_data, run_dir, 1, f"reward.url={url}")
-        proc = train([*args, "trainer.val_before_train=false"])
+        args = ppo_overrides(
+            tiny_qwen2_dir, mixed_data, run_dir, 1, f"reward.url={url}", server=sglang_server
+        )
+        proc = train([*args, "trainer.val_before_train=false"], tmp_path / "remote_logs")
     assert proc.returncode == 0, proc.stderr[-4000:]
     judged = [r for r in records(run_dir, 1) if r["prompt_index"] % 2]
     assert judged and all(r["score"] == float(len(r["response_text"])) for r in judged)
 
     dead = f"http://127.0.0.1:{free_port()}/score"
-    args = ppo_overrides(tiny_qwen2_dir, mixed_data, tmp_path / "dead", 1, f"reward.url={dead}")
-    proc = train([*args, "reward.request_retries=1", "trainer.val_before_train=false"])
+    args = ppo_overrides(
+        tiny_qwen2_dir, mixed_data, tmp_path / "dead", 1, f"reward.url={dead}", server=sglang_server
+    )
+    proc = train(
+        [*args, "reward.request_retries=1", "trainer.val_before_train=false"],
+        tmp_path / "dead_logs",
+    )
     assert proc.returncode == 1
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf-train:")]
     assert line.startswith(f"rlhf-train: reward failed: reward endpoint {dead}: unreachable")

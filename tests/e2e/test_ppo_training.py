@@ -1,11 +1,16 @@
-"""Whole PPO runs of `rlhf-train` on CPU with a real SGLang server.
+"""Whole PPO runs of `rlhf-train` on CPU with a real SGLang server (the session's shared one,
+as an external server: each run loads its own weights into it first).
 
 - A run killed (SIGKILL) while it writes a checkpoint resumes from the previous checkpoint
   and then logs exactly the per-step metrics of an uninterrupted run (greedy rollouts make
   SGLang's sampling deterministic): losses, grad norms, LR, KL coefficient, rewards.
-- 2-process torchrun runs (DP=2, TP=2, PP=2, Ulysses SP=2) log the metric values of the
-  1-process run; so does a 1-process run with `algorithm.rollout_correction.bypass_mode`
-  (the engine's fp32 log-probs as the old ones, no old-log-prob pass).
+- 2-process torchrun runs (DP=2, TP=2, PP=2, Ulysses SP=2) log the metric values of that
+  uninterrupted 1-process run (a constant learning rate: its first steps are those of a
+  shorter run); so does a 1-process run with `algorithm.rollout_correction.bypass_mode`
+  (the engine's fp32 log-probs as the old ones, no old-log-prob pass). Two simulated nodes
+  (two `launch/torchrun.sh` launches, NNODES=2, rendezvous on localhost, an SGLang server
+  launched on each node, the prompts split across them, each synced by its node's local
+  rank 0) log exactly the values of the DP=2 run.
 - A trainer checkpoint's actor (TP2, PP2; 1 process: tests/e2e/test_model_rewards.py)
   exports with `rlhf-convert mcore-to-hf` to an HF directory whose transformers logits equal
   the trainer's Megatron forward at the checkpoint's own layout within 1e-5
@@ -111,17 +116,25 @@ def kill_during_checkpoint(args: list[str], run_dir: Path, step: int) -> None:
     assert partial.exists(), "the run ended before writing the checkpoint it was to be killed in"
 
 
-@pytest.mark.slow
-def test_killed_run_resumes_and_matches_uninterrupted(tiny_qwen2_dir, data, tmp_path):
-    full = tmp_path / "full"
-    text = run_train(ppo_overrides(tiny_qwen2_dir, data, full, 4), full)
+@pytest.fixture(scope="module")
+def reference_run(tiny_qwen2_dir, data, sglang_server, tmp_path_factory) -> dict[int, dict]:
+    """The uninterrupted 4-step 1-process run: what the resumed run and every layout (its
+    first two steps) must log."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    text = run_train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 4, server=sglang_server), run_dir)
     assert "memory per GPU (GiB), by role and kind" in text  # the planner, at startup
-    assert text.count("rollout.free_cache_engine: no effect on CPU") == 1
-    reference = metrics_by_step(full)
-    assert sorted(reference) == [0, 1, 2, 3, 4]
+    assert "loaded the actor's weights into the external SGLang servers" in text
+    rows = metrics_by_step(run_dir)
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    return rows
 
+
+@pytest.mark.slow(reason="a run killed while it checkpoints, then its resume")
+def test_killed_run_resumes_and_matches_uninterrupted(
+    tiny_qwen2_dir, data, sglang_server, tmp_path, reference_run
+):
     resumed = tmp_path / "resumed"
-    args = ppo_overrides(tiny_qwen2_dir, data, resumed, 4)
+    args = ppo_overrides(tiny_qwen2_dir, data, resumed, 4, server=sglang_server)
     kill_during_checkpoint(args, resumed, step=4)
     checkpoints = sorted(p.name for p in (resumed / "checkpoints").iterdir())
     assert "global_step_2" in checkpoints and "global_step_4" not in checkpoints
@@ -131,42 +144,34 @@ def test_killed_run_resumes_and_matches_uninterrupted(tiny_qwen2_dir, data, tmp_
     got = metrics_by_step(resumed)
     assert sorted(got) == [0, 1, 2, 3, 4]
     for step in (3, 4):
-        for key, value in reference[step].items():
+        for key, value in reference_run[step].items():
             if key.startswith(VOLATILE):
                 continue
             assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
     assert (
-        reference[4]["actor/reward_kl_penalty_coeff"]
-        != reference[1]["actor/reward_kl_penalty_coeff"]
+        reference_run[4]["actor/reward_kl_penalty_coeff"]
+        != reference_run[1]["actor/reward_kl_penalty_coeff"]
     )  # the adaptive controller moved, and the resumed run continued from its state
-
-
-@pytest.fixture(scope="module")
-def one_process_run(tiny_qwen2_dir, data, tmp_path_factory) -> dict[int, dict]:
-    """The metrics of the 2-step run every 2-process layout is compared with."""
-    run_dir = tmp_path_factory.mktemp("one_process") / "run"
-    run_train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 2), run_dir)
-    return metrics_by_step(run_dir)
 
 
 BYPASS_EQUAL = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm",
                 "actor/reward_kl_penalty", "critic/score/mean", "response_length/mean")  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a whole run against the 1-process run")
 def test_bypass_mode_skips_the_old_log_prob_pass_and_trains_the_same(
-    tiny_qwen2_dir, data, tmp_path, one_process_run
+    tiny_qwen2_dir, data, sglang_server, tmp_path, reference_run
 ):
     """SGLang's fp32 log-probs of its greedy samples equal the trainer's within ~1e-7, so the
     losses, grad norms and the next step's rollouts are those of the run that recomputes them."""
     run_dir = tmp_path / "bypass"
     extra = "algorithm.rollout_correction.bypass_mode=true"
-    run_train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 2, extra), run_dir)
+    run_train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 2, extra, server=sglang_server), run_dir)
     rows = metrics_by_step(run_dir)
     for step in (1, 2):
         assert "timing_s/old_log_prob" not in rows[step] and "actor/entropy_old" not in rows[step]
         for key in BYPASS_EQUAL:
-            assert rows[step][key] == pytest.approx(one_process_run[step][key], rel=1e-4, abs=1e-6)
+            assert rows[step][key] == pytest.approx(reference_run[step][key], rel=1e-4, abs=1e-6)
 
 
 LAYOUT_KEYS = {
@@ -177,27 +182,39 @@ LAYOUT_KEYS = {
 }
 
 
-@pytest.mark.slow
+@pytest.fixture(scope="module")
+def layout_runs(tiny_qwen2_dir, data, sglang_server, tmp_path_factory):
+    """`run(layout)`: the metrics of the 2-step 2-process run at `layout` (each run once)."""
+    root, done = tmp_path_factory.mktemp("layouts"), {}
+
+    def run(layout: str) -> tuple[Path, dict[int, dict]]:
+        if layout not in done:
+            run_dir = root / layout
+            extra = ["trainer.n_gpus_per_node=2"]
+            extra += [f"{role}.{key}" for key in LAYOUT_KEYS[layout] for role in ROLES]
+            args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 2, *extra, server=sglang_server)
+            run_train(args, run_dir, nproc=2)
+            done[layout] = run_dir, metrics_by_step(run_dir)
+        return done[layout]
+
+    return run
+
+
+@pytest.mark.slow(reason="a whole 2-process run against the 1-process run")
 @pytest.mark.parametrize("layout", sorted(LAYOUT_KEYS))
-def test_two_process_run_logs_the_metrics_of_one_process(
-    tiny_qwen2_dir, data, tmp_path, layout, one_process_run
-):
+def test_two_process_run_logs_the_metrics_of_one_process(layout, layout_runs, reference_run):
     """Same greedy rollouts, so step 0's validation and step 1 (generated from the same
     weights) must match the 1-process run in value, critic metrics and grad norms included;
     step 2 is generated from weights that differ in the last bits, so only its names are
     compared (a near-tie could flip a greedy token)."""
-    run_dir = tmp_path / layout
-    extra = ["trainer.n_gpus_per_node=2"]
-    extra += [f"{role}.{key}" for key in LAYOUT_KEYS[layout] for role in ROLES]
-    run_train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 2, *extra), run_dir, nproc=2)
-    rows = metrics_by_step(run_dir)
+    run_dir, rows = layout_runs(layout)
     assert sorted(rows) == [0, 1, 2]
     missing = [k for k in REQUIRED if k not in rows[2]]
     assert not missing
-    assert sorted(rows[2]) == sorted(one_process_run[2])
+    assert sorted(rows[2]) == sorted(reference_run[2])
     for step in (0, 1):
-        assert sorted(rows[step]) == sorted(one_process_run[step])
-        for key, value in one_process_run[step].items():
+        assert sorted(rows[step]) == sorted(reference_run[step])
+        for key, value in reference_run[step].items():
             if key.startswith(VOLATILE) or key == "rollout/logprob_diff_max":
                 continue  # the probe's gap is float noise (~1e-6) of each layout
             assert rows[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
@@ -211,3 +228,52 @@ def test_two_process_run_logs_the_metrics_of_one_process(
         export_and_verify(run_dir, 2, pp=2, role="critic")
     # SGLang's own log-probs of its fp32 greedy samples agree with the trainer's
     assert abs(rows[1]["rollout_corr/kl"]) < 1e-4 and rows[1]["rollout_corr/k3_kl"] < 1e-6
+
+
+def launch_node(args: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """One node's `launch/torchrun.sh --config CONFIG ARGS` with `env` (NNODES, ...)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable, **env}
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            ["bash", "launch/torchrun.sh", "--config", CONFIG, *args], cwd=REPO,
+            stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+        )  # fmt: skip
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    for proc, log in zip(procs, logs):
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            raise
+        assert code == 0, log.read_text()[-6000:]
+
+
+@pytest.mark.slow(reason="two launches of launch/torchrun.sh, each with its own SGLang server")
+def test_two_simulated_nodes_log_the_values_of_one_node(
+    tiny_qwen2_dir, data, tmp_path, layout_runs
+):
+    two = tmp_path / "two_nodes"
+    port = str(free_port())
+    logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
+    procs = [
+        launch_node(ppo_overrides(tiny_qwen2_dir, data, two, 2), logs[k], NNODES="2",
+                    NODE_RANK=str(k), GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port)
+        for k in (0, 1)
+    ]  # fmt: skip
+    wait_all(procs, logs)
+    # one colocated server per node, each with its own log
+    assert (two / "node0" / "logs" / "sglang_server_0.log").is_file()
+    assert (two / "node1" / "logs" / "sglang_server_0.log").is_file()
+    _, reference = layout_runs("dp2")  # one node, 2 processes, one (external) server
+    got = metrics_by_step(two)
+    assert sorted(got) == sorted(reference) == [0, 1, 2]
+    for step, row in reference.items():
+        assert set(got[step]) == set(row)
+        for key, value in row.items():
+            if not key.startswith(VOLATILE):
+                assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)

@@ -1,7 +1,7 @@
-"""SIGTERM (a preemption) ends a real `rlhf-train` run (CPU, SGLang) after the step in
-flight: with a checkpoint of that step when one fits in trainer.preemption_grace_s, which
-the same command then resumes from; with no time left, no checkpoint is started and the
-one line says which steps are lost."""
+"""SIGTERM (a preemption) ends a real `rlhf-train` run (CPU, the session's shared SGLang
+server) after the step in flight: with a checkpoint of that step when one fits in
+trainer.preemption_grace_s, which the same command then resumes from; with no time left, no
+checkpoint is started and the one line says which steps are lost."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ from rlhf.models.families import load_arch
 from rlhf.quickstart.data import write_quickstart_data
 from tests.helpers import REPO, ppo_overrides
 
-pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.reliability,
+    pytest.mark.slow(reason="a run and its resume, each stopped by SIGTERM"),
+]
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 
 
@@ -35,27 +38,38 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 def sigterm_after_a_step(args: list[str], run_dir: Path) -> tuple[subprocess.CompletedProcess, str]:
     """Start rlhf-train, SIGTERM it once it logged a step it had not logged before; its exit
-    and the one `rlhf-train:` line it printed."""
+    and the one `rlhf-train:` line it printed. (Output in files: see tests.helpers.rlhf_train.)"""
     before = set(logged_steps(run_dir))
     cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not set(logged_steps(run_dir)) - before and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    (line,) = [x for x in err.splitlines() if x.startswith("rlhf-train:")]
+    name = f"{run_dir.name}_{len(before)}"  # one pair of files per launch
+    logs = run_dir.parent / f"{name}.out", run_dir.parent / f"{name}.err"
+    with logs[0].open("w") as out, logs[1].open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + 600
+        while not set(logged_steps(run_dir)) - before and time.monotonic() < deadline:
+            assert proc.poll() is None, logs[1].read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    stderr = logs[1].read_text()
+    done = subprocess.CompletedProcess(cmd, proc.returncode, logs[0].read_text(), stderr)
+    (line,) = [x for x in stderr.splitlines() if x.startswith("rlhf-train:")]
     return done, line
 
 
-def test_sigterm_checkpoints_the_step_then_the_run_resumes(tiny_qwen2_dir, tmp_path):
+def test_sigterm_checkpoints_the_step_then_the_run_resumes(tiny_qwen2_dir, sglang_server, tmp_path):
     data = write_quickstart_data(tmp_path / "data", num_train=64, num_val=8)
     run_dir = tmp_path / "run"
-    args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 8, "trainer.save_freq=-1",
-                         "trainer.test_freq=-1", "trainer.val_before_train=false")  # fmt: skip
+    args = ppo_overrides(
+        tiny_qwen2_dir,
+        data,
+        run_dir,
+        8,
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        server=sglang_server,
+    )
     first, line = sigterm_after_a_step(args, run_dir)
     assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
     step = logged_steps(run_dir)[-1]

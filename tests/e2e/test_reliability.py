@@ -1,5 +1,8 @@
 """Faults a whole `rlhf-train` run (CPU, a real SGLang server) reports in one line or survives.
 
+The runs use the session's shared server as an external one, but for the last, which
+launches its own two servers to kill them.
+
 - An absurd critic learning rate (1e30): the first update is finite but leaves the critic
   huge, so step 2's values are inf. Under `trainer.on_nonfinite=stop` the run exits 1 with one
   line naming the step and what was not finite; under `skip` it finishes, each later step
@@ -25,9 +28,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from rlhf.quickstart.data import write_quickstart_data
-from tests.helpers import REPO, metrics_by_step, ppo_overrides
+from tests.helpers import REPO, metrics_by_step, ppo_overrides, rlhf_train
 
-pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow(reason="whole runs that meet each fault")]
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 FAULT_DRIVER = Path(__file__).with_name("server_fault_driver.py")
 ABSURD = ["critic.optim.lr=1e30", "critic.ppo_mini_batch_size=16", "trainer.save_freq=1",
@@ -39,9 +42,8 @@ def data(tmp_path_factory):
     return write_quickstart_data(tmp_path_factory.mktemp("data"), num_train=32, num_val=8)
 
 
-def train(args: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+def train(args: list[str], log_dir: Path) -> subprocess.CompletedProcess:
+    return rlhf_train(CONFIG, args, log_dir)
 
 
 def finite_checkpoints(run_dir: Path) -> list[int]:
@@ -60,9 +62,10 @@ def finite_checkpoints(run_dir: Path) -> list[int]:
     return steps
 
 
-def test_nan_stops_the_run_in_one_line(tiny_qwen2_dir, data, tmp_path):
+def test_nan_stops_the_run_in_one_line(tiny_qwen2_dir, data, sglang_server, tmp_path):
     run_dir = tmp_path / "stop"
-    proc = train(ppo_overrides(tiny_qwen2_dir, data, run_dir, 3, *ABSURD))
+    args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 3, *ABSURD, server=sglang_server)
+    proc = train(args, tmp_path / "logs")
     assert proc.returncode == 1, proc.stderr[-3000:]
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("rlhf-train:")]
     assert line.startswith("rlhf-train: stopped: step 2: not finite before the updates: values")
@@ -71,11 +74,11 @@ def test_nan_stops_the_run_in_one_line(tiny_qwen2_dir, data, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def skipping_run(tiny_qwen2_dir, data, tmp_path_factory) -> tuple[Path, list[str]]:
+def skipping_run(tiny_qwen2_dir, data, sglang_server, tmp_path_factory) -> tuple[Path, list[str]]:
     run_dir = tmp_path_factory.mktemp("skip") / "run"
     skip = ["trainer.on_nonfinite=skip", "trainer.save_freq=2"]  # checkpoints 2 and 3 (the end)
-    args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 3, *ABSURD, *skip)
-    proc = train(args)
+    args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 3, *ABSURD, *skip, server=sglang_server)
+    proc = train(args, run_dir.parent / "logs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, args
 
@@ -94,7 +97,7 @@ def test_truncated_latest_checkpoint_resumes_from_the_previous(skipping_run):
     shard = max((run_dir / "checkpoints" / "global_step_3" / "critic").rglob("*.distcp"),
                 key=lambda p: p.stat().st_size)  # fmt: skip
     os.truncate(shard, shard.stat().st_size // 2)
-    proc = train([*args, "trainer.total_training_steps=4"])
+    proc = train([*args, "trainer.total_training_steps=4"], run_dir.parent / "resumed_logs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (damaged,) = [x for x in proc.stderr.splitlines() if "is damaged" in x]
     assert str(shard) in damaged and "falling back" in damaged

@@ -1,9 +1,9 @@
-"""SGLangEngine on real SGLang CPU servers: n samples per prompt with log-probs, a server
-killed mid-batch is restarted and its requests re-issued, generation through sglang-router,
-nothing left behind after a normal exit (exception, SIGTERM: test_rollout_lifecycle.py).
-
-One launched server is shared by the module (its restart is part of the kill test); the
-router runs in front of it in external mode, so the module starts SGLang twice.
+"""SGLangEngine on real SGLang CPU servers: n samples per prompt with log-probs and
+generation through sglang-router (on the session's shared server, as external servers); a
+launched server killed mid-batch is restarted and its requests re-issued, and an exception
+inside the engine then leaves no process of either server's tree behind (a process ended by
+SIGTERM stops its servers too: tests/unit/test_rollout_server_group.py, with stand-in
+servers, as SGLangEngine's group is the same code).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -65,28 +64,11 @@ def assert_gone(pids: list[int]) -> None:
     assert [p for p in pids if running(p)] == [], "SGLang processes left behind"
 
 
-@dataclass
-class Shared:
-    engine: SGLangEngine
-    log_dir: Path
-    restarted: list[str] = field(default_factory=list)
-
-
-@pytest.fixture(scope="module")
-def shared(tiny_qwen2_dir, tmp_path_factory):
-    """One launched server for the module; checks that a normal exit leaves nothing behind."""
-    log_dir = tmp_path_factory.mktemp("rollout_logs")
-    restarted: list[str] = []
-    with start_engine(tiny_qwen2_dir, log_dir, on_restart=restarted.append) as engine:
-        yield Shared(engine, log_dir, restarted)
-        pids = engine_processes(engine)
-    assert_gone(pids)
-
-
-def test_n_samples_per_prompt_adjacent_with_logprobs(shared):
-    engine = shared.engine
-    assert engine.health() == {engine.server_urls[0]: True}
-    samples = engine.generate(PROMPTS[:3], SamplingParams(n=3, max_new_tokens=8))
+def test_n_samples_per_prompt_adjacent_with_logprobs(sglang_server, tmp_path):
+    with SGLangEngine(config(server_urls=[sglang_server.url]), log_dir=tmp_path) as engine:
+        assert engine.health() == {sglang_server.url: True}
+        samples = engine.generate(PROMPTS[:3], SamplingParams(n=3, max_new_tokens=8))
+        stats = engine.last_stats
     assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for s in samples:
         assert 1 <= len(s.response_ids) <= 8
@@ -96,15 +78,40 @@ def test_n_samples_per_prompt_adjacent_with_logprobs(shared):
     for i in range(3):
         responses = {tuple(s.response_ids) for s in samples[3 * i : 3 * i + 3]}
         assert len(responses) > 1  # n independent samples, not one sample repeated
-    stats = engine.last_stats
     assert (stats.requests, stats.samples) == (3, 9)
     assert stats.engine_s is not None and stats.engine_s > 0
 
 
-def test_server_killed_mid_batch_is_restarted_and_batch_completes(shared, caplog):
-    engine = shared.engine
-    (url,) = engine.server_urls
-    server_log = shared.log_dir / "sglang_server_0.log"
+@pytest.mark.slow(reason="starts an SGLang server twice (the kill and its restart), ~22 s each")
+def test_server_killed_mid_batch_is_restarted_then_an_exception_stops_both(
+    tiny_qwen2_dir, tmp_path, caplog
+):
+    restarted: list[str] = []
+    with (
+        pytest.raises(ZeroDivisionError),
+        start_engine(tiny_qwen2_dir, tmp_path, on_restart=restarted.append) as engine,
+    ):
+        (url,) = engine.server_urls
+        first = engine_processes(engine)
+        pgid = engine.group.servers[0].proc.pid
+        samples = kill_mid_batch(engine, tmp_path / "sglang_server_0.log", caplog)
+        assert engine.health() == {url: True}
+        second = engine_processes(engine)
+        _ = 1 / 0
+    assert_gone(first + second)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(len(s.logprobs) == len(s.response_ids) >= 1 for s in samples)
+    assert restarted == [url]
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("restarting" in m and url in m for m in messages)
+    assert any("re-issuing" in m and url in m for m in messages)
+    assert engine.last_stats.retried_requests >= 1
+
+
+def kill_mid_batch(engine: SGLangEngine, server_log: Path, caplog) -> list:
+    """SIGKILL the engine's server once it generates a batch; the batch's samples."""
     offset = server_log.stat().st_size
     params = SamplingParams(n=2, max_new_tokens=400)
     out: list = []
@@ -116,14 +123,7 @@ def test_server_killed_mid_batch_is_restarted_and_batch_completes(shared, caplog
         batch.join(timeout=600)
     assert not batch.is_alive()
     (samples,) = out
-    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert all(len(s.logprobs) == len(s.response_ids) >= 1 for s in samples)
-    assert shared.restarted == [url]
-    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("restarting" in m and url in m for m in messages)
-    assert any("re-issuing" in m and url in m for m in messages)
-    assert engine.last_stats.retried_requests >= 1
-    assert engine.health() == {url: True}
+    return samples
 
 
 def wait_for_log(path: Path, offset: int, pattern: str, timeout_s: float = 300) -> None:
@@ -137,12 +137,12 @@ def wait_for_log(path: Path, offset: int, pattern: str, timeout_s: float = 300) 
     raise AssertionError(f"no {pattern!r} in {path} within {timeout_s} s")
 
 
-def test_generate_through_router(shared, tmp_path):
-    routed = config(server_urls=shared.engine.server_urls, use_router=True)
+def test_generate_through_router(sglang_server, tmp_path):
+    routed = config(server_urls=[sglang_server.url], use_router=True)
     with SGLangEngine(routed, log_dir=tmp_path) as engine:
         (router_url,) = engine.generate_urls
         assert router_url not in engine.server_urls
-        assert engine.server_urls == shared.engine.server_urls
+        assert engine.server_urls == [sglang_server.url]
         router_pids = process_tree([engine.group.router.proc.pid])
         samples = engine.generate(PROMPTS[:2], SamplingParams(n=2, max_new_tokens=4))
         assert engine.health()[router_url] is True
@@ -150,4 +150,4 @@ def test_generate_through_router(shared, tmp_path):
     assert all(len(s.logprobs) == len(s.response_ids) >= 1 for s in samples)
     assert (tmp_path / "sglang_router.log").stat().st_size > 0
     assert_gone(router_pids)
-    assert shared.engine.health() == dict.fromkeys(shared.engine.server_urls, True)
+    assert sglang_server.healthy()  # an external server outlives the engine

@@ -6,13 +6,12 @@ import json
 import subprocess
 import sys
 
-import psutil
 import pytest
 import yaml
 
 from rlhf.config import load_config
 from rlhf.quickstart.data import write_quickstart_data
-from tests.helpers import REPO
+from tests.helpers import REPO, processes_on
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 
@@ -91,9 +90,13 @@ def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_
         "data.val_files=null",
         "trainer.total_training_steps=1",
     ]
+    before = processes_on(tiny_qwen2_dir)
     proc = rlhf_train(*overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"checkpoints: {run_dir / 'checkpoints'}" in proc.stdout
+    output = proc.stdout + proc.stderr
+    assert output.count("rollout.free_cache_engine: no effect on CPU") == 1  # launched servers
+    assert "external SGLang servers" not in output  # they start from model.path: no sync
 
     assert load_config(run_dir / "config.yaml") == load_config(CONFIG, overrides)
     lines = (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()
@@ -117,9 +120,4 @@ def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_
     assert metrics["timing_s/gen"] > 0
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "checkpoints" / "global_step_1" / "COMPLETE").is_file()
-    leftovers = [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if str(tiny_qwen2_dir) in " ".join(p.info["cmdline"] or [])
-    ]
-    assert leftovers == []
+    assert processes_on(tiny_qwen2_dir) - before == set()  # none of the run's is left

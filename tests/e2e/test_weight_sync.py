@@ -13,30 +13,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlhf.config.schema import RolloutConfig
 from rlhf.models.convert import copy_hf_side_files
 from rlhf.rollout import sglang_api
-from rlhf.rollout.sglang_server import SGLangServer, build_server_args
-from rlhf.utils import free_port
 from tests.helpers import run_torchrun
 
 PROMPTS = [[5, 17, 33, 2, 90, 41], [120, 7, 7, 64, 11]]
-VERSIONS = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen2_dir, tmp_path_factory):
-    launch = build_server_args(
-        RolloutConfig(dtype="float32"),
-        tiny_qwen2_dir,
-        port=free_port(),
-        device="cpu",
-        max_total_tokens=2048,
-    )
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with SGLangServer(launch, log).start() as srv:
-        srv.wait_healthy(300)
-        yield srv
+VERSIONS = itertools.count(1001)  # the shared server: versions no run of the session uses
 
 
 def sglang_greedy(url: str) -> list[list[int]]:
@@ -60,10 +42,11 @@ def hf_greedy(model_dir) -> list[list[int]]:
 @pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_sync_makes_sglang_match_exported_weights(
-    server, tiny_qwen2_dir, tmp_path, transport, tp, pp
+    sglang_server, tiny_qwen2_dir, tmp_path, transport, tp, pp
 ):
     version = next(VERSIONS)
-    args = ["--hf-dir", str(tiny_qwen2_dir), "--server-url", server.url, "--transport", transport]
+    url = sglang_server.url
+    args = ["--hf-dir", str(tiny_qwen2_dir), "--server-url", url, "--transport", transport]
     args += [
         "--out-dir",
         str(tmp_path),
@@ -95,10 +78,10 @@ def test_sync_makes_sglang_match_exported_weights(
     assert not torch.equal(
         original["model.layers.0.mlp.up_proj.weight"], synced["model.layers.0.mlp.up_proj.weight"]
     )
-    assert sglang_greedy(server.url) == hf_greedy(exported)
+    assert sglang_greedy(url) == hf_greedy(exported)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts an SGLang server twice (the restart)")
 def test_restarted_server_gets_the_synced_weights_back(tiny_qwen2_dir, tmp_path):
     run_torchrun(
         "weight_sync_restart.py", 1, ["--hf-dir", str(tiny_qwen2_dir), "--out-dir", str(tmp_path)]

@@ -1,5 +1,5 @@
 """Inputs that used to end in a traceback, deep in a run, now fail in one line naming the file
-or key, before any SGLang server starts (issue 18, item 7; one test per letter).
+or key, before any SGLang server starts (issue 18, items 4 and 7; one test per letter).
 
 Each runs the real entry point (`rlhf.cli.train.main`, `rlhf.cli.doctor.main`,
 `rlhf.cli.convert.main` in-process, or `python -m rlhf.cli.convert` where torchrun would be
@@ -19,7 +19,7 @@ import pytest
 from rlhf.cli import convert, doctor, train
 from rlhf.quickstart.data import write_quickstart_data
 from rlhf.utils import free_port
-from tests.helpers import REPO, ppo_overrides
+from tests.helpers import REPO, ppo_overrides, small_filesystem
 
 pytestmark = pytest.mark.reliability
 
@@ -157,3 +157,24 @@ def test_h_missing_tokenizer_files(capsys, tiny_qwen2_dir, data, tmp_path):
     code, line = train_error(capsys, model, data, tmp_path)
     assert code == 2 and line.startswith(f"rlhf-train: error: {model}: ")
     assert "tokenizer.json" in line
+
+
+def test_i_read_only_run_directory(capsys, tiny_qwen2_dir, data, tmp_path):
+    with small_filesystem(tmp_path / "ro", 1024, read_only=True) as ro:
+        overrides = ppo_overrides(tiny_qwen2_dir, data, ro / "run", 1)
+        code = train.main(["--config", QUICKSTART, *overrides])
+    line = one_line(capsys.readouterr().err, "rlhf-train: ")
+    assert code == 2
+    assert line.startswith(f"rlhf-train: error: run directory {ro / 'run'} cannot be written")
+
+
+def test_j_checkpoint_directory_too_small(capsys, tiny_qwen2_dir, data, tmp_path):
+    with small_filesystem(tmp_path / "small", 1024) as small:
+        overrides = ppo_overrides(tiny_qwen2_dir, data, small / "run", 2)
+        code = train.main(["--config", QUICKSTART, *overrides])
+        assert not (small / "run" / "logs").exists()  # no server log either
+    line = one_line(capsys.readouterr().err, "rlhf-train: ")
+    assert code == 2
+    checkpoints = small / "run" / "checkpoints"
+    assert line.startswith(f"rlhf-train: error: checkpoint directory {checkpoints} has ")
+    assert "a checkpoint of this run takes about" in line

@@ -16,17 +16,21 @@ from safetensors.torch import save_file
 from rlhf.distributed import bootstrap
 
 
-def perturb(model, placement) -> None:
-    """Deterministic noise; replicated parameters get the same noise on every TP rank."""
+def perturb(model, placement, version: int) -> None:
+    """Deterministic noise, different for every version (a sync that leaves the server's
+    earlier weights fails the comparison); replicated parameters get the same noise on
+    every TP rank."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             sharded = getattr(param, "tensor_model_parallel", False)
-            seed = zlib.crc32(name.encode()) + (placement.tp_rank if sharded else 0)
+            seed = (
+                zlib.crc32(name.encode()) + (placement.tp_rank if sharded else 0) + 7919 * version
+            )
             noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
             param.add_(0.05 * noise.to(param.dtype))
 
 
-def perturbed_actor(hf_dir: str, topo):
+def perturbed_actor(hf_dir: str, topo, version: int):
     """The HF model loaded into this rank's Megatron shard, then perturbed; with its arch."""
     from rlhf.models.builder import build_model, load_hf_weights
     from rlhf.models.families import load_arch
@@ -35,7 +39,7 @@ def perturbed_actor(hf_dir: str, topo):
     arch = load_arch(hf_dir)
     model = build_model(arch, topo.placement, initialize=False)
     load_hf_weights(model, HFCheckpointReader(hf_dir), arch, topo.placement)
-    perturb(model, topo.placement)
+    perturb(model, topo.placement, version)
     return model.eval(), arch
 
 
@@ -106,7 +110,7 @@ def main() -> None:
     from rlhf.weight_sync.syncer import WeightSyncer
 
     topo = SyncTopology.of(ctx)
-    model, arch = perturbed_actor(args.hf_dir, topo)
+    model, arch = perturbed_actor(args.hf_dir, topo, args.version)
     transport = make_transport(args.transport, args.server_url, out, args.hf_dir)
     syncer = WeightSyncer(transport, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
     stats = syncer.sync(model, version=args.version)

@@ -28,7 +28,7 @@ def main() -> None:
     from rlhf.weight_sync.gather import SyncTopology
 
     topo = SyncTopology.of(ctx)
-    model, arch = perturbed_actor(args.hf_dir, topo)
+    model, arch = perturbed_actor(args.hf_dir, topo, version=7)
     rollout = RolloutConfig(dtype="float32", max_server_restarts=1, retry_backoff_s=0.5)
     with SGLangEngine(
         rollout, args.hf_dir, log_dir=out / "logs", device="cpu", max_total_tokens=2048
