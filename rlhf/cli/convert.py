@@ -122,8 +122,6 @@ def preflight(args: argparse.Namespace) -> None:
     tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
     if args.command == "hf-to-mcore":
         convert.check_hf_to_mcore(args.hf_dir, args.out_dir, tp, pp)
-    elif args.command == "mcore-to-hf":
-        convert.read_meta(args.mcore_dir)
     elif args.command == "verify":
         convert.check_verify(args.mcore_dir, tp, pp)
 
