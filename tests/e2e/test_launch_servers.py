@@ -23,5 +23,6 @@ def test_server_that_cannot_start_fails_naming_url_and_log(tmp_path):
     assert processes_on(tmp_path / "no_model") == set()
     assert result.returncode == 1
     assert result.stdout == ""
-    assert f"http://127.0.0.1:{port}" in result.stderr
-    assert str(tmp_path / "logs" / "sglang_server_0.log") in result.stderr
+    (error,) = [x for x in result.stderr.splitlines() if x.startswith("launch_servers: error:")]
+    assert f"SGLang server for http://127.0.0.1:{port} exited with code" in error
+    assert str(tmp_path / "logs" / "sglang_server_0.log") in error
