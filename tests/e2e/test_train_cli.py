@@ -80,6 +80,7 @@ def test_missing_model_is_a_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow(reason="a whole run that launches and stops its own SGLang server (~22 s)")
 def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_path):
     run_dir = tmp_path / "run"
     train, _ = write_quickstart_data(tmp_path / "data", num_train=20, num_val=4)
