@@ -3,33 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml
 
 from rlhf.config import load_config
 from rlhf.quickstart.data import write_quickstart_data
-from tests.helpers import REPO, processes_on
+from tests.helpers import REPO, processes_on, rlhf_train
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 
 
-def rlhf_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def test_print_config_prints_resolved_yaml():
-    proc = rlhf_train(
-        "--print-config", "actor_rollout_ref.rollout.n=4", "trainer.experiment_name=x"
-    )
+def test_print_config_prints_resolved_yaml(tmp_path):
+    args = ["--print-config", "actor_rollout_ref.rollout.n=4", "trainer.experiment_name=x"]
+    proc = rlhf_train(CONFIG, args, tmp_path, timeout_s=600)
     assert proc.returncode == 0, proc.stderr
     printed = yaml.safe_load(proc.stdout)
     assert printed["actor_rollout_ref"]["rollout"]["n"] == 4
@@ -50,8 +37,8 @@ def test_print_config_prints_resolved_yaml():
         ),
     ],
 )
-def test_config_errors_are_one_line_without_traceback(override, expected):
-    proc = rlhf_train("--print-config", override)
+def test_config_errors_are_one_line_without_traceback(override, expected, tmp_path):
+    proc = rlhf_train(CONFIG, ["--print-config", override], tmp_path, timeout_s=600)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -61,20 +48,22 @@ def test_config_errors_are_one_line_without_traceback(override, expected):
 
 
 def test_missing_data_file_is_a_clear_error(tiny_qwen2_dir, tmp_path):
-    proc = rlhf_train(
+    args = [
         f"actor_rollout_ref.model.path={tiny_qwen2_dir}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
         f"data.train_files={tmp_path / 'missing.parquet'}",
-    )
+    ]
+    proc = rlhf_train(CONFIG, args, tmp_path, timeout_s=600)
     assert proc.returncode == 2
     assert "missing.parquet" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
-    proc = rlhf_train(
+    args = [
         f"actor_rollout_ref.model.path={tmp_path / 'nothing'}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
-    )
+    ]
+    proc = rlhf_train(CONFIG, args, tmp_path, timeout_s=600)
     assert proc.returncode == 2
     assert "actor_rollout_ref.model.path=" in proc.stderr and "no config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -92,7 +81,7 @@ def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_
         "trainer.total_training_steps=1",
     ]
     before = processes_on(tiny_qwen2_dir)
-    proc = rlhf_train(*overrides)
+    proc = rlhf_train(CONFIG, overrides, tmp_path, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"checkpoints: {run_dir / 'checkpoints'}" in proc.stdout
     output = proc.stdout + proc.stderr
