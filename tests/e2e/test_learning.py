@@ -48,7 +48,7 @@ def code_hash() -> str:
 @pytest.fixture(scope="module")
 def quickstart_assets(request, tmp_path_factory):
     """The quickstart's warm-started model and its train/val Parquet files, from pytest's
-    cache when the code that builds them is unchanged (the warm start takes ~35 s)."""
+    cache when the code that builds them is unchanged (the warm start takes ~60 s)."""
     from rlhf.quickstart.data import write_quickstart_data
     from rlhf.quickstart.tiny_model import save_tiny_model
     from rlhf.quickstart.warm_start import warm_start
