@@ -49,17 +49,33 @@ def main() -> None:
         )
         for recompute in ("none", "selective", "full"):
             found = measure_actor_activations(
-                model_dir, ctx, args.tokens, recompute=recompute, dtype=args.dtype,
+                model_dir,
+                ctx,
+                args.tokens,
+                recompute=recompute,
+                dtype=args.dtype,
                 planned_attention=attention,
-            )  # fmt: skip
-            results[recompute] = {"measured_bytes": found.peak, "estimated_bytes": found.estimate,
-                                  "ratio": round(found.estimate / found.peak, 3)}  # fmt: skip
+            )
+            results[recompute] = {
+                "measured_bytes": found.peak,
+                "estimated_bytes": found.estimate,
+                "ratio": round(found.estimate / found.peak, 3),
+            }
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     bootstrap.teardown()
     setup = {"tokens": args.tokens, "hidden": args.hidden, "layers": args.layers}
-    print(json.dumps({**setup, "dtype": args.dtype, "device": ctx.device.type,
-                      "attention": attention, "recompute": results}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                **setup,
+                "dtype": args.dtype,
+                "device": ctx.device.type,
+                "attention": attention,
+                "recompute": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -68,10 +68,17 @@ def generate(actor, tokenizer, prompts, n: int, max_new: int):
     mask = torch.arange(width)[None] >= starts[:, None]
     with torch.no_grad():
         out = actor.generate(
-            input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0, top_k=0,
-            top_p=1.0, max_new_tokens=max_new, num_return_sequences=n, pad_token_id=pad,
+            input_ids=ids,
+            attention_mask=mask.long(),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new,
+            num_return_sequences=n,
+            pad_token_id=pad,
             eos_token_id=tokenizer.eos_token_id,
-        )  # fmt: skip
+        )
     responses = []
     for row in out[:, width:].tolist():
         end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)

@@ -118,8 +118,9 @@ def run_stages(models, batch, algorithm, budget: int, kl_coef: float) -> dict[st
     return seconds
 
 
-def plain_update_seconds(module, micro_batches, vocab, temperature: float,
-                         masked_rows: bool = False) -> float:  # fmt: skip
+def plain_update_seconds(
+    module, micro_batches, vocab, temperature: float, masked_rows: bool = False
+) -> float:
     """Forward, log-prob loss, backward, Adam step over `micro_batches`: nothing else.
 
     `masked_rows`: attend over each whole packed row with a block-diagonal T x T mask (the
@@ -207,7 +208,7 @@ def measure(args, model_dir: Path) -> dict:
         "device": env.device.type,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

@@ -34,8 +34,18 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
-          "update_actor", "update_weights", "step")  # fmt: skip
+STAGES = (
+    "gen",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+    "update_weights",
+    "step",
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -106,13 +116,21 @@ def medians(rows: list[dict]) -> dict[str, float]:
 def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
     run_dir = root / "rlhf_run"
     overrides = [
-        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", "data.val_files=null",
-        f"data.train_batch_size={args.prompts}", f"data.max_response_length={args.response}",
-        f"actor_rollout_ref.rollout.n={args.n}", f"trainer.default_local_dir={run_dir}",
-        f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
-        "trainer.logger=[console]", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
-        f"critic.ppo_mini_batch_size={args.prompts}", "trainer.save_freq=-1", *args.overrides,
-    ]  # fmt: skip
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={train}",
+        "data.val_files=null",
+        f"data.train_batch_size={args.prompts}",
+        f"data.max_response_length={args.response}",
+        f"actor_rollout_ref.rollout.n={args.n}",
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.logger=[console]",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+        f"critic.ppo_mini_batch_size={args.prompts}",
+        "trainer.save_freq=-1",
+        *args.overrides,
+    ]
     config = str(REPO / "configs" / "quickstart_cpu.yaml")
     cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", config, *overrides]
     metrics = run_dir / "metrics.jsonl"
@@ -122,24 +140,37 @@ def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
     # the first row is written when step 1 ends (within one sampling interval)
     first_start = pss.watch_seen - rows[0]["timing_s/step"]
     return {
-        "median_s": medians(rows), "startup_s": first_start - launched,
+        "median_s": medians(rows),
+        "startup_s": first_start - launched,
         "peak_pss_gb": pss.peak / 1024**3,
         "tokens": statistics.median(r["perf/total_num_tokens"] for r in rows),
-    }  # fmt: skip
+    }
 
 
 def plain_side(args, model: Path, train: Path, root: Path) -> dict:
-    cmd = [sys.executable, str(REPO / "benchmarks" / "plain_ppo.py"), str(model), str(train),
-           "--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
-           "--response", str(args.response)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "plain_ppo.py"),
+        str(model),
+        str(train),
+        "--steps",
+        str(args.steps),
+        "--prompts",
+        str(args.prompts),
+        "--n",
+        str(args.n),
+        "--response",
+        str(args.response),
+    ]
     launched, pss = run_side(cmd, root / "plain.log")
     lines = (root / "plain.log").read_text().splitlines()
     rows = [json.loads(x) for x in lines if x.startswith("{")]
     return {
-        "median_s": medians(rows), "startup_s": rows[0]["t_start"] - launched,
+        "median_s": medians(rows),
+        "startup_s": rows[0]["t_start"] - launched,
         "peak_pss_gb": pss.peak / 1024**3,
         "tokens": statistics.median(r["tokens"] for r in rows),
-    }  # fmt: skip
+    }
 
 
 def compute_floor_s(model: Path, tokens: float, samples: int) -> tuple[float, float]:
@@ -170,16 +201,31 @@ def main() -> None:
         plain = plain_side(args, model, train, root)
         floor_s, flops = compute_floor_s(model, rlhf["tokens"], args.prompts * args.n)
     step = {"rlhf": rlhf["median_s"]["timing_s/step"], "plain": plain["median_s"]["timing_s/step"]}
-    print(json.dumps({
-        "setup": {"hidden": args.hidden, "layers": args.layers, "prompts": args.prompts,
-                  "n": args.n, "response": args.response, "steps": args.steps},
-        "rlhf": rlhf, "plain": plain,
-        "step_ratio": step["rlhf"] / step["plain"],
-        "startup_ratio": rlhf["startup_s"] / plain["startup_s"],
-        "compute_floor": {"step_flops": flops, "floor_s": floor_s,
-                          "rlhf_x_floor": step["rlhf"] / floor_s,
-                          "plain_x_floor": step["plain"] / floor_s},
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "setup": {
+                    "hidden": args.hidden,
+                    "layers": args.layers,
+                    "prompts": args.prompts,
+                    "n": args.n,
+                    "response": args.response,
+                    "steps": args.steps,
+                },
+                "rlhf": rlhf,
+                "plain": plain,
+                "step_ratio": step["rlhf"] / step["plain"],
+                "startup_ratio": rlhf["startup_s"] / plain["startup_s"],
+                "compute_floor": {
+                    "step_flops": flops,
+                    "floor_s": floor_s,
+                    "rlhf_x_floor": step["rlhf"] / floor_s,
+                    "plain_x_floor": step["plain"] / floor_s,
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

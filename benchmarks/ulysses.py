@@ -118,11 +118,31 @@ def worker(args) -> None:
 
 def launch(args, model_dir: Path, sp: int, out: Path) -> dict:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(sp),
-        "--master-port", str(29400 + sp), __file__, "--worker", "1", "--model", str(model_dir),
-        "--out", str(out), "--seq", str(args.seq), "--hidden", str(args.hidden),
-        "--layers", str(args.layers), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(sp),
+        "--master-port",
+        str(29400 + sp),
+        __file__,
+        "--worker",
+        "1",
+        "--model",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--seq",
+        str(args.seq),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+    ]
     threads = max(1, (os.cpu_count() or 1) // sp)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -138,10 +158,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = TinyModelSpec(
-            hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-            num_hidden_layers=args.layers, num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
-        )  # fmt: skip
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            max_position_embeddings=args.seq,
+        )
         model_dir = save_tiny_model(Path(tmp) / "model", spec)
         results = {
             f"sp{sp}": launch(args, model_dir, sp, Path(tmp) / f"sp{sp}.json") for sp in (1, 2)

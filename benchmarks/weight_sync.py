@@ -28,8 +28,10 @@ def transport_report(syncs: list, memcpy_s: float) -> dict:
     steady state a training run sees every step."""
     first, later = syncs[0][0], [stats for stats, _ in syncs[1:]] or [syncs[0][0]]
     steady = statistics.median(s.seconds for s in later)
-    phases = {k: round(statistics.median(s.phase_s.get(k, 0.0) for s in later), 4)
-              for k in later[0].phase_s}  # fmt: skip
+    phases = {
+        k: round(statistics.median(s.phase_s.get(k, 0.0) for s in later), 4)
+        for k in later[0].phase_s
+    }
     return {
         "first_seconds": round(first.seconds, 3),
         "seconds": round(steady, 3),

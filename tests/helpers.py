@@ -186,8 +186,9 @@ def small_filesystem(path: Path, size_kib: int, read_only: bool = False):
     read-only faults; the test is skipped where mounting is not permitted (not root)."""
     path.mkdir(parents=True, exist_ok=True)
     options = f"size={size_kib}k" + (",ro" if read_only else "")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                             capture_output=True, text=True)  # fmt: skip
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:

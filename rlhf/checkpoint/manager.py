@@ -269,8 +269,12 @@ class CheckpointManager:
     def _publish(self, tmp: Path, step: int) -> None:
         fsync_tree(tmp)
         world_size = dist.get_world_size() if _distributed() else 1
-        marker = {"step": step, "time": time.time(), "world_size": world_size,
-                  "files": file_sizes(tmp)}  # fmt: skip
+        marker = {
+            "step": step,
+            "time": time.time(),
+            "world_size": world_size,
+            "files": file_sizes(tmp),
+        }
         write_durable(tmp / COMPLETE_MARKER, json.dumps(marker).encode())
         final = self.path_for(step)
         old = self.root / f"{OLD_PREFIX}{step}"

@@ -53,9 +53,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def relaunch_under_torchrun(num_procs: int, argv: list[str]) -> int:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(num_procs), "-m", "rlhf.cli.convert", *argv,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(num_procs),
+        "-m",
+        "rlhf.cli.convert",
+        *argv,
+    ]
     return subprocess.run(cmd, check=False).returncode
 
 

@@ -126,15 +126,22 @@ def run(args: argparse.Namespace, cfg: RLHFConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlhf_eval_") as scratch:
         hf_dir = policy_hf_dir(args.model, Path(scratch))
         result = evaluate(
-            cfg, hf_dir, data_files, device=device, log_dir=log_dir,
+            cfg,
+            hf_dir,
+            data_files,
+            device=device,
+            log_dir=log_dir,
             batch_size=args.batch_size,
-        )  # fmt: skip
+        )
     kw = cfg.actor_rollout_ref.rollout.val_kwargs
     table = per_source_table(result.metrics)
     sampling = {
-        "do_sample": kw.do_sample, "temperature": kw.temperature, "top_p": kw.top_p,
-        "top_k": kw.top_k, "max_response_length": cfg.data.max_response_length,
-    }  # fmt: skip
+        "do_sample": kw.do_sample,
+        "temperature": kw.temperature,
+        "top_p": kw.top_p,
+        "top_k": kw.top_k,
+        "max_response_length": cfg.data.max_response_length,
+    }
     report = {
         "model": str(args.model),
         "data_files": data_files,

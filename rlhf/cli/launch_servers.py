@@ -58,11 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-port", type=int, default=30000, help="server i listens on base + i")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="default: bfloat16 on cuda, float32 on cpu",
+    )
     p.add_argument("--mem-fraction", type=float, default=0.85, help="GPU memory share for SGLang")
-    p.add_argument("--max-total-tokens", type=int, default=None,
-                   help=f"KV-cache tokens (default on cpu: {CPU_MAX_TOTAL_TOKENS})")  # fmt: skip
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help=f"KV-cache tokens (default on cpu: {CPU_MAX_TOTAL_TOKENS})",
+    )
     p.add_argument("--router", action="store_true", help="also start an sglang-router")
     p.add_argument("--router-port", type=int, default=30100)
     p.add_argument("--log-dir", default="logs/sglang", help="one log file per server")
@@ -70,16 +78,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-restarts", type=int, default=0, help="restarts per dead server")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of server 0 (i: seed + i)")
     p.add_argument("--config", help="a run config: its rollout.engine_kwargs.sglang apply here")
-    p.add_argument("--engine-kwarg", action="append", default=[], metavar="NAME=VALUE",
-                   help="an SGLang server argument (repeatable; after --config's)")  # fmt: skip
+    p.add_argument(
+        "--engine-kwarg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an SGLang server argument (repeatable; after --config's)",
+    )
     return p.parse_args(argv)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The run config's `engine_kwargs.sglang`, updated by --engine-kwarg NAME=VALUE."""
-    kwargs = dict(load_config(args.config).actor_rollout_ref.rollout.engine_kwargs.sglang) if (
-        args.config
-    ) else {}  # fmt: skip
+    kwargs = (
+        dict(load_config(args.config).actor_rollout_ref.rollout.engine_kwargs.sglang)
+        if (args.config)
+        else {}
+    )
     for item in args.engine_kwarg:
         name, sep, value = item.partition("=")
         if not sep or not name:

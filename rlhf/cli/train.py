@@ -30,8 +30,17 @@ from rlhf.trainer.preemption import Preempted
 log = logging.getLogger("rlhf.cli.train")
 
 # Exit 2 with one line: the user's config, data, model files, run or checkpoint directory.
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, NotADirectoryError, PermissionError,
-               RunDirBusy, RunDirUnusable, CheckpointStorageError, CheckpointFileError)  # fmt: skip
+USER_ERRORS = (
+    ConfigError,
+    DataError,
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+    RunDirBusy,
+    RunDirUnusable,
+    CheckpointStorageError,
+    CheckpointFileError,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -185,8 +185,10 @@ def model_split_problem(shape: ModelShape, tp: int, pp: int) -> tuple[str, str] 
     """("tp" or "pp", what does not divide) when Megatron cannot split `shape` over TP ranks
     (query heads, KV heads) and PP stages (layers); None when it can. Also used by
     `rlhf.models.families.check_parallel_sizes` (the CLIs that take --tp/--pp)."""
-    for key, count in (("num_attention_heads", shape.num_attention_heads),
-                       ("num_key_value_heads", shape.num_query_groups)):  # fmt: skip
+    for key, count in (
+        ("num_attention_heads", shape.num_attention_heads),
+        ("num_key_value_heads", shape.num_query_groups),
+    ):
         if count % tp:
             return "tp", f"{key} ({count}) must be divisible by the tensor parallel size ({tp})"
     if shape.num_layers % pp:

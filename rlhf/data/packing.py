@@ -86,8 +86,9 @@ def balanced_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
         _, _, b = heapq.heappop(heap)
         a = sorted(a, key=lambda s: -s[0])
         b = sorted(b, key=lambda s: s[0])
-        merged = sorted(((sa + sb, ma + mb) for (sa, ma), (sb, mb) in zip(a, b)),
-                        key=lambda s: -s[0])  # fmt: skip
+        merged = sorted(
+            ((sa + sb, ma + mb) for (sa, ma), (sb, mb) in zip(a, b)), key=lambda s: -s[0]
+        )
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
         tie += 1
     return [sorted(members) for _, members in heap[0][2]] if heap else [[] for _ in range(parts)]

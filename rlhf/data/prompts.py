@@ -166,8 +166,10 @@ def build_prompt_dataset(
     if dataset.num_filtered:
         log.info(
             "dropped %d of %d prompts longer than data.max_prompt_length=%d",
-            dataset.num_filtered, len(rows), max_prompt_length,
-        )  # fmt: skip
+            dataset.num_filtered,
+            len(rows),
+            max_prompt_length,
+        )
     return dataset
 
 

@@ -117,8 +117,11 @@ class PromptSampler:
         if not 0 <= state["position"] <= self.num_prompts or state["epoch"] < 0:
             raise ValueError(f"sampler state out of range: {state}")
         if state["seed"] != self.seed:
-            log.warning("resuming with the checkpoint's prompt seed %d (config has %d)",
-                        state["seed"], self.seed)  # fmt: skip
+            log.warning(
+                "resuming with the checkpoint's prompt seed %d (config has %d)",
+                state["seed"],
+                self.seed,
+            )
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self.step = state.get("step", 0)
         self._order = None

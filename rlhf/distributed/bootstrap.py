@@ -62,9 +62,12 @@ def _init_process_group(device: torch.device, timeout_minutes: int) -> None:
         )
     else:
         dist.init_process_group(
-            backend=backend, store=bound_store("127.0.0.1", 1, timeout), rank=0, world_size=1,
+            backend=backend,
+            store=bound_store("127.0.0.1", 1, timeout),
+            rank=0,
+            world_size=1,
             timeout=timeout,
-        )  # fmt: skip
+        )
 
 
 def listen_host(address: str) -> str:
@@ -86,9 +89,10 @@ def listen_host(address: str) -> str:
     if ipaddress.ip_address(resolved).is_loopback:
         log.warning(
             "%s resolves to %s (loopback) on this machine; listening on every interface so "
-            "that other machines can reach it; give an IP address to listen on one", address,
+            "that other machines can reach it; give an IP address to listen on one",
+            address,
             resolved,
-        )  # fmt: skip
+        )
         return ""
     return resolved
 
@@ -109,9 +113,14 @@ def bound_store(host: str, world_size: int, timeout: timedelta) -> dist.TCPStore
     sock = socket.create_server((listen, 0), family=family)
     port = sock.getsockname()[1]
     return dist.TCPStore(
-        host, port, world_size, True, timeout=timeout, wait_for_workers=False,
+        host,
+        port,
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
         master_listen_fd=sock.detach(),
-    )  # fmt: skip
+    )
 
 
 def init_parallel(

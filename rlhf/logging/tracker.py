@@ -192,8 +192,12 @@ def _rows_up_to(text: str, step: int) -> tuple[list[str], int]:
         else:
             kept.append(line)
     if unreadable:
-        log.warning("metrics.jsonl: dropped %d unreadable lines (line %s), e.g. a torn "
-                    "last line from a crash", len(unreadable), unreadable[:10])  # fmt: skip
+        log.warning(
+            "metrics.jsonl: dropped %d unreadable lines (line %s), e.g. a torn "
+            "last line from a crash",
+            len(unreadable),
+            unreadable[:10],
+        )
     return kept, superseded
 
 

@@ -65,8 +65,17 @@ class ActivationShape:
         return self.row != self.tokens
 
     @classmethod
-    def of(cls, arch: ModelArch, tokens: int, padded_vocab: int, *, tp: int, pp: int, sp: int,
-           element: int) -> ActivationShape:  # fmt: skip
+    def of(
+        cls,
+        arch: ModelArch,
+        tokens: int,
+        padded_vocab: int,
+        *,
+        tp: int,
+        pp: int,
+        sp: int,
+        element: int,
+    ) -> ActivationShape:
         return cls(
             tokens=tokens,
             hidden=arch.hidden_size,
@@ -140,8 +149,9 @@ def head_bytes(s: ActivationShape) -> int:
     return s.tokens * s.vocab * (s.element + 5 * 4)
 
 
-def training_peak(s: ActivationShape, recompute: Recompute = NO_RECOMPUTE, *, flash: bool,
-                  last_stage: bool = True) -> int:  # fmt: skip
+def training_peak(
+    s: ActivationShape, recompute: Recompute = NO_RECOMPUTE, *, flash: bool, last_stage: bool = True
+) -> int:
     """Peak activation bytes of one training micro-batch's forward and backward."""
     full = layer_bytes(s, flash)
     final = _norms(s, flash) // 2 if last_stage else 0

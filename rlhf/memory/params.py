@@ -25,8 +25,9 @@ class Param:
     shared_embedding: bool = False  # tied embeddings split over the first and last stage
 
 
-def stage_params(arch: ModelArch, padded_vocab: int, *, tp: int, pp: int, stage: int,
-                 value_head: bool = False) -> list[Param]:  # fmt: skip
+def stage_params(
+    arch: ModelArch, padded_vocab: int, *, tp: int, pp: int, stage: int, value_head: bool = False
+) -> list[Param]:
     """The parameters of pipeline stage `stage` on one TP rank, in registration order."""
     h, d = arch.hidden_size, arch.head_dim
     qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * d // tp

@@ -37,8 +37,14 @@ from rlhf.memory.params import GradBuffer, stage_params
 from rlhf.models.families import ModelArch, Recompute, padded_vocab_size
 
 GIB = 1024**3
-KINDS = ("weights", "gradients", "master_weights", "optimizer_state", "activations",
-         "communication")  # fmt: skip
+KINDS = (
+    "weights",
+    "gradients",
+    "master_weights",
+    "optimizer_state",
+    "activations",
+    "communication",
+)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 # CUDA context, cuBLAS workspaces and NCCL buffers of a trainer process on a GPU (a few
@@ -108,16 +114,30 @@ def _flash(device: str) -> bool:
 
 
 def stage_count(
-    arch: ModelArch, padded: int, m: MegatronParallelConfig, stage: int, dp: int,
-    distributed: bool, value_head: bool,
-) -> tuple[int, GradBuffer]:  # fmt: skip
+    arch: ModelArch,
+    padded: int,
+    m: MegatronParallelConfig,
+    stage: int,
+    dp: int,
+    distributed: bool,
+    value_head: bool,
+) -> tuple[int, GradBuffer]:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     params = stage_params(arch, padded, tp=tp, pp=pp, stage=stage, value_head=value_head)
     return sum(p.numel for p in params), GradBuffer.layout(params, dp, distributed)
 
 
-def trained_memory(arch: ModelArch, role: TrainedRole, *, dp: int, sp: int, device: str,
-                   stage: int, dp_rank: int = 0, train: bool = True) -> RoleMemory:  # fmt: skip
+def trained_memory(
+    arch: ModelArch,
+    role: TrainedRole,
+    *,
+    dp: int,
+    sp: int,
+    device: str,
+    stage: int,
+    dp_rank: int = 0,
+    train: bool = True,
+) -> RoleMemory:
     """One rank's bytes for `role` on pipeline stage `stage` (DP rank `dp_rank`)."""
     m = role.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
@@ -173,8 +193,9 @@ class PlanInputs:
     device: str
 
     @classmethod
-    def from_config(cls, cfg: RLHFConfig, arch: ModelArch, world_size: int,
-                    device: str) -> PlanInputs:  # fmt: skip
+    def from_config(
+        cls, cfg: RLHFConfig, arch: ModelArch, world_size: int, device: str
+    ) -> PlanInputs:
         aro, budgets = cfg.actor_rollout_ref, token_budgets(cfg)
         roles = [TrainedRole("actor", aro.actor.megatron, budgets.actor)]
         if uses_critic(cfg):
@@ -186,12 +207,20 @@ class PlanInputs:
         )
         rollout = aro.rollout
         return cls(
-            arch, tuple(roles), reference, aro.ref.param_offload, world_size,
-            aro.actor.ulysses_sequence_parallel_size, rollout.tensor_model_parallel_size,
-            rollout.dtype, rollout.gpu_memory_utilization, not rollout.server_urls,
+            arch,
+            tuple(roles),
+            reference,
+            aro.ref.param_offload,
+            world_size,
+            aro.actor.ulysses_sequence_parallel_size,
+            rollout.tensor_model_parallel_size,
+            rollout.dtype,
+            rollout.gpu_memory_utilization,
+            not rollout.server_urls,
             rollout.free_cache_engine and device != "cpu",
-            rollout.update_weights_bucket_megabytes * 1024**2, device,
-        )  # fmt: skip
+            rollout.update_weights_bucket_megabytes * 1024**2,
+            device,
+        )
 
 
 def hf_param_count(arch: ModelArch) -> int:
@@ -210,8 +239,15 @@ def _rank_rows(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> list[Ro
     ]
     rows[0] = replace(rows[0], communication=inputs.sync_bucket)
     if inputs.reference is not None:
-        ref = trained_memory(inputs.arch, inputs.reference, dp=dp, sp=inputs.sp,
-                             device=inputs.device, stage=stage, train=False)  # fmt: skip
+        ref = trained_memory(
+            inputs.arch,
+            inputs.reference,
+            dp=dp,
+            sp=inputs.sp,
+            device=inputs.device,
+            stage=stage,
+            train=False,
+        )
         offloaded = frozenset({"weights"}) if inputs.ref_offload else frozenset()
         rows.append(replace(ref, offloaded=offloaded))
     if inputs.colocated:
@@ -252,8 +288,14 @@ def plan_inputs(inputs: PlanInputs, gpu_bytes: int | None) -> MemoryPlan:
     return max(plans, key=lambda p: p.peak)
 
 
-def plan_memory(cfg: RLHFConfig, arch: ModelArch, world_size: int | None = None, *,
-                device: str = "cuda", gpu_bytes: int | None = None) -> MemoryPlan:  # fmt: skip
+def plan_memory(
+    cfg: RLHFConfig,
+    arch: ModelArch,
+    world_size: int | None = None,
+    *,
+    device: str = "cuda",
+    gpu_bytes: int | None = None,
+) -> MemoryPlan:
     """Per-GPU memory of `cfg` on `world_size` GPUs (default: nnodes x n_gpus_per_node)."""
     world = world_size or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     parallel_layout("actor", cfg, world)  # a clear error for sizes that do not divide

@@ -62,26 +62,35 @@ def _knobs(inputs: PlanInputs) -> list[tuple[str, Callable[[PlanInputs], PlanInp
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     gpu = inputs.device != "cpu"
     knobs: list[tuple[str, Callable[[PlanInputs], PlanInputs | None]]] = [
-        ("megatron.use_distributed_optimizer=true (actor, critic)",
-         lambda i: _megatron(i, use_distributed_optimizer=True)),
-        ("megatron.recompute_granularity=full (actor, critic)",
-         lambda i: _megatron(i, recompute_granularity="full")),
+        (
+            "megatron.use_distributed_optimizer=true (actor, critic)",
+            lambda i: _megatron(i, use_distributed_optimizer=True),
+        ),
+        (
+            "megatron.recompute_granularity=full (actor, critic)",
+            lambda i: _megatron(i, recompute_granularity="full"),
+        ),
         ("half the token budgets (*ppo_max_token_len_per_gpu)", _budgets),
         (f"megatron.tensor_model_parallel_size={tp * 2}", lambda i: _grow(i, "tp")),
         (f"megatron.pipeline_model_parallel_size={pp * 2}", lambda i: _grow(i, "pp")),
-    ]  # fmt: skip
+    ]
     if gpu:
         knobs += [
-            ("megatron.optimizer_offload=true (actor, critic)",
-             lambda i: _megatron(i, optimizer_offload=True)),
-            ("megatron.param_offload=true and grad_offload=true (actor, critic)",
-             lambda i: _megatron(i, param_offload=True, grad_offload=True)),
+            (
+                "megatron.optimizer_offload=true (actor, critic)",
+                lambda i: _megatron(i, optimizer_offload=True),
+            ),
+            (
+                "megatron.param_offload=true and grad_offload=true (actor, critic)",
+                lambda i: _megatron(i, param_offload=True, grad_offload=True),
+            ),
             (f"{AR}.ref.param_offload=true", lambda i: replace(i, ref_offload=True)),
             (f"{AR}.rollout.free_cache_engine=true", lambda i: replace(i, release_rollout=True)),
-        ]  # fmt: skip
+        ]
     if len(inputs.roles) > 1:
-        knobs.append(("algorithm.adv_estimator=grpo (no critic)",
-                      lambda i: replace(i, roles=i.roles[:1])))  # fmt: skip
+        knobs.append(
+            ("algorithm.adv_estimator=grpo (no critic)", lambda i: replace(i, roles=i.roles[:1]))
+        )
     return knobs
 
 
@@ -109,8 +118,10 @@ def format_plan(plan: MemoryPlan, hints: list[Suggestion] | None = None) -> str:
         (r.role, *(_gib(getattr(r, k)) for k in KINDS), _gib(r.total)) for r in plan.rows
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths)))
-             for row in rows]  # fmt: skip
+    lines = [
+        "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     phases = ", ".join(f"{name} {_gib(v)}" for name, v in plan.phases.items())
     lines.append(f"peak by phase (GiB, with the CUDA runtime on GPU): {phases}")

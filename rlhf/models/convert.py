@@ -63,8 +63,14 @@ def read_meta(mcore_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def write_meta(out_dir: Path, arch: ModelArch, padded_vocab: int, dtype: torch.dtype,
-               placement: Placement, head: str = "lm") -> None:  # fmt: skip
+def write_meta(
+    out_dir: Path,
+    arch: ModelArch,
+    padded_vocab: int,
+    dtype: torch.dtype,
+    placement: Placement,
+    head: str = "lm",
+) -> None:
     """`rlhf_checkpoint.json`: what loading a Megatron checkpoint needs besides its tensors
     (`head`: "lm" for a policy, "value" for a critic)."""
     meta = {

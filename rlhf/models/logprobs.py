@@ -114,6 +114,9 @@ class VocabShard:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`vocab_parallel_logprobs_entropy` of `targets` under this rank's logits."""
         return vocab_parallel_logprobs_entropy(
-            logits_local, targets, vocab_start=self.start, vocab_size=self.vocab_size,
+            logits_local,
+            targets,
+            vocab_start=self.start,
+            vocab_size=self.vocab_size,
             group=self.group,
-        )  # fmt: skip
+        )

@@ -31,12 +31,21 @@ def sample_boundaries(packed_seq_params) -> list[int] | None:
 class PackedDotProductAttention(DotProductAttention):
     """Megatron's local core attention, computed per sample on packed rows (see the module)."""
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask,
-                attn_mask_type=None, attention_bias=None, packed_seq_params=None):  # fmt: skip
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         bounds = sample_boundaries(packed_seq_params)
         if bounds is None:
-            return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias, packed_seq_params)  # fmt: skip
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
         # [s, b, heads, d] -> [b, heads, s, d]; grouped KV heads repeated for the queries
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         q = query.permute(1, 2, 0, 3)

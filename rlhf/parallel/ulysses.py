@@ -135,8 +135,16 @@ class UlyssesAttention(MegatronModule):
         self.inner = inner(inner_config, layer_number, attn_mask_type, attention_type, **kwargs)
         self.exchanged_bytes = 0
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):  # fmt: skip
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         sp = dist.get_world_size(self.sp_group)
         cu_padded = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q_padded
         order = gathered_order(query.shape[0] * sp, sp, cu_padded)

@@ -65,8 +65,12 @@ def _rule_score(fn: RewardFn, item: RewardInput) -> float:
 class RewardScorer:
     """`scorer(inputs) -> scores`, one float per input in order (NaN: for the reward model)."""
 
-    def __init__(self, rule_fn: RewardFn, remote: RemoteReward | None = None,
-                 pool: ProcessPoolExecutor | None = None):  # fmt: skip
+    def __init__(
+        self,
+        rule_fn: RewardFn,
+        remote: RemoteReward | None = None,
+        pool: ProcessPoolExecutor | None = None,
+    ):
         self.rule_fn, self.remote, self.pool = rule_fn, remote, pool
 
     @classmethod
@@ -79,9 +83,11 @@ class RewardScorer:
         pool = None
         if reward_cfg.num_workers > 1:
             pool = ProcessPoolExecutor(
-                reward_cfg.num_workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker, initargs=(reward_cfg,),
-            )  # fmt: skip
+                reward_cfg.num_workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(reward_cfg,),
+            )
         return cls(build_reward_fn(reward_cfg), remote, pool)
 
     def __call__(self, inputs: list[RewardInput]) -> list[float]:

@@ -40,9 +40,12 @@ class ValSample:
 
 
 def val_samples(
-    data_sources: Sequence[str], uids: Sequence[str], scores: Sequence[float],
-    texts: Sequence[str], reward_cfg: Any,
-) -> list[ValSample]:  # fmt: skip
+    data_sources: Sequence[str],
+    uids: Sequence[str],
+    scores: Sequence[float],
+    texts: Sequence[str],
+    reward_cfg: Any,
+) -> list[ValSample]:
     """The samples of one validation round, with the answers their texts give."""
     settings = RuleSettings.of(reward_cfg)
     samples = []

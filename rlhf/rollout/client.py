@@ -194,8 +194,14 @@ class GenerateClient:
             log.warning(
                 "re-issuing /generate request %d: attempt %d/%d at %s failed (%s); "
                 "retrying at %s in %.1f s",
-                index, attempt, attempts, url, error, next_url, delay,
-            )  # fmt: skip
+                index,
+                attempt,
+                attempts,
+                url,
+                error,
+                next_url,
+                delay,
+            )
             url = next_url
             await asyncio.sleep(delay)
         where = ", ".join(dict.fromkeys(tried))

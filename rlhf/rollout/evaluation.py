@@ -45,9 +45,12 @@ def eval_prompts(cfg: RLHFConfig, data_files: list[str], tokenizer) -> PromptDat
     reward is a model need `reward.url` (no reward model runs here)."""
     data = cfg.data
     rows = read_prompt_rows(
-        data_files, prompt_key=data.prompt_key, bad_rows=data.bad_rows, key="--data",
+        data_files,
+        prompt_key=data.prompt_key,
+        bad_rows=data.bad_rows,
+        key="--data",
         check_ground_truth=ground_truth_checker(cfg.reward),
-    )  # fmt: skip
+    )
     model_rows = [r for r in rows if r.style == "model"]
     if model_rows and not cfg.reward.url:
         first = model_rows[0]
@@ -57,17 +60,26 @@ def eval_prompts(cfg: RLHFConfig, data_files: list[str], tokenizer) -> PromptDat
             "reward.url=http://HOST:PORT/score"
         )
     return build_prompt_dataset(
-        rows, tokenizer, max_prompt_length=data.max_prompt_length,
+        rows,
+        tokenizer,
+        max_prompt_length=data.max_prompt_length,
         apply_chat_template=data.apply_chat_template,
-        filter_overlong_prompts=data.filter_overlong_prompts, truncation=data.truncation,
+        filter_overlong_prompts=data.filter_overlong_prompts,
+        truncation=data.truncation,
         prompt_key=data.prompt_key,
-    )  # fmt: skip
+    )
 
 
 def evaluate(
-    cfg: RLHFConfig, model_path: Path, data_files: list[str], *, device: str, log_dir: Path,
-    batch_size: int, show_progress: bool = True,
-) -> EvalResult:  # fmt: skip
+    cfg: RLHFConfig,
+    model_path: Path,
+    data_files: list[str],
+    *,
+    device: str,
+    log_dir: Path,
+    batch_size: int,
+    show_progress: bool = True,
+) -> EvalResult:
     """Generate `val_kwargs.n` responses per prompt of `data_files` with the HF model at
     `model_path` (its tokenizer encodes the prompts), `batch_size` prompts at a time, and
     score them (a progress bar on stderr once the server is up)."""
@@ -79,9 +91,13 @@ def evaluate(
     engine = None
     try:
         engine = SGLangEngine(
-            cfg.actor_rollout_ref.rollout, model_path, log_dir=log_dir, device=device,
-            seed=cfg.data.seed, max_total_tokens=cpu_tokens,
-        )  # fmt: skip
+            cfg.actor_rollout_ref.rollout,
+            model_path,
+            log_dir=log_dir,
+            device=device,
+            seed=cfg.data.seed,
+            max_total_tokens=cpu_tokens,
+        )
         records: list[RolloutRecord] = []
         sources: list[str] = []
         bar = tqdm(total=len(prompts), desc="rlhf-eval", unit="prompt", disable=not show_progress)
@@ -99,8 +115,11 @@ def evaluate(
         if engine is not None:
             engine.shutdown()
     samples = val_samples(
-        sources, [r.uid for r in records], [r.score for r in records],
-        [r.response_text for r in records], cfg.reward,
-    )  # fmt: skip
+        sources,
+        [r.uid for r in records],
+        [r.score for r in records],
+        [r.response_text for r in records],
+        cfg.reward,
+    )
     counts = dict(Counter(p.row.data_source for p in prompts))
     return EvalResult(validation_metrics(samples), counts, records)

@@ -37,9 +37,13 @@ class RolloutFleet:
     """Engines on their owning ranks; generation and scoring whose result every rank gets."""
 
     def __init__(
-        self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path, tokenizer,
+        self,
+        cfg: RLHFConfig,
+        ctx: ParallelContext,
+        run_dir: Path,
+        tokenizer,
         max_prompts: int,
-    ):  # fmt: skip
+    ):
         rollout = cfg.actor_rollout_ref.rollout
         self.ctx, self.tokenizer = ctx, tokenizer
         self.per_node = rollout.server_urls is None and ctx.num_nodes > 1
@@ -51,11 +55,14 @@ class RolloutFleet:
             self.scorer = RewardScorer.from_config(cfg.reward)
             cpu = ctx.device.type == "cpu"
             self.engine = SGLangEngine(
-                rollout, cfg.actor_rollout_ref.model.path, log_dir=self.node_dir / "logs",
-                device=ctx.device.type, seed=cfg.data.seed,
+                rollout,
+                cfg.actor_rollout_ref.model.path,
+                log_dir=self.node_dir / "logs",
+                device=ctx.device.type,
+                seed=cfg.data.seed,
                 max_total_tokens=kv_cache_tokens(cfg, max_prompts) if cpu else None,
                 wait=False,  # PPOTrainer builds its models while SGLang loads: wait_ready()
-            )  # fmt: skip
+            )
         self.server_urls = self._node_server_urls()
         # Colocated on GPUs: SGLang gives its memory to training between generations.
         launched = rollout.server_urls is None
@@ -119,18 +126,24 @@ class RolloutFleet:
             self.engine.on_server_restart(handler)
 
     def _generate(
-        self, prompts: list[EncodedPrompt], uids: list[str], indices: list[int],
+        self,
+        prompts: list[EncodedPrompt],
+        uids: list[str],
+        indices: list[int],
         params: SamplingParams,
-    ) -> RolloutResult:  # fmt: skip
+    ) -> RolloutResult:
         assert self.engine is not None and self.scorer is not None
         return generate_and_score(
             self.engine, self.tokenizer, self.scorer, prompts, uids, indices, params
         )
 
     def generate(
-        self, prompts: list[EncodedPrompt], uids: list[str], indices: list[int],
+        self,
+        prompts: list[EncodedPrompt],
+        uids: list[str],
+        indices: list[int],
         params: SamplingParams,
-    ) -> RolloutResult:  # fmt: skip
+    ) -> RolloutResult:
         """`params.n` scored responses per prompt, in prompt order, on every rank."""
         if not self.per_node:
             mine = self._generate(prompts, uids, indices, params) if self.ctx.is_main else None
@@ -139,9 +152,11 @@ class RolloutFleet:
             if self.engine is not None:
                 nodes, node = self.ctx.num_nodes, self.ctx.node_rank
                 share = self._generate(
-                    split_evenly(prompts, nodes)[node], split_evenly(uids, nodes)[node],
-                    split_evenly(indices, nodes)[node], params,
-                )  # fmt: skip
+                    split_evenly(prompts, nodes)[node],
+                    split_evenly(uids, nodes)[node],
+                    split_evenly(indices, nodes)[node],
+                    params,
+                )
             mine = _concat(gather_objects(share))
         return _share(mine)
 

@@ -75,9 +75,14 @@ def kv_cache_tokens(cfg: RLHFConfig, num_prompts: int) -> int:
 
 
 def generate_and_score(
-    engine: RolloutEngine, tokenizer, scorer: RewardScorer, prompts: list[EncodedPrompt],
-    uids: list[str], indices: list[int], params: SamplingParams,
-) -> RolloutResult:  # fmt: skip
+    engine: RolloutEngine,
+    tokenizer,
+    scorer: RewardScorer,
+    prompts: list[EncodedPrompt],
+    uids: list[str],
+    indices: list[int],
+    params: SamplingParams,
+) -> RolloutResult:
     """Generate `params.n` responses per prompt on `engine` and score them with `scorer`
     (rule rows, and model rows when a reward endpoint is set; other model rows stay NaN for
     the trainer's reward model, `rlhf.trainer.reward_model`).

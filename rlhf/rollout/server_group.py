@@ -272,8 +272,12 @@ class ServerGroup:
         self.restarts[url] = used + 1
         log.warning(
             "SGLang process at %s died (exit code %s); restarting it (%d/%d), log %s",
-            url, code, used + 1, limit, server.log_path,
-        )  # fmt: skip
+            url,
+            code,
+            used + 1,
+            limit,
+            server.log_path,
+        )
         server.stop()
         server.start()
         if server is self.router:

@@ -179,9 +179,14 @@ def init_weights_update_group(url: str, request: dict[str, Any]) -> None:
 
 
 def update_weights_from_distributed(
-    url: str, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-    flush_cache: bool, version: int | None,
-) -> None:  # fmt: skip
+    url: str,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    group_name: str,
+    flush_cache: bool,
+    version: int | None,
+) -> None:
     """Receive one flattened bucket by broadcast in `group_name` (called while it is sent)."""
     request = {
         "names": names,

@@ -64,25 +64,35 @@ def build_server_args(
         sys.executable,
         "-m",
         "sglang.launch_server",
-        "--model-path", str(model_path),
-        "--host", host,
-        "--port", str(port),
-        "--tp-size", str(rollout.tensor_model_parallel_size),
-        "--dtype", rollout.dtype,
-        "--mem-fraction-static", str(rollout.gpu_memory_utilization),
-        "--random-seed", str(seed),
-    ]  # fmt: skip
+        "--model-path",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(rollout.tensor_model_parallel_size),
+        "--dtype",
+        rollout.dtype,
+        "--mem-fraction-static",
+        str(rollout.gpu_memory_utilization),
+        "--random-seed",
+        str(seed),
+    ]
     env: dict[str, str] = {}
     if device == "cpu":
         argv += [
-            "--device", "cpu",
-            "--attention-backend", "torch_native",
-            "--sampling-backend", "pytorch",
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--sampling-backend",
+            "pytorch",
             "--disable-overlap-schedule",
             "--disable-cuda-graph",
             "--skip-server-warmup",
             "--sleep-on-idle",  # the idle scheduler would busy-poll a core
-        ]  # fmt: skip
+        ]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["OMP_NUM_THREADS"] = str(cpu_threads)
         if importlib.util.find_spec("sgl_kernel") is None:
@@ -117,18 +127,27 @@ def build_router_args(
         sys.executable,
         "-m",
         "sglang_router.launch_router",
-        "--worker-urls", *worker_urls,
-        "--host", host,
-        "--port", str(port),
-        "--policy", "round_robin",
-        "--prometheus-host", host,
-        "--prometheus-port", str(metrics_port),
-        "--worker-startup-timeout-secs", str(max(1, round(startup_timeout_s))),
-        "--worker-startup-check-interval", "1",
+        "--worker-urls",
+        *worker_urls,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(metrics_port),
+        "--worker-startup-timeout-secs",
+        str(max(1, round(startup_timeout_s))),
+        "--worker-startup-check-interval",
+        "1",
         "--disable-circuit-breaker",
-        "--shutdown-grace-period-secs", "5",
+        "--shutdown-grace-period-secs",
+        "5",
         *_api_key_args(),  # the router requires it from clients and sends it to workers
-    ]  # fmt: skip
+    ]
     return ServerLaunch(argv=argv, env={}, url=f"http://{host}:{port}")
 
 

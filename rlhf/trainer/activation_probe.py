@@ -36,8 +36,10 @@ class ActivationMeasurement:
 def packed_batch(tokens: int, vocab_size: int) -> RolloutBatch:
     """SAMPLES sequences that fill one micro-batch of `tokens` tokens exactly."""
     gen = torch.Generator().manual_seed(5)
-    rows = [torch.randint(3, vocab_size, (tokens // SAMPLES,), generator=gen).tolist()
-            for _ in range(SAMPLES)]  # fmt: skip
+    rows = [
+        torch.randint(3, vocab_size, (tokens // SAMPLES,), generator=gen).tolist()
+        for _ in range(SAMPLES)
+    ]
     return RolloutBatch(
         prompt_ids=[row[:PROMPT] for row in rows],
         response_ids=[row[PROMPT:] for row in rows],
@@ -48,9 +50,14 @@ def packed_batch(tokens: int, vocab_size: int) -> RolloutBatch:
 
 
 def measure_actor_activations(
-    model_dir: str | Path, ctx: ParallelContext, tokens: int, *, recompute: str = "none",
-    dtype: str = "float32", planned_attention: str = "cpu",
-) -> ActivationMeasurement:  # fmt: skip
+    model_dir: str | Path,
+    ctx: ParallelContext,
+    tokens: int,
+    *,
+    recompute: str = "none",
+    dtype: str = "float32",
+    planned_attention: str = "cpu",
+) -> ActivationMeasurement:
     """`planned_attention`: "cpu" plans the local spec's attention, "cuda" the fused one."""
     overrides = [
         f"actor_rollout_ref.model.path={model_dir}",

@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 class CheckpointKeeper:
     """`manager` writes and finds checkpoints; this adds the run's bookkeeping around it."""
 
-    def __init__(self, cfg: RLHFConfig, arch: ModelArch, run_dir: Path, is_main: bool,
-                 total_steps: int):  # fmt: skip
+    def __init__(
+        self, cfg: RLHFConfig, arch: ModelArch, run_dir: Path, is_main: bool, total_steps: int
+    ):
         trainer = cfg.trainer
         # the manager first: it removes what a failed save left before space is counted
         self.manager = CheckpointManager(run_dir / "checkpoints", trainer.max_actor_ckpt_to_keep)
@@ -45,9 +46,13 @@ class CheckpointKeeper:
             log.warning(
                 "checkpoint directory %s has %s free; this run's checkpoints may need %s more "
                 "(up to %d at about %s each; trainer.max_actor_ckpt_to_keep bounds how many are "
-                "kept)", root, size_text(available_bytes(root)), size_text(needed), peak,
+                "kept)",
+                root,
+                size_text(available_bytes(root)),
+                size_text(needed),
+                peak,
                 size_text(self.size),
-            )  # fmt: skip
+            )
         return rate
 
     def save(self, step: int, write: Callable[[Path], None]) -> None:
@@ -73,8 +78,9 @@ class CheckpointKeeper:
         lost = f"step {step} is" if kept[-1] + 1 == step else f"steps {kept[-1] + 1}-{step} are"
         return f"{lost} lost (the latest checkpoint is {latest})"
 
-    def end_if_preempted(self, step: int, guard: PreemptionGuard,
-                         save: Callable[[int], None]) -> None:  # fmt: skip
+    def end_if_preempted(
+        self, step: int, guard: PreemptionGuard, save: Callable[[int], None]
+    ) -> None:
         """After SIGTERM on any rank: `save(step)` if that fits in the grace period left,
         then raise `Preempted` (all ranks, together)."""
         estimate = self.last_save_s

@@ -30,13 +30,30 @@ from rlhf.models.mapping import Placement
 from rlhf.utils import DTYPES
 
 # What torchrun sets: a converter started from a trainer rank must not inherit it.
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")  # fmt: skip
+LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "GROUP_WORLD_SIZE",
+)
 
 
-def write_export_files(model_dir: Path, model_path: str, arch: ModelArch, padded_vocab: int,
-                       dtype: torch.dtype, placement: Placement, head: str) -> None:  # fmt: skip
+def write_export_files(
+    model_dir: Path,
+    model_path: str,
+    arch: ModelArch,
+    padded_vocab: int,
+    dtype: torch.dtype,
+    placement: Placement,
+    head: str,
+) -> None:
     """A checkpointed model's meta file and its HF side files (rank 0); `head`: "lm" for
     the actor, "value" for the critic."""
     copy_hf_side_files(Path(model_path), model_dir / "hf")
@@ -61,8 +78,13 @@ def write_model_exports(checkpoint: Path, cfg: RLHFConfig, trained: dict, placem
         megatron = cfg.actor_rollout_ref.actor.megatron if name == "actor" else cfg.critic.megatron
         path = section.model.path
         write_export_files(
-            checkpoint / name, path, load_arch(path), model.module.padded_vocab_size,
-            DTYPES[megatron.dtype], placement, "lm" if name == "actor" else "value",
-        )  # fmt: skip
+            checkpoint / name,
+            path,
+            load_arch(path),
+            model.module.padded_vocab_size,
+            DTYPES[megatron.dtype],
+            placement,
+            "lm" if name == "actor" else "value",
+        )
         if cfg.trainer.save_hf:
             export_hf(checkpoint / name, checkpoint / f"{name}_hf")

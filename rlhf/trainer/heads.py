@@ -106,9 +106,18 @@ class PolicyLossHead:
                 logp, old, adv, mb.mask, low, high, cfg.loss_agg_mode, weights_bt=w, **agg
             )
         return policy_loss(
-            logp, old, adv, mb.mask, cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high,
-            cfg.clip_ratio_c, cfg.loss_agg_mode, weights_bt=w, **agg,
-        )  # fmt: skip
+            logp,
+            old,
+            adv,
+            mb.mask,
+            cfg.clip_ratio,
+            cfg.clip_ratio_low,
+            cfg.clip_ratio_high,
+            cfg.clip_ratio_c,
+            cfg.loss_agg_mode,
+            weights_bt=w,
+            **agg,
+        )
 
     def __call__(self, logits: Tensor, mb: MicroBatch) -> HeadOutput:
         cfg, exp, agg = self.settings, self.experience, self._aggregation()

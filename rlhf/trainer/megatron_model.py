@@ -329,9 +329,12 @@ def broadcast_names(names: list[str], ctx: ParallelContext) -> list[str]:
 
 
 def gather_per_sample(
-    outputs: list[dict], micro_batches: list[MicroBatch], key: str, shape: tuple[int, int],
+    outputs: list[dict],
+    micro_batches: list[MicroBatch],
+    key: str,
+    shape: tuple[int, int],
     ctx: ParallelContext,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """[B, R] step tensor from the per-micro-batch [n, R] outputs `key` of every rank."""
     result = torch.zeros(shape, dtype=torch.float32, device=ctx.device)
     for mb, out in zip(micro_batches, outputs):

@@ -45,9 +45,13 @@ def model_passes(cfg: RLHFConfig) -> tuple[int, int]:
 
 
 def perf_metrics(
-    arch: ModelArch, batch: RolloutBatch, step_s: float, world_size: int, peak_flops: float,
+    arch: ModelArch,
+    batch: RolloutBatch,
+    step_s: float,
+    world_size: int,
+    peak_flops: float,
     passes: tuple[int, int],
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Tokens, tokens/s per rank, and MFU against `peak_flops` (per rank) of one step with
     `passes` = `model_passes(cfg)`."""
     tokens = sum(batch.sequence_lengths)

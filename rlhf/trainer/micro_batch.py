@@ -123,9 +123,14 @@ def sample_bounds_params(bounds: list[int]):
 
     cu = torch.tensor(bounds, dtype=torch.int32)
     return PackedSeqParams(
-        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu, max_seqlen_q=bounds[-1], max_seqlen_kv=bounds[-1],
-    )  # fmt: skip
+        qkv_format="sbhd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=bounds[-1],
+        max_seqlen_kv=bounds[-1],
+    )
 
 
 def block_causal_mask(lengths: list[int]) -> Tensor:
@@ -187,10 +192,16 @@ def build_micro_batch(
         padding = row_len - sum(lengths)
         mask_4d = block_causal_mask(lengths + ([padding] if padding else []))
     mb = MicroBatch(
-        tokens=tokens[None], position_ids=positions[None], attention_mask=mask_4d,
-        packed_seq_params=params, labels=labels[None], gather_index=gather_index, mask=mask,
-        sample_ids=list(sample_ids), row_len=row_len,
-    )  # fmt: skip
+        tokens=tokens[None],
+        position_ids=positions[None],
+        attention_mask=mask_4d,
+        packed_seq_params=params,
+        labels=labels[None],
+        gather_index=gather_index,
+        mask=mask,
+        sample_ids=list(sample_ids),
+        row_len=row_len,
+    )
     if multiple == 1:
         return mb
     assert sp is not None

@@ -96,8 +96,9 @@ def owned_state(optimizer: Any, names: dict[Any, str]) -> dict[str, dict]:
     return shards
 
 
-def save_optimizer_shards(optimizer: Any, names: dict[Any, str], where: OptimizerCoordinate,
-                          directory: Path) -> None:  # fmt: skip
+def save_optimizer_shards(
+    optimizer: Any, names: dict[Any, str], where: OptimizerCoordinate, directory: Path
+) -> None:
     """Write this rank's file (and, on global rank 0, the layout) into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -118,8 +119,9 @@ def read_layout(directory: Path) -> dict:
     return layout
 
 
-def load_optimizer_shards(optimizer: Any, names: dict[Any, str], where: OptimizerCoordinate,
-                          directory: Path) -> None:  # fmt: skip
+def load_optimizer_shards(
+    optimizer: Any, names: dict[Any, str], where: OptimizerCoordinate, directory: Path
+) -> None:
     """Put the saved master weights and Adam state of this rank's ranges into `optimizer`."""
     layout = read_layout(directory)
     if (layout["tp"], layout["pp"]) != (where.tp, where.pp):

@@ -89,10 +89,13 @@ class PPOTrainer:
             self.build_training_side()
             self.rollout.wait_ready()
             self.syncer = build_weight_syncer(
-                rollout, self.rollout.server_urls, self.arch,
+                rollout,
+                self.rollout.server_urls,
+                self.arch,
                 SyncTopology.of(ctx, per_node=self.rollout.per_node),
-                run_dir=self.rollout.node_dir, model_path=cfg.actor_rollout_ref.model.path,
-            )  # fmt: skip
+                run_dir=self.rollout.node_dir,
+                model_path=cfg.actor_rollout_ref.model.path,
+            )
         except BaseException:
             self.rollout.shutdown()
             raise
@@ -144,16 +147,22 @@ class PPOTrainer:
             probe = probe_logprobs(m.actor, self.syncer.probe_tokens, m.planner, m.probe_head)
         diff = self.syncer.compare_probe(probe, self.ctx.device)
         phases = {f"timing_s/update_weights_{k}": v for k, v in stats.phase_s.items()}
-        return {"perf/weight_sync_bytes": float(stats.num_bytes), "rollout/logprob_diff_max": diff,
-                **phases}  # fmt: skip
+        return {
+            "perf/weight_sync_bytes": float(stats.num_bytes),
+            "rollout/logprob_diff_max": diff,
+            **phases,
+        }
 
     def generate(self, step: int, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
         """The step's scored batch (`rlhf.trainer.step_batch`) and its metrics."""
         with timer.stage("gen"):
             batch, results, metrics = collect_step_batch(
-                self.rollout, self.sampler, self.train_data, self.cfg,
+                self.rollout,
+                self.sampler,
+                self.train_data,
+                self.cfg,
                 self.models.score_model_rows,
-            )  # fmt: skip
+            )
         check_scores(batch)
         self.rollout.release_memory()  # GPU, colocated: training gets SGLang's memory
         reward_s = sum(r.reward_s for r in results)
@@ -280,9 +289,12 @@ class PPOTrainer:
         if self.val_data is not None and cfg.val_before_train and step == 0:
             self.log(self.validate(), 0)
         bar = tqdm(
-            total=self.total_steps, initial=step, desc="ppo", unit="step",
+            total=self.total_steps,
+            initial=step,
+            desc="ppo",
+            unit="step",
             disable=not (self.ctx.is_main and "console" in cfg.logger),
-        )  # fmt: skip
+        )
         guard = PreemptionGuard(cfg.preemption_grace_s, self.ctx.device)
         try:
             with guard:
@@ -304,8 +316,12 @@ class PPOTrainer:
             found = [k.removeprefix("nonfinite/") for k in metrics if k.startswith("nonfinite/")]
             if found:
                 what = "the step" if "training/skipped_step" in metrics else "updates"
-                log.warning("step %d: skipped %s, not finite: %s (trainer.on_nonfinite=skip)",
-                            step, what, ", ".join(found))  # fmt: skip
+                log.warning(
+                    "step %d: skipped %s, not finite: %s (trainer.on_nonfinite=skip)",
+                    step,
+                    what,
+                    ", ".join(found),
+                )
             decision = self.stopper.observe_step(
                 step, metrics.get("actor/reward_kl_penalty"), metrics["critic/score/mean"]
             )

@@ -71,8 +71,9 @@ class PreemptionGuard:
             self.signalled_at = time.monotonic()
             log.warning(
                 "SIGTERM: the run ends after this step, with a checkpoint if one fits in "
-                "trainer.preemption_grace_s=%.0f s (Ctrl-C stops at once)", self.grace_s,
-            )  # fmt: skip
+                "trainer.preemption_grace_s=%.0f s (Ctrl-C stops at once)",
+                self.grace_s,
+            )
         else:
             log.warning("SIGTERM again: still ending the run after this step")
 
@@ -82,8 +83,9 @@ class PreemptionGuard:
         elapsed = 0.0 if self.signalled_at is None else time.monotonic() - self.signalled_at
         flags = torch.tensor(
             [float(self.signalled_at is not None), elapsed, save_estimate_s],
-            dtype=torch.float64, device=self.device,
-        )  # fmt: skip
+            dtype=torch.float64,
+            device=self.device,
+        )
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, elapsed, estimate = flags.tolist()

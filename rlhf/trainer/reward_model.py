@@ -56,8 +56,9 @@ class RewardModelScorer:
         self.model, self.planner, self.token_budget = model, planner, token_budget
 
     @classmethod
-    def from_config(cls, cfg: RLHFConfig, ctx: ParallelContext, planner: MicroBatchPlanner,
-                    token_budget: int) -> RewardModelScorer | None:  # fmt: skip
+    def from_config(
+        cls, cfg: RLHFConfig, ctx: ParallelContext, planner: MicroBatchPlanner, token_budget: int
+    ) -> RewardModelScorer | None:
         path = cfg.reward.model_path
         if not path:
             return None

@@ -84,9 +84,12 @@ def use_thd(ctx: ParallelContext) -> bool:
 
 
 def build_policy(
-    arch: ModelArch, model_path: str, ctx: ParallelContext, dtype: torch.dtype,
+    arch: ModelArch,
+    model_path: str,
+    ctx: ParallelContext,
+    dtype: torch.dtype,
     recompute: Recompute = NO_RECOMPUTE,
-):  # fmt: skip
+):
     placement = Placement.of(ctx)
     model = build_model(arch, placement, params_dtype=dtype, sp=ctx.sp_size, recompute=recompute)
     load_hf_weights(model, HFCheckpointReader(model_path), arch, placement)
@@ -127,17 +130,24 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int
         return None, None
     read_model_arch(cfg.critic.model.path, "critic.model.path")
     module, _ = value_model_from_hf(
-        cfg.critic.model.path, Placement.of(ctx), seed=cfg.critic.megatron.seed,
-        params_dtype=DTYPES[cfg.critic.megatron.dtype], sp=ctx.sp_size,
+        cfg.critic.model.path,
+        Placement.of(ctx),
+        seed=cfg.critic.megatron.seed,
+        params_dtype=DTYPES[cfg.critic.megatron.dtype],
+        sp=ctx.sp_size,
         recompute=Recompute.of(cfg.critic.megatron),
-    )  # fmt: skip
+    )
     critic = _trained(cfg, "critic", module.to(ctx.device), ctx, total_steps)
     n, norm = cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length
     update = UpdateSpec(
-        "critic", critic, budget, cfg.critic.ppo_mini_batch_size * n, cfg.critic.ppo_epochs,
+        "critic",
+        critic,
+        budget,
+        cfg.critic.ppo_mini_batch_size * n,
+        cfg.critic.ppo_epochs,
         functools.partial(ValueLossHead, cfg.critic, norm),
         on_nonfinite=cfg.trainer.on_nonfinite,
-    )  # fmt: skip
+    )
     return critic, update
 
 
@@ -165,13 +175,26 @@ def build_ppo_models(
     temperature = aro.rollout.temperature if aro.rollout.temperature > 0 else 1.0
     n, norm = aro.rollout.n, cfg.data.max_response_length
     actor_update = UpdateSpec(
-        "actor", actor, budgets.actor, aro.actor.ppo_mini_batch_size * n, aro.actor.ppo_epochs,
+        "actor",
+        actor,
+        budgets.actor,
+        aro.actor.ppo_mini_batch_size * n,
+        aro.actor.ppo_epochs,
         functools.partial(PolicyLossHead, vocab, temperature, aro.actor, norm),
-        kl_bound=cfg.trainer.early_stop.ppo_kl_bound, on_nonfinite=cfg.trainer.on_nonfinite,
-    )  # fmt: skip
+        kl_bound=cfg.trainer.early_stop.ppo_kl_bound,
+        on_nonfinite=cfg.trainer.on_nonfinite,
+    )
     planner = MicroBatchPlanner(ctx, use_thd(ctx))
     reward = RewardModelScorer.from_config(cfg, ctx, planner, budgets.ref) or require_scored
     return PPOModels(
-        actor, ref, critic, actor_update, critic_update, planner, budgets,
-        LogprobHead(vocab, temperature), LogprobHead(vocab, 1.0), reward,
-    )  # fmt: skip
+        actor,
+        ref,
+        critic,
+        actor_update,
+        critic_update,
+        planner,
+        budgets,
+        LogprobHead(vocab, temperature),
+        LogprobHead(vocab, 1.0),
+        reward,
+    )

@@ -60,9 +60,13 @@ class UpdateSpec:
 
 
 def forward_outputs(
-    model: MegatronModel, batch: RolloutBatch, planner: MicroBatchPlanner, budget: int,
-    head: Head, keys: Sequence[str],
-) -> list[Tensor]:  # fmt: skip
+    model: MegatronModel,
+    batch: RolloutBatch,
+    planner: MicroBatchPlanner,
+    budget: int,
+    head: Head,
+    keys: Sequence[str],
+) -> list[Tensor]:
     """[B, R] tensors `keys` from a forward-only pass over the whole batch."""
     (micro_batches,) = planner.plan(batch, budget)
     outputs = model.forward(micro_batches, head)
@@ -71,9 +75,12 @@ def forward_outputs(
 
 
 def compute_logprobs(
-    model: MegatronModel, batch: RolloutBatch, planner: MicroBatchPlanner, budget: int,
+    model: MegatronModel,
+    batch: RolloutBatch,
+    planner: MicroBatchPlanner,
+    budget: int,
     head: LogprobHead,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     """[B, R] log-probs and entropies of the response tokens (actor or reference)."""
     logp, entropy = forward_outputs(model, batch, planner, budget, head, ("logprobs", "entropy"))
     return logp, entropy
@@ -107,9 +114,13 @@ def probe_logprobs(
 
 
 def build_experience(
-    batch: RolloutBatch, old: tuple[Tensor, Tensor | None], ref_logprobs_bt: Tensor | None,
-    values_bt: Tensor | None, algo: AlgorithmConfig, kl_coef: float,
-) -> tuple[Experience, dict[str, float]]:  # fmt: skip
+    batch: RolloutBatch,
+    old: tuple[Tensor, Tensor | None],
+    ref_logprobs_bt: Tensor | None,
+    values_bt: Tensor | None,
+    algo: AlgorithmConfig,
+    kl_coef: float,
+) -> tuple[Experience, dict[str, float]]:
     """Token rewards (score - beta * KL), advantages, returns; the step's KL and reward metrics.
 
     `old` is the actor's (log-probs, entropies), or the engine's log-probs and None
@@ -130,16 +141,29 @@ def build_experience(
         metrics["actor/reward_kl_penalty_coeff"] = beta
     rewards = token_level_rewards(batch.scores_b, mask, kl_bt, beta)
     out = compute_advantages(
-        algo.adv_estimator, rewards, mask, values_bt=values_bt, uids=batch.uids,
-        gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std_in_grpo,
-    )  # fmt: skip
+        algo.adv_estimator,
+        rewards,
+        mask,
+        values_bt=values_bt,
+        uids=batch.uids,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_by_std=algo.norm_adv_by_std_in_grpo,
+    )
     weights, metrics_is = None, dict[str, float]()
     if not algo.rollout_correction.bypass_mode:
         weights, metrics_is = rollout_correction(batch, old_logprobs_bt, algo.rollout_correction)
     experience = Experience(
-        batch, old_logprobs_bt, old_entropy_bt, ref_logprobs_bt, values_bt, rewards,
-        out.advantages_bt, out.returns_bt, weights,
-    )  # fmt: skip
+        batch,
+        old_logprobs_bt,
+        old_entropy_bt,
+        ref_logprobs_bt,
+        values_bt,
+        rewards,
+        out.advantages_bt,
+        out.returns_bt,
+        weights,
+    )
     metrics |= metrics_is
     metrics |= {
         "critic/score/mean": float(batch.scores_b.mean()),
@@ -224,8 +248,10 @@ def _run_updates(spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner) 
             if should_stop_epochs(kl, spec.kl_bound):
                 log.warning(
                     "early stop of PPO epochs: ppo_kl %.4f > bound %.4f at epoch %d",
-                    kl, spec.kl_bound, epoch,
-                )  # fmt: skip
+                    kl,
+                    spec.kl_bound,
+                    epoch,
+                )
                 stop_note = {"actor/ppo_kl_stop_after_updates": float(steps)}
                 break
         if stop_note:

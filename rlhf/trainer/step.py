@@ -35,16 +35,22 @@ def rollout_logprobs(batch: RolloutBatch) -> tuple[Tensor, None]:
 def nonfinite_experience(exp: Experience) -> list[str]:
     """Which of the step's per-token tensors have a NaN/inf on a response token."""
     named = {
-        "old_log_prob": exp.old_logprobs_bt, "ref_log_prob": exp.ref_logprobs_bt,
-        "values": exp.values_bt, "advantages": exp.advantages_bt, "returns": exp.returns_bt,
-    }  # fmt: skip
+        "old_log_prob": exp.old_logprobs_bt,
+        "ref_log_prob": exp.ref_logprobs_bt,
+        "values": exp.values_bt,
+        "advantages": exp.advantages_bt,
+        "returns": exp.returns_bt,
+    }
     return nonfinite_tensors(named, exp.batch.mask_bt())
 
 
 def train_on_batch(
-    models: PPOModels, batch: RolloutBatch, cfg: RLHFConfig,
-    kl_ctrl: FixedKLController | AdaptiveKLController, timer: Timer,
-) -> tuple[Experience, dict[str, float]]:  # fmt: skip
+    models: PPOModels,
+    batch: RolloutBatch,
+    cfg: RLHFConfig,
+    kl_ctrl: FixedKLController | AdaptiveKLController,
+    timer: Timer,
+) -> tuple[Experience, dict[str, float]]:
     """Old log-probs (the engine's under `rollout_correction.bypass_mode`), reference
     log-probs and values (when those models exist), advantages, then the critic's and the
     actor's updates; the experience and the step's metrics.

@@ -52,9 +52,12 @@ def overlong_penalties(batch: RolloutBatch, max_length: int, cfg: OverlongBuffer
 
 
 def collect_step_batch(
-    fleet: RolloutFleet, sampler: PromptSampler, data: PromptDataset, cfg: RLHFConfig,
+    fleet: RolloutFleet,
+    sampler: PromptSampler,
+    data: PromptDataset,
+    cfg: RLHFConfig,
     score_model_rows: Callable[[RolloutResult], RolloutResult],
-) -> tuple[RolloutBatch, list[RolloutResult], dict[str, float]]:  # fmt: skip
+) -> tuple[RolloutBatch, list[RolloutResult], dict[str, float]]:
     """The step's training batch, every generation round's result (with the reward
     model's scores, `score_model_rows`), and the metrics of dynamic sampling and overlong
     shaping (when enabled)."""

@@ -105,8 +105,9 @@ class WeightSyncer:
                 writer.begin(version)
         num_bytes = num_tensors = num_buckets = max_bucket = 0
         pending = None  # hold one bucket back so the last one is known when sent
-        for bucket in phases.iterate("gather", iter_buckets(
-                model, self.arch, self.topology, self.bucket_bytes)):  # fmt: skip
+        for bucket in phases.iterate(
+            "gather", iter_buckets(model, self.arch, self.topology, self.bucket_bytes)
+        ):
             if pending is not None:
                 self._send(pending, False, version, targets, phases)
             pending = bucket
@@ -157,9 +158,12 @@ class WeightSyncer:
         """rollout/logprob_diff_max of `actor_logprobs` (the actor's log-probs of
         `probe_tokens[1:]`) against every server; raises above the threshold. All ranks call."""
         diff = logprob_diff_max(
-            actor_logprobs, self._server_logprobs, self.server_urls, self.topology.is_sender,
+            actor_logprobs,
+            self._server_logprobs,
+            self.server_urls,
+            self.topology.is_sender,
             device,
-        )  # fmt: skip
+        )
         log.debug("weight sync v%s: rollout/logprob_diff_max = %.3e", self.version, diff)
         check_parity(diff, self.probe_threshold)
         return diff
@@ -212,8 +216,11 @@ class _Targets:
                     raise  # the server answered with a failure: not a lost server
                 log.warning(
                     "SGLang server %s lost during weight sync v%d (%s); it is restarted and "
-                    "re-synced after this sync", url, self.version, e,
-                )  # fmt: skip
+                    "re-synced after this sync",
+                    url,
+                    self.version,
+                    e,
+                )
                 self.live.remove(url)
                 self.lost.append(url)
                 self.transport.forget(url)

@@ -113,13 +113,17 @@ class TensorTransport:
             end = start + tensor.numel() * tensor.element_size()
             spans.append((start, end))
         device = bucket[0][1].device
-        flat = self._staging_buffer(end) if device.type == "cpu" else (
-            torch.empty(end, dtype=torch.uint8, device=device))  # fmt: skip
+        flat = (
+            self._staging_buffer(end)
+            if device.type == "cpu"
+            else (torch.empty(end, dtype=torch.uint8, device=device))
+        )
         metadata = []
         for (name, tensor), (start, stop) in zip(bucket, spans, strict=True):
             flat[start:stop].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-            metadata.append(FlattenedTensorMetadata(
-                name, tensor.shape, tensor.dtype, start, stop, stop - start))  # fmt: skip
+            metadata.append(
+                FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, start, stop, stop - start)
+            )
         return {"flattened_tensor": flat, "metadata": metadata}
 
     def _staging_buffer(self, num_bytes: int) -> torch.Tensor:
@@ -134,8 +138,10 @@ class TensorTransport:
         """One serialized handle per server TP rank (see the class docstring)."""
         from sglang.srt.utils import MultiprocessingSerializer
 
-        return [MultiprocessingSerializer.serialize(packed, output_str=True)
-                for _ in range(self.server_tp_size)]  # fmt: skip
+        return [
+            MultiprocessingSerializer.serialize(packed, output_str=True)
+            for _ in range(self.server_tp_size)
+        ]
 
     def deliver(self, url: str, packed: dict[str, Any], last: bool, version: int) -> None:
         sglang_api.update_weights_from_tensor(
@@ -215,9 +221,15 @@ class DistributedTransport:
             self.groups[url] = self._join(url)
         with ThreadPoolExecutor(1) as pool:
             done = pool.submit(
-                sglang_api.update_weights_from_distributed, url, packed.names, packed.dtypes,
-                packed.shapes, self.group_names[url], last, version if last else None,
-            )  # fmt: skip
+                sglang_api.update_weights_from_distributed,
+                url,
+                packed.names,
+                packed.dtypes,
+                packed.shapes,
+                self.group_names[url],
+                last,
+                version if last else None,
+            )
             try:
                 torch.distributed.broadcast(packed.flat, src=0, group=self.groups[url])
             except RuntimeError as e:  # the collective's peer (the server) went away

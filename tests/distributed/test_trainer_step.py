@@ -93,14 +93,27 @@ def expected_advantages(name: str, step: dict) -> torch.Tensor:
     if name == "reinforce_plus_plus":
         return padded(whiten(to_go), mask.float())
     values = step["values"]
-    return padded(whiten([[g - float(values[i, t]) for t, g in enumerate(row)]
-                          for i, row in enumerate(to_go)]), mask.float())  # fmt: skip
+    return padded(
+        whiten(
+            [[g - float(values[i, t]) for t, g in enumerate(row)] for i, row in enumerate(to_go)]
+        ),
+        mask.float(),
+    )
 
 
 VARIANTS = [
-    "gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_kl_loss", "grpo_no_kl",
-    "gspo", "vanilla_gspo_settings", "grpo_tis", "grpo_seq_is",
-]  # fmt: skip
+    "gae",
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "grpo_kl_loss",
+    "grpo_no_kl",
+    "gspo",
+    "vanilla_gspo_settings",
+    "grpo_tis",
+    "grpo_seq_is",
+]
 
 
 @pytest.mark.parametrize("name", VARIANTS)

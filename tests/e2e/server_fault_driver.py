@@ -29,10 +29,11 @@ def kill_server(url: str) -> None:
     (http://host:port); wait until it is gone."""
     port = url.rsplit(":", 1)[1].rstrip("/")
     servers = [
-        p for p in psutil.Process().children(recursive=True)
+        p
+        for p in psutil.Process().children(recursive=True)
         if "sglang.launch_server" in (argv := p.cmdline())
         and argv[argv.index("--port") + 1] == port
-    ]  # fmt: skip
+    ]
     assert servers, f"no SGLang server of this process listens on {url}"
     for proc in servers:
         os.killpg(os.getpgid(proc.pid), signal.SIGKILL)

@@ -87,8 +87,20 @@ def train(config, assets, server, run_dir, steps: int) -> list[dict]:
 
 def evaluate(model, val_file, out: Path) -> dict:
     """`rlhf-eval MODEL --data val_file --n 4` with the GRPO config; its JSON report."""
-    cmd = [sys.executable, "-m", "rlhf.cli.eval", str(model), "--config", str(CONFIG),
-           "--data", str(val_file), "--n", "4", "--output", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf.cli.eval",
+        str(model),
+        "--config",
+        str(CONFIG),
+        "--data",
+        str(val_file),
+        "--n",
+        "4",
+        "--output",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "arithmetic" in proc.stdout and "maj@4" in proc.stdout  # the table

@@ -96,8 +96,16 @@ def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, sglan
     assert {r["score"] for r in ruled} <= {0.0, 1.0}
 
     checkpoint = run_dir / "checkpoints" / "global_step_1"
-    verify = [sys.executable, "-m", "rlhf.cli.convert", "verify", str(checkpoint / "actor_hf"),
-              str(checkpoint / "actor"), "--tol", "1e-5"]  # fmt: skip
+    verify = [
+        sys.executable,
+        "-m",
+        "rlhf.cli.convert",
+        "verify",
+        str(checkpoint / "actor_hf"),
+        str(checkpoint / "actor"),
+        "--tol",
+        "1e-5",
+    ]
     checked = subprocess.run(verify, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert checked.returncode == 0 and ": OK" in checked.stdout, checked.stderr[-3000:]
     assert critic_values_mean(checkpoint / "critic_hf", records(run_dir, 2)) == pytest.approx(

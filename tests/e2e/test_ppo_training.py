@@ -38,17 +38,43 @@ ROLES = ("actor_rollout_ref.actor", "critic")
 # Timing and throughput differ between runs; everything else must not.
 VOLATILE = ("timing_s/", "perf/throughput", "perf/mfu")
 REQUIRED = [
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
-    "actor/lr", "critic/vf_loss", "critic/vf_clipfrac", "critic/score/mean",
-    "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
-    "critic/values/mean", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
-    "response_length/mean", "response_length/max", "response_length/clip_ratio",
-    "prompt_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob",
-    "timing_s/ref", "timing_s/values", "timing_s/adv", "timing_s/update_critic",
-    "timing_s/update_actor", "timing_s/update_weights", "timing_s/step", "perf/throughput",
-    "perf/total_num_tokens", "perf/mfu", "rollout/logprob_diff_max", "rollout_corr/kl",
-    "rollout_corr/k3_kl", "rollout_corr/log_ppl_diff",
-]  # fmt: skip
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "critic/values/mean",
+    "actor/reward_kl_penalty",
+    "actor/reward_kl_penalty_coeff",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/clip_ratio",
+    "prompt_length/mean",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/ref",
+    "timing_s/values",
+    "timing_s/adv",
+    "timing_s/update_critic",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "perf/throughput",
+    "perf/total_num_tokens",
+    "perf/mfu",
+    "rollout/logprob_diff_max",
+    "rollout_corr/kl",
+    "rollout_corr/k3_kl",
+    "rollout_corr/log_ppl_diff",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +86,21 @@ def train_command(args: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "rlhf.cli.train", "--config", CONFIG, *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "rlhf.cli.train",
+        "--config",
+        CONFIG,
+        *args,
+    ]
 
 
 def run_train(args: list[str], run_dir: Path, nproc: int = 1) -> str:
@@ -71,9 +108,13 @@ def run_train(args: list[str], run_dir: Path, nproc: int = 1) -> str:
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as out:
         proc = subprocess.run(
-            train_command(args, nproc), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-            timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+            train_command(args, nproc),
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
     text = log.read_text()
     assert proc.returncode == 0, text[-6000:]
     return text
@@ -86,14 +127,24 @@ def export_and_verify(run_dir: Path, step: int, tp: int = 1, pp: int = 1, role="
     out = run_dir / f"{role}_hf_step_{step}"
     convert = [sys.executable, "-m", "rlhf.cli.convert"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    exported = subprocess.run([*convert, "mcore-to-hf", str(actor), str(out)], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    exported = subprocess.run(
+        [*convert, "mcore-to-hf", str(actor), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
     layout = ["--tp", str(tp), "--pp", str(pp)]
     checked = subprocess.run(
         [*convert, "verify", str(out), str(actor), "--tol", "1e-5", *layout],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert checked.returncode == 0 and ": OK" in checked.stdout, (
         checked.stdout + checked.stderr[-3000:]
     )
@@ -105,9 +156,13 @@ def kill_during_checkpoint(args: list[str], run_dir: Path, step: int) -> None:
     partial = run_dir / "checkpoints" / f".tmp_global_step_{step}"
     with open(run_dir.parent / f"{run_dir.name}.killed.log", "w") as log:
         proc = subprocess.Popen(
-            train_command(args), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+            train_command(args),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         deadline = time.monotonic() + 600
         while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -154,8 +209,15 @@ def test_killed_run_resumes_and_matches_uninterrupted(
     )  # the adaptive controller moved, and the resumed run continued from its state
 
 
-BYPASS_EQUAL = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm",
-                "actor/reward_kl_penalty", "critic/score/mean", "response_length/mean")  # fmt: skip
+BYPASS_EQUAL = (
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+    "actor/reward_kl_penalty",
+    "critic/score/mean",
+    "response_length/mean",
+)
 
 
 @pytest.mark.slow(reason="a whole run against the 1-process run")
@@ -235,9 +297,13 @@ def launch_node(args: list[str], log: Path, **env: str) -> subprocess.Popen:
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable, **env}
     with open(log, "w") as out:
         return subprocess.Popen(
-            ["bash", "launch/torchrun.sh", "--config", CONFIG, *args], cwd=REPO,
-            stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-        )  # fmt: skip
+            ["bash", "launch/torchrun.sh", "--config", CONFIG, *args],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
 
 
 def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float = 900) -> None:
@@ -260,11 +326,17 @@ def test_two_simulated_nodes_log_the_values_of_one_node(
     port = str(free_port())
     logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
     procs = [
-        launch_node(ppo_overrides(tiny_qwen2_dir, data, two, 2), logs[k], NNODES="2",
-                    NODE_RANK=str(k), GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port)
+        launch_node(
+            ppo_overrides(tiny_qwen2_dir, data, two, 2),
+            logs[k],
+            NNODES="2",
+            NODE_RANK=str(k),
+            GPUS_PER_NODE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
         for k in (0, 1)
-    ]  # fmt: skip
+    ]
     wait_all(procs, logs)
     # one colocated server per node, each with its own log
     assert (two / "node0" / "logs" / "sglang_server_0.log").is_file()

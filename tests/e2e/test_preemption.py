@@ -75,8 +75,10 @@ def test_sigterm_checkpoints_the_step_then_the_run_resumes(tiny_qwen2_dir, sglan
     step = logged_steps(run_dir)[-1]
     assert 1 <= step < 8
     checkpoint = run_dir / "checkpoints" / f"global_step_{step}"
-    assert line == (f"rlhf-train: stopped by SIGTERM after step {step}: checkpoint {checkpoint} "
-                    f"holds step {step}; the same command resumes from it")  # fmt: skip
+    assert line == (
+        f"rlhf-train: stopped by SIGTERM after step {step}: checkpoint {checkpoint} "
+        f"holds step {step}; the same command resumes from it"
+    )
     assert complete_steps_in(run_dir / "checkpoints") == [step]
     on_disk = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
     planned = checkpoint_bytes(load_config(CONFIG, args), load_arch(tiny_qwen2_dir))
@@ -88,8 +90,10 @@ def test_sigterm_checkpoints_the_step_then_the_run_resumes(tiny_qwen2_dir, sglan
     last = logged_steps(run_dir)[-1]
     assert last > step
     lost = f"step {last} is" if last == step + 1 else f"steps {step + 1}-{last} are"
-    pattern = (rf"rlhf-train: stopped by SIGTERM after step {last}: no checkpoint written "
-               rf"\(one takes about \d+ s, 0 s of trainer.preemption_grace_s were left\); "
-               rf"{lost} lost \(the latest checkpoint is {checkpoint}\)")  # fmt: skip
+    pattern = (
+        rf"rlhf-train: stopped by SIGTERM after step {last}: no checkpoint written "
+        rf"\(one takes about \d+ s, 0 s of trainer.preemption_grace_s were left\); "
+        rf"{lost} lost \(the latest checkpoint is {checkpoint}\)"
+    )
     assert re.fullmatch(pattern, line), line
     assert complete_steps_in(run_dir / "checkpoints") == [step]

@@ -33,8 +33,12 @@ from tests.helpers import REPO, metrics_by_step, ppo_overrides, rlhf_train
 pytestmark = [pytest.mark.reliability, pytest.mark.slow(reason="whole runs that meet each fault")]
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 FAULT_DRIVER = Path(__file__).with_name("server_fault_driver.py")
-ABSURD = ["critic.optim.lr=1e30", "critic.ppo_mini_batch_size=16", "trainer.save_freq=1",
-          "trainer.val_before_train=false"]  # fmt: skip
+ABSURD = [
+    "critic.optim.lr=1e30",
+    "critic.ppo_mini_batch_size=16",
+    "trainer.save_freq=1",
+    "trainer.val_before_train=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +98,10 @@ def test_nan_steps_are_skipped_and_said(skipping_run):
 
 def test_truncated_latest_checkpoint_resumes_from_the_previous(skipping_run):
     run_dir, args = skipping_run
-    shard = max((run_dir / "checkpoints" / "global_step_3" / "critic").rglob("*.distcp"),
-                key=lambda p: p.stat().st_size)  # fmt: skip
+    shard = max(
+        (run_dir / "checkpoints" / "global_step_3" / "critic").rglob("*.distcp"),
+        key=lambda p: p.stat().st_size,
+    )
     os.truncate(shard, shard.stat().st_size // 2)
     proc = train([*args, "trainer.total_training_steps=4"], run_dir.parent / "resumed_logs")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -114,9 +120,13 @@ def test_server_killed_during_sync_and_probe_is_restarted(tiny_qwen2_dir, data, 
     run_dir = tmp_path / "faults"
     kills = ["--kill", "update_weights_from_tensor:3", "--kill", "prompt_logprobs:5"]
     args = ppo_overrides(
-        tiny_qwen2_dir, data, run_dir, 3, "trainer.val_before_train=false",
+        tiny_qwen2_dir,
+        data,
+        run_dir,
+        3,
+        "trainer.val_before_train=false",
         "actor_rollout_ref.rollout.num_servers=2",
-    )  # fmt: skip
+    )
     cmd = [sys.executable, str(FAULT_DRIVER), *kills, "--", "--config", CONFIG, *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

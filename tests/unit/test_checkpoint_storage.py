@@ -78,8 +78,14 @@ def test_planned_checkpoint_size_counts_weights_and_adam(tiny_qwen2_dir):
     config = str(REPO / "configs" / "quickstart_cpu.yaml")
     cfg = load_config(config, [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"])
     assert checkpoint_bytes(cfg, arch) == 2 * params * (4 + 8)
-    grpo = load_config(config, ["algorithm.adv_estimator=grpo", "trainer.save_hf=true",
-                                "actor_rollout_ref.actor.megatron.dtype=bfloat16"])  # fmt: skip
+    grpo = load_config(
+        config,
+        [
+            "algorithm.adv_estimator=grpo",
+            "trainer.save_hf=true",
+            "actor_rollout_ref.actor.megatron.dtype=bfloat16",
+        ],
+    )
     assert checkpoint_bytes(grpo, arch) == params * (2 * 2 + 4 + 8)
 
 
@@ -110,8 +116,10 @@ def test_sigterm_is_recorded_and_later_ones_do_not_kill():
 
 
 def test_keeper_says_what_is_lost_and_decides_the_preemption_save(tiny_qwen2_dir, tmp_path):
-    cfg = load_config(str(REPO / "configs" / "quickstart_cpu.yaml"),
-                      [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"])  # fmt: skip
+    cfg = load_config(
+        str(REPO / "configs" / "quickstart_cpu.yaml"),
+        [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"],
+    )
     keeper = CheckpointKeeper(cfg, load_arch(tiny_qwen2_dir), tmp_path, True, total_steps=10)
     root = tmp_path / "checkpoints"
     assert keeper.write_rate > 0 and keeper.last_save_s is None

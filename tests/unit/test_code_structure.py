@@ -1,5 +1,8 @@
 """House rules that keep the package legible, checked on the source (docs/architecture.md).
 
+The limits apply to the code as `ruff format` writes it: a `# fmt: skip` marker (packing
+arguments to fit a limit) is itself a violation.
+
 The layer order itself is an import-linter contract run by `make lint` (pyproject.toml).
 """
 
@@ -11,8 +14,9 @@ from pathlib import Path
 from tests.helpers import REPO
 
 PACKAGE = REPO / "rlhf"
-MAX_FILE_LINES = 400
-MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+FORMATTER_OFF = ("fmt: skip", "fmt: off")
 PARALLEL_STATE = "megatron.core.parallel_state"
 BOOTSTRAP = PACKAGE / "distributed" / "bootstrap.py"
 
@@ -46,11 +50,28 @@ def imported_modules(tree: ast.AST) -> set[str]:
 
 def test_the_checks_see_what_they_look_for():
     tree = ast.parse(
-        "def f():\n    from megatron.core import parallel_state\n" + "    x = 1\n" * 70
+        "def f():\n    from megatron.core import parallel_state\n" + "    x = 1\n" * 90
     )
-    assert long_functions(tree, MAX_FUNCTION_LINES) == [("f", 1, 72)]
+    assert long_functions(tree, MAX_FUNCTION_LINES) == [("f", 1, 92)]
+    assert formatter_overrides("x = 1  # fmt: skip\ny = 2\n") == [1]
     assert PARALLEL_STATE in imported_modules(tree)
     assert PARALLEL_STATE in imported_modules(ast.parse("import megatron.core.parallel_state"))
+
+
+def formatter_overrides(source: str) -> list[int]:
+    """Line numbers where a comment switches the formatter off."""
+    return [
+        i for i, line in enumerate(source.splitlines(), 1) if any(m in line for m in FORMATTER_OFF)
+    ]
+
+
+def test_the_formatter_writes_every_line():
+    found = {
+        str(p.relative_to(REPO)): lines
+        for p in sources()
+        if (lines := formatter_overrides(p.read_text()))
+    }
+    assert not found, f"remove the formatter overrides, split by meaning instead: {found}"
 
 
 def test_no_file_over_the_line_limit():

@@ -119,13 +119,16 @@ def test_filter_overlong_drops_and_counts(tokenizer, caplog):
     assert f"dropped 2 of 3 prompts longer than data.max_prompt_length={limit}" in caplog.text
     for filtered in (True, False):  # dropping or refusing them: nothing to train on either way
         with pytest.raises(
-            ValueError, match=r"no prompts left: all 2 prompts of p\.parquet are longer than "
-            r"data\.max_prompt_length=3 \(shortest \d+ tokens, longest \d+\)"
-        ):  # fmt: skip
+            ValueError,
+            match=r"no prompts left: all 2 prompts of p\.parquet are longer than "
+            r"data\.max_prompt_length=3 \(shortest \d+ tokens, longest \d+\)",
+        ):
             build_prompt_dataset(
-                [prompt_row(LONG), prompt_row(LONG + " Twice.", 1)], tokenizer,
-                max_prompt_length=3, filter_overlong_prompts=filtered,
-            )  # fmt: skip
+                [prompt_row(LONG), prompt_row(LONG + " Twice.", 1)],
+                tokenizer,
+                max_prompt_length=3,
+                filter_overlong_prompts=filtered,
+            )
 
 
 def test_dataset_from_config_reads_files_and_tokenizer_dir(tmp_path):

@@ -30,10 +30,27 @@ LOCK_ARG = "requirements/cpu.lock"
 VERSION_RE = r"\d+(?:\.\d+)+(?:\.?(?:post|dev|rc|a|b)\d+)?"
 # pip options that take a value (the rest of the dash arguments are flags).
 PIP_VALUE_OPTIONS = {
-    "-c", "--constraint", "-r", "--requirement", "-e", "--editable", "-C", "--config-settings",
-    "-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-t", "--target",
-    "--prefix", "--root", "--report", "--src", "--progress-bar",
-}  # fmt: skip
+    "-c",
+    "--constraint",
+    "-r",
+    "--requirement",
+    "-e",
+    "--editable",
+    "-C",
+    "--config-settings",
+    "-i",
+    "--index-url",
+    "--extra-index-url",
+    "-f",
+    "--find-links",
+    "-t",
+    "--target",
+    "--prefix",
+    "--root",
+    "--report",
+    "--src",
+    "--progress-bar",
+}
 
 
 # --- a small Dockerfile reader -------------------------------------------------------------

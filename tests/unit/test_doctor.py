@@ -186,8 +186,12 @@ def _doctor(args: list[str], as_file: bool = False) -> subprocess.CompletedProce
         env.pop(key, None)
     return subprocess.run(
         [sys.executable, *entry, "--config", str(QUICKSTART), *args],
-        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
 
 
 def test_cli_exit_codes(tmp_path, tiny_qwen2_dir):

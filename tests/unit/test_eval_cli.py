@@ -50,8 +50,16 @@ def test_config_and_data_errors(tiny_qwen2_dir, tmp_path, val_file, capsys):
 
 def test_unreachable_server(tiny_qwen2_dir, tmp_path, val_file, capsys):
     url = f"http://127.0.0.1:{free_port()}"
-    args = [str(tiny_qwen2_dir), "actor_rollout_ref.rollout.request_retries=0", "--data",
-            str(val_file), "--server-url", url, "--output", str(tmp_path / "out.json")]  # fmt: skip
+    args = [
+        str(tiny_qwen2_dir),
+        "actor_rollout_ref.rollout.request_retries=0",
+        "--data",
+        str(val_file),
+        "--server-url",
+        url,
+        "--output",
+        str(tmp_path / "out.json"),
+    ]
     assert main(args) == 1
     assert url in error_line(capsys)
     assert not (tmp_path / "out.json").exists()

@@ -60,8 +60,13 @@ def test_default_tcp_store_binds_every_interface():
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
 def test_a_single_process_run_uses_a_loopback_store():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, "-c", PRIVATE_WORLD], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRIVATE_WORLD],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert proc.stdout is not None and proc.stdin is not None
         line = next(x for x in proc.stdout if x.startswith("PORT"))

@@ -85,8 +85,10 @@ def test_a_config_that_does_not_fit_gets_suggestions_that_are_real_config_change
         f"{AR}.actor.ppo_max_token_len_per_gpu=16384",
         "critic.ppo_max_token_len_per_gpu=16384",
     ]
-    no_recompute = [f"{AR}.actor.megatron.recompute_granularity=null",
-                    "critic.megatron.recompute_granularity=null"]  # fmt: skip
+    no_recompute = [
+        f"{AR}.actor.megatron.recompute_granularity=null",
+        "critic.megatron.recompute_granularity=null",
+    ]
     inputs = PlanInputs.from_config(
         load_config(CONFIG_8GPU, budgets + no_recompute), arch, 8, "cuda"
     )
@@ -103,8 +105,16 @@ def test_a_config_that_does_not_fit_gets_suggestions_that_are_real_config_change
 
 
 def test_doctor_prints_the_plan_and_fails_a_config_that_does_not_fit(capsys):
-    args = ["--config", str(CONFIG_8GPU), "--model-config", str(SHAPES / "Qwen2.5-7B.json"),
-            "--gpu-memory-gb", "80", "--requirements", "/nonexistent"]  # fmt: skip
+    args = [
+        "--config",
+        str(CONFIG_8GPU),
+        "--model-config",
+        str(SHAPES / "Qwen2.5-7B.json"),
+        "--gpu-memory-gb",
+        "80",
+        "--requirements",
+        "/nonexistent",
+    ]
     doctor_main(args)
     out = capsys.readouterr().out
     assert "memory per GPU (GiB), by role and kind" in out

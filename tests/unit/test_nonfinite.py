@@ -19,16 +19,22 @@ pytestmark = pytest.mark.reliability
 def batch_with_scores(scores: list[float]) -> RolloutBatch:
     n = len(scores)
     return RolloutBatch(
-        prompt_ids=[[1, 2]] * n, response_ids=[[3]] * n, scores_b=torch.tensor(scores),
-        data_sources=["gsm8k"] * n, uids=[f"p{i}" for i in range(n)],
+        prompt_ids=[[1, 2]] * n,
+        response_ids=[[3]] * n,
+        scores_b=torch.tensor(scores),
+        data_sources=["gsm8k"] * n,
+        uids=[f"p{i}" for i in range(n)],
         reward_styles=["rule", "model", "model"][:n],
-    )  # fmt: skip
+    )
 
 
 def test_scores_name_the_first_bad_sample():
     check_scores(batch_with_scores([0.0, 1.0, 0.5]))
-    with pytest.raises(NonFiniteError, match=r"sample 1 \(prompt p1, data_source 'gsm8k', "
-                       r"reward_model.style model\) is nan; 2 of 3"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteError,
+        match=r"sample 1 \(prompt p1, data_source 'gsm8k', "
+        r"reward_model.style model\) is nan; 2 of 3",
+    ):
         check_scores(batch_with_scores([0.0, math.nan, math.inf]))
 
 
@@ -43,6 +49,9 @@ def test_tensors_are_checked_on_response_tokens_only():
 def test_a_reward_function_returning_nan_is_an_error_naming_the_response():
     scorer = RewardScorer(lambda data_source, solution_str, ground_truth, extra_info: math.nan)
     item = RewardInput("gsm8k", "#### 12 apples", "12")
-    with pytest.raises(NonFiniteReward, match=r"returned nan for the response '#### 12 apples' "
-                       r"\(ground truth '12'\)"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteReward,
+        match=r"returned nan for the response '#### 12 apples' "
+        r"\(ground truth '12'\)",
+    ):
         scorer([item])

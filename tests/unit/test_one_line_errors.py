@@ -144,8 +144,16 @@ def test_f_infinite_learning_rate(capsys, tiny_qwen2_dir, data, tmp_path, key):
 
 def test_g_convert_kv_heads_not_divisible_by_tp(tiny_qwen2_dir, tmp_path):
     model = model_copy(tiny_qwen2_dir, tmp_path / "model", num_key_value_heads=1)
-    cmd = [sys.executable, "-m", "rlhf.cli.convert", "hf-to-mcore", str(model),
-           str(tmp_path / "mcore"), "--tp", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf.cli.convert",
+        "hf-to-mcore",
+        str(model),
+        str(tmp_path / "mcore"),
+        "--tp",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     line = one_line(proc.stdout + proc.stderr, "rlhf-convert: ")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == line

@@ -46,11 +46,13 @@ def mixed_result() -> RolloutResult:
     ids = lambda n: torch.randint(2, 300, (n,), generator=gen).tolist()  # noqa: E731
     prompts, responses = [ids(n) for n in (5, 7, 3, 6)], [ids(n) for n in (4, 2, 9, 1)]
     batch = RolloutBatch(
-        prompt_ids=prompts, response_ids=responses,
+        prompt_ids=prompts,
+        response_ids=responses,
         scores_b=torch.tensor([1.0, math.nan, 0.5, math.nan]),
-        data_sources=["gsm8k", "rm", "gsm8k", "rm"], uids=["a", "b", "c", "d"],
+        data_sources=["gsm8k", "rm", "gsm8k", "rm"],
+        uids=["a", "b", "c", "d"],
         reward_styles=["rule", "model", "rule", "model"],
-    )  # fmt: skip
+    )
     return RolloutResult(batch, [], reward_s=0.0)
 
 

@@ -55,8 +55,13 @@ def test_model_rows_scored_by_the_endpoint(judge):
     assert scores == [1.0, 13.0, 0.0, 5.0]
     (items,) = received  # one batch with the model rows only, in order
     assert [i["prompt"] for i in items] == ["Q1", "Q2"]
-    assert items[0] == {"data_source": "judge", "prompt": "Q1", "response": "a long answer",
-                        "ground_truth": None, "extra_info": {"k": 1}}  # fmt: skip
+    assert items[0] == {
+        "data_source": "judge",
+        "prompt": "Q1",
+        "response": "a long answer",
+        "ground_truth": None,
+        "extra_info": {"k": 1},
+    }
 
 
 def test_dead_endpoint_fails_after_bounded_retries_naming_the_url():

@@ -74,10 +74,13 @@ def test_sleep_then_wake_weights_then_kv_cache(servers):
     fleet.resume_memory(["kv_cache"])  # already awake
     release, resume = "release_memory_occupation", "resume_memory_occupation"
     assert parsed(calls) == [
-        (release, ["weights", "kv_cache"]), (release, ["weights", "kv_cache"]),
-        (resume, ["weights"]), (resume, ["weights"]),
-        (resume, ["kv_cache"]), (resume, ["kv_cache"]),
-    ]  # fmt: skip
+        (release, ["weights", "kv_cache"]),
+        (release, ["weights", "kv_cache"]),
+        (resume, ["weights"]),
+        (resume, ["weights"]),
+        (resume, ["kv_cache"]),
+        (resume, ["kv_cache"]),
+    ]
     assert {port for port, _, _ in calls} == {int(u.rsplit(":", 1)[1]) for u in urls}
 
 

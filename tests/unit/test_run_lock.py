@@ -17,17 +17,24 @@ from tests.helpers import REPO
 
 pytestmark = pytest.mark.reliability
 
-HOLD = "import sys, time; from rlhf.checkpoint.run_lock import RunDirLock; " \
-       "RunDirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"  # fmt: skip
+HOLD = (
+    "import sys, time; from rlhf.checkpoint.run_lock import RunDirLock; "
+    "RunDirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
+)
 
 
 def test_second_job_exits_2_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     lock = RunDirLock(run_dir).acquire()
     try:
-        cmd = [sys.executable, "-m", "rlhf.cli.train", "--config",
-               str(REPO / "configs" / "quickstart_cpu.yaml"),
-               f"trainer.default_local_dir={run_dir}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "rlhf.cli.train",
+            "--config",
+            str(REPO / "configs" / "quickstart_cpu.yaml"),
+            f"trainer.default_local_dir={run_dir}",
+        ]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     finally:
         lock.release()
@@ -39,8 +46,9 @@ def test_second_job_exits_2_naming_the_holder(tmp_path):
 
 def test_lock_dies_with_its_holder(tmp_path):
     run_dir = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     with pytest.raises(RunDirBusy, match=f"pid {holder.pid} on"):
         RunDirLock(run_dir).acquire()

@@ -70,8 +70,11 @@ def _canned(path: str, request: dict) -> object:
     """A plausible answer for each route the client reads."""
     if path == "/generate":
         n = request.get("sampling_params", {}).get("n", 1)
-        meta = {"output_token_logprobs": [[-0.5, 7, None]], "finish_reason": {"type": "length"},
-                "input_token_logprobs": [[None, 1, None], [-0.25, 2, None]]}  # fmt: skip
+        meta = {
+            "output_token_logprobs": [[-0.5, 7, None]],
+            "finish_reason": {"type": "length"},
+            "input_token_logprobs": [[None, 1, None], [-0.25, 2, None]],
+        }
         items = [{"output_ids": [7], "meta_info": meta} for _ in range(n)]
         return items if n > 1 else items[0]
     if path == "/workers":
@@ -104,16 +107,17 @@ def call_every_route(url: str) -> set[str]:
         "begin_weight_update": lambda: sglang_api.begin_weight_update(url),
         "end_weight_update": lambda: sglang_api.end_weight_update(url),
         "update_weights_from_tensor": lambda: sglang_api.update_weights_from_tensor(
-            url, ["blob"], True, 1),
+            url, ["blob"], True, 1
+        ),
         "init_weights_update_group": lambda: sglang_api.init_weights_update_group(url, {}),
         "update_weights_from_distributed": lambda: sglang_api.update_weights_from_distributed(
-            url, ["w"], ["float32"], [[1]], "g", True, 1),
-        "destroy_weights_update_group": lambda: sglang_api.destroy_weights_update_group(
-            url, "g"),
+            url, ["w"], ["float32"], [[1]], "g", True, 1
+        ),
+        "destroy_weights_update_group": lambda: sglang_api.destroy_weights_update_group(url, "g"),
         "update_weights_from_disk": lambda: sglang_api.update_weights_from_disk(url, "/m", 1),
         "release_memory_occupation": lambda: sglang_api.release_memory_occupation(url, ["w"]),
         "resume_memory_occupation": lambda: sglang_api.resume_memory_occupation(url, ["w"]),
-    }  # fmt: skip
+    }
     for call in calls.values():
         call()
     return set(calls)
@@ -122,8 +126,11 @@ def call_every_route(url: str) -> set[str]:
 def test_every_call_path_sends_the_key(keyed_server, monkeypatch):
     monkeypatch.setenv(sglang_api.API_KEY_ENV, KEY)
     called = call_every_route(keyed_server)
-    routes = {name for name, f in inspect.getmembers(sglang_api, inspect.isfunction)
-              if f.__module__ == sglang_api.__name__ and not name.startswith("_")}  # fmt: skip
+    routes = {
+        name
+        for name, f in inspect.getmembers(sglang_api, inspect.isfunction)
+        if f.__module__ == sglang_api.__name__ and not name.startswith("_")
+    }
     assert called == routes - NOT_ROUTES  # a new route must be added here (and send the key)
     payloads = [generate_payload([1, 2], {"n": 2}), generate_payload([3], {"n": 1})]
     results = GenerateClient([keyed_server]).generate(payloads)

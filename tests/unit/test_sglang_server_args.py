@@ -84,8 +84,13 @@ def test_engine_kwargs_from_yaml_and_overrides_reach_the_command_line(tmp_path):
     )
     argv = build_server_args(cfg.actor_rollout_ref.rollout, "/m", port=1, device="cuda").argv
     tail = argv[argv.index("--mem-fraction-static") :]
-    assert tail[-5:] == ["--chunked-prefill-size", "4096", "--enable-torch-compile",
-                         "--max-running-requests", "7"]  # fmt: skip
+    assert tail[-5:] == [
+        "--chunked-prefill-size",
+        "4096",
+        "--enable-torch-compile",
+        "--max-running-requests",
+        "7",
+    ]
     assert "--disable-radix-cache" not in argv  # false leaves a switch off
 
 

@@ -51,9 +51,12 @@ def test_recommended_gsm8k_8gpu_values():
 def test_critic_layout_must_match_actor():
     cfg = load_config(
         None,
-        ["actor_rollout_ref.model.path=m", "trainer.n_gpus_per_node=2",
-         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
-    )  # fmt: skip
+        [
+            "actor_rollout_ref.model.path=m",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        ],
+    )
     with pytest.raises(ConfigError, match="share one Megatron parallel layout"):
         validate_config(cfg)
 

@@ -64,8 +64,13 @@ def collect(fleet: ScriptedFleet, *overrides: str):
 
 
 def test_groups():
-    batch = RolloutBatch([[1]] * 6, [[2]] * 6, torch.tensor([1.0, 1, 0, 1, 2, 2]), ["t"] * 6,
-                         ["a", "a", "b", "b", "c", "c"])  # fmt: skip
+    batch = RolloutBatch(
+        [[1]] * 6,
+        [[2]] * 6,
+        torch.tensor([1.0, 1, 0, 1, 2, 2]),
+        ["t"] * 6,
+        ["a", "a", "b", "b", "c", "c"],
+    )
     assert prompt_groups(batch) == [[0, 1], [2, 3], [4, 5]]
     assert informative_groups(batch) == [[2, 3]]
 
@@ -87,8 +92,11 @@ def test_dynamic_sampling_keeps_informative_groups_over_rounds():
 def test_dynamic_sampling_gives_up_after_max_rounds():
     fleet = ScriptedFleet([[1.0, 1.0, 0.0, 0.0]])
     with pytest.raises(RuntimeError, match=r"found 0 of 2 prompt groups .* in 1 generation"):
-        collect(fleet, "algorithm.filter_groups.enable=true",
-                "algorithm.filter_groups.max_num_gen_batches=1")  # fmt: skip
+        collect(
+            fleet,
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.max_num_gen_batches=1",
+        )
 
 
 def test_without_filtering_one_round_is_the_batch():
@@ -99,8 +107,9 @@ def test_without_filtering_one_round_is_the_batch():
 
 
 def test_overlong_penalty():
-    batch = RolloutBatch([[1]] * 4, [[2] * n for n in (10, 12, 13, 16)], torch.zeros(4),
-                         ["t"] * 4, ["a"] * 4)  # fmt: skip
+    batch = RolloutBatch(
+        [[1]] * 4, [[2] * n for n in (10, 12, 13, 16)], torch.zeros(4), ["t"] * 4, ["a"] * 4
+    )
     cfg = config("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4").reward
     penalties = overlong_penalties(batch, 16, cfg.overlong_buffer)
     torch.testing.assert_close(penalties, torch.tensor([0.0, 0.0, -0.25, -1.0]))

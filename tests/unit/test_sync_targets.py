@@ -36,8 +36,15 @@ def test_a_server_that_stops_answering_is_set_aside_and_the_others_get_every_cal
 
     for bucket in (1, 2, 3):
         targets.each(deliver, bucket)
-    assert delivered == [("http://a", 1), ("http://b", 1), ("http://c", 1), ("http://a", 2),
-                         ("http://c", 2), ("http://a", 3), ("http://c", 3)]  # fmt: skip
+    assert delivered == [
+        ("http://a", 1),
+        ("http://b", 1),
+        ("http://c", 1),
+        ("http://a", 2),
+        ("http://c", 2),
+        ("http://a", 3),
+        ("http://c", 3),
+    ]
     assert targets.live == ["http://a", "http://c"]
     assert targets.lost == ["http://b"]
     assert transport.forgotten == ["http://b"]

@@ -55,8 +55,10 @@ def test_sources_are_separate_and_n1_reports_only_the_mean():
     assert metrics["val/test_score/all"] == pytest.approx((1 + 1 + 0 + 0 + 0.5 + 1.5) / 6)
     single = validation_metrics(samples("math", "a", [(1, "1")]) + samples("math", "b", [(0, "")]))
     assert single == {
-        "val-core/math/reward/mean@1": 0.5, "val/test_score/math": 0.5, "val/test_score/all": 0.5
-    }  # fmt: skip
+        "val-core/math/reward/mean@1": 0.5,
+        "val/test_score/math": 0.5,
+        "val/test_score/all": 0.5,
+    }
 
 
 def test_responses_vote_with_normalised_answers():

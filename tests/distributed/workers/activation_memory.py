@@ -34,8 +34,11 @@ def main() -> None:
             found = measure_actor_activations(
                 args.model, ctx, args.tokens, recompute=recompute, dtype=args.dtype
             )
-            results[recompute] = {"grads": found.grads, "peak": found.peak,
-                                  "estimate": found.estimate}  # fmt: skip
+            results[recompute] = {
+                "grads": found.grads,
+                "peak": found.peak,
+                "estimate": found.estimate,
+            }
         if ctx.rank == 0:
             torch.save(results, Path(args.out))
     finally:

@@ -71,9 +71,18 @@ def split_losses(b: dict, micro: list, group: dist.ProcessGroup) -> dict:
                     loss = aggregate_loss(token_loss(logp), mask, mode, **kw, norm_length=WIDTH)
                 else:
                     res = policy_loss(
-                        logp, b["old_logp"][rows, :w], b["adv"][rows, :w], mask, 0.2, 0.1,
-                        0.3, 3.0, mode, **kw, norm_length=WIDTH,
-                    )  # fmt: skip
+                        logp,
+                        b["old_logp"][rows, :w],
+                        b["adv"][rows, :w],
+                        mask,
+                        0.2,
+                        0.1,
+                        0.3,
+                        3.0,
+                        mode,
+                        **kw,
+                        norm_length=WIDTH,
+                    )
                     loss = res.loss
                     metrics += torch.stack([res.pg_clipfrac, res.pg_clipfrac_lower, res.ppo_kl])
                 total = total + loss

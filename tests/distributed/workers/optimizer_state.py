@@ -62,10 +62,15 @@ def planned_bytes(cfg, arch, ctx, role: str) -> dict[str, int]:
 
     section = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
     spec = TrainedRole(role, section.megatron, 1, value_head=role == "critic")
-    row = trained_memory(arch, spec, dp=ctx.dp_size, sp=1, device="cpu", stage=ctx.pp_rank,
-                         dp_rank=ctx.dp_rank)  # fmt: skip
-    return {"weights": row.weights, "gradients": row.gradients, "adam": row.optimizer_state,
-            "master": row.master_weights}  # fmt: skip
+    row = trained_memory(
+        arch, spec, dp=ctx.dp_size, sp=1, device="cpu", stage=ctx.pp_rank, dp_rank=ctx.dp_rank
+    )
+    return {
+        "weights": row.weights,
+        "gradients": row.gradients,
+        "adam": row.optimizer_state,
+        "master": row.master_weights,
+    }
 
 
 def optimizer_bytes(model) -> dict[str, int]:
@@ -149,13 +154,18 @@ def run(args, ctx) -> dict:
     return {
         "metrics": metrics,
         "weights": weights,
-        "bytes": all_ranks({"actor": on_device(real_bytes, models.actor),
-                            "critic": on_device(real_bytes, models.critic)}),
-        "planned": all_ranks({role: planned_bytes(cfg, arch, ctx, role)
-                              for role in ("actor", "critic")}),
+        "bytes": all_ranks(
+            {
+                "actor": on_device(real_bytes, models.actor),
+                "critic": on_device(real_bytes, models.critic),
+            }
+        ),
+        "planned": all_ranks(
+            {role: planned_bytes(cfg, arch, ctx, role) for role in ("actor", "critic")}
+        ),
         "distributed": models.actor.distributed_optimizer,
         "resident_while_offloaded": all_ranks(freed),
-    }  # fmt: skip
+    }
 
 
 ROLE_MODELS = ("actor", "critic", "ref")

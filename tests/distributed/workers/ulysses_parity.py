@@ -48,9 +48,12 @@ def step(model, ddp, optimizer, ctx, tokens, mask, valid, vocab_size):
     logits = ddp(tokens[:, positions], positions.expand(tokens.shape[0], -1), mask)
     local_vocab = logits.shape[-1]
     logp, _ = vocab_parallel_logprobs_entropy(
-        logits, labels[:, positions], vocab_start=ctx.tp_rank * local_vocab,
-        vocab_size=vocab_size, group=ctx.tp_group,
-    )  # fmt: skip
+        logits,
+        labels[:, positions],
+        vocab_start=ctx.tp_rank * local_vocab,
+        vocab_size=vocab_size,
+        group=ctx.tp_group,
+    )
     full_logp = combine_positions(logp, positions, SEQ, ctx.sp_group)
     loss = -(full_logp * valid).sum() / valid.sum()
     (loss * ctx.dp_sp_size).backward()  # DDP averages over DP x SP
