@@ -17,7 +17,7 @@ $(STAMP): requirements/cpu.in requirements/cpu.lock setup.py
 	$(PIP) install -q -c requirements/cpu.lock -r requirements/cpu.in
 	$(PIP) install -q --no-deps -c requirements/cpu.lock sglang
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) tools/check_env.py requirements/cpu.lock
+	$(VENV)/bin/rlhf-check-env requirements/cpu.lock
 	touch $(STAMP)
 
 quickstart: quickstart-assets
@@ -35,7 +35,7 @@ quickstart-dapo: quickstart-assets
 	$(VENV)/bin/rlhf-plot runs/quickstart_dapo
 
 quickstart-assets: setup
-	$(PY) tools/make_tiny_model.py runs/quickstart/model --warm-start
+	$(VENV)/bin/rlhf-make-tiny-model runs/quickstart/model --warm-start
 	$(VENV)/bin/rlhf-preprocess quickstart --local_dir runs/quickstart/data
 
 # Everything but the slow whole runs (about 8 minutes on 2 cores); test-slow runs those

@@ -60,6 +60,8 @@ setup(
             "rlhf-preprocess=rlhf.cli.preprocess:main",
             "rlhf-plot=rlhf.cli.plot:main",
             "rlhf-doctor=rlhf.cli.doctor:main",
+            "rlhf-check-env=rlhf.cli.check_env:main",
+            "rlhf-make-tiny-model=rlhf.cli.make_tiny_model:main",
         ]
     },
 )

@@ -4,7 +4,7 @@
 
 A tiny HF-initialised Qwen2 (sized by the flags) is built as the trainer builds its actor,
 once per recompute setting (none, selective, full), and one packed micro-batch of exactly
-`--tokens` tokens goes through `compute_gradients` (`rlhf.trainer.activation_probe`):
+`--tokens` tokens goes through `compute_gradients` (`benchmarks/activation_probe.py`):
 torch.profiler's memory timeline on CPU, the CUDA allocator's peak on GPU. The planner's
 estimate is for the attention this process runs: Transformer Engine's fused attention when
 usable, else the local spec (as on CPU).
@@ -35,9 +35,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    from activation_probe import measure_actor_activations  # benchmarks/, beside this script
+
     from rlhf.models.gpt import transformer_engine_usable
     from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
-    from rlhf.trainer.activation_probe import measure_actor_activations
 
     args = parse_args()
     ctx = bootstrap.init_parallel("auto" if torch.cuda.is_available() else "cpu")

@@ -1,6 +1,6 @@
 """Check that the installed packages are exactly the versions pinned in a lock file.
 
-    python tools/check_env.py requirements/cpu.lock
+    rlhf-check-env requirements/cpu.lock
 
 Exits 1 listing every missing package and every version that differs from its pin (a
 second torch pulled in by some dependency shows up here).

@@ -1,6 +1,6 @@
 """Write a tiny random HF model + tokenizer to a directory (no hub access needed).
 
-    python tools/make_tiny_model.py OUT_DIR [--family qwen2] [--seed 0] [--force] [--warm-start]
+    rlhf-make-tiny-model OUT_DIR [--family qwen2] [--seed 0] [--force] [--warm-start]
 
 Skips the work when OUT_DIR already holds a model, unless --force is given.
 --warm-start then fine-tunes the model into a weak arithmetic "base model" (right format,

@@ -1,10 +1,10 @@
-"""Packed (THD) micro-batches for Megatron's packed-sequence path, and their exact inverse.
+"""Packed (THD) micro-batches for Megatron's packed-sequence path.
 
 A micro-batch of variable-length sequences becomes one row of concatenated tokens with
 per-sequence positions and cumulative lengths, so attention never crosses sequences and no
 compute is spent on padding beyond `pad_to_multiple_of` (2 x CP for context parallelism).
-Any per-token tensor (tokens, masks, old log-probs, advantages) is packed with the same
-layout by `pack_like`, and any per-token model output is cut back per sequence by `unpack`.
+`rlhf.trainer.micro_batch` builds its THD micro-batches with `pack_sequences`; the tests
+hold the inverse (cut a packed tensor back per sequence) that proves the layout exact.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def pack_sequences(
     padded = [round_up(n, pad_to_multiple_of) for n in lengths]
     device = seqs[0].device
     cu_padded = _cumulative(padded, device)
-    tokens = _scatter(seqs, cu_padded, int(cu_padded[-1]), pad_value)
+    tokens = scatter_sequences(seqs, cu_padded, int(cu_padded[-1]), pad_value)
     positions = torch.cat([torch.arange(p, device=device) for p in padded])
     return PackedBatch(
         tokens=tokens,
@@ -96,45 +96,10 @@ def pack_sequences(
     )
 
 
-def _scatter(values, cu_padded: torch.Tensor, total: int, pad_value) -> torch.Tensor:
+def scatter_sequences(values, cu_padded: torch.Tensor, total: int, pad_value) -> torch.Tensor:
+    """[total, ...] tensor holding `values[i]` at offset `cu_padded[i]`, `pad_value` elsewhere."""
     first = values[0]
     out = torch.full((total, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device)
     for value, start in zip(values, cu_padded[:-1].tolist()):
         out[start : start + value.shape[0]] = value
     return out
-
-
-def pack_like(values: Sequence[torch.Tensor], packed: PackedBatch, pad_value=0) -> torch.Tensor:
-    """Pack per-token tensors ([L_i, ...], same lengths as the packed sequences) alike: [T, ...]."""
-    lengths = [int(v.shape[0]) for v in values]
-    if lengths != packed.seq_lens:
-        raise ValueError(f"lengths {lengths} do not match the packed sequences {packed.seq_lens}")
-    return _scatter(values, packed.cu_seqlens_padded, packed.num_tokens, pad_value)
-
-
-def unpack(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
-    """Per-sequence views [L_i, ...] of a packed per-token tensor [T, ...] or [1, T, ...]."""
-    total = packed.num_tokens
-    if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == total:
-        values = values[0]
-    if values.shape[0] != total:
-        raise ValueError(f"packed tensor has {values.shape[0]} tokens, the batch has {total}")
-    starts = packed.cu_seqlens_padded[:-1].tolist()
-    return [values[s : s + n] for s, n in zip(starts, packed.seq_lens)]
-
-
-def restore_order(
-    batches: Sequence[PackedBatch], outputs: Sequence[torch.Tensor], num_sequences: int
-) -> list[torch.Tensor]:
-    """Per-sequence outputs of several micro-batches, back in the step's sequence order."""
-    result: list[torch.Tensor | None] = [None] * num_sequences
-    for packed, output in zip(batches, outputs):
-        for index, value in zip(packed.indices, unpack(output, packed)):
-            if result[index] is not None:
-                raise ValueError(f"sequence {index} appears in more than one micro-batch")
-            result[index] = value
-    found = [v for v in result if v is not None]
-    if len(found) != num_sequences:
-        missing = [i for i, v in enumerate(result) if v is None]
-        raise ValueError(f"no micro-batch holds sequences {missing[:10]}")
-    return found

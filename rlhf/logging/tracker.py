@@ -2,7 +2,7 @@
 
 Metric names follow verl (`actor/pg_loss`, `critic/vf_loss`, `timing_s/gen`, ...). The
 JSONL file (one object per step with `step` and every metric) is the record tests and
-`tools/plot_metrics.py` read; the console prints one readable line per step; TensorBoard
+`rlhf-plot` read; the console prints one readable line per step; TensorBoard
 event files go to `<run dir>/tensorboard`; W&B and MLflow are used when installed and
 otherwise skipped with a warning. Only the main rank should create a tracker.
 """

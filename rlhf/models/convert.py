@@ -176,15 +176,6 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
     return model, arch
 
 
-def value_model_from_mcore(mcore_dir: Path, placement: Placement, seed: int = 0):
-    """Critic from a converted checkpoint: a critic's as saved, an actor's trunk with a fresh
-    scalar head."""
-    model, arch = load_mcore(mcore_dir, placement)
-    if isinstance(getattr(model, "output_layer", None), ValueHead):
-        return model, arch
-    return attach_value_head(model, arch, seed), arch
-
-
 def export_hf_tensors(model, arch: ModelArch, placement: Placement, progress: bool = False):
     """(HF name, tensor) pairs from an unsharded (TP = PP = 1) Megatron model."""
     assert placement.tp_size == 1 and placement.pp_size == 1

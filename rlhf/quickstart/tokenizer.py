@@ -9,8 +9,6 @@ corpus always gives the same vocabulary.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -65,11 +63,3 @@ def build_tiny_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFas
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def save_tiny_tokenizer(out_dir: str | Path) -> Path:
-    """Build the tokenizer and save it as HF files (tokenizer.json, config, template)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    build_tiny_tokenizer().save_pretrained(out)
-    return out

@@ -29,12 +29,10 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from rlhf.quickstart.arithmetic import make_problems
-from rlhf.reward import compute_score
 
 MAX_ANSWER = 18  # the largest answer of rlhf.quickstart.arithmetic (9 + 9)
 
@@ -85,15 +83,6 @@ class WarmStartResult:
     final_loss: float  # mean response-token loss over the last 10% of steps
     target_entropy: float  # the lowest final_loss possible: entropy of the final targets
     seconds: float  # wall time of the training loop
-
-
-@dataclass(frozen=True)
-class AccuracyResult:
-    """Sampled answers scored with the rule reward."""
-
-    accuracy: float  # fraction of responses with reward 1 (`#### <correct number>`)
-    format_rate: float  # fraction of responses containing `####`
-    num_responses: int
 
 
 @dataclass(frozen=True)
@@ -264,43 +253,3 @@ def warm_start(model_dir: str | Path, cfg: WarmStartConfig = WarmStartConfig()) 
     model.save_pretrained(model_dir, safe_serialization=True)
     tail = losses[-max(1, len(losses) // 10) :]
     return WarmStartResult(len(losses), sum(tail) / len(tail), target_entropy(examples), seconds)
-
-
-@torch.no_grad()
-def sampled_accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    rows: list[dict],
-    *,
-    temperature: float = 1.0,
-    num_samples: int = 1,
-    seed: int = 0,
-    max_new_tokens: int = 16,
-) -> AccuracyResult:
-    """Generate `num_samples` responses per row (greedy if temperature is 0) and score them
-    with the rule reward of each row's data_source."""
-    torch.manual_seed(seed)
-    by_length: dict[int, list[tuple[list[int], dict]]] = {}
-    for row in rows:  # same-length prompts batch without padding
-        ids = prompt_ids(tokenizer, row)
-        by_length.setdefault(len(ids), []).append((ids, row))
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-    options = sampling if temperature > 0 else {"do_sample": False, "num_beams": 1}
-    scores, formats = [], []
-    for length, group in sorted(by_length.items()):
-        out_nt = model.generate(  # type: ignore[operator]  # mypy reads nn.Module.__getattr__
-            input_ids=torch.tensor([ids for ids, _ in group]),
-            attention_mask=torch.ones(len(group), length, dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=num_samples,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **options,
-        )
-        texts = tokenizer.batch_decode(out_nt[:, length:], skip_special_tokens=True)
-        for i, text in enumerate(texts):
-            row = group[i // num_samples][1]
-            truth = row["reward_model"]["ground_truth"]
-            scores.append(compute_score(row["data_source"], text, truth, row.get("extra_info")))
-            formats.append("####" in text)
-    return AccuracyResult(sum(scores) / len(scores), sum(formats) / len(scores), len(scores))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,47 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.data.packed import pack_like, pack_sequences, restore_order, unpack
+from rlhf.data.packed import PackedBatch, pack_sequences, scatter_sequences
 from rlhf.data.packing import balanced_partition, plan_micro_batches
+
+# The inverse of the packing (cut a packed tensor back per sequence), used only to check it.
+
+
+def pack_like(values: Sequence[torch.Tensor], packed: PackedBatch, pad_value=0) -> torch.Tensor:
+    """Pack per-token tensors ([L_i, ...], same lengths as the packed sequences) alike: [T, ...]."""
+    lengths = [int(v.shape[0]) for v in values]
+    if lengths != packed.seq_lens:
+        raise ValueError(f"lengths {lengths} do not match the packed sequences {packed.seq_lens}")
+    return scatter_sequences(values, packed.cu_seqlens_padded, packed.num_tokens, pad_value)
+
+
+def unpack(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
+    """Per-sequence views [L_i, ...] of a packed per-token tensor [T, ...] or [1, T, ...]."""
+    total = packed.num_tokens
+    if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == total:
+        values = values[0]
+    if values.shape[0] != total:
+        raise ValueError(f"packed tensor has {values.shape[0]} tokens, the batch has {total}")
+    starts = packed.cu_seqlens_padded[:-1].tolist()
+    return [values[s : s + n] for s, n in zip(starts, packed.seq_lens)]
+
+
+def restore_order(
+    batches: Sequence[PackedBatch], outputs: Sequence[torch.Tensor], num_sequences: int
+) -> list[torch.Tensor]:
+    """Per-sequence outputs of several micro-batches, back in the step's sequence order."""
+    result: list[torch.Tensor | None] = [None] * num_sequences
+    for packed, output in zip(batches, outputs):
+        for index, value in zip(packed.indices, unpack(output, packed)):
+            if result[index] is not None:
+                raise ValueError(f"sequence {index} appears in more than one micro-batch")
+            result[index] = value
+    found = [v for v in result if v is not None]
+    if len(found) != num_sequences:
+        missing = [i for i, v in enumerate(result) if v is None]
+        raise ValueError(f"no micro-batch holds sequences {missing[:10]}")
+    return found
+
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from rlhf.data.prompts import (
     prompt_dataset_from_config,
 )
 from rlhf.quickstart.data import write_quickstart_data
-from rlhf.quickstart.tokenizer import build_tiny_tokenizer, save_tiny_tokenizer
+from rlhf.quickstart.tokenizer import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,8 @@ def test_filter_overlong_drops_and_counts(tokenizer, caplog):
 
 def test_dataset_from_config_reads_files_and_tokenizer_dir(tmp_path):
     train, val = write_quickstart_data(tmp_path / "data", num_train=10, num_val=3, seed=1)
-    tokenizer = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))
+    build_tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    tokenizer = load_tokenizer(tmp_path / "tok")
     cfg = load_config(
         "configs/quickstart_cpu.yaml",
         [f"data.train_files={train}", f"data.val_files={val}", "data.max_prompt_length=512"],

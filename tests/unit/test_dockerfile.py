@@ -331,8 +331,8 @@ def test_the_package_is_installed_and_the_image_checked_against_the_lock(instrs)
     assert len(editable) == 1 and editable[0].options["-e"] == ["."]
     assert "--no-deps" in editable[0].flags
     commands = run_commands(instrs)
-    assert ["python", "tools/check_env.py", "requirements/cpu.lock"] in commands
-    assert ["python", "tools/check_env.py", "requirements/gpu.txt"] in commands
+    assert ["rlhf-check-env", "requirements/cpu.lock"] in commands
+    assert ["rlhf-check-env", "requirements/gpu.txt"] in commands
     probe = next(command[2] for command in commands if command[:2] == ["python", "-c"])
     assert "'sgl_kernel'" in probe and "'amp_C'" in probe and "cpu_shims" in probe
 
@@ -385,7 +385,7 @@ KEPT = [
     "requirements/gpu.txt",
     "setup.py",
     "README.md",
-    "tools/check_env.py",
+    "rlhf/cli/check_env.py",
     "rlhf/cli/train.py",
     "configs",
     "launch",

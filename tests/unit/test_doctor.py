@@ -179,8 +179,10 @@ def _overrides(tmp_path: Path, model_dir: Path) -> list[str]:
     ]
 
 
-def _doctor(args: list[str], as_file: bool = False) -> subprocess.CompletedProcess:
-    entry = [str(REPO / "tools" / "doctor.py")] if as_file else ["-m", "rlhf.cli.doctor"]
+def _doctor(args: list[str], as_script: bool = False) -> subprocess.CompletedProcess:
+    """`python -m rlhf.cli.doctor`, or the installed `rlhf-doctor` console script."""
+    script = Path(sys.executable).parent / "rlhf-doctor"
+    entry = [str(script)] if as_script else ["-m", "rlhf.cli.doctor"]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for key in ("NODE_RANK", "WORLD_SIZE"):
         env.pop(key, None)

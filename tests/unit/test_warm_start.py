@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from rlhf.quickstart.arithmetic import make_problems
 from rlhf.quickstart.tiny_model import save_tiny_model
@@ -17,9 +23,60 @@ from rlhf.quickstart.warm_start import (
     build_examples,
     mix_weight,
     path_targets,
-    sampled_accuracy,
+    prompt_ids,
     warm_start,
 )
+from rlhf.reward import compute_score
+
+
+@dataclass(frozen=True)
+class AccuracyResult:
+    """Sampled answers scored with the rule reward."""
+
+    accuracy: float  # fraction of responses with reward 1 (`#### <correct number>`)
+    format_rate: float  # fraction of responses containing `####`
+    num_responses: int
+
+
+@torch.no_grad()
+def sampled_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    *,
+    temperature: float = 1.0,
+    num_samples: int = 1,
+    seed: int = 0,
+    max_new_tokens: int = 16,
+) -> AccuracyResult:
+    """Generate `num_samples` responses per row (greedy if temperature is 0) and score them
+    with the rule reward of each row's data_source."""
+    torch.manual_seed(seed)
+    by_length: dict[int, list[tuple[list[int], dict]]] = {}
+    for row in rows:  # same-length prompts batch without padding
+        ids = prompt_ids(tokenizer, row)
+        by_length.setdefault(len(ids), []).append((ids, row))
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    options = sampling if temperature > 0 else {"do_sample": False, "num_beams": 1}
+    scores, formats = [], []
+    for length, group in sorted(by_length.items()):
+        out_nt = model.generate(
+            input_ids=torch.tensor([ids for ids, _ in group]),
+            attention_mask=torch.ones(len(group), length, dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=num_samples,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **options,
+        )
+        texts = tokenizer.batch_decode(out_nt[:, length:], skip_special_tokens=True)
+        for i, text in enumerate(texts):
+            row = group[i // num_samples][1]
+            truth = row["reward_model"]["ground_truth"]
+            scores.append(compute_score(row["data_source"], text, truth, row.get("extra_info")))
+            formats.append("####" in text)
+    return AccuracyResult(sum(scores) / len(scores), sum(formats) / len(scores), len(scores))
+
 
 WRONG = 0.65 / 18  # probability of each wrong answer when p_correct = 0.35
 

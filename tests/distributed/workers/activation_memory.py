@@ -1,6 +1,6 @@
 """Worker: the actor's gradients and peak activation memory per recompute setting.
 
-For each `--variants` entry (none, selective, full) `rlhf.trainer.activation_probe` builds
+For each `--variants` entry (none, selective, full) `benchmarks/activation_probe.py` builds
 the actor with that `megatron.recompute_granularity` and measures one packed micro-batch of
 exactly `--tokens` tokens through `compute_gradients`. Rank 0 writes, per variant, the
 gradients, the measured peak bytes and the memory planner's activation estimate.
@@ -17,7 +17,7 @@ from rlhf.distributed.bootstrap import init_parallel, teardown
 
 
 def main() -> None:
-    from rlhf.trainer.activation_probe import measure_actor_activations
+    from benchmarks.activation_probe import measure_actor_activations
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
