@@ -87,7 +87,7 @@ def run_stages(models, batch, algorithm, budget: int, kl_coef: float) -> dict[st
     """The trainer's stages of one step on `batch`, every model at token budget `budget`."""
     import dataclasses
 
-    from rlhf.trainer import stages
+    from rlhf.trainer import experience, ppo_step
 
     seconds: dict[str, float] = {}
 
@@ -102,18 +102,18 @@ def run_stages(models, batch, algorithm, budget: int, kl_coef: float) -> dict[st
     m, planner = models, models.planner
     old = stage(
         "old_log_prob",
-        lambda: stages.compute_logprobs(m.actor, batch, planner, budget, m.logprob_head),
+        lambda: ppo_step.compute_logprobs(m.actor, batch, planner, budget, m.logprob_head),
     )
     ref, _ = stage(
-        "ref", lambda: stages.compute_logprobs(m.ref, batch, planner, budget, m.logprob_head)
+        "ref", lambda: ppo_step.compute_logprobs(m.ref, batch, planner, budget, m.logprob_head)
     )
-    values = stage("values", lambda: stages.compute_values(m.critic, batch, planner, budget))
+    values = stage("values", lambda: ppo_step.compute_values(m.critic, batch, planner, budget))
     exp, _ = stage(
-        "adv", lambda: stages.build_experience(batch, old, ref, values, algorithm, kl_coef)
+        "adv", lambda: experience.build_experience(batch, old, ref, values, algorithm, kl_coef)
     )
     for role, spec in (("critic", m.critic_update), ("actor", m.actor_update)):
         spec = dataclasses.replace(spec, token_budget=budget)
-        stage(f"update_{role}", lambda spec=spec: stages.run_updates(spec, exp, planner))
+        stage(f"update_{role}", lambda spec=spec: ppo_step.run_updates(spec, exp, planner))
     seconds["step"] = sum(seconds.values())
     return seconds
 

@@ -60,10 +60,11 @@ def main() -> None:
     from rlhf.models.logprobs import VocabShard
     from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
     from rlhf.rollout.engine import SGLangEngine
+    from rlhf.rollout.policy_servers import PolicyServers
     from rlhf.trainer.heads import LogprobHead
     from rlhf.trainer.megatron_model import MegatronModel
     from rlhf.trainer.micro_batch import MicroBatchPlanner
-    from rlhf.trainer.stages import probe_logprobs
+    from rlhf.trainer.ppo_step import ActorWeights
     from rlhf.weight_sync.factory import build_weight_syncer
     from rlhf.weight_sync.gather import SyncTopology
 
@@ -106,12 +107,12 @@ def main() -> None:
                 syncer = build_weight_syncer(
                     cfg, engine.server_urls, arch, topo, run_dir=root, model_path=hf_dir
                 )
+                servers = PolicyServers(ctx, engine, syncer, cfg)
                 syncs = []
                 for _ in range(args.repeats):
                     version += 1
-                    stats = syncer.sync(model, version=version)
-                    probe = probe_logprobs(actor, syncer.probe_tokens, planner, head)
-                    syncs.append((stats, syncer.compare_probe(probe, ctx.device)))
+                    loaded = servers.load_weights(ActorWeights(actor, planner, head), version)
+                    syncs.append((loaded.stats, loaded.logprob_diff_max))
                 results[kind] = transport_report(syncs, memcpy_s)
                 syncer.close()
         bootstrap.teardown()

@@ -19,12 +19,12 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from rlhf import sglang_api
 from rlhf.cli.check_env import lock_problems, read_pins
 from rlhf.config import RLHFConfig, validate
 from rlhf.data.files import resolve_files
 from rlhf.models.families import load_arch
 from rlhf.models.model_dir import check_model_dir
-from rlhf.rollout import sglang_api
 
 PASS, WARN, SKIP, FAIL = "PASS", "WARN", "SKIP", "FAIL"
 CORE_PACKAGES = ("torch", "megatron-core", "sglang", "sglang-router", "transformers")

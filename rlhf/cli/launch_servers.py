@@ -40,7 +40,7 @@ from rlhf.config.engine_args import server_argv
 from rlhf.config.loader import ConfigError, build, load_config
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.server_group import KEY, ServerGroup
-from rlhf.rollout.sglang_api import API_KEY_ENV, api_key
+from rlhf.sglang_api import API_KEY_ENV, api_key
 
 log = logging.getLogger("rlhf.launch_servers")
 

@@ -23,8 +23,7 @@ from rlhf.data.parquet import DataError
 from rlhf.models.hf_io import CheckpointFileError
 from rlhf.reward.remote import RemoteRewardError
 from rlhf.rollout.client import GenerateError
-from rlhf.rollout.server_group import ServerLost
-from rlhf.rollout.sglang_api import SGLangAPIError
+from rlhf.sglang_api import ServerLost, SGLangAPIError
 from rlhf.trainer.preemption import Preempted
 
 log = logging.getLogger("rlhf.cli.train")

@@ -1,10 +1,14 @@
-"""Object collectives over the whole job that also work in a process without torch.distributed."""
+"""Object collectives over the whole job that also work in a process without torch.distributed,
+and the sum of per-sample outputs over the ranks that computed different samples."""
 
 from __future__ import annotations
 
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
+
+from rlhf.distributed.context import ParallelContext
 
 T = TypeVar("T")
 
@@ -38,3 +42,13 @@ def gather_objects(obj: T, dst: int = 0) -> list[T] | None:
     gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(obj, gathered, dst=dst)
     return gathered
+
+
+def sum_over_dp_and_pp(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Sum in place over DP ranks (different samples) and PP stages (only the last one holds
+    outputs; the others contribute zeros)."""
+    if ctx.dp_size > 1:
+        dist.all_reduce(tensor, group=ctx.dp_group)
+    if ctx.pp_group is not None:
+        dist.all_reduce(tensor, group=ctx.pp_group)
+    return tensor

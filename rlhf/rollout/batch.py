@@ -1,6 +1,6 @@
 """A step's scored rollouts: prompts, responses, scores, as every training rank holds them.
 
-Rank 0 (or each node's engine owner) generates and scores them; `rlhf.rollout.fleet`
+Rank 0 (or each node's engine owner) generates and scores them; `rlhf.rollout.policy_servers`
 broadcasts the batch, so every rank holds all B samples. Per-token tensors derived from it
 are [B, R]: R = the longest response of the step, right-padded and masked by `mask_bt`.
 Which rank processes which sample is decided later by the micro-batch plan.

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from rlhf.config.schema import RolloutConfig
-from rlhf.rollout.sglang_api import API_KEY_ENV, auth_headers
+from rlhf.sglang_api import API_KEY_ENV, auth_headers
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from rlhf import sglang_api
 from rlhf.config.schema import RolloutConfig
-from rlhf.rollout import sglang_api
 from rlhf.rollout.client import GenerateClient, RequestResult, RetryPolicy, generate_payload
 from rlhf.rollout.server_group import ServerGroup
 

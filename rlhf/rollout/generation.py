@@ -28,20 +28,25 @@ class RolloutRecord:
     finish_reason: str
     response_text: str
     score: float
+    policy_version: int | None = None  # the weight version the servers held (RolloutResult)
 
 
 @dataclass(frozen=True)
 class RolloutResult:
-    """One round of generation and scoring, as every rank receives it from `RolloutFleet`.
+    """One round of generation and scoring, as every rank receives it from `PolicyServers`.
 
     batch: the scored samples (identical on every rank); records: the same samples with their
     texts and SGLang log-probs (on the main rank; empty elsewhere); reward_s: seconds spent
-    in the reward function (the slowest engine's, when several engines generated).
+    in the reward function (the slowest engine's, when several engines generated);
+    policy_version: the weight version the servers held while generating (None: unknown,
+    external servers before the first weight load). This is where a sample's policy
+    version is recorded (docs/architecture.md).
     """
 
     batch: RolloutBatch
     records: list[RolloutRecord]
     reward_s: float
+    policy_version: int | None = None
 
 
 def write_records(records: list[RolloutRecord], path: Path) -> None:
@@ -82,12 +87,14 @@ def generate_and_score(
     uids: list[str],
     indices: list[int],
     params: SamplingParams,
+    policy_version: int | None = None,
 ) -> RolloutResult:
     """Generate `params.n` responses per prompt on `engine` and score them with `scorer`
     (rule rows, and model rows when a reward endpoint is set; other model rows stay NaN for
     the trainer's reward model, `rlhf.trainer.reward_model`).
 
-    `uids` and `indices` (the prompts' positions in their dataset) go with each prompt.
+    `uids` and `indices` (the prompts' positions in their dataset) go with each prompt;
+    `policy_version` (the weights the engine serves) with the result and every record.
     """
     samples = engine.generate([p.input_ids for p in prompts], params)
     start = time.perf_counter()
@@ -106,6 +113,7 @@ def generate_and_score(
             finish_reason=sample.finish_reason,
             response_text=text,
             score=score,
+            policy_version=policy_version,
         )
         for sample, text, score in zip(samples, texts, scores)
     ]
@@ -118,7 +126,7 @@ def generate_and_score(
         rollout_logprobs=[r.response_logprobs for r in records],
         reward_styles=[item.style for item in inputs],
     )
-    return RolloutResult(batch, records, time.perf_counter() - start)
+    return RolloutResult(batch, records, time.perf_counter() - start, policy_version)
 
 
 def _reward_input(prompt: EncodedPrompt, response_text: str, tokenizer) -> RewardInput:

@@ -26,19 +26,16 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from rlhf import sglang_api
 from rlhf.config.schema import RolloutConfig
-from rlhf.rollout import sglang_api
 from rlhf.rollout.client import RETRIES_KEY, RetryPolicy
 from rlhf.rollout.sglang_server import SGLangServer, build_router_args, build_server_args
+from rlhf.sglang_api import ServerLost
 from rlhf.utils import cpu_threads, free_ports
 
 log = logging.getLogger(__name__)
 
 KEY = "actor_rollout_ref.rollout"
-
-
-class ServerLost(RuntimeError):
-    """A server is gone for good: out of restarts, or an external one (never restarted)."""
 
 
 class ServerGroup:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from rlhf import sglang_api
 from rlhf.config.engine_args import server_argv
 from rlhf.config.schema import RolloutConfig
-from rlhf.rollout import sglang_api
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,14 @@ logits, or [1, T, 1] values) and the micro-batch, and returns (loss or None, det
 per-micro-batch outputs or metrics). Forward heads turn logits into per-response-token
 log-probs (vocab-parallel, so TP never gathers the vocabulary) or outputs into values; loss
 heads add the PPO policy or value loss, normalised by the global counts of the mini-batch.
+A loss (`PolicyLoss`, `ValueLoss`) is built once per run from the config and makes the loss
+head of each mini-batch from the step's experience and the mini-batch's counts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import ClassVar, Protocol, TypedDict
 
 from torch import Tensor
 
@@ -169,3 +171,43 @@ class ValueLossHead:
             "critic/vf_clipfrac": out.vf_clipfrac,
         }
         return out.loss, detached
+
+
+class Loss(Protocol):
+    """A trained model's loss: named, and turned into a head per mini-batch."""
+
+    name: ClassVar[str]
+
+    def head(self, experience: Experience, counts: BatchCounts) -> PolicyLossHead | ValueLossHead:
+        """The loss head of one mini-batch (`counts`: its global token/sequence counts)."""
+        ...
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The actor's loss: the clipped surrogate of `policy_loss.loss_mode` (PPO or GSPO), minus
+    the entropy bonus, plus the KL loss to the reference when `use_kl_loss`; log-probs at the
+    rollout `temperature`, aggregated by `loss_agg_mode` with `norm_length` tokens."""
+
+    name: ClassVar[str] = "policy_loss"
+    vocab: VocabShard
+    temperature: float
+    settings: ActorConfig
+    norm_length: int
+
+    def head(self, experience: Experience, counts: BatchCounts) -> PolicyLossHead:
+        return PolicyLossHead(
+            self.vocab, self.temperature, self.settings, self.norm_length, experience, counts
+        )
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    """The critic's loss: the clipped value loss against the step's returns."""
+
+    name: ClassVar[str] = "value_loss"
+    settings: CriticConfig
+    norm_length: int
+
+    def head(self, experience: Experience, counts: BatchCounts) -> ValueLossHead:
+        return ValueLossHead(self.settings, self.norm_length, experience, counts)

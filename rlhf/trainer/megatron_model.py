@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.schema import OptimConfig
+from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
 from rlhf.trainer.micro_batch import MicroBatch
 from rlhf.trainer.nonfinite import tensors_finite
@@ -308,16 +309,6 @@ def reduce_metrics(outputs: list[dict], ctx: ParallelContext) -> dict[str, float
     return dict(zip(names, sum_over_dp_and_pp(total, ctx).tolist()))
 
 
-def sum_over_dp_and_pp(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """Sum in place over DP ranks (different samples) and PP stages (only the last one holds
-    outputs; the others contribute zeros)."""
-    if ctx.dp_size > 1:
-        dist.all_reduce(tensor, group=ctx.dp_group)
-    if ctx.pp_group is not None:
-        dist.all_reduce(tensor, group=ctx.pp_group)
-    return tensor
-
-
 def broadcast_names(names: list[str], ctx: ParallelContext) -> list[str]:
     """The metric names the last pipeline stage produced, on every stage."""
     if ctx.pp_group is None:
@@ -326,17 +317,3 @@ def broadcast_names(names: list[str], ctx: ParallelContext) -> list[str]:
     dist.broadcast_object_list(holder, src=ctx.pp_stage_ranks[-1], group=ctx.pp_group)
     assert holder[0] is not None
     return holder[0]
-
-
-def gather_per_sample(
-    outputs: list[dict],
-    micro_batches: list[MicroBatch],
-    key: str,
-    shape: tuple[int, int],
-    ctx: ParallelContext,
-) -> torch.Tensor:
-    """[B, R] step tensor from the per-micro-batch [n, R] outputs `key` of every rank."""
-    result = torch.zeros(shape, dtype=torch.float32, device=ctx.device)
-    for mb, out in zip(micro_batches, outputs):
-        result[mb.sample_ids] = out[key].float().to(ctx.device)
-    return sum_over_dp_and_pp(result, ctx).cpu()

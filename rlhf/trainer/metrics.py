@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from rlhf.config.schema import RLHFConfig
 from rlhf.config.validate import uses_critic, uses_reference
@@ -44,20 +45,21 @@ def model_passes(cfg: RLHFConfig) -> tuple[int, int]:
     return forwards, epochs
 
 
-def perf_metrics(
-    arch: ModelArch,
-    batch: RolloutBatch,
-    step_s: float,
-    world_size: int,
-    peak_flops: float,
-    passes: tuple[int, int],
-) -> dict[str, float]:
-    """Tokens, tokens/s per rank, and MFU against `peak_flops` (per rank) of one step with
-    `passes` = `model_passes(cfg)`."""
-    tokens = sum(batch.sequence_lengths)
-    flops = ppo_step_flops(arch, tokens, tokens / batch.size, *passes)
-    return {
-        "perf/total_num_tokens": float(tokens),
-        "perf/throughput": tokens / step_s / world_size,
-        "perf/mfu": flops / step_s / (peak_flops * world_size),
-    }
+@dataclass(frozen=True)
+class StepMeter:
+    """A step's performance yardsticks: tokens, tokens/s per rank, and MFU against
+    `peak_flops` (measured per rank) for `passes` = `model_passes(cfg)`."""
+
+    arch: ModelArch
+    world_size: int
+    peak_flops: float
+    passes: tuple[int, int]
+
+    def metrics(self, batch: RolloutBatch, step_s: float) -> dict[str, float]:
+        tokens = sum(batch.sequence_lengths)
+        flops = ppo_step_flops(self.arch, tokens, tokens / batch.size, *self.passes)
+        return {
+            "perf/total_num_tokens": float(tokens),
+            "perf/throughput": tokens / step_s / self.world_size,
+            "perf/mfu": flops / step_s / (self.peak_flops * self.world_size),
+        }

@@ -1,4 +1,10 @@
-"""Packed micro-batches for the Megatron forward passes of the PPO stages.
+"""Micro-batching, in one place: a step's batch -> packed micro-batches -> per-sample outputs.
+
+Every pass of the step goes through here: the forward-only passes (old and reference
+log-probs, values, reward-model scores, the weight-sync probe) with
+`MicroBatchPlanner.per_sample`, the updates with `MicroBatchPlanner.plan` (one list of
+micro-batches per mini-batch) and `mini_batch_counts`. Which samples a DP rank takes and how
+they are grouped is the balanced token-budget plan of `rlhf.data.packing`.
 
 A micro-batch packs its samples (prompt + response each) back to back in one row of T
 tokens, so no compute goes to padding. Attention must not cross samples:
@@ -21,14 +27,17 @@ sample starting at offset o with prompt length P is scored at position o + P - 1
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from rlhf.algo.losses import BatchCounts, global_batch_counts
 from rlhf.data.packing import plan_micro_batches
+from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
 from rlhf.parallel.ulysses import SequenceShard, combine_positions, held_positions
 from rlhf.rollout.batch import RolloutBatch
@@ -250,3 +259,46 @@ class MicroBatchPlanner:
             [build_micro_batch(batch, ids, self.thd, sp).to(self.ctx.device) for ids in mini]
             for mini in micro.for_rank(self.ctx.dp_rank)
         ]
+
+    def per_sample(
+        self,
+        model: ForwardModel,
+        batch: RolloutBatch,
+        budget: int,
+        head: Any,
+        keys: Sequence[str],
+        width: int | None = None,
+    ) -> list[Tensor]:
+        """[B, width] tensors `keys` (width: the response width by default) from one
+        forward-only pass of `model` with `head` over the whole batch, identical on every
+        rank (each rank computes its DP share of the samples)."""
+        (micro_batches,) = self.plan(batch, budget)
+        outputs = model.forward(micro_batches, head)
+        shape = (batch.size, batch.response_width if width is None else width)
+        return [gather_per_sample(outputs, micro_batches, k, shape, self.ctx) for k in keys]
+
+    def mini_batch_counts(self, micro_batches: list[MicroBatch]) -> BatchCounts:
+        """Response tokens / responses of a whole mini-batch (this rank's micro-batches, all
+        DP ranks): what its losses are normalised by."""
+        group = self.ctx.dp_group if self.ctx.dp_size > 1 else None
+        return global_batch_counts([mb.mask for mb in micro_batches], group)
+
+
+class ForwardModel(Protocol):
+    """A model whose forward-only pass runs a head over micro-batches (`MegatronModel`)."""
+
+    def forward(self, micro_batches: list[MicroBatch], head: Any) -> list[dict]: ...
+
+
+def gather_per_sample(
+    outputs: list[dict],
+    micro_batches: list[MicroBatch],
+    key: str,
+    shape: tuple[int, int],
+    ctx: ParallelContext,
+) -> Tensor:
+    """[B, R] step tensor from the per-micro-batch [n, R] outputs `key` of every rank."""
+    result = torch.zeros(shape, dtype=torch.float32, device=ctx.device)
+    for mb, out in zip(micro_batches, outputs):
+        result[mb.sample_ids] = out[key].float().to(ctx.device)
+    return sum_over_dp_and_pp(result, ctx).cpu()

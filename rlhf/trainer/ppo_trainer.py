@@ -1,56 +1,63 @@
-"""The PPO loop: rollout -> reward -> log-probs/values -> advantages -> updates -> sync.
+"""The PPO run: build everything once, then the loop of steps, validation and checkpoints.
 
-SPMD: every rank runs this loop. `RolloutFleet` generates and scores on the ranks that own
-SGLang engines and hands every rank the same batch; every decision (early stop, rollback,
-checkpoint) is computed from values that are identical on all ranks, so all take it together.
+SPMD: every rank runs this loop. One step (generate -> score -> log-probs/values ->
+advantages -> updates -> weights to the servers) is `rlhf.trainer.ppo_step.PPOStep`;
+`PolicyServers` generates on the ranks that own SGLang engines and hands every rank the
+same batch. Every decision (early stop, rollback, checkpoint) is computed from the step's
+typed result, identical on all ranks, so all take it together.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf.algo import build_kl_controller, masked_mean
+from rlhf.algo import build_kl_controller
 from rlhf.checkpoint import load_trainer_state, save_trainer_state
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
-from rlhf.logging import MetricTracker, StepProfiler, Timer
+from rlhf.logging import MetricTracker, StepProfiler
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
 from rlhf.reward import ground_truth_checker
 from rlhf.reward.validation import val_samples, validation_metrics
-from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.fleet import RolloutFleet
-from rlhf.rollout.generation import val_sampling_params, write_records
+from rlhf.rollout.generation import val_sampling_params
+from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
 from rlhf.trainer.early_stop import Decision, EarlyStopper
 from rlhf.trainer.export import write_model_exports
 from rlhf.trainer.megatron_model import TrainableMegatronModel
-from rlhf.trainer.metrics import model_passes, perf_metrics, rollout_metrics
+from rlhf.trainer.metrics import StepMeter, model_passes
 from rlhf.trainer.nonfinite import NonFiniteError, check_scores
 from rlhf.trainer.perf import measure_matmul_flops
+from rlhf.trainer.ppo_step import PPOStep, StepResult
 from rlhf.trainer.preemption import PreemptionGuard
-from rlhf.trainer.reward_model import check_model_rows_have_a_scorer
+from rlhf.trainer.reward_model import check_model_rows_have_a_scorer, score_model_rows
+from rlhf.trainer.rollout_strategy import SynchronousRollout
 from rlhf.trainer.setup import build_ppo_models
-from rlhf.trainer.stages import probe_logprobs
-from rlhf.trainer.step import train_on_batch
-from rlhf.trainer.step_batch import collect_step_batch
 from rlhf.utils import DTYPES
-from rlhf.weight_sync.factory import build_weight_syncer
-from rlhf.weight_sync.gather import SyncTopology
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Validation:
+    """One validation pass: the mean score over every response (what the early stop reads)
+    and the metrics to log."""
+
+    score: float
+    metrics: dict[str, float]
+
+
 class PPOTrainer:
-    """Holds the run: models, data, rollout fleet, weight syncer, controllers, checkpoints."""
+    """Holds the run: data, models, policy servers, controllers, checkpoints; runs the loop."""
 
     def __init__(self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path, arch: ModelArch):
         """`arch`: the policy's, from `rlhf.trainer.setup.load_policy_arch` (which checked
@@ -84,30 +91,26 @@ class PPOTrainer:
         num_val = len(self.val_data) if self.val_data is not None else 0
         max_prompts = max(cfg.data.train_batch_size, num_val)
         # SGLang starts loading now; the models are built meanwhile, then wait_ready()
-        self.rollout = RolloutFleet(cfg, ctx, run_dir, self.tokenizer, max_prompts)
+        self.servers = PolicyServers.launch(cfg, ctx, run_dir, self.tokenizer, max_prompts, arch)
         try:
             self.build_training_side()
-            self.rollout.wait_ready()
-            self.syncer = build_weight_syncer(
-                rollout,
-                self.rollout.server_urls,
-                self.arch,
-                SyncTopology.of(ctx, per_node=self.rollout.per_node),
-                run_dir=self.rollout.node_dir,
-                model_path=cfg.actor_rollout_ref.model.path,
-            )
+            self.servers.wait_ready()
         except BaseException:
-            self.rollout.shutdown()
+            self.servers.shutdown()
             raise
-        self.rollout.on_server_restart(self.syncer.resync_server)
-        if self.rollout.engine is not None:  # the owner of the servers is their sender
-            self.syncer.restart_server = self.rollout.restart_server
+        batches = SynchronousRollout(
+            self.servers, self.sampler, self.train_data, cfg, self.models.reward_model
+        )
+        meter = StepMeter(arch, ctx.world_size, self.peak_flops, model_passes(cfg))
+        rollouts_dir = run_dir / "rollouts" if ctx.is_main else None
+        self.ppo_step = PPOStep(
+            cfg, self.models, self.servers, batches, self.kl_ctrl, meter, rollouts_dir
+        )
 
     def build_training_side(self) -> None:
         """Models, controllers, profiler, the MFU yardstick and the tracker."""
         cfg, ctx = self.cfg, self.ctx
         self.models = build_ppo_models(cfg, self.arch, ctx, self.total_steps)
-        self.passes = model_passes(cfg)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.stopper = EarlyStopper(cfg.trainer.early_stop, cfg.algorithm.kl_ctrl.target_kl)
         self.profiler = StepProfiler.from_config(cfg)
@@ -128,78 +131,25 @@ class PPOTrainer:
 
     def close(self) -> None:
         try:
-            self.syncer.close()
+            self.servers.shutdown()
         finally:
-            self.rollout.shutdown()
             if self.tracker is not None:
                 self.tracker.close()
 
-    # ---- one step ---------------------------------------------------------------------
+    def load_weights(self, version: int) -> None:
+        """The servers serve the actor's current weights as `version`."""
+        self.servers.load_weights(self.ppo_step.policy, version)
 
-    def sync_weights(self, version: int) -> dict[str, float]:
-        """Actor -> SGLang (woken first if it slept), then the log-prob probe through the
-        training forward path."""
-        m = self.models
-        self.rollout.resume_memory(["weights"])  # colocated GPU servers slept while training
-        with m.actor.on_device():
-            stats = self.syncer.sync(m.actor.module, version)
-            self.rollout.resume_memory(["kv_cache"])
-            probe = probe_logprobs(m.actor, self.syncer.probe_tokens, m.planner, m.probe_head)
-        diff = self.syncer.compare_probe(probe, self.ctx.device)
-        phases = {f"timing_s/update_weights_{k}": v for k, v in stats.phase_s.items()}
-        return {
-            "perf/weight_sync_bytes": float(stats.num_bytes),
-            "rollout/logprob_diff_max": diff,
-            **phases,
-        }
-
-    def generate(self, step: int, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
-        """The step's scored batch (`rlhf.trainer.step_batch`) and its metrics."""
-        with timer.stage("gen"):
-            batch, results, metrics = collect_step_batch(
-                self.rollout,
-                self.sampler,
-                self.train_data,
-                self.cfg,
-                self.models.score_model_rows,
-            )
-        check_scores(batch)
-        self.rollout.release_memory()  # GPU, colocated: training gets SGLang's memory
-        reward_s = sum(r.reward_s for r in results)
-        timer.seconds["gen"] -= reward_s  # scoring ran inside the gen stage
-        timer.seconds["reward"] = reward_s
-        if self.ctx.is_main:
-            records = [record for result in results for record in result.records]
-            write_records(records, self.run_dir / "rollouts" / f"step_{step}.jsonl")
-        return batch, metrics
-
-    def train_step(self, step: int) -> dict[str, float]:
-        timer, m, cfg = Timer(), self.models, self.cfg
-        start = time.perf_counter()
-        batch, gen_metrics = self.generate(step, timer)
-        exp, metrics = train_on_batch(m, batch, cfg, self.kl_ctrl, timer)
-        metrics |= gen_metrics
-        with timer.stage("update_weights"):
-            metrics |= self.sync_weights(step)
-        step_s = time.perf_counter() - start
-        metrics |= rollout_metrics(batch, cfg.data.max_response_length)
-        metrics |= timer.metrics() | {"timing_s/step": step_s}
-        world, peak = self.ctx.world_size, self.peak_flops
-        metrics |= perf_metrics(self.arch, batch, step_s, world, peak, self.passes)
-        if exp.old_entropy_bt is not None:  # not under rollout_correction.bypass_mode
-            metrics["actor/entropy_old"] = float(masked_mean(exp.old_entropy_bt, batch.mask_bt()))
-        return metrics
-
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> Validation:
         assert self.val_data is not None
         prompts = list(self.val_data.prompts)
-        result = self.rollout.validate(prompts, val_sampling_params(self.cfg))
-        batch = self.models.score_model_rows(result).batch
+        result = self.servers.validate(prompts, val_sampling_params(self.cfg))
+        batch = score_model_rows(result, self.models.reward_model).batch
         check_scores(batch)
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         scores = batch.scores_b.tolist()
         samples = val_samples(batch.data_sources, batch.uids, scores, texts, self.cfg.reward)
-        return validation_metrics(samples)
+        return Validation(sum(scores) / len(scores), validation_metrics(samples))
 
     # ---- checkpoints ------------------------------------------------------------------
 
@@ -256,7 +206,7 @@ class PPOTrainer:
             if self.cfg.actor_rollout_ref.rollout.server_urls:
                 # servers this run did not launch may hold any weights (another run's, an
                 # older step's); launched ones loaded model.path, which the actor starts from
-                self.sync_weights(0)
+                self.load_weights(0)
                 log.info("loaded the actor's weights into the external SGLang servers")
             return 0
         state = self.load_models(path)
@@ -265,7 +215,7 @@ class PPOTrainer:
         step = int(state["step"])
         if self.tracker is not None:  # rows of steps after the checkpoint are redone
             self.tracker.drop_after(step)
-        self.sync_weights(step)  # the servers started from the HF weights
+        self.load_weights(step)  # the servers started from the HF weights
         log.info("resumed from %s (step %d)", path, step)
         return step
 
@@ -276,7 +226,7 @@ class PPOTrainer:
             log.warning("rollback requested (%s) but no good checkpoint is kept", decision.reason)
             return {"early_stop/rollback_skipped": 1.0}
         self.load_models(self.checkpoints.path_for(good))
-        self.sync_weights(step)
+        self.load_weights(step)
         log.warning("rolled back to the checkpoint of step %d: %s", good, decision.reason)
         return {"early_stop/rollback_to_step": float(good)}
 
@@ -287,7 +237,7 @@ class PPOTrainer:
         cfg = self.cfg.trainer
         step = self.resume()
         if self.val_data is not None and cfg.val_before_train and step == 0:
-            self.log(self.validate(), 0)
+            self.log(self.validate().metrics, 0)
         bar = tqdm(
             total=self.total_steps,
             initial=step,
@@ -310,28 +260,19 @@ class PPOTrainer:
             step += 1
             with self.profiler.step(step):
                 try:
-                    metrics = self.train_step(step)
+                    result = self.ppo_step.run(step)
                 except NonFiniteError as e:
                     raise NonFiniteError(f"step {step}: {e}") from None
-            found = [k.removeprefix("nonfinite/") for k in metrics if k.startswith("nonfinite/")]
-            if found:
-                what = "the step" if "training/skipped_step" in metrics else "updates"
-                log.warning(
-                    "step %d: skipped %s, not finite: %s (trainer.on_nonfinite=skip)",
-                    step,
-                    what,
-                    ", ".join(found),
-                )
-            decision = self.stopper.observe_step(
-                step, metrics.get("actor/reward_kl_penalty"), metrics["critic/score/mean"]
-            )
+            warn_nonfinite(result)
+            metrics = dict(result.metrics)
+            decision = self.stopper.observe_step(step, result.reward_kl, result.mean_score)
             last = step == self.total_steps or decision is not None
             save = (cfg.save_freq > 0 and step % cfg.save_freq == 0) or last
             if self.val_data is not None and (
                 (cfg.test_freq > 0 and step % cfg.test_freq == 0) or last
             ):
                 val = self.validate()
-                metrics |= val
+                metrics |= val.metrics
                 decision = self.after_validation(step, val, metrics, save) or decision
             if decision is not None:
                 metrics[f"early_stop/{decision.action}"] = 1.0
@@ -346,9 +287,9 @@ class PPOTrainer:
                 break
         return step
 
-    def after_validation(self, step: int, val: dict, metrics: dict, saving: bool):
+    def after_validation(self, step: int, val: Validation, metrics: dict, saving: bool):
         """Rollback when validation falls behind training; else mark a good checkpoint."""
-        decision = self.stopper.observe_validation(step, val["val/test_score/all"])
+        decision = self.stopper.observe_validation(step, val.score)
         if decision is not None and decision.action == "rollback":
             metrics |= self.rollback(decision, step)
             return None  # rolled back (or could not): training goes on
@@ -363,3 +304,14 @@ class PPOTrainer:
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.tracker is not None:
             self.tracker.log(metrics, step=step)
+
+
+def warn_nonfinite(result: StepResult) -> None:
+    """Say what a step skipped (`trainer.on_nonfinite=skip`): the whole step, or updates."""
+    if result.nonfinite:
+        log.warning(
+            "step %d: skipped %s, not finite: %s (trainer.on_nonfinite=skip)",
+            result.step,
+            "the step" if result.skipped else "updates",
+            ", ".join(result.nonfinite),
+        )

@@ -26,7 +26,7 @@ from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.mapping import Placement
 from rlhf.rollout.generation import RolloutResult
 from rlhf.trainer.heads import SequenceScoreHead
-from rlhf.trainer.megatron_model import MegatronModel, gather_per_sample
+from rlhf.trainer.megatron_model import MegatronModel
 from rlhf.trainer.micro_batch import MicroBatchPlanner
 from rlhf.utils import DTYPES
 
@@ -77,10 +77,11 @@ class RewardModelScorer:
     def scores(self, result: RolloutResult, rows: list[int]) -> torch.Tensor:
         """[len(rows)] scores of those samples."""
         batch = result.batch.select(rows)
-        (micro_batches,) = self.planner.plan(batch, self.token_budget)
-        outputs = self.model.forward(micro_batches, SequenceScoreHead())
-        shape = (batch.size, 1)
-        return gather_per_sample(outputs, micro_batches, "scores", shape, self.planner.ctx)[:, 0]
+        head = SequenceScoreHead()
+        (scores,) = self.planner.per_sample(
+            self.model, batch, self.token_budget, head, ("scores",), width=1
+        )
+        return scores[:, 0]
 
     def __call__(self, result: RolloutResult) -> RolloutResult:
         rows = pending_rows(result)
@@ -95,6 +96,12 @@ class RewardModelScorer:
                 records[i] = dataclasses.replace(records[i], score=float(scores[i]))
         batch = dataclasses.replace(result.batch, scores_b=scores)
         return RolloutResult(batch, records, result.reward_s + time.perf_counter() - start)
+
+
+def score_model_rows(result: RolloutResult, scorer: RewardModelScorer | None) -> RolloutResult:
+    """The step's reward-model stage: `result` with its reward_model.style=model rows scored
+    by the reward model (collective), or checked to have none left without one."""
+    return require_scored(result) if scorer is None else scorer(result)
 
 
 def check_model_rows_have_a_scorer(cfg: RLHFConfig, datasets: dict[str, Any]) -> None:

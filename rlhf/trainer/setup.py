@@ -1,10 +1,8 @@
-"""Build what a PPO run trains with, once: the three Megatron models and their update specs."""
+"""Build what a PPO run trains with, once: the Megatron models, their losses and update specs."""
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,15 +18,34 @@ from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
 from rlhf.models.mapping import Placement
 from rlhf.models.model_dir import check_model_dir, read_model_arch
-from rlhf.rollout.generation import RolloutResult
-from rlhf.trainer.heads import LogprobHead, PolicyLossHead, ValueLossHead
+from rlhf.trainer.heads import LogprobHead, Loss, PolicyLoss, ValueLoss
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
 from rlhf.trainer.micro_batch import MicroBatchPlanner
-from rlhf.trainer.reward_model import RewardModelScorer, require_scored
-from rlhf.trainer.stages import UpdateSpec
+from rlhf.trainer.reward_model import RewardModelScorer
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """How one trained model is updated every step.
+
+    role: 'actor' or 'critic' (the prefix of its grad_norm and lr metrics); token_budget:
+    tokens per micro-batch; mini_batch_samples: samples per optimizer step; loss: what each
+    mini-batch minimises (`PolicyLoss`, `ValueLoss`); kl_bound: end the step's epochs once
+    a mini-batch's actor/ppo_kl exceeds it (None: never); on_nonfinite:
+    `trainer.on_nonfinite` for a mini-batch whose gradients are not finite.
+    """
+
+    role: str
+    model: TrainableMegatronModel
+    token_budget: int
+    mini_batch_samples: int
+    epochs: int
+    loss: Loss
+    kl_bound: float | None = None
+    on_nonfinite: str = "stop"  # trainer.on_nonfinite (rlhf.trainer.nonfinite)
 
 
 @dataclass(frozen=True)
@@ -39,8 +56,8 @@ class PPOModels:
     critic_update are None for critic-free estimators (`rlhf.config.validate`).
     logprob_head: the actor's and reference's log-probs at the rollout temperature;
     probe_head: the same at temperature 1 (SGLang's prompt log-probs are unscaled).
-    score_model_rows: scores the reward_model.style=model rows of a generation result with
-    the reward model of `reward.model_path` (collective), or checks there are none left.
+    reward_model: scores the reward_model.style=model rows (`reward.model_path`; None
+    without one).
     """
 
     actor: TrainableMegatronModel
@@ -52,7 +69,7 @@ class PPOModels:
     budgets: TokenBudgets
     logprob_head: LogprobHead
     probe_head: LogprobHead
-    score_model_rows: Callable[[RolloutResult], RolloutResult]  # the reward model's rows
+    reward_model: RewardModelScorer | None
 
 
 def model_dirs(cfg: RLHFConfig) -> dict[str, str]:
@@ -145,7 +162,7 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int
         budget,
         cfg.critic.ppo_mini_batch_size * n,
         cfg.critic.ppo_epochs,
-        functools.partial(ValueLossHead, cfg.critic, norm),
+        ValueLoss(cfg.critic, norm),
         on_nonfinite=cfg.trainer.on_nonfinite,
     )
     return critic, update
@@ -180,12 +197,12 @@ def build_ppo_models(
         budgets.actor,
         aro.actor.ppo_mini_batch_size * n,
         aro.actor.ppo_epochs,
-        functools.partial(PolicyLossHead, vocab, temperature, aro.actor, norm),
+        PolicyLoss(vocab, temperature, aro.actor, norm),
         kl_bound=cfg.trainer.early_stop.ppo_kl_bound,
         on_nonfinite=cfg.trainer.on_nonfinite,
     )
     planner = MicroBatchPlanner(ctx, use_thd(ctx))
-    reward = RewardModelScorer.from_config(cfg, ctx, planner, budgets.ref) or require_scored
+    reward_model = RewardModelScorer.from_config(cfg, ctx, planner, budgets.ref)
     return PPOModels(
         actor,
         ref,
@@ -196,5 +213,5 @@ def build_ppo_models(
         budgets,
         LogprobHead(vocab, temperature),
         LogprobHead(vocab, 1.0),
-        reward,
+        reward_model,
     )

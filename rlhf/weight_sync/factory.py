@@ -51,5 +51,4 @@ def build_weight_syncer(
         topology,
         bucket_bytes=rollout.update_weights_bucket_megabytes * 1024 * 1024,
         snapshot=snapshot,
-        probe_threshold=rollout.logprob_diff_threshold,
     )

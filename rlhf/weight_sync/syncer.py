@@ -2,27 +2,26 @@
 
     syncer = WeightSyncer(transport, server_urls, arch, topology, bucket_bytes)
     stats = syncer.sync(model, version=step)      # on every rank of the training job
-    diff = syncer.compare_probe(actor_logprobs)   # rollout/logprob_diff_max, every rank
+    syncer.reload(url)                            # a restarted server gets the last version
     syncer.close()                                # at the end of the run
 
-The servers get `begin_weight_update` ... `end_weight_update` around the buckets (SGLang
-0.5.23 refuses tensor/distributed updates outside such a window), the KV cache is flushed
-with the last bucket, and the servers report `version` as their weight version.
+Gather and transport only: which servers to sync, when, and what to do about a lost one is
+decided by their owner (`rlhf.rollout.policy_servers.PolicyServers`). The servers get
+`begin_weight_update` ... `end_weight_update` around the buckets (SGLang 0.5.23 refuses
+tensor/distributed updates outside such a window), the KV cache is flushed with the last
+bucket, and the servers report `version` as their weight version.
 
 A server that dies and is restarted comes back with the *initial* weights. With a
 `snapshot` (a `DiskTransport` that talks to no server) the sender also keeps the last
-synced weights on disk, and `resync_server(url)` loads them into the restarted server
-without involving the other ranks; the disk transport is its own snapshot.
+synced weights on disk, and `reload(url)` loads them into the restarted server without
+involving the other ranks; the disk transport is its own snapshot.
 
-A server that stops answering during a sync (or the probe) is left out of the rest of it,
-so the other servers and the other ranks finish the sync as usual; then the sender has it
-restarted (`restart_server`, the rollout engine's recovery, bounded by
-`rollout.max_server_restarts`) and loads the snapshot into it.
+A server that stops answering during a sync is left out of the rest of it, so the other
+servers and the other ranks finish the sync as usual; `SyncStats.lost` names it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -31,15 +30,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlhf import sglang_api
 from rlhf.models.families import ModelArch
-from rlhf.rollout import sglang_api
-from rlhf.rollout.server_group import ServerLost
+from rlhf.sglang_api import ServerLost
 from rlhf.weight_sync.gather import Bucket, SyncTopology, iter_buckets
-from rlhf.weight_sync.probe import check_parity, logprob_diff_max, probe_tokens
 from rlhf.weight_sync.transports import DiskTransport, Transport
 
 log = logging.getLogger(__name__)
@@ -59,6 +56,7 @@ class SyncStats:
     # serialize, or write the disk shard), snapshot (the restart snapshot's shard), deliver
     # (the servers receive and load the buckets; begin/end of the update window included)
     phase_s: dict[str, float] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)  # servers that stopped answering (sender)
 
 
 class WeightSyncer:
@@ -72,7 +70,6 @@ class WeightSyncer:
         topology: SyncTopology,
         bucket_bytes: int,
         snapshot: DiskTransport | None = None,
-        probe_threshold: float | None = None,
     ):
         self.transport = transport
         self.server_urls = server_urls
@@ -80,12 +77,7 @@ class WeightSyncer:
         self.topology = topology
         self.bucket_bytes = bucket_bytes
         self.snapshot = transport if isinstance(transport, DiskTransport) else snapshot
-        self.version: int | None = None
-        self.probe_threshold = probe_threshold
-        self.probe_tokens = probe_tokens(arch.vocab_size)
-        # url -> None: restarts a lost server (the rollout engine's recovery); set by the
-        # trainer on the rank that owns the servers, which is the sender
-        self.restart_server: Callable[[str], None] | None = None
+        self.version: int | None = None  # the last version synced
 
     def _writers(self) -> list[Transport]:
         writers: list[Transport] = [self.transport]
@@ -120,13 +112,17 @@ class WeightSyncer:
             with phases("deliver"):
                 targets.each(sglang_api.end_weight_update)
         self.version = version
-        for url in targets.lost:
-            self.recover_server(url)
         if dist.is_initialized():
             dist.barrier()
         seconds = time.perf_counter() - start
         return SyncStats(
-            seconds, num_bytes, num_tensors, num_buckets, max_bucket, dict(phases.seconds)
+            seconds,
+            num_bytes,
+            num_tensors,
+            num_buckets,
+            max_bucket,
+            dict(phases.seconds),
+            targets.lost,
         )
 
     def _send(
@@ -141,45 +137,7 @@ class WeightSyncer:
         with phases("deliver"):
             targets.each(self.transport.deliver, packed, last, version)
 
-    def recover_server(self, url: str) -> None:
-        """Have the lost server at `url` restarted, then make it hold the synced version
-        (sender rank only). Raises when it cannot be restarted."""
-        if self.restart_server is None:
-            raise ServerLost(f"SGLang server {url} was lost and nobody can restart it")
-        self.restart_server(url)  # a restarted server is re-synced by the restart hook
-        if sglang_api.weight_version(url) != str(self.version):
-            # alive (it answered too late), with this sync's update window still open
-            with contextlib.suppress(sglang_api.SGLangAPIError):
-                sglang_api.end_weight_update(url)
-            self.resync_server(url)
-        log.warning("SGLang server %s holds the weights of version %s again", url, self.version)
-
-    def compare_probe(self, actor_logprobs: torch.Tensor, device: torch.device) -> float:
-        """rollout/logprob_diff_max of `actor_logprobs` (the actor's log-probs of
-        `probe_tokens[1:]`) against every server; raises above the threshold. All ranks call."""
-        diff = logprob_diff_max(
-            actor_logprobs,
-            self._server_logprobs,
-            self.server_urls,
-            self.topology.is_sender,
-            device,
-        )
-        log.debug("weight sync v%s: rollout/logprob_diff_max = %.3e", self.version, diff)
-        check_parity(diff, self.probe_threshold)
-        return diff
-
-    def _server_logprobs(self, url: str) -> list[float]:
-        """The server's log-probs of the probe; a lost server is recovered and asked again."""
-        try:
-            return sglang_api.prompt_logprobs(url, self.probe_tokens)
-        except sglang_api.SGLangAPIError as e:
-            if not e.unreachable:
-                raise
-            log.warning("SGLang server %s lost during the log-prob probe: %s", url, e)
-        self.recover_server(url)
-        return sglang_api.prompt_logprobs(url, self.probe_tokens)
-
-    def resync_server(self, url: str) -> None:
+    def reload(self, url: str) -> None:
         """Load the last synced weights into a restarted server (sender rank only)."""
         if self.version is None:
             return  # nothing synced yet: the restarted server's initial weights are current
@@ -215,8 +173,8 @@ class _Targets:
                 if not e.unreachable:
                     raise  # the server answered with a failure: not a lost server
                 log.warning(
-                    "SGLang server %s lost during weight sync v%d (%s); it is restarted and "
-                    "re-synced after this sync",
+                    "SGLang server %s lost during weight sync v%d (%s); its owner restarts "
+                    "and reloads it after this sync",
                     url,
                     self.version,
                     e,

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 import torch
 from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
+from rlhf import sglang_api
 from rlhf.distributed.bootstrap import bound_store
-from rlhf.rollout import sglang_api
 from rlhf.weight_sync.gather import Bucket
 
 log = logging.getLogger(__name__)

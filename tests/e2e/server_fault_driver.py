@@ -3,7 +3,7 @@
     python server_fault_driver.py --kill update_weights_from_tensor:3 \
         --kill prompt_logprobs:3 -- --config ... key=value ...
 
-`--kill ROUTE:N` kills the server that the N-th call of `rlhf.rollout.sglang_api.ROUTE` is
+`--kill ROUTE:N` kills the server that the N-th call of `rlhf.sglang_api.ROUTE` is
 addressed to (its whole process group, as an OOM kill or a crash would) right before that
 call, then lets the call go to the dead server. The trainer's own recovery has to do the
 rest: nothing else is changed.
@@ -20,8 +20,8 @@ from collections import Counter
 
 import psutil
 
+from rlhf import sglang_api
 from rlhf.cli import train
-from rlhf.rollout import sglang_api
 
 
 def kill_server(url: str) -> None:

@@ -21,8 +21,8 @@ import psutil
 import pytest
 import requests
 
+from rlhf import sglang_api
 from rlhf.quickstart.data import write_quickstart_data
-from rlhf.rollout import sglang_api
 from rlhf.rollout.client import GenerateClient, generate_payload
 from rlhf.utils import free_port
 from tests.e2e.test_ppo_training import launch_node, wait_all

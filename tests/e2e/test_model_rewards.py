@@ -94,6 +94,9 @@ def test_mixed_rule_and_model_rows(tiny_qwen2_dir, mixed_data, reward_dir, sglan
         assert record["score"] == pytest.approx(expected, abs=1e-4)
     ruled = [r for r in records(run_dir, 1) if r["prompt_index"] % 2 == 0]
     assert {r["score"] for r in ruled} <= {0.0, 1.0}
+    # each step's samples come from the weights the previous step loaded (synchronous rollout)
+    assert {r["policy_version"] for r in records(run_dir, 1)} == {0}
+    assert {r["policy_version"] for r in records(run_dir, 2)} == {1}
 
     checkpoint = run_dir / "checkpoints" / "global_step_1"
     verify = [

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf.rollout import sglang_api
+from rlhf import sglang_api
 from rlhf.rollout.client import generate
 from tests.conftest import SHARED_SERVER_KWARGS
 

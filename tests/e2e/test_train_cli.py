@@ -100,6 +100,7 @@ def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_
         assert 1 <= len(r["response_ids"]) <= 16
         assert len(r["response_logprobs"]) == len(r["response_ids"])
         assert r["score"] in (0.0, 1.0)  # the arithmetic rule reward
+        assert r["policy_version"] == 0  # launched servers hold model.path: version 0
     assert (run_dir / "logs" / "sglang_server_0.log").stat().st_size > 0
     (metrics,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics["step"] == 1

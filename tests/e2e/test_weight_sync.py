@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from rlhf import sglang_api
 from rlhf.models.convert import copy_hf_side_files
-from rlhf.rollout import sglang_api
 from tests.helpers import run_torchrun
 
 PROMPTS = [[5, 17, 33, 2, 90, 41], [120, 7, 7, 64, 11]]

@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 import torch
 
+from rlhf import sglang_api
 from rlhf.config.schema import RolloutConfig
-from rlhf.rollout import sglang_api
 from rlhf.rollout.sglang_server import SGLangServer, build_server_args
 from rlhf.utils import free_port
 

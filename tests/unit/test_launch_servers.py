@@ -16,8 +16,8 @@ from rlhf.cli import launch_servers
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout import server_group
 from rlhf.rollout.server_group import ServerGroup
-from rlhf.rollout.sglang_api import healthy as http_healthy
 from rlhf.rollout.sglang_server import build_server_args
+from rlhf.sglang_api import healthy as http_healthy
 from rlhf.utils import free_port
 from tests.unit.test_rollout_server_group import STAND_IN, assert_gone, group_pids
 

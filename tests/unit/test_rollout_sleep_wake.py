@@ -1,4 +1,4 @@
-"""Colocated sleep/wake as the trainer drives it (rlhf.rollout.fleet.RolloutFleet), against a
+"""Colocated sleep/wake as the trainer drives it (`PolicyServers`), against a
 local HTTP server that records SGLang's admin routes; each body is parsed with SGLang's own
 request classes. The release itself needs CUDA (tests/gpu/test_sglang_sleep_wake.py runs
 it on a real server); on CPU only the command line and the call sequence can be checked."""
@@ -14,7 +14,7 @@ from typing import ClassVar
 import pytest
 
 from rlhf.config.schema import RolloutConfig
-from rlhf.rollout.fleet import RolloutFleet
+from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.rollout.sglang_server import build_server_args
 
 
@@ -44,8 +44,8 @@ def servers():
         server.shutdown()
 
 
-def fleet_over(urls: list[str], sleeps: bool) -> RolloutFleet:
-    fleet = object.__new__(RolloutFleet)  # the engine-owning rank, without launching servers
+def fleet_over(urls: list[str], sleeps: bool) -> PolicyServers:
+    fleet = object.__new__(PolicyServers)  # the engine-owning rank, without launching servers
     fleet.engine, fleet.sleeps, fleet.asleep = SimpleNamespace(server_urls=urls), sleeps, set()
     return fleet
 

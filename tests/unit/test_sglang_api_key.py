@@ -17,11 +17,12 @@ from typing import ClassVar
 
 import pytest
 
+from rlhf import sglang_api
 from rlhf.cli import launch_servers
 from rlhf.config.engine_args import server_argv
 from rlhf.config.loader import ConfigError
 from rlhf.config.schema import RolloutConfig
-from rlhf.rollout import engine, sglang_api
+from rlhf.rollout import engine
 from rlhf.rollout.client import GenerateClient, GenerateError, generate, generate_payload
 from rlhf.rollout.sglang_server import (
     ServerLaunch,

@@ -16,8 +16,7 @@ from rlhf.config import load_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult
-from rlhf.trainer.reward_model import require_scored
-from rlhf.trainer.step_batch import (
+from rlhf.trainer.rollout_strategy import (
     collect_step_batch,
     informative_groups,
     overlong_penalties,
@@ -60,7 +59,8 @@ def config(*overrides: str):
 def collect(fleet: ScriptedFleet, *overrides: str):
     cfg = config(*overrides)
     sampler = PromptSampler(8, cfg.data.train_batch_size, 2, seed=0)
-    return collect_step_batch(fleet, sampler, list(range(8)), cfg, require_scored)  # type: ignore[arg-type]
+    got = collect_step_batch(fleet, sampler, list(range(8)), cfg, None)  # type: ignore[arg-type]
+    return got.batch, got.rounds, got.metrics
 
 
 def test_groups():

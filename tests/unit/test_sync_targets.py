@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from rlhf.rollout.sglang_api import SGLangAPIError
+from rlhf.sglang_api import SGLangAPIError
 from rlhf.weight_sync import syncer
 from rlhf.weight_sync.syncer import Phases, _Targets
 from rlhf.weight_sync.transports import TensorTransport

@@ -8,6 +8,7 @@ import torch
 from rlhf.config.schema import RolloutConfig
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
+from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.weight_sync.factory import build_weight_syncer
 from rlhf.weight_sync.gather import SyncTopology, bucketize
 from rlhf.weight_sync.probe import LogprobMismatchError, check_parity
@@ -47,7 +48,8 @@ def test_factory_reads_the_rollout_config(tmp_path, kind, transport_type):
     )
     assert isinstance(syncer.transport, transport_type)
     assert syncer.bucket_bytes == 3 * 1024 * 1024
-    assert syncer.probe_threshold == 0.1
+    servers = PolicyServers(None, None, syncer, rollout)  # type: ignore[arg-type]  # no ranks
+    assert servers.probe_threshold == 0.1  # the owner of the servers checks the probe
     assert isinstance(syncer.snapshot, DiskTransport)  # the disk transport is its own snapshot
     no_snapshot = RolloutConfig(weight_sync_transport=kind, weight_sync_snapshot=False)
     syncer = build_weight_syncer(no_snapshot, [], ARCH, TOPO, run_dir=tmp_path, model_path=tmp_path)
@@ -57,7 +59,7 @@ def test_factory_reads_the_rollout_config(tmp_path, kind, transport_type):
 def test_resync_without_snapshot_is_a_clear_error(tmp_path):
     rollout = RolloutConfig(weight_sync_transport="tensor", weight_sync_snapshot=False)
     syncer = build_weight_syncer(rollout, [], ARCH, TOPO, run_dir=tmp_path, model_path=tmp_path)
-    syncer.resync_server("http://h:1")  # nothing synced yet: nothing to do
+    syncer.reload("http://h:1")  # nothing synced yet: nothing to do
     syncer.version = 3
     with pytest.raises(RuntimeError, match="http://h:1 restarted with its initial weights"):
-        syncer.resync_server("http://h:1")
+        syncer.reload("http://h:1")

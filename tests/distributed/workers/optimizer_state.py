@@ -1,7 +1,7 @@
 """Worker: PPO updates with and without Megatron's distributed optimizer; save and resume.
 
 Builds the PPO models (GAE: actor, critic, reference) from the HF checkpoint and runs
-`--steps` trainer steps (`train_on_batch`) on the fixed synthetic batch of trainer_step.py,
+`--steps` trainer steps (`learn_from_batch`) on the fixed synthetic batch of trainer_step.py,
 each with 3 Adam steps per model (one mini-batch, 3 epochs). `--save DIR` writes actor and
 critic (model, optimizer, LR schedule) after the first step through the trainer's
 checkpoint code; `--resume DIR` loads them into freshly built models and runs the remaining
@@ -120,8 +120,8 @@ def run(args, ctx) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.config import validate_config
     from rlhf.logging import Timer
+    from rlhf.trainer.ppo_step import learn_from_batch
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
-    from rlhf.trainer.step import train_on_batch
 
     layout = [f"trainer.n_gpus_per_node={ctx.world_size}"]
     layout += [f"{r}.megatron.tensor_model_parallel_size={args.tp}" for r in ROLES]
@@ -144,7 +144,7 @@ def run(args, ctx) -> dict:
             for model in (models.actor, models.critic, models.ref):
                 kinds = ("params",) if model is models.ref else ("params", "grads", "optimizer")
                 model.offload_between_uses(kinds)
-        _, metrics[step] = train_on_batch(models, batch, cfg, kl_ctrl, Timer())
+        metrics[step] = learn_from_batch(models, batch, cfg, kl_ctrl, Timer()).metrics
         if args.offload and step == 2:
             freed = {role: resident_bytes(getattr(models, role)) for role in ROLE_MODELS}
             freed["device_bytes"] = device_bytes(models, ctx.device)

@@ -66,7 +66,7 @@ def main() -> None:
 def run(args, ctx) -> None:
     import dataclasses
 
-    from rlhf.trainer import stages
+    from rlhf.trainer import ppo_step as stages
     from rlhf.trainer.experience import Experience
     from rlhf.trainer.micro_batch import MicroBatchPlanner
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
@@ -97,7 +97,7 @@ def run(args, ctx) -> None:
     exp = Experience(batch, before, entropy, before, None, zeros, advantages, None)
     update = dataclasses.replace(models.actor_update, token_budget=budget)
     gradient = first_gradient(actor, update, exp, planner)
-    metrics = stages.run_updates(update, exp, planner)
+    metrics, _ = stages.run_updates(update, exp, planner)
     weights_after_first_update = {
         n: p.detach().cpu().float().clone() for n, p in actor.module.named_parameters()
     }
@@ -106,7 +106,7 @@ def run(args, ctx) -> None:
     # ratio leaves 1 after the first optimizer step and clipping engages.
     clipped = dataclasses.replace(update, mini_batch_samples=4, epochs=2)
     exp2 = dataclasses.replace(exp, old_logprobs_bt=after, old_entropy_bt=after_entropy)
-    clipped_metrics = stages.run_updates(clipped, exp2, planner)
+    clipped_metrics, _ = stages.run_updates(clipped, exp2, planner)
     final, _ = stages.compute_logprobs(actor, batch, planner, budget, head)
     round_trip = checkpoint_round_trip(actor, lambda: build_ppo_models(cfg, arch, ctx, 1).actor)
     if ctx.rank == 0:
@@ -134,11 +134,9 @@ def run(args, ctx) -> None:
 def first_gradient(actor, update, exp, planner) -> dict[str, torch.Tensor]:
     """The gradient of the update's (one) mini-batch loss before any step, per parameter
     (this rank's shards), through the trainer's own forward-backward."""
-    from rlhf.trainer.stages import mini_batch_counts
-
     (micro_batches,) = planner.plan(exp.batch, update.token_budget, update.mini_batch_samples)
     actor.compute_gradients(
-        micro_batches, update.loss_head(exp, mini_batch_counts(micro_batches, planner))
+        micro_batches, update.loss.head(exp, planner.mini_batch_counts(micro_batches))
     )
     grads = {
         n: p.main_grad.detach().cpu().float().clone() for n, p in actor.module.named_parameters()

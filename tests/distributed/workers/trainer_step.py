@@ -1,4 +1,4 @@
-"""Worker: full trainer steps (`rlhf.trainer.step.train_on_batch`) per algorithm variant.
+"""Worker: full trainer steps (`rlhf.trainer.ppo_step.learn_from_batch`) per algorithm variant.
 
 For each variant (an advantage estimator and where the KL goes), the models the config asks
 for are built from the HF checkpoint and a fixed synthetic batch (two prompts x four samples,
@@ -88,9 +88,8 @@ def run_variant(model_dir: str, overrides: list[str], ctx) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.config import validate_config
     from rlhf.logging import Timer
+    from rlhf.trainer.ppo_step import compute_logprobs, learn_from_batch
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
-    from rlhf.trainer.stages import compute_logprobs
-    from rlhf.trainer.step import train_on_batch
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model_dir}", *COMMON, *overrides])
     arch = load_policy_arch(cfg)
@@ -99,8 +98,9 @@ def run_variant(model_dir: str, overrides: list[str], ctx) -> dict:
     batch = synthetic_batch(arch.vocab_size)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
     kl_before = kl_ctrl.value
-    train_on_batch(models, batch, cfg, kl_ctrl, Timer())
-    exp, metrics = train_on_batch(models, batch, cfg, kl_ctrl, Timer())
+    learn_from_batch(models, batch, cfg, kl_ctrl, Timer())
+    learned = learn_from_batch(models, batch, cfg, kl_ctrl, Timer())
+    exp, metrics = learned.experience, learned.metrics
     after, _ = compute_logprobs(
         models.actor, batch, models.planner, models.budgets.actor, models.logprob_head
     )

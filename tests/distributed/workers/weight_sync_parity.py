@@ -6,14 +6,30 @@ SGLang's sampled log-probs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from rlhf.config.schema import RolloutConfig
 from rlhf.distributed import bootstrap
+
+
+@dataclass(frozen=True)
+class PolicyModule:
+    """A bare Megatron module as `PolicyServers.load_weights` takes a policy (always on its
+    device; its probe log-probs through the trainer's packed forward)."""
+
+    module: torch.nn.Module
+    probe_logprobs: Callable[[list[int]], torch.Tensor]
+
+    def on_device(self):
+        return contextlib.nullcontext()
 
 
 def perturb(model, placement, version: int) -> None:
@@ -59,7 +75,7 @@ def actor_logprobs(model, arch, ctx, tokens: list[int]) -> torch.Tensor:
     from rlhf.trainer.heads import LogprobHead
     from rlhf.trainer.megatron_model import MegatronModel
     from rlhf.trainer.micro_batch import MicroBatchPlanner
-    from rlhf.trainer.stages import probe_logprobs
+    from rlhf.trainer.ppo_step import probe_logprobs
 
     head = LogprobHead(VocabShard.of(ctx, model.padded_vocab_size, arch.vocab_size))
     planner = MicroBatchPlanner(ctx, thd=False)
@@ -68,7 +84,7 @@ def actor_logprobs(model, arch, ctx, tokens: list[int]) -> torch.Tensor:
 
 def recompute_sampled_logprobs(model, arch, ctx, topo, url: str, prompts: list[list[int]]):
     """Max |SGLang sampled log-prob - actor log-prob| over n=2 samples of each prompt."""
-    from rlhf.rollout import sglang_api
+    from rlhf import sglang_api
 
     request = {
         "input_ids": prompts,
@@ -104,7 +120,8 @@ def main() -> None:
     out = Path(args.out_dir)
     ctx = bootstrap.init_parallel("cpu", tp_size=args.tp, pp_size=args.pp)
     bootstrap.seed_everything(0)
-    from rlhf.rollout import sglang_api
+    from rlhf import sglang_api
+    from rlhf.rollout.policy_servers import PolicyServers
     from rlhf.weight_sync.gather import SyncTopology, iter_buckets
     from rlhf.weight_sync.probe import probe_tokens
     from rlhf.weight_sync.syncer import WeightSyncer
@@ -113,12 +130,14 @@ def main() -> None:
     model, arch = perturbed_actor(args.hf_dir, topo, args.version)
     transport = make_transport(args.transport, args.server_url, out, args.hf_dir)
     syncer = WeightSyncer(transport, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
-    stats = syncer.sync(model, version=args.version)
-    probe = actor_logprobs(model, arch, ctx, syncer.probe_tokens)
+    rollout = RolloutConfig(server_urls=[args.server_url], logprob_diff_threshold=None)
+    servers = PolicyServers(ctx, None, syncer, rollout)  # the owner's load, on every rank
+    policy = PolicyModule(model, lambda tokens: actor_logprobs(model, arch, ctx, tokens))
+    loaded = servers.load_weights(policy, args.version)
     report = {
-        "probe_diff": syncer.compare_probe(probe, ctx.device),
-        "num_buckets": stats.num_buckets,
-        "max_bucket_bytes": stats.max_bucket_bytes,
+        "probe_diff": loaded.logprob_diff_max,
+        "num_buckets": loaded.stats.num_buckets,
+        "max_bucket_bytes": loaded.stats.max_bucket_bytes,
     }
     if args.check_sampling:
         prompts = [probe_tokens(arch.vocab_size, 10, seed=s) for s in (5, 6)]
@@ -126,7 +145,7 @@ def main() -> None:
             model, arch, ctx, topo, args.server_url, prompts
         )
     exported = [t for bucket in iter_buckets(model, arch, topo, 1 << 30) for t in bucket]
-    syncer.close()  # the distributed transport destroys its process group
+    servers.shutdown()  # closes the syncer: the distributed transport destroys its group
     report["open_groups_after_close"] = len(getattr(transport, "groups", {}))
     if topo.is_sender:
         report["weight_version"] = sglang_api.weight_version(args.server_url)

@@ -1,5 +1,6 @@
-"""Worker (1 rank): sync perturbed weights into a launched server, kill the server mid-run,
-and check that the restarted server gets the synced weights back (snapshot re-sync)."""
+"""Worker (1 rank): load perturbed weights into a launched server through its owner
+(`PolicyServers`), kill the server mid-run, and check that the restarted server gets the
+loaded weights back (the owner's restart hook reloads the snapshot)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from pathlib import Path
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.distributed import bootstrap
-from tests.distributed.workers.weight_sync_parity import actor_logprobs, perturbed_actor
+from tests.distributed.workers.weight_sync_parity import (
+    PolicyModule,
+    actor_logprobs,
+    perturbed_actor,
+)
 
 
 def main() -> None:
@@ -22,13 +27,15 @@ def main() -> None:
     out = Path(args.out_dir)
     ctx = bootstrap.init_parallel("cpu")
     bootstrap.seed_everything(0)
-    from rlhf.rollout import sglang_api
+    from rlhf import sglang_api
     from rlhf.rollout.engine import SamplingParams, SGLangEngine
+    from rlhf.rollout.policy_servers import PolicyServers
     from rlhf.weight_sync.factory import build_weight_syncer
     from rlhf.weight_sync.gather import SyncTopology
 
     topo = SyncTopology.of(ctx)
     model, arch = perturbed_actor(args.hf_dir, topo, version=7)
+    policy = PolicyModule(model, lambda tokens: actor_logprobs(model, arch, ctx, tokens))
     rollout = RolloutConfig(dtype="float32", max_server_restarts=1, retry_backoff_s=0.5)
     with SGLangEngine(
         rollout, args.hf_dir, log_dir=out / "logs", device="cpu", max_total_tokens=2048
@@ -37,14 +44,12 @@ def main() -> None:
         syncer = build_weight_syncer(
             rollout, [url], arch, topo, run_dir=out, model_path=args.hf_dir
         )
-        engine.on_server_restart(syncer.resync_server)
-        syncer.sync(model, version=7)
-        probe = syncer.probe_tokens
-        actor = actor_logprobs(model, arch, ctx, probe)
-        before = syncer.compare_probe(actor, ctx.device)
+        servers = PolicyServers(ctx, engine, syncer, rollout)  # registers the restart hook
+        before = servers.load_weights(policy, 7).logprob_diff_max
+        probe = servers.probe_tokens
         os.killpg(engine.group.servers[0].proc.pid, signal.SIGKILL)
         samples = engine.generate([probe[:8], probe[8:16]], SamplingParams(n=2, max_new_tokens=4))
-        after = syncer.compare_probe(actor, ctx.device)
+        after = servers.probe(policy)
         report = {
             "before": before,
             "after": after,

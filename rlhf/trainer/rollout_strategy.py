@@ -1,4 +1,11 @@
-"""The scored batch one training step learns from, with DAPO's two changes to it.
+"""Where a step's scored batch comes from: the rollout strategy (docs/architecture.md).
+
+`SynchronousRollout` generates the batch at the start of the step with the weights the
+servers hold (the previous step's policy: no lag). This is the seam a one-step-off
+(asynchronous) or multi-turn strategy replaces: `next_batch(step)` returns a `StepBatch`
+whose rounds carry the policy version that generated them.
+
+The synchronous batch includes DAPO's two changes to it:
 
 - Dynamic sampling (`algorithm.filter_groups`): a prompt whose samples all score the same
   gives every sample the same group advantage, i.e. no signal. Such groups are dropped and
@@ -17,7 +24,8 @@ takes the same decisions.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,9 +33,52 @@ from rlhf.config.schema import OverlongBufferConfig, RLHFConfig
 from rlhf.data.prompts import PromptDataset
 from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.fleet import RolloutFleet
 from rlhf.rollout.generation import RolloutResult, sampling_params
+from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.trainer.metrics import reward_style_metrics
+from rlhf.trainer.reward_model import RewardModelScorer, score_model_rows
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The batch a step learns from, every generation round that made it (records on the
+    main rank, the policy version that generated it), and the metrics of dynamic sampling
+    and overlong shaping (when enabled)."""
+
+    batch: RolloutBatch
+    rounds: list[RolloutResult]
+    metrics: dict[str, float]
+
+    @property
+    def reward_s(self) -> float:
+        """Seconds spent scoring (rules and reward model), over all rounds."""
+        return sum(r.reward_s for r in self.rounds)
+
+    @property
+    def policy_versions(self) -> list[int | None]:
+        return [r.policy_version for r in self.rounds]
+
+
+class RolloutStrategy(Protocol):
+    """How a step gets its scored batch (collective: every rank calls, every rank gets it)."""
+
+    def next_batch(self, step: int) -> StepBatch: ...
+
+
+@dataclass
+class SynchronousRollout:
+    """Generate and score the step's batch now, from the policy the servers serve."""
+
+    servers: PolicyServers
+    sampler: PromptSampler
+    data: PromptDataset
+    cfg: RLHFConfig
+    reward_model: RewardModelScorer | None  # scores the reward_model.style=model rows
+
+    def next_batch(self, step: int) -> StepBatch:
+        return collect_step_batch(
+            self.servers, self.sampler, self.data, self.cfg, self.reward_model
+        )
 
 
 def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
@@ -52,15 +103,14 @@ def overlong_penalties(batch: RolloutBatch, max_length: int, cfg: OverlongBuffer
 
 
 def collect_step_batch(
-    fleet: RolloutFleet,
+    servers: PolicyServers,
     sampler: PromptSampler,
     data: PromptDataset,
     cfg: RLHFConfig,
-    score_model_rows: Callable[[RolloutResult], RolloutResult],
-) -> tuple[RolloutBatch, list[RolloutResult], dict[str, float]]:
-    """The step's training batch, every generation round's result (with the reward
-    model's scores, `score_model_rows`), and the metrics of dynamic sampling and overlong
-    shaping (when enabled)."""
+    reward_model: RewardModelScorer | None,
+) -> StepBatch:
+    """Generate rounds of prompts (rule rewards scored on the engine rank, model rewards by
+    `reward_model`) until the step has `data.train_batch_size` prompt groups."""
     params, wanted = sampling_params(cfg), cfg.data.train_batch_size
     filtering = cfg.algorithm.filter_groups
     results: list[RolloutResult] = []
@@ -76,8 +126,8 @@ def collect_step_batch(
             )
         sampled = sampler.next_batch()  # every rank advances its sampler identically
         prompts = [data[i] for i in sampled.prompt_indices]
-        generated = fleet.generate(prompts, sampled.uids, sampled.prompt_indices, params)
-        results.append(score_model_rows(generated))
+        generated = servers.generate(prompts, sampled.uids, sampled.prompt_indices, params)
+        results.append(score_model_rows(generated, reward_model))
         batch = results[-1].batch
         groups = informative_groups(batch) if filtering.enable else prompt_groups(batch)
         kept += [[offset + i for i in g] for g in groups]
@@ -98,4 +148,4 @@ def collect_step_batch(
         )
         batch = dataclasses.replace(batch, scores_b=batch.scores_b + penalty)
         metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
-    return batch, results, metrics
+    return StepBatch(batch, results, metrics)

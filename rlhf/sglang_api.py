@@ -2,7 +2,9 @@
 
 One function per route, each a blocking call that raises `SGLangAPIError` naming the server
 and the route (or returns False for health). Weight sync, the log-prob probe, the server
-group and the preflight checks call these; nothing else builds SGLang requests.
+group and the preflight checks call these; nothing else builds SGLang requests. This module
+sits below both `rlhf.rollout` (which owns the servers) and `rlhf.weight_sync` (which moves
+weights into them).
 
 Authentication: a server bound to a reachable address would let anyone load weights into
 it (`update_weights_from_disk`, ...), so servers and the router are started with SGLang's
@@ -57,6 +59,11 @@ class SGLangAPIError(RuntimeError):
         super().__init__(message)
         self.url = url
         self.unreachable = unreachable
+
+
+class ServerLost(RuntimeError):
+    """A server is gone for good: out of restarts, an external one (never restarted), or
+    restarted without a way to give it the current weights."""
 
 
 def _post(url: str, route: str, payload: dict | None = None, timeout_s: float = ADMIN_TIMEOUT_S):

@@ -1,0 +1,370 @@
+"""The SGLang servers that serve the policy, and the weight version they hold: one owner.
+
+Every rank holds a `PolicyServers`; the ranks that own servers hold the engine:
+
+- one node (or `rollout.server_urls` given, i.e. disaggregated servers): global rank 0 owns
+  the engine and generates every prompt;
+- several nodes, colocated (servers launched by the job): each node's local rank 0 owns a
+  server group on its node. A step's prompts are split across the nodes in order, each
+  node generates and scores its share, and rank 0 gathers them back in prompt order, so
+  the batch is the one a single engine would produce.
+
+It does three things, each behind one call (all ranks call):
+
+- `generate` / `validate`: scored responses, the same `RolloutResult` on every rank, stamped
+  with the weight version that generated them (`RolloutResult.policy_version`);
+- `load_weights(policy, v)`: wake sleeping servers, move the policy's weights into them as
+  version v (`rlhf.weight_sync`: gather + transport), restart and reload a server lost on
+  the way, and check log-prob parity on a probe sequence; afterwards every server serves v;
+- `release_memory`: colocated GPU servers free their weights and KV cache for training.
+
+A launched server that dies is restarted by its `ServerGroup`; the restart hook registered
+here reloads the current version into it (`WeightSyncer.reload`), so a generation that
+outlives a server crash still samples from the current policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from torch import Tensor, nn
+
+from rlhf import sglang_api
+from rlhf.config.schema import RLHFConfig, RolloutConfig
+from rlhf.data.prompts import EncodedPrompt
+from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
+from rlhf.distributed.context import ParallelContext
+from rlhf.models.families import ModelArch
+from rlhf.reward.scorer import RewardScorer
+from rlhf.rollout.batch import RolloutBatch
+from rlhf.rollout.engine import SamplingParams, SGLangEngine
+from rlhf.rollout.generation import RolloutResult, generate_and_score, kv_cache_tokens
+from rlhf.sglang_api import ServerLost
+from rlhf.utils import split_evenly
+from rlhf.weight_sync.factory import build_weight_syncer
+from rlhf.weight_sync.gather import SyncTopology
+from rlhf.weight_sync.probe import check_parity, logprob_diff_max, probe_tokens
+from rlhf.weight_sync.syncer import SyncStats, WeightSyncer
+
+log = logging.getLogger(__name__)
+
+
+class PolicyWeights(Protocol):
+    """What `load_weights` needs of the trained policy (the trainer's actor)."""
+
+    @property
+    def module(self) -> nn.Module:
+        """This rank's shard of the model."""
+        ...
+
+    def on_device(self) -> AbstractContextManager[None]:
+        """The weights on the device inside this context (an offloaded actor)."""
+        ...
+
+    def probe_logprobs(self, tokens: list[int]) -> Tensor:
+        """log p(token_t | tokens_<t), t >= 1, through the training forward path."""
+        ...
+
+
+@dataclass(frozen=True)
+class WeightLoad:
+    """One `load_weights`: what moved, and how far the servers' log-probs are from the
+    policy's on the probe (`rollout/logprob_diff_max`)."""
+
+    version: int
+    stats: SyncStats
+    logprob_diff_max: float
+
+    def metrics(self) -> dict[str, float]:
+        phases = {f"timing_s/update_weights_{k}": v for k, v in self.stats.phase_s.items()}
+        return {
+            "perf/weight_sync_bytes": float(self.stats.num_bytes),
+            "rollout/logprob_diff_max": self.logprob_diff_max,
+            **phases,
+        }
+
+
+class PolicyServers:
+    """The policy's SGLang servers on their owning ranks, and the weights they serve."""
+
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        engine: SGLangEngine | None,
+        syncer: WeightSyncer,
+        rollout: RolloutConfig,
+        *,
+        tokenizer=None,
+        scorer: RewardScorer | None = None,
+        per_node: bool = False,
+        sleeps: bool = False,
+    ):
+        """`engine` on the ranks that own servers (None elsewhere); `syncer` on every rank;
+        `sleeps`: colocated GPU servers release their memory between generations."""
+        self.ctx, self.engine, self.syncer = ctx, engine, syncer
+        self.tokenizer, self.scorer, self.per_node, self.sleeps = (
+            tokenizer,
+            scorer,
+            per_node,
+            sleeps,
+        )
+        self.asleep: set[str] = set()
+        self.probe_tokens = probe_tokens(syncer.arch.vocab_size)
+        self.probe_threshold = rollout.logprob_diff_threshold
+        # launched servers load model.path, which the actor starts from: version 0; external
+        # servers may hold anything until the first load
+        self.version: int | None = None if rollout.server_urls else 0
+        if engine is not None:
+            engine.on_server_restart(self._reload)
+
+    @classmethod
+    def launch(
+        cls,
+        cfg: RLHFConfig,
+        ctx: ParallelContext,
+        run_dir: Path,
+        tokenizer,
+        max_prompts: int,
+        arch: ModelArch,
+    ) -> PolicyServers:
+        """Start the servers (without waiting: the caller builds its models meanwhile and then
+        calls `wait_ready`) and the weight syncer of this rank's node."""
+        rollout = cfg.actor_rollout_ref.rollout
+        per_node = rollout.server_urls is None and ctx.num_nodes > 1
+        owner = ctx.local_rank == 0 if per_node else ctx.is_main
+        node_dir = run_dir / f"node{ctx.node_rank}" if per_node else run_dir
+        engine = scorer = None
+        if owner:
+            scorer = RewardScorer.from_config(cfg.reward)
+            cpu = ctx.device.type == "cpu"
+            engine = SGLangEngine(
+                rollout,
+                cfg.actor_rollout_ref.model.path,
+                log_dir=node_dir / "logs",
+                device=ctx.device.type,
+                seed=cfg.data.seed,
+                max_total_tokens=kv_cache_tokens(cfg, max_prompts) if cpu else None,
+                wait=False,
+            )
+        try:
+            urls = node_server_urls(ctx, engine, per_node)
+            topology = SyncTopology.of(ctx, per_node=per_node)
+            syncer = build_weight_syncer(
+                rollout,
+                urls,
+                arch,
+                topology,
+                run_dir=node_dir,
+                model_path=cfg.actor_rollout_ref.model.path,
+            )
+        except BaseException:
+            if engine is not None:
+                engine.shutdown()
+            raise
+        launched = rollout.server_urls is None
+        sleeps = launched and rollout.free_cache_engine and ctx.device.type != "cpu"
+        if launched and rollout.free_cache_engine and not sleeps and ctx.is_main:
+            log.info(
+                "rollout.free_cache_engine: no effect on CPU (SGLang's memory release needs "
+                "CUDA); the servers keep their weights and KV cache"
+            )
+        return cls(
+            ctx,
+            engine,
+            syncer,
+            rollout,
+            tokenizer=tokenizer,
+            scorer=scorer,
+            per_node=per_node,
+            sleeps=sleeps,
+        )
+
+    @property
+    def server_urls(self) -> list[str]:
+        """The servers of this rank's node (the ones its weight sync reaches)."""
+        return self.syncer.server_urls
+
+    def wait_ready(self) -> None:
+        """Until this rank's servers are healthy (they were launched without waiting)."""
+        if self.engine is not None:
+            self.engine.wait_ready()
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[EncodedPrompt],
+        uids: list[str],
+        indices: list[int],
+        params: SamplingParams,
+    ) -> RolloutResult:
+        """`params.n` scored responses per prompt, in prompt order, on every rank."""
+        if not self.per_node:
+            mine = self._generate(prompts, uids, indices, params) if self.ctx.is_main else None
+        else:
+            share = None
+            if self.engine is not None:
+                nodes, node = self.ctx.num_nodes, self.ctx.node_rank
+                share = self._generate(
+                    split_evenly(prompts, nodes)[node],
+                    split_evenly(uids, nodes)[node],
+                    split_evenly(indices, nodes)[node],
+                    params,
+                )
+            mine = _concat(gather_objects(share))
+        return _share(mine)
+
+    def validate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> RolloutResult:
+        """Validation responses of every prompt (generated on rank 0's engine), on every rank."""
+        mine = None
+        if self.ctx.is_main:
+            uids = [f"val-{i}" for i in range(len(prompts))]
+            mine = self._generate(prompts, uids, list(range(len(prompts))), params)
+        return _share(mine)
+
+    def _generate(
+        self,
+        prompts: list[EncodedPrompt],
+        uids: list[str],
+        indices: list[int],
+        params: SamplingParams,
+    ) -> RolloutResult:
+        assert self.engine is not None and self.scorer is not None
+        return generate_and_score(
+            self.engine, self.tokenizer, self.scorer, prompts, uids, indices, params, self.version
+        )
+
+    # ---- weights ------------------------------------------------------------------------
+
+    def load_weights(self, policy: PolicyWeights, version: int) -> WeightLoad:
+        """Every server serves `policy`'s weights as `version` (all ranks call): wake, sync,
+        recover a server lost on the way, then the log-prob probe (raises above
+        `rollout.logprob_diff_threshold`)."""
+        self.resume_memory(["weights"])  # colocated GPU servers slept while training
+        with policy.on_device():
+            stats = self.syncer.sync(policy.module, version)
+            for url in stats.lost:
+                self._recover(url)
+            self.version = version
+            self.resume_memory(["kv_cache"])
+            diff = self.probe(policy)
+        return WeightLoad(version, stats, diff)
+
+    def probe(self, policy: PolicyWeights) -> float:
+        """rollout/logprob_diff_max: the largest |server - policy| log-prob of the probe
+        sequence over this node's servers, the same on every rank; raises above the
+        threshold. A server lost meanwhile is recovered and asked again."""
+        actor_logprobs = policy.probe_logprobs(self.probe_tokens)
+        diff = logprob_diff_max(
+            actor_logprobs,
+            self._server_logprobs,
+            self.server_urls,
+            self.syncer.topology.is_sender,
+            self.ctx.device,
+        )
+        log.debug("weights v%s: rollout/logprob_diff_max = %.3e", self.version, diff)
+        check_parity(diff, self.probe_threshold)
+        return diff
+
+    def _server_logprobs(self, url: str) -> list[float]:
+        try:
+            return sglang_api.prompt_logprobs(url, self.probe_tokens)
+        except sglang_api.SGLangAPIError as e:
+            if not e.unreachable:
+                raise
+            log.warning("SGLang server %s lost during the log-prob probe: %s", url, e)
+        self._recover(url)
+        return sglang_api.prompt_logprobs(url, self.probe_tokens)
+
+    def _recover(self, url: str) -> None:
+        """A server stopped answering: restart it if it died (within
+        `rollout.max_server_restarts`), then make it hold the synced version. External
+        servers are never restarted."""
+        if self.engine is None:
+            raise ServerLost(f"SGLang server {url} was lost on a rank that does not own it")
+        restarts = self.engine.group.restarts
+        before = restarts.get(url, 0)
+        if self.engine.recover(url) != url:
+            raise ServerLost(
+                f"external SGLang server at {url} was lost; external servers are never "
+                "restarted by the trainer: restart it, then resume the run"
+            )
+        if restarts.get(url, 0) > before:  # a new process holds all its memory (GPU)
+            self.asleep.discard(url)
+        if sglang_api.weight_version(url) != str(self.syncer.version):
+            # alive (it answered too late), with the sync's update window still open
+            with contextlib.suppress(sglang_api.SGLangAPIError):
+                sglang_api.end_weight_update(url)
+            self.syncer.reload(url)
+        log.warning("SGLang server %s holds the weights of version %s again", url, self.version)
+
+    def _reload(self, url: str) -> None:
+        """Restart hook: a restarted server came back with the initial weights."""
+        self.syncer.reload(url)
+
+    # ---- memory (colocated GPU servers) ---------------------------------------------------
+
+    def release_memory(self) -> None:
+        """Sleep: the engine's servers free their weights and KV cache (GPU, colocated)."""
+        if not self.sleeps or self.engine is None:
+            return
+        for url in self.engine.server_urls:
+            sglang_api.release_memory_occupation(url, ["weights", "kv_cache"])
+            self.asleep.add(url)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Wake `tags` of the sleeping servers: "weights" before a weight sync, then
+        "kv_cache" before generating (the released weights are stale until synced)."""
+        if self.engine is None:
+            return
+        for url in sorted(self.asleep):
+            sglang_api.resume_memory_occupation(url, tags)
+        if "kv_cache" in tags:
+            self.asleep.clear()
+
+    def shutdown(self) -> None:
+        try:
+            self.syncer.close()
+        finally:
+            if self.scorer is not None:
+                self.scorer.close()
+            if self.engine is not None:
+                self.engine.shutdown()
+
+
+def node_server_urls(ctx: ParallelContext, engine: SGLangEngine | None, per_node: bool):
+    """The server URLs of this rank's node (every rank of a node gets the same list)."""
+    everyone = all_gather_objects(engine.server_urls if engine else None)
+    owner = ctx.node_rank * ctx.local_world_size if per_node else 0
+    urls = everyone[owner]
+    assert urls is not None, f"rank {owner} owns an engine"
+    return urls
+
+
+def _concat(parts: list[RolloutResult | None] | None) -> RolloutResult | None:
+    """On rank 0: the node leaders' results (in rank = node order) as one; None elsewhere."""
+    if parts is None:
+        return None
+    results = [p for p in parts if p is not None]
+    batch = RolloutBatch.concat([r.batch for r in results])
+    records = [record for r in results for record in r.records]
+    reward_s = max(r.reward_s for r in results)
+    return RolloutResult(batch, records, reward_s, results[0].policy_version)
+
+
+def _share(result: RolloutResult | None) -> RolloutResult:
+    """Rank 0's result on every rank (records stay on rank 0)."""
+    sent = None
+    if result is not None:
+        sent = (result.batch.to_objects(), result.reward_s, result.policy_version)
+    received = broadcast_object(sent)
+    if result is not None:
+        return result
+    assert received is not None, "rank 0 generated"
+    objects, reward_s, version = received
+    return RolloutResult(RolloutBatch.from_objects(objects), [], reward_s, version)

@@ -1,0 +1,350 @@
+"""One PPO step, top to bottom.
+
+    generate -> score -> old/ref log-probs and values -> advantages -> critic update
+    -> actor update -> weights to the servers -> metrics
+
+`PPOStep.run(step)` is that sequence (the trainer's loop calls it once per step);
+`learn_from_batch` is its middle part, from a scored batch to the updated models, which the
+trainer tests also run on synthetic batches. The stages are small functions: the batch
+comes from the rollout strategy (`rlhf.trainer.rollout_strategy`), forward passes run over
+packed micro-batches (`MicroBatchPlanner.per_sample`), the experience is built by
+`rlhf.trainer.experience`, each update is one optimizer step per mini-batch
+(`TrainableMegatronModel.train_mini_batch`), and the weights go to the servers through
+`PolicyServers.load_weights`.
+
+The step returns a typed `StepResult`; its `metrics` are the logging view of it and are
+never read back to decide anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from rlhf.algo import masked_mean
+from rlhf.algo.kl import AdaptiveKLController, FixedKLController
+from rlhf.config.schema import RLHFConfig
+from rlhf.logging import Timer
+from rlhf.rollout.batch import RolloutBatch
+from rlhf.rollout.generation import write_records
+from rlhf.rollout.policy_servers import PolicyServers, WeightLoad
+from rlhf.trainer.early_stop import should_stop_epochs
+from rlhf.trainer.experience import Experience, build_experience
+from rlhf.trainer.heads import CriticValueHead, LogprobHead
+from rlhf.trainer.megatron_model import MegatronModel
+from rlhf.trainer.metrics import StepMeter, rollout_metrics
+from rlhf.trainer.micro_batch import MicroBatchPlanner
+from rlhf.trainer.nonfinite import (
+    NonFiniteError,
+    check_scores,
+    nonfinite_marks,
+    nonfinite_metrics,
+    nonfinite_tensors,
+)
+from rlhf.trainer.rollout_strategy import RolloutStrategy
+from rlhf.trainer.setup import PPOModels, UpdateSpec
+
+log = logging.getLogger(__name__)
+KLController = FixedKLController | AdaptiveKLController
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What one batch taught the models.
+
+    skipped: a tensor of the experience was not finite, so no update ran
+    (`trainer.on_nonfinite=skip`); nonfinite: the names of what was not finite (the
+    experience's tensors, or the gradients of updates that were skipped).
+    """
+
+    experience: Experience
+    skipped: bool
+    nonfinite: list[str]
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step: its batch's mean score and KL to the reference (what the early stop reads),
+    what was skipped, the weight version the servers now serve, and the metrics to log."""
+
+    step: int
+    experience: Experience
+    mean_score: float
+    reward_kl: float | None
+    skipped: bool
+    nonfinite: list[str]
+    weights: WeightLoad
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ActorWeights:
+    """The actor as `PolicyServers.load_weights` sees it: its module, its device context and
+    its log-probs of the probe through the training forward path (temperature 1)."""
+
+    actor: MegatronModel
+    planner: MicroBatchPlanner
+    probe_head: LogprobHead
+
+    @property
+    def module(self) -> nn.Module:
+        return self.actor.module
+
+    def on_device(self) -> AbstractContextManager[None]:
+        return self.actor.on_device()
+
+    def probe_logprobs(self, tokens: list[int]) -> Tensor:
+        return probe_logprobs(self.actor, tokens, self.planner, self.probe_head)
+
+
+class PPOStep:
+    """The step of a run: its models, servers, rollout strategy and KL controller."""
+
+    def __init__(
+        self,
+        cfg: RLHFConfig,
+        models: PPOModels,
+        servers: PolicyServers,
+        rollout: RolloutStrategy,
+        kl_ctrl: KLController,
+        meter: StepMeter,
+        rollouts_dir: Path | None,
+    ):
+        """`meter`: the step's performance metrics; `rollouts_dir`: where the main rank writes
+        each step's samples (None on the other ranks)."""
+        self.cfg, self.models, self.servers, self.rollout = cfg, models, servers, rollout
+        self.kl_ctrl, self.meter, self.rollouts_dir = kl_ctrl, meter, rollouts_dir
+        self.policy = ActorWeights(models.actor, models.planner, models.probe_head)
+
+    def run(self, step: int) -> StepResult:
+        timer, start = Timer(), time.perf_counter()
+        # generate and score (rule rewards on the engine rank, the reward model here)
+        with timer.stage("gen"):
+            scored = self.rollout.next_batch(step)
+        batch = scored.batch
+        check_scores(batch)
+        self.servers.release_memory()  # GPU, colocated: training gets SGLang's memory
+        timer.seconds["gen"] -= scored.reward_s  # scoring ran inside the gen stage
+        timer.seconds["reward"] = scored.reward_s
+        if self.rollouts_dir is not None:
+            records = [record for r in scored.rounds for record in r.records]
+            write_records(records, self.rollouts_dir / f"step_{step}.jsonl")
+        # old/ref log-probs and values -> advantages -> critic update -> actor update
+        learned = learn_from_batch(self.models, batch, self.cfg, self.kl_ctrl, timer)
+        # the servers serve the updated actor as version `step`
+        with timer.stage("update_weights"):
+            weights = self.servers.load_weights(self.policy, step)
+        step_s = time.perf_counter() - start
+        exp = learned.experience
+        metrics = learned.metrics | scored.metrics | weights.metrics()
+        metrics |= rollout_metrics(batch, self.cfg.data.max_response_length)
+        metrics |= timer.metrics() | {"timing_s/step": step_s}
+        metrics |= self.meter.metrics(batch, step_s)
+        if exp.old_entropy_bt is not None:  # not under rollout_correction.bypass_mode
+            metrics["actor/entropy_old"] = float(masked_mean(exp.old_entropy_bt, batch.mask_bt()))
+        kl = exp.reward_kl  # a skipped step's KL may be NaN: not a KL to act on
+        return StepResult(
+            step,
+            exp,
+            float(batch.scores_b.mean()),
+            kl if kl is not None and math.isfinite(kl) else None,
+            learned.skipped,
+            learned.nonfinite,
+            weights,
+            metrics,
+        )
+
+
+def learn_from_batch(
+    models: PPOModels,
+    batch: RolloutBatch,
+    cfg: RLHFConfig,
+    kl_ctrl: KLController,
+    timer: Timer,
+) -> Learned:
+    """Old log-probs (the engine's under `rollout_correction.bypass_mode`), reference
+    log-probs and values (when those models exist), advantages, then the critic's and the
+    actor's updates. The KL controller moves only when the KL is applied in the reward."""
+    m = models
+    old: tuple[Tensor, Tensor | None]
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        old = engine_logprobs(batch)
+    else:
+        with timer.stage("old_log_prob"):
+            old = compute_logprobs(m.actor, batch, m.planner, m.budgets.actor, m.logprob_head)
+    ref = values = None
+    if m.ref is not None:
+        with timer.stage("ref"):
+            ref, _ = compute_logprobs(m.ref, batch, m.planner, m.budgets.ref, m.logprob_head)
+    if m.critic is not None:
+        with timer.stage("values"):
+            values = compute_values(m.critic, batch, m.planner, m.budgets.critic)
+    with timer.stage("adv"):
+        exp, metrics = build_experience(batch, old, ref, values, cfg.algorithm, kl_ctrl.value)
+    bad = nonfinite_experience(exp)
+    if bad:  # identical on every rank: all skip or all stop
+        if cfg.trainer.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"not finite before the updates: {', '.join(bad)} (trainer.on_nonfinite=stop)"
+            )
+        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        return Learned(
+            exp, True, bad, finite | {"training/skipped_step": 1.0} | nonfinite_marks(bad)
+        )
+    if cfg.algorithm.use_kl_in_reward:
+        assert exp.reward_kl is not None, "the KL in the reward needs the reference"
+        kl_ctrl.update(exp.reward_kl, batch.size)
+    found: list[str] = []
+    if m.critic_update is not None:
+        with timer.stage("update_critic"):
+            critic_metrics, critic_bad = run_updates(m.critic_update, exp, m.planner)
+        metrics |= critic_metrics
+        found += critic_bad
+    with timer.stage("update_actor"):
+        actor_metrics, actor_bad = run_updates(m.actor_update, exp, m.planner)
+    metrics |= actor_metrics
+    found += actor_bad
+    if cfg.actor_rollout_ref.actor.use_kl_loss:
+        metrics["actor/kl_coef"] = cfg.actor_rollout_ref.actor.kl_loss_coef
+    return Learned(exp, False, found, metrics | nonfinite_marks(found))
+
+
+# ---- forward passes -------------------------------------------------------------------
+
+
+def engine_logprobs(batch: RolloutBatch) -> tuple[Tensor, None]:
+    """`algorithm.rollout_correction.bypass_mode`: the engine's log-probs as the old ones (no
+    entropies)."""
+    logprobs_bt = batch.rollout_logprobs_bt()
+    if logprobs_bt is None:
+        raise ValueError(
+            "algorithm.rollout_correction.bypass_mode needs the engine's log-probs of the "
+            "sampled tokens, and this batch has none"
+        )
+    return logprobs_bt, None
+
+
+def compute_logprobs(
+    model: MegatronModel,
+    batch: RolloutBatch,
+    planner: MicroBatchPlanner,
+    budget: int,
+    head: LogprobHead,
+) -> tuple[Tensor, Tensor]:
+    """[B, R] log-probs and entropies of the response tokens (actor or reference)."""
+    logp, entropy = planner.per_sample(model, batch, budget, head, ("logprobs", "entropy"))
+    return logp, entropy
+
+
+def compute_values(
+    critic: MegatronModel, batch: RolloutBatch, planner: MicroBatchPlanner, budget: int
+) -> Tensor:
+    """[B, R] values of the response tokens."""
+    (values,) = planner.per_sample(critic, batch, budget, CriticValueHead(), ("values",))
+    return values
+
+
+def probe_logprobs(
+    actor: MegatronModel, tokens: list[int], planner: MicroBatchPlanner, head: LogprobHead
+) -> Tensor:
+    """log p(token_t | tokens_<t), t >= 1, through the same packed forward as training.
+
+    The probe goes in as one sample per DP rank (every rank's plan needs one).
+    """
+    copies = planner.ctx.dp_size
+    batch = RolloutBatch(
+        prompt_ids=[tokens[:1]] * copies,
+        response_ids=[tokens[1:]] * copies,
+        scores_b=torch.zeros(copies),
+        data_sources=["probe"] * copies,
+        uids=[f"probe-{i}" for i in range(copies)],
+    )
+    logp, _ = compute_logprobs(actor, batch, planner, len(tokens), head)
+    return logp[0]
+
+
+def nonfinite_experience(exp: Experience) -> list[str]:
+    """Which of the step's per-token tensors have a NaN/inf on a response token."""
+    named = {
+        "old_log_prob": exp.old_logprobs_bt,
+        "ref_log_prob": exp.ref_logprobs_bt,
+        "values": exp.values_bt,
+        "advantages": exp.advantages_bt,
+        "returns": exp.returns_bt,
+    }
+    return nonfinite_tensors(named, exp.batch.mask_bt())
+
+
+# ---- updates --------------------------------------------------------------------------
+
+
+def run_updates(
+    spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner
+) -> tuple[dict[str, float], list[str]]:
+    """`spec.epochs` passes of one optimizer step per mini-batch: the metrics averaged over
+    the steps taken, and what was not finite in the updates that were skipped.
+
+    grad_norm, lr and the count of skipped updates come back as `<role>/grad_norm`,
+    `<role>/lr` and `<role>/skipped_updates` (the means are over the updates taken).
+    """
+    with spec.model.on_device():  # one reload for all mini-batches of an offloaded model
+        return _run_updates(spec, exp, planner)
+
+
+def _run_updates(
+    spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner
+) -> tuple[dict[str, float], list[str]]:
+    minis = planner.plan(exp.batch, spec.token_budget, spec.mini_batch_samples)
+    totals: dict[str, float] = {}
+    steps = skipped = 0
+    stop_note: dict[str, float] = {}
+    found: list[str] = []
+    for epoch in range(spec.epochs):
+        for micro_batches in minis:
+            head = spec.loss.head(exp, planner.mini_batch_counts(micro_batches))
+            metrics = spec.model.train_mini_batch(micro_batches, head)
+            if metrics.pop("skipped_updates"):
+                skipped += 1
+                found += _nonfinite_update(spec, metrics)
+                continue
+            steps += 1
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v
+            kl = metrics.get("actor/ppo_kl", 0.0)
+            if should_stop_epochs(kl, spec.kl_bound):
+                log.warning(
+                    "early stop of PPO epochs: ppo_kl %.4f > bound %.4f at epoch %d",
+                    kl,
+                    spec.kl_bound,
+                    epoch,
+                )
+                stop_note = {"actor/ppo_kl_stop_after_updates": float(steps)}
+                break
+        if stop_note:
+            break
+    averaged = {k: v / steps for k, v in totals.items()} | stop_note
+    averaged["skipped_updates"] = float(skipped)
+    prefixed = ("grad_norm", "lr", "skipped_updates")
+    named = {(f"{spec.role}/{k}" if k in prefixed else k): v for k, v in averaged.items()}
+    return named, sorted(set(found))
+
+
+def _nonfinite_update(spec: UpdateSpec, metrics: dict[str, float]) -> list[str]:
+    """What a mini-batch whose gradients were not finite (no step was taken) found; raises
+    under `trainer.on_nonfinite=stop`."""
+    names = [f"{spec.role}/{n}" if "/" not in n else n for n in nonfinite_metrics(metrics)]
+    names = names or [f"{spec.role}/gradients"]
+    if spec.on_nonfinite == "stop":
+        raise NonFiniteError(
+            f"{spec.role} update: not finite: {', '.join(names)} (trainer.on_nonfinite=stop; "
+            "skip would skip such updates)"
+        )
+    return names
