@@ -23,6 +23,22 @@ REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "distributed" / "workers"
 
 
+def torchrun_command(nproc: int, port: int) -> list[str]:
+    """`python -m torch.distributed.run` for `nproc` local ranks meeting on `port`; the
+    script (or `-m module`) and its arguments follow."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+
+
 def run_torchrun(
     script: str, nproc: int, args: list[str], timeout_s: float = 600, torchrun: bool = False
 ) -> None:
@@ -39,19 +55,7 @@ def run_torchrun(
     # would keep a pipe open and make the wait hang.
     with tempfile.NamedTemporaryFile(mode="w+", suffix=".log") as log:
         if torchrun:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                str(nproc),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                str(WORKERS / script),
-                *args,
-            ]
+            cmd = [*torchrun_command(nproc, port), str(WORKERS / script), *args]
             proc = subprocess.run(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
             )

@@ -301,7 +301,9 @@ class PolicyServers:
             with contextlib.suppress(sglang_api.SGLangAPIError):
                 sglang_api.end_weight_update(url)
             self.syncer.reload(url)
-        log.warning("SGLang server %s holds the weights of version %s again", url, self.version)
+        log.warning(
+            "SGLang server %s holds the weights of version %s again", url, self.syncer.version
+        )
 
     def _reload(self, url: str) -> None:
         """Restart hook: a restarted server came back with the initial weights."""

@@ -24,6 +24,8 @@ from rlhf.trainer.experience import Experience
 from rlhf.trainer.megatron_model import HeadOutput
 from rlhf.trainer.micro_batch import MicroBatch
 
+PPO_KL = "actor/ppo_kl"  # the policy head's output that the epochs' KL bound reads
+
 
 def token_logprobs(
     logits: Tensor, mb: MicroBatch, vocab: VocabShard, temperature: float
@@ -131,7 +133,7 @@ class PolicyLossHead:
             "actor/pg_loss": out.loss,
             "actor/pg_clipfrac": out.pg_clipfrac,
             "actor/pg_clipfrac_lower": out.pg_clipfrac_lower,
-            "actor/ppo_kl": out.ppo_kl,
+            PPO_KL: out.ppo_kl,
             "actor/entropy": ent,
         }
         if cfg.use_kl_loss:
@@ -182,6 +184,12 @@ class Loss(Protocol):
         """The loss head of one mini-batch (`counts`: its global token/sequence counts)."""
         ...
 
+    def ppo_kl(self, outputs: dict[str, float]) -> float | None:
+        """The KL between the rollout policy and the updated one on a mini-batch, from its
+        summed head outputs (what `trainer.early_stop.ppo_kl_bound` bounds); None for a loss
+        without a policy."""
+        ...
+
 
 @dataclass(frozen=True)
 class PolicyLoss:
@@ -200,6 +208,9 @@ class PolicyLoss:
             self.vocab, self.temperature, self.settings, self.norm_length, experience, counts
         )
 
+    def ppo_kl(self, outputs: dict[str, float]) -> float:
+        return outputs[PPO_KL]
+
 
 @dataclass(frozen=True)
 class ValueLoss:
@@ -211,3 +222,6 @@ class ValueLoss:
 
     def head(self, experience: Experience, counts: BatchCounts) -> ValueLossHead:
         return ValueLossHead(self.settings, self.norm_length, experience, counts)
+
+    def ppo_kl(self, outputs: dict[str, float]) -> None:
+        return None

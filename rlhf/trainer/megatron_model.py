@@ -90,6 +90,25 @@ def run_schedule(
     )
 
 
+@dataclass(frozen=True)
+class MiniBatchUpdate:
+    """One optimizer step over a mini-batch.
+
+    outputs: the loss head's metrics summed over micro-batches and DP ranks (the mini-batch
+    values); grad_norm: NaN when skipped; skipped: a gradient was not finite on some rank,
+    so no step was taken (weights, optimizer state and LR schedule stay).
+    """
+
+    outputs: dict[str, float]
+    lr: float
+    grad_norm: float
+    skipped: bool
+
+    def metrics(self) -> dict[str, float]:
+        """The logging view: the outputs, `lr` and `grad_norm`."""
+        return self.outputs | {"lr": self.lr, "grad_norm": self.grad_norm}
+
+
 class MegatronModel:
     """A frozen model (reference policy): forward passes only.
 
@@ -169,25 +188,21 @@ class TrainableMegatronModel(MegatronModel):
         scale = len(micro_batches) * self.ctx.dp_sp_size / self.ctx.sp_size
         return run_schedule(self.ddp, micro_batches, head, False, scale)
 
-    def train_mini_batch(self, micro_batches: list[MicroBatch], head: Head) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches of a mini-batch.
-
-        Returns the summed head metrics (over micro-batches and DP ranks, i.e. the
-        mini-batch values) plus `grad_norm`, `lr` and `skipped_updates` (1 when a gradient
-        was not finite on some rank and no step was taken); identical on every rank.
-        """
+    def train_mini_batch(self, micro_batches: list[MicroBatch], head: Head) -> MiniBatchUpdate:
+        """One optimizer step over this rank's micro-batches of a mini-batch (identical on
+        every rank); no step when a gradient was not finite on some rank."""
         with self.on_device():
             outputs = self.compute_gradients(micro_batches, head)
             finite = self.gradients_finite()
             if finite:
                 ok, grad_norm, _ = self.optimizer.step()
                 finite = bool(ok)
-        metrics = reduce_metrics(outputs, self.ctx)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        summed = reduce_metrics(outputs, self.ctx)
+        lr = float(self.optimizer.param_groups[0]["lr"])
         if not finite:  # no step: weights and optimizer state stay (rlhf.trainer.nonfinite)
-            return metrics | {"grad_norm": math.nan, "skipped_updates": 1.0}
+            return MiniBatchUpdate(summed, lr, math.nan, skipped=True)
         self.scheduler.step(increment=1)
-        return metrics | {"grad_norm": float(grad_norm), "skipped_updates": 0.0}
+        return MiniBatchUpdate(summed, lr, float(grad_norm), skipped=False)
 
     def gradients_finite(self) -> bool:
         """Every parameter's gradient finite on every rank (before the optimizer runs)."""

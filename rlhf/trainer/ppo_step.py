@@ -310,18 +310,19 @@ def _run_updates(
     for epoch in range(spec.epochs):
         for micro_batches in minis:
             head = spec.loss.head(exp, planner.mini_batch_counts(micro_batches))
-            metrics = spec.model.train_mini_batch(micro_batches, head)
-            if metrics.pop("skipped_updates"):
+            update = spec.model.train_mini_batch(micro_batches, head)
+            if update.skipped:
                 skipped += 1
-                found += _nonfinite_update(spec, metrics)
+                found += _nonfinite_update(spec, update.metrics())
                 continue
             steps += 1
-            for k, v in metrics.items():
+            for k, v in update.metrics().items():
                 totals[k] = totals.get(k, 0.0) + v
-            kl = metrics.get("actor/ppo_kl", 0.0)
-            if should_stop_epochs(kl, spec.kl_bound):
+            kl = spec.loss.ppo_kl(update.outputs)
+            if kl is not None and should_stop_epochs(kl, spec.kl_bound):
                 log.warning(
-                    "early stop of PPO epochs: ppo_kl %.4f > bound %.4f at epoch %d",
+                    "early stop of PPO epochs (%s): ppo_kl %.4f > bound %.4f at epoch %d",
+                    spec.loss.name,
                     kl,
                     spec.kl_bound,
                     epoch,
@@ -344,7 +345,7 @@ def _nonfinite_update(spec: UpdateSpec, metrics: dict[str, float]) -> list[str]:
     names = names or [f"{spec.role}/gradients"]
     if spec.on_nonfinite == "stop":
         raise NonFiniteError(
-            f"{spec.role} update: not finite: {', '.join(names)} (trainer.on_nonfinite=stop; "
-            "skip would skip such updates)"
+            f"{spec.role} update ({spec.loss.name}): not finite: {', '.join(names)} "
+            "(trainer.on_nonfinite=stop; skip would skip such updates)"
         )
     return names

@@ -161,6 +161,15 @@ def test_kl_loss_is_logged_and_changes_the_update(steps):
     assert distance("grpo_kl_loss") < distance("grpo_no_kl")
 
 
+def test_ppo_kl_bound_ends_the_epochs_early(steps):
+    """`trainer.early_stop.ppo_kl_bound` through the trainer's update loop: GRPO's 2
+    mini-batches x 2 epochs end at the first update whose actor/ppo_kl exceeds 1e-6."""
+    bounded, free = steps["grpo_kl_bound"], steps["grpo"]
+    assert "actor/ppo_kl_stop_after_updates" not in free["metrics"]
+    assert bounded["metrics"]["actor/ppo_kl_stop_after_updates"] in (1.0, 2.0, 3.0)
+    assert not torch.allclose(bounded["logprobs_after"], free["logprobs_after"])
+
+
 def test_gspo_trains_with_its_own_loss(steps):
     """Same advantages as GRPO (the estimator), a different update (the sequence ratio);
     the loss itself is checked against a hand computation in tests/unit/test_algo_losses.py."""

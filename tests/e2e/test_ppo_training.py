@@ -31,7 +31,7 @@ import pytest
 
 from rlhf.quickstart.data import write_quickstart_data
 from rlhf.utils import free_port
-from tests.helpers import REPO, metrics_by_step, ppo_overrides
+from tests.helpers import REPO, metrics_by_step, ppo_overrides, torchrun_command
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 ROLES = ("actor_rollout_ref.actor", "critic")
@@ -83,24 +83,10 @@ def data(tmp_path_factory):
 
 
 def train_command(args: list[str], nproc: int = 1) -> list[str]:
+    train = ["-m", "rlhf.cli.train", "--config", CONFIG, *args]
     if nproc == 1:
-        return [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "rlhf.cli.train",
-        "--config",
-        CONFIG,
-        *args,
-    ]
+        return [sys.executable, *train]
+    return [*torchrun_command(nproc, free_port()), *train]
 
 
 def run_train(args: list[str], run_dir: Path, nproc: int = 1) -> str:

@@ -100,3 +100,53 @@ def test_only_the_bootstrap_reads_megatron_global_parallel_state():
     ]
     assert not readers, f"pass a ParallelContext instead of reading {PARALLEL_STATE}: {readers}"
     assert PARALLEL_STATE in imported_modules(ast.parse(BOOTSTRAP.read_text()))
+
+
+def import_cycles(graph) -> list[list[str]]:
+    """The groups of modules that import each other in a circle (Tarjan's strongly
+    connected components of more than one module), imports inside functions included."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            group = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycles():
+    import grimp
+
+    graph = grimp.build_graph("rlhf")
+    assert len(graph.modules) > 100  # the whole package was read
+    assert not import_cycles(graph), f"break these import cycles: {import_cycles(graph)}"
+
+
+def test_the_cycle_check_finds_a_cycle():
+    class Graph:
+        def __init__(self, edges: dict[str, set[str]]):
+            self.edges, self.modules = edges, set(edges)
+
+        def find_modules_directly_imported_by(self, module: str) -> set[str]:
+            return self.edges[module]
+
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(Graph(edges)) == [["a", "b", "c"]]
+    assert import_cycles(Graph({"a": {"b"}, "b": set()})) == []

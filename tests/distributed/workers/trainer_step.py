@@ -40,6 +40,8 @@ VARIANTS = {
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
     ],
     "grpo_no_kl": ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false"],
+    # the epochs end at the first update whose actor/ppo_kl exceeds the bound
+    "grpo_kl_bound": ["algorithm.adv_estimator=grpo", "trainer.early_stop.ppo_kl_bound=1e-6"],
     "gspo": ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", *GSPO_SETTINGS],
     "vanilla_gspo_settings": GSPO_SETTINGS,  # the same, with PPO's token-level ratio
     "grpo_tis": ["algorithm.adv_estimator=grpo", "algorithm.rollout_correction.rollout_is=token"],
