@@ -107,12 +107,8 @@ class PolicyServers:
         """`engine` on the ranks that own servers (None elsewhere); `syncer` on every rank;
         `sleeps`: colocated GPU servers release their memory between generations."""
         self.ctx, self.engine, self.syncer = ctx, engine, syncer
-        self.tokenizer, self.scorer, self.per_node, self.sleeps = (
-            tokenizer,
-            scorer,
-            per_node,
-            sleeps,
-        )
+        self.tokenizer, self.scorer = tokenizer, scorer
+        self.per_node, self.sleeps = per_node, sleeps
         self.asleep: set[str] = set()
         self.probe_tokens = probe_tokens(syncer.arch.vocab_size)
         self.probe_threshold = rollout.logprob_diff_threshold
