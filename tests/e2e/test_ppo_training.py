@@ -335,3 +335,21 @@ def test_two_simulated_nodes_log_the_values_of_one_node(
         for key, value in row.items():
             if not key.startswith(VOLATILE):
                 assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+
+
+def test_the_loop_stops_on_the_kl_its_steps_report(tiny_qwen2_dir, data, sglang_server, tmp_path):
+    """`trainer.early_stop` through the trainer's loop: the KL rule is fed each step's KL to
+    the reference (the one logged as actor/reward_kl_penalty) and stops the run at the second
+    consecutive step above the threshold, with a last checkpoint there."""
+    run_dir, threshold = tmp_path / "kl_stop", 1e-12
+    stop = ["trainer.early_stop.kl_threshold=1e-12", "trainer.early_stop.kl_patience=2"]
+    args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 6, *stop, server=sglang_server)
+    text = run_train(args, run_dir)
+    rows = metrics_by_step(run_dir)
+    kl = {step: row["actor/reward_kl_penalty"] for step, row in rows.items() if step > 0}
+    high = [step for step in sorted(kl) if kl[step] > threshold]
+    expected = next(s for s in high if s - 1 in high)  # written out from the logged KLs
+    assert max(rows) == expected < 6
+    assert rows[expected]["early_stop/stop"] == 1.0
+    assert f"early stop at step {expected}: mean KL {kl[expected]:.4g} above 1e-12" in text
+    assert (run_dir / "checkpoints" / f"global_step_{expected}").is_dir()
