@@ -38,8 +38,8 @@ quickstart-assets: setup
 	$(VENV)/bin/rlhf-make-tiny-model runs/quickstart/model --warm-start
 	$(VENV)/bin/rlhf-preprocess quickstart --local_dir runs/quickstart/data
 
-# Everything but the slow whole runs (about 8 minutes on 2 cores); test-slow runs those
-# (about 19 minutes). Budget: CONTRIBUTING.md, "Test budget".
+# Everything but the slow whole runs (about 6 minutes on 2 cores); test-slow runs those
+# (about 20 minutes). Budget: CONTRIBUTING.md, "Test budget".
 test: setup
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
