@@ -54,10 +54,6 @@ class StepBatch:
         """Seconds spent scoring (rules and reward model), over all rounds."""
         return sum(r.reward_s for r in self.rounds)
 
-    @property
-    def policy_versions(self) -> list[int | None]:
-        return [r.policy_version for r in self.rounds]
-
 
 class RolloutStrategy(Protocol):
     """How a step gets its scored batch (collective: every rank calls, every rank gets it)."""
