@@ -114,9 +114,15 @@ class PolicyServers:
         self.probe_threshold = rollout.logprob_diff_threshold
         # launched servers load model.path, which the actor starts from: version 0; external
         # servers may hold anything until the first load
-        self.version: int | None = None if rollout.server_urls else 0
+        self.initial_version = None if rollout.server_urls else 0
         if engine is not None:
             engine.on_server_restart(self._reload)
+
+    @property
+    def version(self) -> int | None:
+        """The weight version the servers serve: the last one synced, else the initial one."""
+        synced = self.syncer.version
+        return self.initial_version if synced is None else synced
 
     @classmethod
     def launch(
@@ -246,7 +252,6 @@ class PolicyServers:
             stats = self.syncer.sync(policy.module, version)
             for url in stats.lost:
                 self._recover(url)
-            self.version = version
             self.resume_memory(["kv_cache"])
             diff = self.probe(policy)
         return WeightLoad(version, stats, diff)
