@@ -27,12 +27,12 @@ Recompute (`rlhf.models.families.Recompute`): full keeps only each recomputed un
 attention's tensors (keeping its q, k, v inputs) and recomputes one layer's at a time.
 
 The peak of a training micro-batch adds to the saved tensors of all the stage's layers the
-larger of the last stage's log-prob head (logits T.V' in the model dtype and five fp32
-T.V' tensors: masked logits, shifted logits, exp, probs, then the gradient) and the
-backward of one layer: its recomputed tensors and, on the local spec under Ulysses, the
-a'.T^2 gradients of the softmax output, the scores and the scaled scores (12 bytes per score
-in fp32, 8 in bf16) alive at once while the layer's MLP and second norm tensors are
-already freed.
+larger of the last stage's log-prob head (logits T.V' and their gradient in the model
+dtype, and two fp32 chunks of C tokens x V': `rlhf.models.logprobs` never copies the logits
+whole) and the backward of one layer: its recomputed tensors and, on the local spec under
+Ulysses, the a'.T^2 gradients of the softmax output, the scores and the scaled scores (12
+bytes per score in fp32, 8 in bf16) alive at once while the layer's MLP and second norm
+tensors are already freed.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute
+from rlhf.models.logprobs import default_chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,16 @@ def _attention_backward(s: ActivationShape, flash: bool) -> int:
     return max(0, scores - _mlp(s, flash) - _norms(s, flash) // 2)
 
 
-def head_bytes(s: ActivationShape) -> int:
-    """The last stage's logits and the log-prob head's fp32 working tensors."""
-    return s.tokens * s.vocab * (s.element + 5 * 4)
+def head_bytes(s: ActivationShape, *, training: bool) -> int:
+    """The last stage's logits and the log-prob head's working tensors
+    (`rlhf.models.logprobs`): two fp32 chunks of tokens, and in training the logits'
+    gradient in the model dtype; a forward also holds the logits twice for a moment (Megatron
+    returns them transposed and made contiguous)."""
+    logits = s.tokens * s.vocab * s.element
+    working = 2 * min(s.tokens, default_chunk_tokens(s.vocab)) * s.vocab * 4
+    if training:
+        return 2 * logits + working
+    return max(2 * logits, logits + working)
 
 
 def training_peak(
@@ -173,11 +181,11 @@ def training_peak(
     else:
         saved = s.layers * full + final
         backward = _attention_backward(s, flash)
-    head = head_bytes(s) if last_stage else 0
+    head = head_bytes(s, training=True) if last_stage else 0
     return saved + max(head, backward)
 
 
 def forward_peak(s: ActivationShape, *, flash: bool, last_stage: bool = True) -> int:
     """Peak of a forward-only micro-batch (reference, old log-probs): nothing is kept, so the
     largest of one layer's working tensors and the head's."""
-    return max(layer_bytes(s, flash), head_bytes(s) if last_stage else 0)
+    return max(layer_bytes(s, flash), head_bytes(s, training=False) if last_stage else 0)

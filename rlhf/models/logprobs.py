@@ -1,4 +1,4 @@
-"""Per-token log-probabilities and entropy from vocabulary-parallel logits.
+"""Per-token log-probabilities and entropy from vocabulary-parallel logits, in token chunks.
 
 With tensor parallelism each rank holds logits for a contiguous slice of the (padded)
 vocabulary. Gathering the full vocabulary would cost `b x s x V` per rank; instead the
@@ -7,7 +7,7 @@ partial sums with all-reduces over the TP group. Works on any leading shape, so 
 (THD) token streams need nothing special. Padding ids beyond the true vocabulary get
 probability 0.
 
-Forward (z = logits, m = max over all ranks, p = softmax(z)):
+Forward (z = logits / temperature, m = max over all ranks, p = softmax(z)):
 
     log Z   = m + log sum_v exp(z_v - m)
     logp(t) = z_t - log Z
@@ -17,6 +17,14 @@ Backward is written out, because each rank only sees its own slice of every sum:
 
     d logp(t) / d z_v = 1[v = t] - p_v
     d H / d z_v       = p_v (sum_u p_u z_u - z_v)
+
+Memory: the T x V' logits are never copied whole. Both passes walk the tokens in chunks of
+`chunk_tokens` (default: CHUNK_BYTES of fp32 logits) and hold two fp32 chunk-sized tensors
+at a time; the forward keeps, per token, only m, log sum exp(z - m) and the expected logit,
+and the backward recomputes each chunk's probabilities from the saved logits and writes
+that chunk of the gradient. A training pass therefore holds the logits and their gradient
+in the model dtype (4 bytes per logit in bf16) plus two chunks, where computing the fp32
+softmax whole held five fp32 copies.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from torch.distributed import ProcessGroup
 
 from rlhf.distributed.context import ParallelContext
 
+CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of tokens
+
 
 def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
@@ -36,42 +46,101 @@ def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tens
     return tensor
 
 
+def default_chunk_tokens(local_vocab: int) -> int:
+    """Tokens per chunk: CHUNK_BYTES of fp32 logits (one rank's vocabulary slice)."""
+    return max(1, CHUNK_BYTES // (4 * local_vocab))
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """What every chunk needs to know about this rank's vocabulary slice."""
+
+    start: int
+    real: int  # ids [start, start + real) are true vocabulary, the rest of the slice padding
+    temperature: float
+    group: ProcessGroup | None
+
+    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """A fresh fp32 copy of `logits` / temperature, -inf on the padding ids."""
+        z = logits.to(torch.float32, copy=True)
+        if self.temperature != 1.0:
+            z.div_(self.temperature)
+        z[:, self.real :] = float("-inf")
+        return z
+
+    def picked(self, z: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """z at each target held by this rank, 0 where another rank holds it."""
+        local = targets - self.start
+        held = (local >= 0) & (local < z.shape[-1])
+        index = local.clamp(0, z.shape[-1] - 1)[:, None]
+        return z.gather(-1, index)[:, 0] * held
+
+
+def _forward_chunk(logits, targets, where: _Slice):
+    """(max, log sum exp(z - max), log-prob of the target, expected z - max) of a chunk."""
+    z = where.scaled(logits)
+    max_z = _all_reduce(z.max(dim=-1).values, where.group, dist.ReduceOp.MAX)
+    z.sub_(max_z[:, None])
+    exp = torch.exp(z)  # exactly 0 on padding
+    z[:, where.real :] = 0.0  # so that 0 * z stays 0 there
+    normaliser = exp.sum(dim=-1)
+    weighted = exp.mul_(z).sum(dim=-1)  # sum_v exp(z_v - m) (z_v - m)
+    sums = torch.stack([normaliser, where.picked(z, targets), weighted])
+    normaliser, target, weighted = _all_reduce(sums, where.group)
+    log_normaliser = normaliser.log()
+    return max_z, log_normaliser, target - log_normaliser, weighted / normaliser
+
+
+def _backward_chunk(logits, targets, saved, grad_logp, grad_entropy, where: _Slice):
+    """d(grad_logp . logp + grad_entropy . H) / d logits of a chunk, in fp32."""
+    max_z, log_normaliser, expected = saved
+    z = where.scaled(logits)
+    z.sub_(max_z[:, None])
+    probs = z.sub(log_normaliser[:, None]).exp_()
+    z[:, where.real :] = 0.0
+    # grad = p * (g_H * (E - z) - g_logp) + g_logp * onehot(target), over temperature
+    z.neg_().add_(expected[:, None]).mul_(grad_entropy[:, None]).sub_(grad_logp[:, None])
+    z.mul_(probs)
+    local = targets - where.start
+    held = (local >= 0) & (local < z.shape[-1])
+    rows = held.nonzero()[:, 0]
+    z[rows, local[rows]] += grad_logp[rows]
+    if where.temperature != 1.0:
+        z.div_(where.temperature)
+    return z
+
+
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, group):
-        local_vocab = logits.shape[-1]
-        ids = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-        padding = ids >= vocab_size
-        z = logits.float().masked_fill(padding, float("-inf"))
-        max_logit = _all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
-        shifted = (z - max_logit.unsqueeze(-1)).masked_fill(padding, 0.0)
-        exp = torch.exp(z - max_logit.unsqueeze(-1))  # exactly 0 on padding
-        normaliser = _all_reduce(exp.sum(dim=-1), group)
-        probs = exp / normaliser.unsqueeze(-1)
-
-        local_target = targets - vocab_start
-        in_slice = (local_target >= 0) & (local_target < local_vocab)
-        index = local_target.clamp(0, local_vocab - 1).unsqueeze(-1)
-        picked = shifted.gather(-1, index).squeeze(-1) * in_slice
-        log_normaliser = normaliser.log()
-        logprobs = _all_reduce(picked, group) - log_normaliser
-        expected = _all_reduce((probs * shifted).sum(dim=-1), group)
+    def forward(ctx, logits, targets, where: _Slice, chunk_tokens: int):
+        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        stats = [torch.empty(flat.shape[0], device=logits.device) for _ in range(4)]
+        for begin in range(0, flat.shape[0], chunk_tokens):
+            rows = slice(begin, begin + chunk_tokens)
+            found = _forward_chunk(flat[rows], flat_targets[rows], where)
+            for stat, value in zip(stats, found, strict=True):
+                stat[rows] = value
+        max_z, log_normaliser, logprobs, expected = stats
+        ctx.save_for_backward(logits, targets, max_z, log_normaliser, expected)
+        ctx.where, ctx.chunk_tokens = where, chunk_tokens
         entropy = log_normaliser - expected
-
-        ctx.save_for_backward(probs, shifted, expected, index, in_slice)
-        ctx.input_dtype = logits.dtype
-        return logprobs, entropy
+        return logprobs.view(targets.shape), entropy.view(targets.shape)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        probs, shifted, expected, index, in_slice = ctx.saved_tensors
-        grad = torch.zeros_like(probs)
-        if grad_logprobs is not None:
-            onehot = torch.zeros_like(probs).scatter_(-1, index, in_slice.unsqueeze(-1).float())
-            grad += grad_logprobs.unsqueeze(-1) * (onehot - probs)
-        if grad_entropy is not None:
-            grad += grad_entropy.unsqueeze(-1) * probs * (expected.unsqueeze(-1) - shifted)
-        return grad.to(ctx.input_dtype), None, None, None, None
+        logits, targets, *saved = ctx.saved_tensors
+        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        zeros = torch.zeros(flat.shape[0], device=logits.device)
+        grad_logp = zeros if grad_logprobs is None else grad_logprobs.reshape(-1).float()
+        grad_h = zeros if grad_entropy is None else grad_entropy.reshape(-1).float()
+        grad = torch.empty_like(flat)
+        for begin in range(0, flat.shape[0], ctx.chunk_tokens):
+            rows = slice(begin, begin + ctx.chunk_tokens)
+            chunk_saved, upstream = [s[rows] for s in saved], (grad_logp[rows], grad_h[rows])
+            grad[rows] = _backward_chunk(
+                flat[rows], flat_targets[rows], chunk_saved, *upstream, ctx.where
+            )
+        return grad.view(logits.shape), None, None, None
 
 
 def vocab_parallel_logprobs_entropy(
@@ -81,19 +150,29 @@ def vocab_parallel_logprobs_entropy(
     vocab_start: int,
     vocab_size: int,
     group=None,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of `targets` and the entropy of the next-token distribution.
+    """Log-prob of `targets` and the entropy of the next-token distribution at `temperature`.
 
     Args:
-        logits_local: [..., V_local] logits of ids [vocab_start, vocab_start + V_local).
+        logits_local: [..., V_local] logits of ids [vocab_start, vocab_start + V_local), in
+            the model dtype (never copied whole).
         targets: [...] token ids (< vocab_size).
         vocab_start: first vocabulary id held by this rank.
         vocab_size: true vocabulary size; ids >= it are padding.
         group: the tensor-parallel process group (None for a single rank).
+        temperature: the logits are divided by it (the rollout's sampling temperature).
+        chunk_tokens: tokens per chunk; the same on every rank of `group` (default from
+            CHUNK_BYTES and V_local, which TP ranks share).
     Returns:
         fp32 logprobs [...] and entropy [...], both differentiable w.r.t. `logits_local`.
     """
-    return _VocabParallelLogprobEntropy.apply(logits_local, targets, vocab_start, vocab_size, group)
+    local_vocab = logits_local.shape[-1]
+    real = min(local_vocab, max(0, vocab_size - vocab_start))
+    where = _Slice(vocab_start, real, temperature, group)
+    chunk = chunk_tokens or default_chunk_tokens(local_vocab)
+    return _VocabParallelLogprobEntropy.apply(logits_local, targets, where, chunk)
 
 
 @dataclass(frozen=True)
@@ -110,7 +189,7 @@ class VocabShard:
         return cls(ctx.tp_rank * (padded_vocab_size // ctx.tp_size), vocab_size, ctx.tp_group)
 
     def logprobs_entropy(
-        self, logits_local: torch.Tensor, targets: torch.Tensor
+        self, logits_local: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`vocab_parallel_logprobs_entropy` of `targets` under this rank's logits."""
         return vocab_parallel_logprobs_entropy(
@@ -119,4 +198,5 @@ class VocabShard:
             vocab_start=self.start,
             vocab_size=self.vocab_size,
             group=self.group,
+            temperature=temperature,
         )

@@ -31,10 +31,7 @@ def token_logprobs(
     logits: Tensor, mb: MicroBatch, vocab: VocabShard, temperature: float
 ) -> tuple[Tensor, Tensor]:
     """[n, R] log-probs of the response tokens and [n, R] entropies (differentiable)."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_t, entropy_t = vocab.logprobs_entropy(logits[0], mb.labels[0])
+    logp_t, entropy_t = vocab.logprobs_entropy(logits[0], mb.labels[0], temperature)
     return mb.gather(logp_t[None]), mb.gather(entropy_t[None])
 
 

@@ -9,6 +9,9 @@
 - The planner's activation estimate (`rlhf.memory.activations`) is within 30% of the measured
   peak for each recompute setting, at two token budgets where different terms dominate
   (the log-prob head at 256 tokens, the layers' tensors at 1024), in fp32 and bf16.
+- At Qwen2.5's 151,936-token vocabulary (bf16, 2048 tokens) the micro-batch holds at most 6
+  bytes per logit (the chunked head: logits, their gradient, two fp32 chunks), and the
+  planner's estimate is within 10% of the measurement.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from tests.helpers import run_torchrun
 
+QWEN_VOCAB, QWEN_TOKENS = 151936, 2048  # a multiple of 128: Megatron adds no padding
 CASES = {"256": (256, "float32"), "1024": (1024, "float32"), "1024-bf16": (1024, "bfloat16")}
 
 
@@ -52,3 +56,16 @@ def test_activation_estimate_is_within_30_percent_of_the_measured_peak(measured,
     run = measured[case][recompute]
     assert run["peak"] > 0
     assert abs(run["estimate"] - run["peak"]) <= 0.3 * run["peak"], run["estimate"] / run["peak"]
+
+
+def test_a_152k_vocabulary_holds_at_most_6_bytes_per_logit(tmp_path):
+    from rlhf.quickstart.tiny_model import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", vocab_size=QWEN_VOCAB)
+    out = tmp_path / "measured.pt"
+    args = ["--model", str(model), "--tokens", str(QWEN_TOKENS), "--dtype", "bfloat16"]
+    run_torchrun("activation_memory.py", 1, [*args, "--variants", "none", "--out", str(out)])
+    run = torch.load(out, weights_only=False)["none"]
+    per_logit = run["peak"] / (QWEN_TOKENS * QWEN_VOCAB)
+    assert 4 <= per_logit <= 6, per_logit  # at least the bf16 logits and their gradient
+    assert abs(run["estimate"] - run["peak"]) <= 0.1 * run["peak"], run["estimate"] / run["peak"]

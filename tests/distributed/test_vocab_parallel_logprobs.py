@@ -1,17 +1,18 @@
 """Vocab-parallel log-probs and entropy at TP2 equal the full-vocabulary computation,
-values and gradients, for padded [b, s] and packed [t] token layouts."""
+values and gradients, for padded [b, s] and packed [t] token layouts, whole and in token
+chunks, at temperature 1 and 0.7."""
 
 from __future__ import annotations
 
 import torch
 
-from tests.distributed.workers.vocab_parallel_logprobs import VOCAB, case
+from tests.distributed.workers.vocab_parallel_logprobs import CASES, VOCAB, case
 from tests.helpers import run_torchrun
 
 
-def full_vocab_reference(logits, targets, weights):
+def full_vocab_reference(logits, targets, weights, temperature):
     logits = logits.clone().requires_grad_()
-    logp_all = torch.log_softmax(logits[..., :VOCAB], dim=-1)
+    logp_all = torch.log_softmax(logits[..., :VOCAB] / temperature, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     (weights[0] * logp + weights[1] * entropy).sum().backward()
@@ -22,8 +23,8 @@ def test_tp2_equals_full_vocabulary(tmp_path):
     out = tmp_path / "tp2.pt"
     run_torchrun("vocab_parallel_logprobs.py", 2, ["--out", str(out)])
     results = torch.load(out)
-    for name, shape in {"padded_bs": (3, 7), "packed_t": (19,)}.items():
-        logp, entropy, grad = full_vocab_reference(*case(shape, seed=len(name)))
+    for name, (shape, _chunk_tokens, temperature) in CASES.items():
+        logp, entropy, grad = full_vocab_reference(*case(shape, seed=len(name)), temperature)
         got = results[name]
         torch.testing.assert_close(got["logp"], logp, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got["entropy"], entropy, rtol=1e-6, atol=1e-6)

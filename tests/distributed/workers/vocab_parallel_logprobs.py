@@ -1,7 +1,8 @@
 """Worker: vocab-parallel log-probs/entropy and their gradients on TP ranks.
 
 Every rank builds the same full logits (seeded), keeps its vocabulary slice, computes
-log-probs and entropy, backpropagates a fixed weighted sum, and rank 0 saves the results
+log-probs and entropy (per CASES: in one chunk at temperature 1, or in chunks of 4 tokens
+at temperature 0.7), backpropagates a fixed weighted sum, and rank 0 saves the results
 with the gathered gradient of the full logits.
 """
 
@@ -15,6 +16,8 @@ import torch.distributed as dist
 from rlhf.models.logprobs import vocab_parallel_logprobs_entropy
 
 VOCAB, PADDED = 50, 64
+# name: (token shape, tokens per chunk, temperature); 19 tokens in chunks of 4 end short
+CASES = {"padded_bs": ((3, 7), None, 1.0), "packed_t": ((19,), 4, 0.7)}
 
 
 def case(shape, seed):
@@ -32,12 +35,18 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
-    for name, shape in {"padded_bs": (3, 7), "packed_t": (19,)}.items():
+    for name, (shape, chunk_tokens, temperature) in CASES.items():
         logits, targets, weights = case(shape, seed=len(name))
         local_vocab = PADDED // world
         local = logits[..., rank * local_vocab : (rank + 1) * local_vocab].clone().requires_grad_()
         logp, entropy = vocab_parallel_logprobs_entropy(
-            local, targets, vocab_start=rank * local_vocab, vocab_size=VOCAB, group=dist.group.WORLD
+            local,
+            targets,
+            vocab_start=rank * local_vocab,
+            vocab_size=VOCAB,
+            group=dist.group.WORLD,
+            temperature=temperature,
+            chunk_tokens=chunk_tokens,
         )
         (weights[0] * logp + weights[1] * entropy).sum().backward()
         grads = [torch.empty_like(local.grad) for _ in range(world)]
