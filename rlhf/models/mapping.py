@@ -268,6 +268,40 @@ def shards_to_hf(
     ]
 
 
+def merge_tp_shards(layout: Layout, shards: list[torch.Tensor]) -> torch.Tensor:
+    """One Megatron parameter as it is at TP = 1 (vocabulary padding rows kept) from its TP
+    shards in rank order; the inverse of `split_tp_shard`."""
+    if layout is Layout.REPLICATED:
+        return shards[0]
+    if layout is Layout.ROW:
+        return _joined(shards, dim=1)
+    if layout is Layout.GATE_UP:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([g for g, _ in halves] + [u for _, u in halves])
+    return _joined(shards, dim=0)  # QKV: whole query groups per rank; VOCAB: rows
+
+
+def split_tp_shard(
+    layout: Layout, full: torch.Tensor, rank: int, size: int, shape: torch.Size
+) -> torch.Tensor:
+    """TP rank `rank`'s shard (of `shape`) at TP size `size` of a parameter as it is at
+    TP = 1. VOCAB: the padded vocabulary may differ between TP sizes, so rows are dropped
+    from or zero rows added to the end (all padding) to make `size` x shape[0]."""
+    if layout is Layout.REPLICATED:
+        return full
+    if layout is Layout.ROW:
+        return full.chunk(size, dim=1)[rank]
+    if layout is Layout.GATE_UP:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
+    if layout is Layout.VOCAB:
+        rows = shape[0] * size
+        full = full[:rows]
+        if full.shape[0] < rows:
+            full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+    return full.chunk(size, dim=0)[rank]
+
+
 def skip_on_export(arch: ModelArch, rule: ParamRule) -> bool:
     """Tied models have no separate `lm_head.weight` in HF checkpoints."""
     return arch.tie_embeddings and rule.mcore == "output_layer.weight"

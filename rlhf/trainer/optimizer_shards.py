@@ -1,4 +1,5 @@
-"""Checkpoints of Megatron's distributed optimizer in a model-space format that resumes exactly.
+"""Checkpoints of Megatron's distributed optimizer in a model-space format that resumes exactly
+and reshards across DP, TP and PP sizes.
 
 Megatron-Core 0.16.1's own distributed-optimizer checkpoints do not resume on this stack: the
 default sharding fails to save, and the "fully reshardable" one loads every parameter's Adam
@@ -6,21 +7,27 @@ default sharding fails to save, and the "fully reshardable" one loads every para
 parameter (`../shared/facts/megatron-core-cpu.md`). This format avoids Megatron's loader.
 
 Each rank of a distributed-optimizer group owns a contiguous element range of some
-parameters (flattened). It writes, per parameter name, that range and its slices of the fp32
-master weights and Adam's moments, with the Adam step count:
+parameters (flattened). It writes, per parameter, that range and its slices of the fp32
+master weights and Adam's moments, the parameter's shape on its TP rank and Adam's step
+count, wherever the optimizer keeps it: per parameter (torch's Adam, Megatron's choice on
+CPU) or per param group (Transformer Engine's and apex's FusedAdam, its choice on GPU).
+Parameters are named with their global layer index, so names do not depend on the pipeline
+layout:
 
     <dir>/layout.json              {"format", "tp", "pp", "dp"}   (dp: the optimizer group size)
-    <dir>/pp<P>_tp<T>_dp<D>.pt     {name: {"start", "end", "param", "exp_avg", ...}}
+    <dir>/pp<P>_tp<T>_dp<D>.pt     {name: {"start", "end", "shape", "step", "param", "exp_avg",
+                                           "exp_avg_sq"}}
 
-Loading needs the same TP and PP sizes (the parameters themselves are sharded by them). With
-the same DP size each rank reads its own file; with another DP size each rank reads the files
-of its (PP, TP) coordinate one at a time and cuts its new ranges out of them (resharding).
+Loading (`rlhf.trainer.optimizer_ranges`) memory-maps every saved file and builds each range
+this rank owns from the saved ranges, resharding across DP, PP and TP sizes. Files of format
+/1 (local layer names, no shapes) load at the saving run's TP and PP sizes.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +37,23 @@ import torch
 import torch.distributed as dist
 
 from rlhf.checkpoint.manager import write_durable
+from rlhf.models.mapping import Layout
+from rlhf.trainer.optimizer_ranges import SavedShards
 
-FORMAT = "rlhf-distributed-optimizer/1"
+FORMAT = "rlhf-distributed-optimizer/2"
+LOCAL_NAMES_FORMAT = "rlhf-distributed-optimizer/1"
 LAYOUT_FILE = "layout.json"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# Megatron's tensor-parallel parameters by name; all others are replicated over TP.
+TP_LAYOUTS = {
+    "self_attention.linear_qkv.weight": Layout.QKV,
+    "self_attention.linear_qkv.bias": Layout.QKV,
+    "self_attention.linear_proj.weight": Layout.ROW,
+    "mlp.linear_fc1.weight": Layout.GATE_UP,
+    "mlp.linear_fc2.weight": Layout.ROW,
+    "embedding.word_embeddings.weight": Layout.VOCAB,
+    "output_layer.weight": Layout.VOCAB,
+}
 
 
 @dataclass(frozen=True)
@@ -64,48 +85,103 @@ def coordinate(optimizer: Any, tp: tuple[int, int], pp: tuple[int, int]) -> Opti
     return OptimizerCoordinate(pp[0], tp[0], group.rank(), tp[1], pp[1], group.size())
 
 
+def global_names(names: dict[Any, str], pp_rank: int) -> dict[Any, str]:
+    """Parameter names with global layer indices (stages hold equal numbers of layers)."""
+    layers = {int(m.group(1)) for n in names.values() if (m := _LAYER.match(n))}
+    per_stage = max(layers) + 1 if layers else 0
+
+    def renamed(name: str) -> str:
+        return _LAYER.sub(
+            lambda m: f"decoder.layers.{pp_rank * per_stage + int(m.group(1))}.", name
+        )
+
+    return {param: renamed(name) for param, name in names.items()}
+
+
+def keeps_step_per_parameter(optimizer: Any) -> bool:
+    """torch's Adam and AdamW count steps per parameter (`state[p]["step"]`); TE's and
+    apex's FusedAdam once per param group (`param_groups[i]["step"]`)."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+
+
 @dataclass(frozen=True)
 class _Owned:
     """One parameter range this rank's optimizer owns."""
 
     name: str
+    model_param: torch.Tensor  # the model's parameter (its shape on this TP rank)
     span: Any  # Megatron's Range: elements [start, end) of the flattened parameter
     main: torch.Tensor  # the fp32 master slice the inner optimizer steps
     state: dict  # the inner optimizer's state of all its parameters
+    group: dict  # the main slice's param group (where FusedAdam counts steps)
+    step_per_parameter: bool
+
+    def step(self) -> torch.Tensor | None:
+        """Adam's step count, None before the first step."""
+        state = self.state.get(self.main, {})
+        step = state.get("step") if self.step_per_parameter else self.group.get("step")
+        if not state or step is None:
+            return None
+        return torch.as_tensor(step, dtype=torch.float32).detach().cpu().clone()
+
+    def tp_layout(self) -> Layout:
+        if not getattr(self.model_param, "tensor_model_parallel", False):
+            return Layout.REPLICATED
+        for suffix, layout in TP_LAYOUTS.items():
+            if self.name.endswith(suffix):
+                return layout
+        raise KeyError(f"{self.name}: no tensor-parallel layout known to reshard it")
 
 
 def _owned(optimizer: Any, names: dict[Any, str]) -> Iterator[_Owned]:
     for part in distributed_parts(optimizer):
+        inner = part.optimizer
+        per_parameter = keeps_step_per_parameter(inner)
         for model_param, (group, order) in part.model_param_group_index_map.items():
-            main = part.optimizer.param_groups[group]["params"][order]
+            main = inner.param_groups[group]["params"][order]
             span = part._get_model_param_range_map(model_param)["param"]
-            yield _Owned(names[model_param], span, main, part.optimizer.state)
+            yield _Owned(
+                names[model_param],
+                model_param,
+                span,
+                main,
+                inner.state,
+                inner.param_groups[group],
+                per_parameter,
+            )
 
 
 def owned_state(optimizer: Any, names: dict[Any, str]) -> dict[str, dict]:
-    """This rank's slices, on the CPU: {name: {"start", "end", "param", Adam state...}}."""
+    """This rank's slices, on the CPU: {name: {"start", "end", "shape", "step", "param",
+    moments...}} ("step" only after the first optimizer step)."""
     shards = {}
     for owned in _owned(optimizer, names):
         state = owned.state.get(owned.main, {})
-        shards[owned.name] = {
+        entry = {
             "start": owned.span.start,
             "end": owned.span.end,
+            "shape": list(owned.model_param.shape),
             "param": owned.main.detach().cpu().clone(),
-            **{key: value.detach().cpu().clone() for key, value in state.items()},
+            **{k: v.detach().cpu().clone() for k, v in state.items() if k != "step"},
         }
+        step = owned.step()
+        if step is not None:
+            entry["step"] = step
+        shards[owned.name] = entry
     return shards
 
 
 def save_optimizer_shards(
     optimizer: Any, names: dict[Any, str], where: OptimizerCoordinate, directory: Path
 ) -> None:
-    """Write this rank's file (and, on global rank 0, the layout) into `directory`."""
+    """Write this rank's file (and, on global rank 0, the layout) into `directory`.
+    `names`: the model's local parameter names."""
     directory.mkdir(parents=True, exist_ok=True)
     if not dist.is_initialized() or dist.get_rank() == 0:
         layout = {"format": FORMAT, "tp": where.tp, "pp": where.pp, "dp": where.dp}
         write_durable(directory / LAYOUT_FILE, json.dumps(layout).encode())
     buffer = io.BytesIO()
-    torch.save(owned_state(optimizer, names), buffer)
+    torch.save(owned_state(optimizer, global_names(names, where.pp_rank)), buffer)
     write_durable(directory / where.file_name(), buffer.getvalue())
 
 
@@ -114,7 +190,7 @@ def read_layout(directory: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: no distributed-optimizer state in {directory}")
     layout = json.loads(path.read_text())
-    if layout.get("format") != FORMAT:
+    if layout.get("format") not in (FORMAT, LOCAL_NAMES_FORMAT):
         raise ValueError(f"{path}: format {layout.get('format')!r}, expected {FORMAT!r}")
     return layout
 
@@ -124,64 +200,16 @@ def load_optimizer_shards(
 ) -> None:
     """Put the saved master weights and Adam state of this rank's ranges into `optimizer`."""
     layout = read_layout(directory)
-    if (layout["tp"], layout["pp"]) != (where.tp, where.pp):
-        raise ValueError(
-            f"the distributed-optimizer state in {directory} was saved with tensor parallel "
-            f"size {layout['tp']} and pipeline parallel size {layout['pp']}; this run has "
-            f"{where.tp} and {where.pp}. It resumes only with the same TP and PP sizes (the "
-            "data-parallel size may differ); resume with the saving run's layout"
-        )
-    same_dp = layout["dp"] == where.dp
-    sources = [where.file_name()] if same_dp else [where.file_name(d) for d in range(layout["dp"])]
-    owned = list(_owned(optimizer, names))
-    filled = [_Assembly(o.span.start, o.span.end) for o in owned]
-    for source in sources:
-        saved = torch.load(directory / source, weights_only=True)
-        for o, assembly in zip(owned, filled):
-            if o.name in saved:
-                assembly.add(saved[o.name])
-        del saved
-    for o, assembly in zip(owned, filled):
-        assembly.install(o, directory)
-
-
-class _Assembly:
-    """The elements [start, end) of one parameter's saved tensors, gathered from saved ranges."""
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.end = start, end
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.step: torch.Tensor | None = None
-        self.covered = 0
-
-    def add(self, entry: dict) -> None:
-        lo, hi = max(self.start, entry["start"]), min(self.end, entry["end"])
-        if lo >= hi:
-            return
-        for key, value in entry.items():
-            if key in ("start", "end"):
-                continue
-            if key == "step":
-                self.step = value
-                continue
-            target = self.tensors.setdefault(
-                key, torch.empty(self.end - self.start, dtype=value.dtype)
-            )
-            target[lo - self.start : hi - self.start] = value[
-                lo - entry["start"] : hi - entry["start"]
-            ]
-        self.covered += hi - lo
-
-    def install(self, owned: _Owned, directory: Path) -> None:
-        if self.covered != self.end - self.start:
+    if layout["format"] == LOCAL_NAMES_FORMAT:
+        if (layout["tp"], layout["pp"]) != (where.tp, where.pp):
             raise ValueError(
-                f"{directory} covers {self.covered} of the {self.end - self.start} elements of "
-                f"{owned.name!r} this rank owns: the checkpoint is incomplete or of another model"
+                f"the distributed-optimizer state in {directory} was written in format "
+                f"{LOCAL_NAMES_FORMAT}, which resumes only with the saving run's tensor and "
+                f"pipeline parallel sizes ({layout['tp']} and {layout['pp']}; this run has "
+                f"{where.tp} and {where.pp})"
             )
-        with torch.no_grad():
-            owned.main.copy_(self.tensors.pop("param").to(owned.main.device))
-        if self.step is None:  # saved before the first optimizer step: no Adam state yet
-            owned.state.pop(owned.main, None)
-            return
-        moments = {k: v.to(device=owned.main.device) for k, v in self.tensors.items()}
-        owned.state[owned.main] = {"step": self.step.clone(), **moments}
+    else:
+        names = global_names(names, where.pp_rank)
+    saved = SavedShards(directory, layout)
+    for owned in _owned(optimizer, names):
+        saved.assembly(owned, where.tp_rank, where.tp).install(owned, directory)

@@ -5,8 +5,12 @@
 - A run resumed from its checkpoint (rlhf.trainer.optimizer_shards) continues exactly as
   the uninterrupted run: same metrics and bit-identical weights, in fp32 and in bf16 (with
   fp32 master weights, which are sharded too).
-- The checkpoint reshards to another DP size; another TP size, or a plain-optimizer run, is
-  refused with an error that says what to do.
+- With an optimizer that counts Adam's steps per param group, as Transformer Engine's and
+  apex's FusedAdam do (Megatron's pick on GPU; `ParamGroupStepAdamW` in the worker), the
+  weights are bit-identical to torch's AdamW and a resumed run continues exactly.
+- The checkpoint reshards to another DP size, TP size (TP2 -> TP1 and TP1 -> TP2: the whole
+  models in HF's layout and the metrics of the uninterrupted run) and PP size (PP2 -> PP1); a
+  plain-optimizer run is refused with an error that says what to do.
 - Offloading (rlhf.trainer.offload, the GPU path forced on CPU) through a whole trainer step
   frees every parameter, gradient and optimizer storage between uses and changes nothing:
   the step's metrics and weights are bit-identical.
@@ -29,12 +33,20 @@ TOLERANCE = 2e-6  # fp32 weights of order 1e-2..1; DP2's reduce-scatter vs all-r
 def runs(tiny_qwen2_dir, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("distributed_optimizer")
     model = ["--model", str(tiny_qwen2_dir), "--steps", "2"]
+    group_step, distributed = ["--optimizer", "group-step"], ["--distributed", "true"]
     plans = {
         "dp1": (1, []),
         "dp2_plain": (2, ["--distributed", "false"]),
         "dp2": (2, ["--save", str(work / "ckpt")]),  # null: on at DP2
         "dp2_resumed": (2, ["--resume", str(work / "ckpt")]),
         "dp1_resharded": (1, ["--resume", str(work / "ckpt"), "--distributed", "true"]),
+        "dp2_group_step": (2, [*group_step, "--save", str(work / "ckpt_group_step")]),
+        "dp2_group_step_resumed": (2, [*group_step, "--resume", str(work / "ckpt_group_step")]),
+        "tp2": (2, ["--tp", "2", *distributed, "--save", str(work / "ckpt_tp2")]),
+        "tp1_from_tp2": (1, [*distributed, "--resume", str(work / "ckpt_tp2")]),
+        "tp2_from_dp2": (2, ["--tp", "2", *distributed, "--resume", str(work / "ckpt")]),
+        "pp2": (2, ["--pp", "2", *distributed, "--save", str(work / "ckpt_pp2")]),
+        "pp1_from_pp2": (1, [*distributed, "--resume", str(work / "ckpt_pp2")]),
         "dp2_bf16": (2, ["--dtype", "bfloat16", "--save", str(work / "ckpt_bf16")]),
         "dp2_bf16_resumed": (2, ["--dtype", "bfloat16", "--resume", str(work / "ckpt_bf16")]),
         "dp2_bf16_offload": (2, ["--dtype", "bfloat16", "--offload"]),
@@ -104,11 +116,33 @@ def test_resume_at_another_dp_size_reshards(runs):
         assert resharded["metrics"][2][key] == pytest.approx(full["metrics"][2][key], rel=1e-5)
 
 
-def test_other_tp_size_or_plain_optimizer_is_refused(runs, tiny_qwen2_dir):
+def test_a_param_group_step_count_gives_torch_adams_weights_and_resumes_exactly(runs):
+    torch_adam, group_step = runs["dp2"], runs["dp2_group_step"]
+    resumed = runs["dp2_group_step_resumed"]
+    assert group_step["metrics"] == torch_adam["metrics"]
+    assert sorted(resumed["metrics"]) == [2]
+    assert resumed["metrics"][2] == group_step["metrics"][2]
+    for role in ("actor", "critic"):
+        for name, value in group_step["weights"][2][role].items():
+            assert torch.equal(value, torch_adam["weights"][2][role][name]), (role, name)
+            assert torch.equal(resumed["weights"][2][role][name], value), (role, name)
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [("tp2", "tp1_from_tp2"), ("dp2", "tp2_from_dp2"), ("pp2", "pp1_from_pp2")],
+)
+def test_resume_at_another_tp_or_pp_size_reshards(runs, saved, resumed):
+    full, resharded = runs[saved], runs[resumed]
+    for role in ("actor", "critic"):
+        assert max_diff(resharded["hf_weights"][role], full["hf_weights"][role]) <= TOLERANCE
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+        assert resharded["metrics"][2][key] == pytest.approx(full["metrics"][2][key], rel=1e-5)
+
+
+def test_plain_optimizer_is_refused(runs, tiny_qwen2_dir):
     ckpt, out = runs["dir"] / "ckpt", str(runs["dir"] / "refused.pt")
     common = ["--model", str(tiny_qwen2_dir), "--steps", "2", "--resume", str(ckpt), "--out", out]
-    with pytest.raises(AssertionError, match="resumes only with the same TP and PP sizes"):
-        run_torchrun("optimizer_state.py", 2, [*common, "--tp", "2", "--distributed", "true"])
     with pytest.raises(AssertionError, match="use_distributed_optimizer=True as the saving run"):
         run_torchrun("optimizer_state.py", 1, common)
 

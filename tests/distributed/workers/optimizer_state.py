@@ -5,9 +5,13 @@ Builds the PPO models (GAE: actor, critic, reference) from the HF checkpoint and
 each with 3 Adam steps per model (one mini-batch, 3 epochs). `--save DIR` writes actor and
 critic (model, optimizer, LR schedule) after the first step through the trainer's
 checkpoint code; `--resume DIR` loads them into freshly built models and runs the remaining
-steps. Rank 0 writes the weights of both models after each step, every step's metrics and, per
-rank, the bytes of the real tensors by kind (weights, gradient buffers, fp32 master
-weights held apart from the model's weights, Adam moments) next to the memory planner's.
+steps. Rank 0 writes the weights of both models after each step (its own shards, and after
+the last step the whole models in HF's layout, gathered over TP and PP), every step's
+metrics and, per rank, the bytes of the real tensors by kind (weights, gradient buffers,
+fp32 master weights held apart from the model's weights, Adam moments) next to the memory
+planner's. `--optimizer group-step` makes Megatron pick `ParamGroupStepAdamW`, which keeps
+Adam's step count the way Transformer Engine's and apex's FusedAdam do (what Megatron picks
+on GPU), with torch's AdamW arithmetic.
 """
 
 from __future__ import annotations
@@ -37,6 +41,60 @@ SETTINGS = [
     "algorithm.kl_ctrl.type=fixed",  # the controller is trainer state, not saved here
 ]
 ROLES = ("actor_rollout_ref.actor", "critic")
+
+
+class ParamGroupStepAdamW(torch.optim.AdamW):
+    """FusedAdam's bookkeeping, torch's arithmetic: the step count lives in each param group
+    (`group["step"]`) and the per-parameter state holds only the moments."""
+
+    def __init__(self, params, adam_w_mode: bool = True, **kwargs) -> None:
+        assert adam_w_mode, "Megatron asks for decoupled weight decay"
+        super().__init__(params, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if self.state[param]:
+                    self.state[param]["step"] = torch.tensor(float(group["step"]))
+        loss = super().step(closure)
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for param in group["params"]:
+                self.state[param].pop("step", None)
+        return loss
+
+
+def use_param_group_step_adam() -> None:
+    """Make Megatron's get_megatron_optimizer take the TE/apex branch with our optimizer."""
+    import megatron.core.optimizer as megatron_optimizer
+
+    megatron_optimizer.USING_PYTORCH_OPTIMIZER = False
+    megatron_optimizer.Adam = ParamGroupStepAdamW
+    megatron_optimizer.is_te_min_version = lambda *args, **kwargs: False
+
+
+def hf_weights(model, arch, ctx) -> dict[str, torch.Tensor]:
+    """The whole model in HF's layout (gathered over TP and PP) on rank 0, {} elsewhere; a
+    value head as "value_head"."""
+    from rlhf.models.mapping import Layout, Placement, resolve, shards_to_hf
+
+    found = {}
+    with model.on_device():
+        for name, param in model.module.named_parameters():
+            value = param.detach().float().contiguous()
+            if name == "output_layer.weight" and value.shape[0] == 1:
+                found["value_head"] = value
+                continue
+            rule, layer = resolve(arch, name, Placement.of(ctx))
+            shards = [value]
+            if rule.layout is not Layout.REPLICATED and ctx.tp_size > 1:
+                shards = [torch.empty_like(value) for _ in range(ctx.tp_size)]
+                dist.all_gather(shards, value, group=ctx.tp_group)
+            found.update(shards_to_hf(rule, layer, shards, arch))
+    stages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, found if ctx.tp_rank == 0 and ctx.dp_rank == 0 else {})
+    return {k: v for stage in stages for k, v in stage.items()} if ctx.rank == 0 else {}
 
 
 def on_device(fn, model):
@@ -151,9 +209,11 @@ def run(args, ctx) -> dict:
         weights[step] = {role: weights_of(getattr(models, role)) for role in ("actor", "critic")}
         if args.save and step == 1:
             save(models, Path(args.save), ctx.rank)
+    last = {role: hf_weights(getattr(models, role), arch, ctx) for role in ("actor", "critic")}
     return {
         "metrics": metrics,
         "weights": weights,
+        "hf_weights": last,
         "bytes": all_ranks(
             {
                 "actor": on_device(real_bytes, models.actor),
@@ -207,7 +267,10 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--offload", action="store_true", help="offload between uses in step 2")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--optimizer", choices=["torch", "group-step"], default="torch")
     args = parser.parse_args()
+    if args.optimizer == "group-step":
+        use_param_group_step_adam()
     ctx = init_parallel(args.device, tp_size=args.tp, pp_size=args.pp)
     try:
         seed_everything(0)
