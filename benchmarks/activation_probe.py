@@ -1,10 +1,10 @@
-"""Measure the activation memory of the actor's training micro-batch, next to the planner's.
+"""Measure the activation memory of a training micro-batch, next to the planner's.
 
-The actor is built as the trainer builds it, from `model_dir`, with the given recompute
-setting; one packed micro-batch of exactly `tokens` tokens (SAMPLES sequences) goes through
-`compute_gradients` with a log-prob loss, once to warm up and once measured with
-`rlhf.memory.measure.peak_bytes_during`. Used by benchmarks/memory.py and the activation
-tests; `docs/memory.md` has the numbers.
+The actor (or the critic) is built as the trainer builds it, from `model_dir`, with the
+given recompute setting; one packed micro-batch of exactly `tokens` tokens (SAMPLES
+sequences) goes through `compute_gradients` with a log-prob loss (the critic: a loss on its
+values), once to warm up and once measured with `rlhf.memory.measure.peak_bytes_during`.
+Used by benchmarks/memory.py and the activation tests; `docs/memory.md` has the numbers.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SAMPLES, PROMPT = 4, 8
 
 @dataclass(frozen=True)
 class ActivationMeasurement:
-    grads: dict[str, torch.Tensor]  # the actor's main_grad per parameter, on the CPU
+    grads: dict[str, torch.Tensor]  # the model's main_grad per parameter, on the CPU
     peak: int  # bytes measured above the level before the call
     estimate: int  # the planner's activation bytes for the same micro-batch
 
@@ -49,29 +49,32 @@ def packed_batch(tokens: int, vocab_size: int) -> RolloutBatch:
     )
 
 
-def measure_actor_activations(
+def measure_activations(
     model_dir: str | Path,
     ctx: ParallelContext,
     tokens: int,
     *,
+    role: str = "actor",
     recompute: str = "none",
     dtype: str = "float32",
     planned_attention: str = "cpu",
 ) -> ActivationMeasurement:
-    """`planned_attention`: "cpu" plans the local spec's attention, "cuda" the fused one."""
+    """`role`: "actor" or "critic"; `planned_attention`: "cpu" plans the local spec's
+    attention, "cuda" the fused one."""
+    section = "actor_rollout_ref.actor" if role == "actor" else "critic"
     overrides = [
         f"actor_rollout_ref.model.path={model_dir}",
         f"trainer.n_gpus_per_node={ctx.world_size}",
-        "algorithm.adv_estimator=grpo",
+        f"algorithm.adv_estimator={'grpo' if role == 'actor' else 'gae'}",
         "algorithm.use_kl_in_reward=false",
-        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={ctx.tp_size}",
-        f"actor_rollout_ref.actor.megatron.dtype={dtype}",
-        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={tokens}",
+        f"{section}.megatron.tensor_model_parallel_size={ctx.tp_size}",
+        f"{section}.megatron.dtype={dtype}",
+        f"{section}.ppo_max_token_len_per_gpu={tokens}",
         f"data.max_prompt_length={PROMPT}",
         f"data.max_response_length={tokens // SAMPLES - PROMPT}",
     ]
     if recompute != "none":
-        overrides.append(f"actor_rollout_ref.actor.megatron.recompute_granularity={recompute}")
+        overrides.append(f"{section}.megatron.recompute_granularity={recompute}")
     cfg = load_config(None, overrides)
     arch = load_policy_arch(cfg)
     seed_everything(0)
@@ -81,16 +84,21 @@ def measure_actor_activations(
         raise ValueError(f"{tokens} tokens did not pack into one micro-batch of that size")
     vocab = models.logprob_head.vocab
 
-    def head(logits, mb):
-        logp, _ = token_logprobs(logits, mb, vocab, 1.0)
+    def head(output, mb):
+        if role == "critic":
+            return mb.gather(output[..., 0].float()).sum() / mb.num_tokens, {}
+        logp, _ = token_logprobs(output, mb, vocab, 1.0)
         return -logp.sum() / mb.num_tokens, {}
 
+    model = models.actor if role == "actor" else models.critic
+    assert model is not None, "the critic exists with GAE"
+
     def update():
-        return models.actor.compute_gradients(micro_batches, head)
+        return model.compute_gradients(micro_batches, head)
 
     update()  # warm-up: lazily built buffers
     _, peak = peak_bytes_during(update, ctx.device)
-    params = models.actor.module.named_parameters()
+    params = model.module.named_parameters()
     grads = {name: p.main_grad.detach().cpu().clone() for name, p in params}
     plan = plan_memory(cfg, arch, ctx.world_size, device=planned_attention)
-    return ActivationMeasurement(grads, peak, plan.row("actor").activations)
+    return ActivationMeasurement(grads, peak, plan.row(role).activations)

@@ -35,7 +35,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    from activation_probe import measure_actor_activations  # benchmarks/, beside this script
+    from activation_probe import measure_activations  # benchmarks/, beside this script
 
     from rlhf.models.gpt import transformer_engine_usable
     from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
@@ -49,7 +49,7 @@ def main() -> None:
             Path(tmp) / "model", TinyModelSpec.scaled(args.hidden, args.layers)
         )
         for recompute in ("none", "selective", "full"):
-            found = measure_actor_activations(
+            found = measure_activations(
                 model_dir,
                 ctx,
                 args.tokens,

@@ -26,6 +26,13 @@ PORT_RANGE_LOW = 30000
 _port_rng = random.SystemRandom()  # unaffected by seeding: two seeded runs differ
 
 
+def empty_device_cache() -> None:
+    """Return the CUDA caching allocator's unused blocks to the driver, so that another
+    process on the GPU (a colocated SGLang server) can allocate them; nothing on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def round_up(length: int, multiple: int) -> int:
     """`length` padded up to a multiple of `multiple`."""
     return -(-length // multiple) * multiple

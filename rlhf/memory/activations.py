@@ -157,10 +157,26 @@ def head_bytes(s: ActivationShape, *, training: bool) -> int:
     return max(2 * logits, logits + working)
 
 
+def embedding_backward_bytes(s: ActivationShape, *, flash: bool) -> int:
+    """The first stage's last backward: the word embedding's dense V' x h gradient in the
+    model dtype, which torch's CPU kernel accumulates in an fp32 copy for bf16 (measured);
+    on GPU (`flash`) the CUDA kernel accumulates per unique token instead. By then every
+    layer's saved tensors are freed, so it competes with the whole rest of the peak."""
+    accumulate = 4 if s.element == 2 and not flash else 0
+    return s.vocab * s.hidden * (s.element + accumulate)
+
+
 def training_peak(
-    s: ActivationShape, recompute: Recompute = NO_RECOMPUTE, *, flash: bool, last_stage: bool = True
+    s: ActivationShape,
+    recompute: Recompute = NO_RECOMPUTE,
+    *,
+    flash: bool,
+    last_stage: bool = True,
+    lm_head: bool = True,
+    first_stage: bool = True,
 ) -> int:
-    """Peak activation bytes of one training micro-batch's forward and backward."""
+    """Peak activation bytes of one training micro-batch's forward and backward
+    (`lm_head` False: a value model, whose [T, 1] output head holds next to nothing)."""
     full = layer_bytes(s, flash)
     final = _norms(s, flash) // 2 if last_stage else 0
     if recompute.granularity == "full":
@@ -181,11 +197,15 @@ def training_peak(
     else:
         saved = s.layers * full + final
         backward = _attention_backward(s, flash)
-    head = head_bytes(s, training=True) if last_stage else 0
-    return saved + max(head, backward)
+    head = head_bytes(s, training=True) if last_stage and lm_head else 0
+    embedding = embedding_backward_bytes(s, flash=flash) if first_stage else 0
+    return max(saved + max(head, backward), embedding)
 
 
-def forward_peak(s: ActivationShape, *, flash: bool, last_stage: bool = True) -> int:
+def forward_peak(
+    s: ActivationShape, *, flash: bool, last_stage: bool = True, lm_head: bool = True
+) -> int:
     """Peak of a forward-only micro-batch (reference, old log-probs): nothing is kept, so the
     largest of one layer's working tensors and the head's."""
-    return max(layer_bytes(s, flash), head_bytes(s, training=False) if last_stage else 0)
+    head = head_bytes(s, training=False) if last_stage and lm_head else 0
+    return max(layer_bytes(s, flash), head)

@@ -8,10 +8,14 @@ configured token budget (`rlhf.memory.activations`) and communication buffers (t
 weight-sync bucket), and SGLang's share (`rollout.gpu_memory_utilization` of the GPU: its
 weights and KV cache). The GPU's peak is the largest phase of a step:
 
-    rollout    SGLang, plus whatever the trainer keeps resident (not offloaded)
-    reference  resident + the reference's forward activations
-    critic     resident + the critic's training activations
-    actor      resident + the actor's training activations + the weight-sync bucket
+    rollout        SGLang, plus whatever the trainer keeps resident (not offloaded)
+    reference      resident + the reference's forward activations
+    critic         resident + the critic's training activations
+    actor          resident + the actor's training activations
+    weight_sync    resident + the actor + the sync's gathers and bucket (`sync_bytes`);
+                   next to sleeping colocated servers: the actor's weights only (its
+                   gradients and optimizer state leave the GPU) + SGLang's weights
+    kv_cache_wake  sleeping colocated servers: the actor's weights only + all of SGLang
 
 On GPU every phase also counts GPU_RUNTIME_BYTES for what the allocator does not see (CUDA
 context, NCCL). An offloaded part (megatron.param/grad/optimizer_offload, ref.param_offload)
@@ -149,10 +153,10 @@ def trained_memory(
     shape = ActivationShape.of(
         arch, role.token_budget, padded, tp=tp, pp=pp, sp=sp, element=element
     )
-    last = stage == pp - 1
+    last, lm_head = stage == pp - 1, not role.value_head
     flash = _flash(device)
     if not train:
-        activations = forward_peak(shape, flash=flash, last_stage=last)
+        activations = forward_peak(shape, flash=flash, last_stage=last, lm_head=lm_head)
         return RoleMemory(role.name, weights=numel * element, activations=activations)
     recompute = Recompute.of(m)
     owned = buffer.owned[dp_rank]
@@ -169,7 +173,9 @@ def trained_memory(
         gradients=buffer.numel * 4,  # fp32 (bf16 models reduce gradients in fp32)
         master_weights=owned * 4 if element == 2 else 0,
         optimizer_state=2 * owned * 4,  # Adam's exp_avg and exp_avg_sq, fp32
-        activations=training_peak(shape, recompute, flash=flash, last_stage=last),
+        activations=training_peak(
+            shape, recompute, flash=flash, last_stage=last, lm_head=lm_head, first_stage=stage == 0
+        ),
         offloaded=frozenset(offloaded),
     )
 
@@ -237,7 +243,10 @@ def _rank_rows(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> list[Ro
         trained_memory(inputs.arch, r, dp=dp, sp=inputs.sp, device=inputs.device, stage=stage)
         for r in inputs.roles
     ]
-    rows[0] = replace(rows[0], communication=inputs.sync_bucket)
+    padded = padded_vocab_size(inputs.arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
+    element = DTYPE_BYTES[actor_m.dtype]
+    sync = sync_bytes(inputs.arch, padded, tp, element, inputs.sync_bucket)
+    rows[0] = replace(rows[0], communication=sync)
     if inputs.reference is not None:
         ref = trained_memory(
             inputs.arch,
@@ -261,7 +270,7 @@ def _rank_rows(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> list[Ro
 
 def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:
     by_role = {r.role: r for r in rows}
-    rollout = by_role.get("rollout")
+    rollout, actor = by_role.get("rollout"), by_role["actor"]
     trainer = [r for r in rows if r.role != "rollout"]
     resident = sum(r.resident for r in trainer)
     kept = rollout.total if rollout is not None and not inputs.release_rollout else 0
@@ -271,11 +280,28 @@ def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:
 
     phases = {"rollout": resident + (rollout.total if rollout is not None else 0)}
     for row in trainer:
-        phases[row.role] = running(row, row.activations + row.communication)
-    if rollout is not None and inputs.release_rollout:  # weights woken for the sync
-        phases["weight_sync"] = running(by_role["actor"], inputs.sync_bucket) + rollout.weights
+        phases[row.role] = running(row, row.activations)
+    if rollout is not None and inputs.release_rollout:
+        # PolicyServers.load_weights next to sleeping servers: only the actor's weights on
+        # the GPU (its gradients and optimizer state off it); SGLang's weights wake for the
+        # sync, then its KV cache for the probe and the next rollout
+        weights_only = resident - actor.resident + actor.weights
+        phases["weight_sync"] = weights_only + rollout.weights + actor.communication
+        phases["kv_cache_wake"] = weights_only + rollout.total
+    else:
+        phases["weight_sync"] = running(actor, actor.communication)
     runtime = GPU_RUNTIME_BYTES if inputs.device != "cpu" else 0
     return {name: value + runtime for name, value in phases.items()}
+
+
+def sync_bytes(arch: ModelArch, padded_vocab: int, tp: int, element: int, bucket: int) -> int:
+    """What a weight sync adds on a stage leader: the largest parameter's TP shards
+    all-gathered and their HF-layout copy (TP > 1), and the packed bucket (a tensor larger
+    than the bucket travels alone)."""
+    h = arch.hidden_size
+    qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim
+    largest = max(padded_vocab, 2 * arch.ffn_hidden_size, qkv) * h * element
+    return (2 * largest if tp > 1 else 0) + max(bucket, largest)
 
 
 def plan_inputs(inputs: PlanInputs, gpu_bytes: int | None) -> MemoryPlan:
@@ -300,3 +326,22 @@ def plan_memory(
     world = world_size or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     parallel_layout("actor", cfg, world)  # a clear error for sizes that do not divide
     return plan_inputs(PlanInputs.from_config(cfg, arch, world, device), gpu_bytes)
+
+
+def kv_cache_bytes_per_token(arch: ModelArch, rollout_tp: int, dtype: str) -> int:
+    """SGLang's KV cache per token on one GPU: K and V of every layer, for the KV heads of
+    one rollout TP rank (replicated when there are fewer heads than ranks)."""
+    heads = max(1, arch.num_query_groups // rollout_tp)
+    return 2 * arch.num_layers * heads * arch.head_dim * DTYPE_BYTES[dtype]
+
+
+def planned_kv_cache_tokens(
+    cfg: RLHFConfig, arch: ModelArch, world_size: int, gpu_bytes: int
+) -> int:
+    """The KV-cache tokens a colocated server gets in the plan: its share of the GPU
+    (`rollout.gpu_memory_utilization`) less its weights, per token; given to SGLang as
+    `--max-total-tokens`, so the cache does not depend on what is free when it starts."""
+    rollout = cfg.actor_rollout_ref.rollout
+    plan = plan_memory(cfg, arch, world_size, device="cuda", gpu_bytes=gpu_bytes)
+    per_token = kv_cache_bytes_per_token(arch, rollout.tensor_model_parallel_size, rollout.dtype)
+    return plan.row("rollout").activations // per_token

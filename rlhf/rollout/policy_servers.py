@@ -16,7 +16,8 @@ It does three things, each behind one call (all ranks call):
 - `load_weights(policy, v)`: wake sleeping servers, move the policy's weights into them as
   version v (`rlhf.weight_sync`: gather + transport), restart and reload a server lost on
   the way, and check log-prob parity on a probe sequence; afterwards every server serves v;
-- `release_memory`: colocated GPU servers free their weights and KV cache for training.
+- `release_memory`: colocated GPU servers free their weights, KV cache and CUDA graphs for
+  training.
 
 A launched server that dies is restarted by its `ServerGroup`; the restart hook registered
 here reloads the current version into it (`WeightSyncer.reload`), so a generation that
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlhf import sglang_api
@@ -39,19 +42,23 @@ from rlhf.config.schema import RLHFConfig, RolloutConfig
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
 from rlhf.distributed.context import ParallelContext
+from rlhf.memory.planner import planned_kv_cache_tokens
 from rlhf.models.families import ModelArch
 from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 from rlhf.rollout.generation import RolloutResult, generate_and_score, kv_cache_tokens
 from rlhf.sglang_api import ServerLost
-from rlhf.utils import split_evenly
+from rlhf.utils import empty_device_cache, split_evenly
 from rlhf.weight_sync.factory import build_weight_syncer
 from rlhf.weight_sync.gather import SyncTopology
 from rlhf.weight_sync.probe import check_parity, logprob_diff_max, probe_tokens
 from rlhf.weight_sync.syncer import SyncStats, WeightSyncer
 
 log = logging.getLogger(__name__)
+# SGLang's memory-saver tags (sglang.srt.constants): what wakes for the sync, what after it
+WEIGHT_TAGS = ["weights"]
+CACHE_TAGS = ["kv_cache", "cuda_graph"]
 
 
 class PolicyWeights(Protocol):
@@ -64,6 +71,11 @@ class PolicyWeights(Protocol):
 
     def on_device(self) -> AbstractContextManager[None]:
         """The weights on the device inside this context (an offloaded actor)."""
+        ...
+
+    def weights_on_device(self) -> AbstractContextManager[None]:
+        """Only the weights on the device inside this context: the policy's gradients and
+        optimizer state off it (next to colocated servers that wake)."""
         ...
 
     def probe_logprobs(self, tokens: list[int]) -> Tensor:
@@ -87,6 +99,25 @@ class WeightLoad:
             "rollout/logprob_diff_max": self.logprob_diff_max,
             **phases,
         }
+
+
+def server_kv_cache_tokens(
+    cfg: RLHFConfig, ctx: ParallelContext, max_prompts: int, arch: ModelArch
+) -> int:
+    """The KV cache a launched server gets: on CPU what the largest generation needs; on
+    GPU the memory plan's share (`rlhf.memory.planner.planned_kv_cache_tokens`)."""
+    if ctx.device.type == "cpu":
+        return kv_cache_tokens(cfg, max_prompts)
+    gpu_bytes = torch.cuda.get_device_properties(ctx.device).total_memory
+    return planned_kv_cache_tokens(cfg, arch, ctx.world_size, gpu_bytes)
+
+
+def wait_for_servers(engine: SGLangEngine | None) -> None:
+    """All ranks: until this node's launched servers are up (the trainer allocates after)."""
+    if engine is not None:
+        engine.wait_ready()
+    if dist.is_initialized():
+        dist.barrier()
 
 
 class PolicyServers:
@@ -141,16 +172,17 @@ class PolicyServers:
         owner = ctx.local_rank == 0 if per_node else ctx.is_main
         node_dir = run_dir / f"node{ctx.node_rank}" if per_node else run_dir
         engine = scorer = None
+        launched = rollout.server_urls is None
+        sleeps = launched and rollout.free_cache_engine and ctx.device.type != "cpu"
         if owner:
             scorer = RewardScorer.from_config(cfg.reward)
-            cpu = ctx.device.type == "cpu"
             engine = SGLangEngine(
                 rollout,
                 cfg.actor_rollout_ref.model.path,
                 log_dir=node_dir / "logs",
                 device=ctx.device.type,
                 seed=cfg.data.seed,
-                max_total_tokens=kv_cache_tokens(cfg, max_prompts) if cpu else None,
+                max_total_tokens=server_kv_cache_tokens(cfg, ctx, max_prompts, arch),
                 wait=False,
             )
         try:
@@ -164,12 +196,12 @@ class PolicyServers:
                 run_dir=node_dir,
                 model_path=cfg.actor_rollout_ref.model.path,
             )
+            if sleeps:  # SGLang measures the free memory as it starts: before the trainer's
+                wait_for_servers(engine)
         except BaseException:
             if engine is not None:
                 engine.shutdown()
             raise
-        launched = rollout.server_urls is None
-        sleeps = launched and rollout.free_cache_engine and ctx.device.type != "cpu"
         if launched and rollout.free_cache_engine and not sleeps and ctx.is_main:
             log.info(
                 "rollout.free_cache_engine: no effect on CPU (SGLang's memory release needs "
@@ -244,15 +276,22 @@ class PolicyServers:
     # ---- weights ------------------------------------------------------------------------
 
     def load_weights(self, policy: PolicyWeights, version: int) -> WeightLoad:
-        """Every server serves `policy`'s weights as `version` (all ranks call): wake, sync,
+        """Every server serves `policy`'s weights as `version` (all ranks call): sync,
         recover a server lost on the way, then the log-prob probe (raises above
-        `rollout.logprob_diff_threshold`)."""
-        self.resume_memory(["weights"])  # colocated GPU servers slept while training
-        with policy.on_device():
+        `rollout.logprob_diff_threshold`).
+
+        Colocated GPU servers that slept while training wake in two steps, so that the GPU
+        never holds the trainer's state and SGLang's KV cache at once: with only the policy's
+        weights on the device (its gradients and optimizer state off it), SGLang's weights
+        wake and the sync runs; then its KV cache and CUDA graphs wake for the probe. The
+        allocator's cache is emptied before each wake."""
+        near_servers = policy.weights_on_device() if self.sleeps else policy.on_device()
+        with near_servers:
+            self.wake(WEIGHT_TAGS)
             stats = self.syncer.sync(policy.module, version)
             for url in stats.lost:
                 self._recover(url)
-            self.resume_memory(["kv_cache"])
+            self.wake(CACHE_TAGS)
             diff = self.probe(policy)
         return WeightLoad(version, stats, diff)
 
@@ -313,21 +352,27 @@ class PolicyServers:
     # ---- memory (colocated GPU servers) ---------------------------------------------------
 
     def release_memory(self) -> None:
-        """Sleep: the engine's servers free their weights and KV cache (GPU, colocated)."""
+        """Sleep: the engine's servers free their weights, KV cache and CUDA graphs (GPU,
+        colocated)."""
         if not self.sleeps or self.engine is None:
             return
         for url in self.engine.server_urls:
-            sglang_api.release_memory_occupation(url, ["weights", "kv_cache"])
+            sglang_api.release_memory_occupation(url, [*WEIGHT_TAGS, *CACHE_TAGS])
             self.asleep.add(url)
 
-    def resume_memory(self, tags: list[str]) -> None:
-        """Wake `tags` of the sleeping servers: "weights" before a weight sync, then
-        "kv_cache" before generating (the released weights are stale until synced)."""
-        if self.engine is None:
+    def wake(self, tags: list[str]) -> None:
+        """Wake `tags` of the sleeping servers once every rank has emptied its allocator
+        cache (a server's shards live on all of its node's GPUs): WEIGHT_TAGS before a
+        weight sync, then CACHE_TAGS before generating (the released weights are stale
+        until synced)."""
+        if not self.sleeps:
             return
+        empty_device_cache()
+        if dist.is_initialized():
+            dist.barrier()
         for url in sorted(self.asleep):
             sglang_api.resume_memory_occupation(url, tags)
-        if "kv_cache" in tags:
+        if set(CACHE_TAGS) <= set(tags):
             self.asleep.clear()
 
     def shutdown(self) -> None:

@@ -144,6 +144,10 @@ class MegatronModel:
         """Everything offloaded is back on the device inside this context (re-entrant)."""
         return self.offloader.on_device()
 
+    def weights_on_device(self) -> AbstractContextManager[None]:
+        """The weights on the device inside this context (all a frozen model has)."""
+        return self.offloader.on_device()
+
     @torch.no_grad()
     def forward(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
         self.runner.eval()
@@ -171,6 +175,11 @@ class TrainableMegatronModel(MegatronModel):
         config.finalize_model_grads_func = finalize_model_grads
         self.distributed_optimizer = settings.distributed
         self.optimizer, self.scheduler = build_optimizer(self.ddp, settings)
+
+    def weights_on_device(self) -> AbstractContextManager[None]:
+        """Only the weights on the device inside this context (a colocated weight sync):
+        the gradient buffers and optimizer state leave it for the duration."""
+        return self.offloader.weights_only()
 
     def compute_gradients(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
         """Forward-backward of a mini-batch from zeroed gradients: afterwards every

@@ -5,9 +5,15 @@ buffers that many tensors view (`param.main_grad`, bucket views, the optimizer's
 moving a tensor with `.to()` would leave those views behind. Instead each underlying
 *storage* is copied to (pinned) CPU memory and resized to zero bytes; reloading resizes it
 back and copies the bytes in. Every tensor and view keeps its identity, shape and offsets,
-and the round trip is bit-exact. On GPU this returns the memory to the caching allocator
-(the trainer then empties the cache); on CPU the same mechanism runs (and is tested) but
-frees nothing useful, so the trainer does not offload there.
+and the round trip is bit-exact. Gradient buffers are not copied: DDP zeroes them before
+every backward, so they are freed and come back zeroed (no host memory for them). On GPU
+this returns the memory to the caching allocator (the trainer then empties the cache); on
+CPU the same mechanism runs (and is tested) but frees nothing useful, so the trainer does
+not offload there.
+
+`ModelOffloader.weights_only()` is the colocated weight sync's view of the actor: only its
+parameters on the device, its gradients and optimizer state off it for the duration even
+when they otherwise stay resident, so that SGLang's weights and KV cache fit next to it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhf.utils import empty_device_cache
+
 KINDS = ("params", "grads", "optimizer")
+SYNC_ASIDE = ("grads", "optimizer")  # what a weight sync does not need on the device
+DISCARDED = frozenset({"grads"})  # zeroed before every use: freed without a copy
 
 
 @dataclass
@@ -39,16 +49,17 @@ class StorageOffloader:
 
     held: list[_Held] = field(default_factory=list)
     offloaded: bool = False
+    keep_bytes: bool = True  # False: freed without a copy, zeroed when reloaded
 
     @classmethod
-    def of(cls, tensors: Iterable[torch.Tensor]) -> StorageOffloader:
+    def of(cls, tensors: Iterable[torch.Tensor], keep_bytes: bool = True) -> StorageOffloader:
         seen: dict[int, _Held] = {}
         for tensor in tensors:
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
             if key not in seen and storage.nbytes() > 0:
                 seen[key] = _Held(storage, tensor.device, storage.nbytes())
-        return cls(list(seen.values()))
+        return cls(list(seen.values()), keep_bytes=keep_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -59,9 +70,9 @@ class StorageOffloader:
             return
         pin = torch.cuda.is_available()
         for h in self.held:
-            source = _byte_view(h.storage, h.device)
-            h.copy = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=pin)
-            h.copy.copy_(source)
+            if self.keep_bytes:
+                h.copy = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=pin)
+                h.copy.copy_(_byte_view(h.storage, h.device))
             h.storage.resize_(0)
         self.offloaded = True
 
@@ -69,9 +80,11 @@ class StorageOffloader:
         if not self.offloaded:
             return
         for h in self.held:
-            assert h.copy is not None
             h.storage.resize_(h.nbytes)
-            _byte_view(h.storage, h.device).copy_(h.copy, non_blocking=True)
+            if h.copy is None:
+                _byte_view(h.storage, h.device).zero_()
+            else:
+                _byte_view(h.storage, h.device).copy_(h.copy, non_blocking=True)
             h.copy = None
         if any(h.device.type == "cuda" for h in self.held):
             torch.cuda.synchronize()
@@ -108,24 +121,27 @@ class ModelOffloader:
     def __init__(self, model, kinds: Iterable[str]) -> None:
         self.model = model
         self.kinds = tuple(kinds)
-        self._parts: list[StorageOffloader] = []
+        self._parts: dict[str, StorageOffloader] = {}
         self._depth = 0
 
-    def offload(self) -> None:
-        """Move the kinds' storages to CPU (found anew each time: Adam's state exists only
-        after the first optimizer step)."""
-        if self._parts:
-            return
-        self._parts = [StorageOffloader.of(model_tensors(self.model, k)) for k in self.kinds]
-        for part in self._parts:
-            part.offload()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    def offload(self, kinds: Iterable[str] | None = None) -> None:
+        """Move the kinds' storages (default: the chosen kinds) to CPU, then empty the
+        allocator's cache. The storages are found anew each time: Adam's state exists only
+        after the first optimizer step."""
+        for kind in self.kinds if kinds is None else kinds:
+            if kind not in self._parts:
+                tensors = model_tensors(self.model, kind)
+                part = StorageOffloader.of(tensors, keep_bytes=kind not in DISCARDED)
+                part.offload()
+                self._parts[kind] = part
+        empty_device_cache()
 
-    def reload(self) -> None:
-        for part in self._parts:
-            part.reload()
-        self._parts = []
+    def reload(self, kinds: Iterable[str] | None = None) -> None:
+        """Back on the device: the given kinds (default: all offloaded ones)."""
+        for kind in list(self._parts) if kinds is None else kinds:
+            part = self._parts.pop(kind, None)
+            if part is not None:
+                part.reload()
 
     @contextmanager
     def on_device(self) -> Iterator[None]:
@@ -142,3 +158,20 @@ class ModelOffloader:
             self._depth -= 1
             if self._depth == 0:
                 self.offload()
+
+    @contextmanager
+    def weights_only(self, aside: tuple[str, ...] = SYNC_ASIDE) -> Iterator[None]:
+        """Only the parameters on the device inside: the `aside` kinds leave it for the
+        duration (with the allocator's cache emptied), also those that otherwise stay
+        resident; afterwards everything is where it was."""
+        if self._depth:
+            raise RuntimeError("weights_only() inside on_device(): the state is in use")
+        resident = tuple(kind for kind in aside if kind not in self.kinds)
+        self.offload(resident)
+        self.reload(["params"])
+        try:
+            yield
+        finally:
+            if "params" in self.kinds:
+                self.offload(["params"])
+            self.reload(resident)

@@ -101,6 +101,9 @@ class ActorWeights:
     def on_device(self) -> AbstractContextManager[None]:
         return self.actor.on_device()
 
+    def weights_on_device(self) -> AbstractContextManager[None]:
+        return self.actor.weights_on_device()
+
     def probe_logprobs(self, tokens: list[int]) -> Tensor:
         return probe_logprobs(self.actor, tokens, self.planner, self.probe_head)
 

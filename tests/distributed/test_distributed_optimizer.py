@@ -13,7 +13,10 @@
   plain-optimizer run is refused with an error that says what to do.
 - Offloading (rlhf.trainer.offload, the GPU path forced on CPU) through a whole trainer step
   frees every parameter, gradient and optimizer storage between uses and changes nothing:
-  the step's metrics and weights are bit-identical.
+  the step's metrics and weights are bit-identical. So does the colocated weight sync's
+  view of the actor (`weights_on_device`): inside it only the parameters are held (the
+  gradient buffers and Adam state, resident otherwise, are freed), and the next step is
+  bit-identical.
 - The memory planner (rlhf.memory) counts exactly the bytes of the real weights, gradient
   buffers, master weights and Adam state on every rank of TP1, TP2, PP2 and DP2, with and
   without the distributed optimizer (whose buffer padding it reproduces), fp32 and bf16.
@@ -50,6 +53,7 @@ def runs(tiny_qwen2_dir, tmp_path_factory) -> dict:
         "dp2_bf16": (2, ["--dtype", "bfloat16", "--save", str(work / "ckpt_bf16")]),
         "dp2_bf16_resumed": (2, ["--dtype", "bfloat16", "--resume", str(work / "ckpt_bf16")]),
         "dp2_bf16_offload": (2, ["--dtype", "bfloat16", "--offload"]),
+        "dp2_bf16_weights_only": (2, ["--dtype", "bfloat16", "--weights-only"]),
         "tp2_bf16": (2, ["--dtype", "bfloat16", "--tp", "2", "--distributed", "true"]),
         "pp2_bf16": (2, ["--dtype", "bfloat16", "--pp", "2"]),
     }
@@ -168,3 +172,14 @@ def test_offload_between_uses_frees_everything_and_changes_nothing(runs):
     for role in ("actor", "critic"):
         for name, value in full["weights"][2][role].items():
             assert torch.equal(offloaded["weights"][2][role][name], value), (role, name)
+
+
+def test_the_weight_syncs_view_holds_only_the_parameters_and_changes_nothing(runs):
+    full, synced = runs["dp2_bf16"], runs["dp2_bf16_weights_only"]
+    for rank, held in enumerate(synced["resident_while_offloaded"]):
+        plain = full["bytes"][rank]["actor"]
+        assert held["actor"] == {"params": plain["weights"], "grads": 0, "optimizer": 0}, rank
+    assert synced["metrics"][2] == full["metrics"][2]
+    for role in ("actor", "critic"):
+        for name, value in full["weights"][2][role].items():
+            assert torch.equal(synced["weights"][2][role][name], value), (role, name)

@@ -1,7 +1,8 @@
 """Colocated sleep/wake on CUDA: a real SGLang server started as the trainer starts it
-(`--enable-memory-saver`, rollout.free_cache_engine) releases its weights and KV cache
-(the GPU's free memory grows by most of its share), resumes them, takes the weights again
-from disk (the trainer syncs them there) and then generates the tokens it generated before.
+(`--enable-memory-saver`, rollout.free_cache_engine) releases its weights, KV cache and CUDA
+graphs (the GPU's free memory grows by most of its share), resumes them in the trainer's
+order (weights, then KV cache and CUDA graphs), takes the weights again from disk (the
+trainer syncs them there) and then generates the tokens it generated before.
 Skipped without CUDA, SGLang or torch_memory_saver (SGLang's release needs CUDA)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from rlhf import sglang_api
 from rlhf.config.schema import RolloutConfig
+from rlhf.rollout.policy_servers import CACHE_TAGS, WEIGHT_TAGS
 from rlhf.rollout.sglang_server import SGLangServer, build_server_args
 from rlhf.utils import free_port
 
@@ -38,10 +40,10 @@ def test_release_and_resume_give_memory_back_and_keep_generating(tiny_qwen2_dir,
         server.wait_healthy(600)
         before = greedy(launch.url)
         awake_free, total = torch.cuda.mem_get_info()
-        sglang_api.release_memory_occupation(launch.url, ["weights", "kv_cache"])
+        sglang_api.release_memory_occupation(launch.url, [*WEIGHT_TAGS, *CACHE_TAGS])
         asleep_free, _ = torch.cuda.mem_get_info()
         assert asleep_free - awake_free > 0.5 * rollout.gpu_memory_utilization * total
-        sglang_api.resume_memory_occupation(launch.url, ["weights"])
+        sglang_api.resume_memory_occupation(launch.url, WEIGHT_TAGS)
         sglang_api.update_weights_from_disk(launch.url, str(tiny_qwen2_dir), version=1)
-        sglang_api.resume_memory_occupation(launch.url, ["kv_cache"])
+        sglang_api.resume_memory_occupation(launch.url, CACHE_TAGS)
         assert greedy(launch.url) == before

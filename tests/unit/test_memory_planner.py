@@ -12,7 +12,14 @@ import torch
 from rlhf.cli.doctor import main as doctor_main
 from rlhf.config import load_config
 from rlhf.memory.params import GradBuffer, Param
-from rlhf.memory.planner import GIB, PlanInputs, hf_param_count, plan_inputs, plan_memory
+from rlhf.memory.planner import (
+    GIB,
+    PlanInputs,
+    hf_param_count,
+    plan_inputs,
+    plan_memory,
+    planned_kv_cache_tokens,
+)
 from rlhf.memory.report import describe, suggestions
 from rlhf.models.families import arch_from_hf_config
 from rlhf.trainer.offload import StorageOffloader
@@ -120,9 +127,9 @@ def test_doctor_prints_the_plan_and_fails_a_config_that_does_not_fit(capsys):
     assert "memory per GPU (GiB), by role and kind" in out
     memory = next(line for line in out.splitlines() if line.startswith("memory "))
     assert "PASS" in memory and "fits in 80.00 GiB" in memory
-    assert doctor_main([*args, "--gpu-memory-gb", "40"]) == 1
+    assert doctor_main([*args, "--gpu-memory-gb", "32"]) == 1
     out = capsys.readouterr().out
-    assert "does NOT fit in 40.00 GiB" in out and "  try " in out
+    assert "does NOT fit in 32.00 GiB" in out and "  try " in out
 
 
 def test_storage_offloader_round_trip_is_exact_and_frees_the_storage():
@@ -139,3 +146,28 @@ def test_storage_offloader_round_trip_is_exact_and_frees_the_storage():
         assert torch.equal(got, want)
     views[0].add_(1.0)  # the views still alias the buffer
     assert torch.equal(buffer[:300], before[0].reshape(-1) + 1.0)
+
+
+def test_colocated_servers_get_the_plans_kv_cache_by_hand():
+    # gsm8k_8gpu.yaml: Qwen2.5-7B (7,615,616,512 parameters, published), SGLang TP 2 in bf16
+    # with 0.6 of an 80 GiB GPU. Each rollout rank holds half the weights; the rest of its
+    # share is KV cache: K and V of 28 layers for 4 / 2 KV heads of 128 dims, in bf16.
+    cfg = load_config(CONFIG_8GPU, [])
+    share = int(0.6 * 80 * GIB) - 7_615_616_512 * 2 // 2
+    per_token = 2 * 28 * (4 // 2) * 128 * 2
+    assert planned_kv_cache_tokens(cfg, shape("Qwen2.5-7B"), 8, 80 * GIB) == share // per_token
+
+
+def test_colocated_weight_sync_holds_only_the_actors_weights_next_to_sglangs():
+    cfg = load_config(CONFIG_8GPU, [])
+    plan = plan_memory(cfg, shape("Qwen2.5-7B"), gpu_bytes=80 * GIB)
+    actor, rollout = plan.row("actor"), plan.row("rollout")
+    others = sum(r.resident for r in plan.rows if r.role not in ("actor", "rollout"))
+    runtime = 2 * GIB
+    weights_only = others + actor.weights + runtime
+    assert plan.phases["weight_sync"] == weights_only + rollout.weights + actor.communication
+    assert plan.phases["kv_cache_wake"] == weights_only + rollout.total
+    # the sync's extra: the embedding (152,064 rows padded to 152,064 = 1188 x 128, x 3584
+    # bf16) gathered over TP 2 and copied to HF's layout, then packed alone (> the bucket)
+    embedding = 152_064 * 3584 * 2
+    assert actor.communication == 3 * embedding

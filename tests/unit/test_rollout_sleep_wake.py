@@ -1,21 +1,28 @@
 """Colocated sleep/wake as the trainer drives it (`PolicyServers`), against a
 local HTTP server that records SGLang's admin routes; each body is parsed with SGLang's own
 request classes. The release itself needs CUDA (tests/gpu/test_sglang_sleep_wake.py runs
-it on a real server); on CPU only the command line and the call sequence can be checked."""
+it on a real server); on CPU only the command line and the call sequence can be checked:
+the order of a colocated weight load (the policy's state off the device, cache emptied,
+SGLang's weights, sync, cache emptied, KV cache and CUDA graphs, probe) is recorded with a
+policy, syncer and probe that only record their calls (each runs for real in
+tests/e2e/test_weight_sync.py)."""
 
 from __future__ import annotations
 
 import http.server
 import json
 import threading
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
 
 from rlhf.config.schema import RolloutConfig
+from rlhf.rollout import policy_servers
 from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.rollout.sglang_server import build_server_args
+from rlhf.weight_sync.syncer import SyncStats
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
@@ -66,20 +73,20 @@ def parsed(calls):
 def test_sleep_then_wake_weights_then_kv_cache(servers):
     urls, calls = servers
     fleet = fleet_over(urls, sleeps=True)
-    fleet.resume_memory(["weights"])  # awake servers (e.g. at resume): nothing to do
+    fleet.wake(["weights"])  # awake servers (e.g. at resume): nothing to do
     assert calls == []
     fleet.release_memory()
-    fleet.resume_memory(["weights"])
-    fleet.resume_memory(["kv_cache"])
-    fleet.resume_memory(["kv_cache"])  # already awake
+    fleet.wake(["weights"])
+    fleet.wake(["kv_cache", "cuda_graph"])
+    fleet.wake(["kv_cache", "cuda_graph"])  # already awake
     release, resume = "release_memory_occupation", "resume_memory_occupation"
     assert parsed(calls) == [
-        (release, ["weights", "kv_cache"]),
-        (release, ["weights", "kv_cache"]),
+        (release, ["weights", "kv_cache", "cuda_graph"]),
+        (release, ["weights", "kv_cache", "cuda_graph"]),
         (resume, ["weights"]),
         (resume, ["weights"]),
-        (resume, ["kv_cache"]),
-        (resume, ["kv_cache"]),
+        (resume, ["kv_cache", "cuda_graph"]),
+        (resume, ["kv_cache", "cuda_graph"]),
     ]
     assert {port for port, _, _ in calls} == {int(u.rsplit(":", 1)[1]) for u in urls}
 
@@ -88,8 +95,79 @@ def test_no_sleep_on_cpu_or_when_disabled(servers):
     urls, calls = servers
     fleet = fleet_over(urls, sleeps=False)
     fleet.release_memory()
-    fleet.resume_memory(["weights"])
+    fleet.wake(["weights"])
     assert calls == []
+
+
+class RecordingPolicy:
+    """Records which of its states the weight load puts on the device."""
+
+    module = "the policy's module"
+
+    def __init__(self, trace: list) -> None:
+        self.trace = trace
+
+    @contextmanager
+    def weights_on_device(self):
+        self.trace.append("policy: weights only on the device")
+        yield
+        self.trace.append("policy: state back")
+
+    @contextmanager
+    def on_device(self):
+        self.trace.append("policy: all on the device")
+        yield
+        self.trace.append("policy: state back")
+
+
+def recorded_load(urls, calls, monkeypatch, sleeps: bool) -> list:
+    """The sequence of one `load_weights(policy, 3)`: the recorder's routes (one entry per
+    route and tags, for both servers) among the policy's, the syncer's and the cache's."""
+    fleet = fleet_over(urls, sleeps)
+    fleet.release_memory()
+    calls.clear()
+    monkeypatch.setattr(policy_servers, "empty_device_cache", lambda: calls.append("empty cache"))
+
+    def sync(module, version):
+        assert module == RecordingPolicy.module
+        calls.append(f"sync v{version}")
+        return SyncStats(0.0, 0, 0, 0, 0)
+
+    fleet.syncer = SimpleNamespace(sync=sync)
+    fleet.probe = lambda policy: calls.append("probe") or 0.0
+    fleet.load_weights(RecordingPolicy(calls), 3)
+    sequence = []
+    for call in calls:
+        if isinstance(call, tuple):
+            call = f"{call[1]} {call[2]['tags']}"
+        if not sequence or sequence[-1] != call:  # the same route to the second server
+            sequence.append(call)
+    return sequence
+
+
+def test_a_colocated_weight_load_wakes_the_kv_cache_only_after_the_sync(servers, monkeypatch):
+    urls, calls = servers
+    assert recorded_load(urls, calls, monkeypatch, sleeps=True) == [
+        "policy: weights only on the device",
+        "empty cache",
+        "resume_memory_occupation ['weights']",
+        "sync v3",
+        "empty cache",
+        "resume_memory_occupation ['kv_cache', 'cuda_graph']",
+        "probe",
+        "policy: state back",
+    ]
+    assert len([c for c in calls if isinstance(c, tuple)]) == 2 * len(urls)
+
+
+def test_servers_that_do_not_sleep_get_the_weights_with_the_policy_on_device(servers, monkeypatch):
+    urls, calls = servers
+    assert recorded_load(urls, calls, monkeypatch, sleeps=False) == [
+        "policy: all on the device",
+        "sync v3",
+        "probe",
+        "policy: state back",
+    ]
 
 
 @pytest.mark.parametrize(

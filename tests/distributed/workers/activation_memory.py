@@ -1,4 +1,5 @@
-"""Worker: the actor's gradients and peak activation memory per recompute setting.
+"""Worker: the actor's (or `--role critic`) gradients and peak activation memory per
+recompute setting.
 
 For each `--variants` entry (none, selective, full) `benchmarks/activation_probe.py` builds
 the actor with that `megatron.recompute_granularity` and measures one packed micro-batch of
@@ -17,7 +18,7 @@ from rlhf.distributed.bootstrap import init_parallel, teardown
 
 
 def main() -> None:
-    from benchmarks.activation_probe import measure_actor_activations
+    from benchmarks.activation_probe import measure_activations
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -26,13 +27,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--variants", default="none,selective,full")
+    parser.add_argument("--role", default="actor", choices=["actor", "critic"])
     args = parser.parse_args()
     ctx = init_parallel("cpu", tp_size=args.tp)
     try:
         results = {}
         for recompute in args.variants.split(","):
-            found = measure_actor_activations(
-                args.model, ctx, args.tokens, recompute=recompute, dtype=args.dtype
+            found = measure_activations(
+                args.model,
+                ctx,
+                args.tokens,
+                role=args.role,
+                recompute=recompute,
+                dtype=args.dtype,
             )
             results[recompute] = {
                 "grads": found.grads,

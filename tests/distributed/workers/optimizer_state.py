@@ -202,6 +202,9 @@ def run(args, ctx) -> dict:
             for model in (models.actor, models.critic, models.ref):
                 kinds = ("params",) if model is models.ref else ("params", "grads", "optimizer")
                 model.offload_between_uses(kinds)
+        if args.weights_only and step == 2:  # the colocated weight sync's view of the actor
+            with models.actor.weights_on_device():
+                freed = {"actor": resident_bytes(models.actor)}
         metrics[step] = learn_from_batch(models, batch, cfg, kl_ctrl, Timer()).metrics
         if args.offload and step == 2:
             freed = {role: resident_bytes(getattr(models, role)) for role in ROLE_MODELS}
@@ -266,6 +269,9 @@ def main() -> None:
     parser.add_argument("--save")
     parser.add_argument("--resume")
     parser.add_argument("--offload", action="store_true", help="offload between uses in step 2")
+    parser.add_argument(
+        "--weights-only", action="store_true", help="the actor's weights_on_device before step 2"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--optimizer", choices=["torch", "group-step"], default="torch")
     args = parser.parse_args()
