@@ -56,10 +56,12 @@ def measure_activations(
     *,
     role: str = "actor",
     recompute: str = "none",
+    sequence_parallel: bool | None = None,
     dtype: str = "float32",
     planned_attention: str = "cpu",
 ) -> ActivationMeasurement:
-    """`role`: "actor" or "critic"; `planned_attention`: "cpu" plans the local spec's
+    """`role`: "actor" or "critic"; `sequence_parallel`: Megatron's (None: the default, on
+    when TP > 1; must match `ctx`); `planned_attention`: "cpu" plans the local spec's
     attention, "cuda" the fused one."""
     section = "actor_rollout_ref.actor" if role == "actor" else "critic"
     overrides = [
@@ -75,6 +77,8 @@ def measure_activations(
     ]
     if recompute != "none":
         overrides.append(f"{section}.megatron.recompute_granularity={recompute}")
+    if sequence_parallel is not None:
+        overrides.append(f"{section}.megatron.sequence_parallel={str(sequence_parallel).lower()}")
     cfg = load_config(None, overrides)
     arch = load_policy_arch(cfg)
     seed_everything(0)

@@ -91,6 +91,7 @@ def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
         tp_size=layout.tp_size,
         pp_size=layout.pp_size,
         sp_size=layout.sp_size,
+        sequence_parallel=layout.sequence_parallel,
     )
     trainer = None
     try:

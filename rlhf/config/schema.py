@@ -115,6 +115,12 @@ class MegatronParallelConfig:
         "weights and activations; bfloat16 keeps fp32 master weights, Adam state and "
         "gradient reduction (Megatron's mixed precision; the reference follows the actor)",
     )
+    sequence_parallel: bool | None = doc(
+        None,
+        "Megatron's sequence parallelism: the activations outside the TP-split layers (norms, "
+        "residuals, the linears' inputs) split over the TP ranks along the sequence (null: on "
+        "when TP > 1; no effect at TP 1)",
+    )
     use_distributed_optimizer: bool | None = doc(
         None,
         "shard the fp32 master weights and Adam state over the data-parallel ranks "

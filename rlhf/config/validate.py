@@ -40,13 +40,17 @@ class ParallelLayout:
     tp_size: int = 1
     pp_size: int = 1
     sp_size: int = 1
+    sequence_parallel: bool = False  # Megatron's, over the TP group
 
     @property
     def dp_size(self) -> int:
         return self.world_size // (self.tp_size * self.pp_size * self.sp_size)
 
     def describe(self) -> str:
-        return f"TP {self.tp_size} x PP {self.pp_size} x SP {self.sp_size} x DP {self.dp_size}"
+        split = " (sequence parallel)" if self.sequence_parallel else ""
+        return (
+            f"TP {self.tp_size}{split} x PP {self.pp_size} x SP {self.sp_size} x DP {self.dp_size}"
+        )
 
 
 class ModelShape(Protocol):
@@ -93,7 +97,12 @@ def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayo
             f"{prefix}.ulysses_sequence_parallel_size ({sp}) = {tp * pp * sp} does not divide the "
             f"world size {world_size} (trainer.nnodes x trainer.n_gpus_per_node)"
         )
-    return ParallelLayout(world_size=world_size, tp_size=tp, pp_size=pp, sp_size=sp)
+    return ParallelLayout(world_size, tp, pp, sp, sequence_parallel_on(section.megatron))
+
+
+def sequence_parallel_on(megatron: MegatronParallelConfig) -> bool:
+    """`megatron.sequence_parallel`; null: on when TP > 1 (it needs TP > 1)."""
+    return megatron.tensor_model_parallel_size > 1 and megatron.sequence_parallel is not False
 
 
 def _check_batches(role: str, cfg: RLHFConfig, layout: ParallelLayout) -> None:

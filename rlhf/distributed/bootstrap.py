@@ -6,6 +6,7 @@ The only code that initialises, reads and tears down Megatron's global `parallel
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -129,11 +130,14 @@ def init_parallel(
     tp_size: int = 1,
     pp_size: int = 1,
     sp_size: int = 1,
+    sequence_parallel: bool | None = None,
     timeout_minutes: int = 30,
 ) -> ParallelContext:
     """Start torch.distributed and Megatron's TP x SP x DP x PP groups; this rank's context.
 
-    Ulysses sequence parallelism (`sp_size`) is Megatron's context-parallel group.
+    Ulysses sequence parallelism (`sp_size`) is Megatron's context-parallel group;
+    `sequence_parallel` is Megatron's own over the TP group (on only when TP > 1; None: on
+    then, as `megatron.sequence_parallel: null` has it).
     """
     from megatron.core import parallel_state
 
@@ -148,7 +152,9 @@ def init_parallel(
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=sp_size,
     )
-    return _context(pick_device(device))
+    found = _context(pick_device(device))
+    split = tp_size > 1 and sequence_parallel is not False
+    return dataclasses.replace(found, sequence_parallel=split)
 
 
 def _context(device: torch.device) -> ParallelContext:

@@ -26,7 +26,8 @@ class ParallelContext:
     `device` is where this rank computes and where tensors for collectives live (CUDA with
     nccl, the CPU with gloo). `pp_stage_ranks` are the global ranks of this rank's pipeline,
     stage by stage; `dp_sp_size` is the number of ranks Megatron's DDP averages gradients
-    over (DP x SP).
+    over (DP x SP). `sequence_parallel`: the models split their activations outside the
+    TP-split layers along the sequence over the TP group (Megatron's sequence parallelism).
     """
 
     rank: int
@@ -49,6 +50,7 @@ class ParallelContext:
     dp_size: int
     dp_group: ProcessGroup
     dp_sp_size: int
+    sequence_parallel: bool = False
 
     @property
     def is_main(self) -> bool:

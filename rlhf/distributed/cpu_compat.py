@@ -13,7 +13,11 @@ process then leaves alone):
    `model_parallel_cuda_manual_seed` and dropout inside `fork()` are reproducible.
 4. Hard-coded `device="cuda"` tensors, `.cuda()` and `Tensor.type()` checks against
    `torch.cuda.*Tensor` -> a process-wide `TorchFunctionMode` (`CudaToCpuMode`) that moves
-   such tensors to the CPU and reports CPU tensors under their CUDA type name.
+   such tensors to the CPU and reports CPU tensors under their CUDA type name. torch runs a
+   function the mode handles with the mode off, and the autograd engine runs inside
+   `torch.autograd.backward`, so each custom autograd Function's backward (where Megatron's
+   sequence-parallel gathers allocate on `torch.cuda.current_device()`) enters the mode
+   again.
 """
 
 from __future__ import annotations
@@ -120,5 +124,18 @@ def apply_cpu_compat() -> bool:
     mcore_random.CudaRNGStatesTracker.add = _cpu_tracker_add
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
+    _backward_functions_in_mode(_MODE)
     _APPLIED = True
     return True
+
+
+def _backward_functions_in_mode(mode: TorchFunctionMode) -> None:
+    from torch.autograd.function import BackwardCFunction
+
+    run_backward = BackwardCFunction.apply
+
+    def apply(self, *args):
+        with mode:
+            return run_backward(self, *args)
+
+    BackwardCFunction.apply = apply  # type: ignore[method-assign]

@@ -20,7 +20,9 @@ measured here): each norm fused into its linear keeps its input and output in th
 dtype (2 x T.h.e), the attention keeps q, k, v unexpanded (T.(q + 2.kv).e) and its output,
 with no T^2 term, and the MLP keeps fc1's output and the activation's (3 x T.f'.e).
 Here q = heads x head_dim / t, kv = key-value groups x head_dim / t, f' = ffn / t,
-a' = heads / t (Ulysses: heads / (t x sp) over the sp x T tokens of the whole row).
+a' = heads / t (Ulysses: heads / (t x sp) over the sp x T tokens of the whole row). Under
+Megatron's sequence parallelism the norms (and the linears' inputs they feed) hold T / t
+tokens; the linears gather the rest for their own use.
 
 Recompute (`rlhf.models.families.Recompute`): full keeps only each recomputed unit's input
 (T.h.e) and recomputes one unit at a time in the backward; selective drops the core
@@ -58,6 +60,7 @@ class ActivationShape:
     vocab: int  # V': vocabulary slice on this rank
     layers: int  # on this pipeline stage
     element: int  # bytes of the model dtype
+    seq_split: int = 1  # Megatron's sequence parallelism: TP (norms hold T / TP tokens)
 
     @property
     def masked_row(self) -> bool:
@@ -76,6 +79,7 @@ class ActivationShape:
         pp: int,
         sp: int,
         element: int,
+        sequence_parallel: bool = False,
     ) -> ActivationShape:
         return cls(
             tokens=tokens,
@@ -89,12 +93,15 @@ class ActivationShape:
             vocab=padded_vocab // tp,
             layers=arch.num_layers // pp,
             element=element,
+            seq_split=tp if sequence_parallel else 1,
         )
 
 
 def _norms(s: ActivationShape, flash: bool) -> int:
+    """Both norms of a layer and the linears' inputs they feed (this rank's sequence slice
+    under Megatron's sequence parallelism)."""
     per_element = 2 * s.element if flash else 8 + s.element
-    return 2 * s.tokens * s.hidden * per_element
+    return 2 * s.tokens // s.seq_split * s.hidden * per_element
 
 
 def _scores(s: ActivationShape) -> int:

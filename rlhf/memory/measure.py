@@ -1,11 +1,12 @@
-"""Measured memory: the peak bytes a function allocates, from torch.profiler's memory profile.
+"""Measured memory: the peak bytes a function allocates, from torch.profiler's allocation events.
 
-On CPU there is no allocator statistic like `torch.cuda.max_memory_allocated`; the profiler's
-memory timeline (every tensor storage created and destroyed while profiling, in order) gives
-the same number: the highest total of storages alive at once, counted from the start of the
-call (tensors that existed before are not counted). It uses the profiler's memory-timeline
-machinery (`_memory_profile`, the code behind `export_memory_timeline`), which needs
-`record_shapes` and `with_stack`. On CUDA the allocator's own peak is used instead.
+On CPU there is no allocator statistic like `torch.cuda.max_memory_allocated`; the
+profiler's memory profiling records every allocation and free (`profile_memory=True`), each
+an event of +/- bytes at a time, in its event tree. Summing them in time order gives the
+bytes allocated at every moment from the start of the call (tensors that existed before
+are not counted), and the highest sum is the peak. (torch's memory-timeline analysis
+(`_memory_profile`) classifies the same events but asserts on some graphs: tensor-parallel
+layers' collectives.) On CUDA the allocator's own peak is used instead.
 """
 
 from __future__ import annotations
@@ -27,20 +28,20 @@ def peak_bytes_during(fn: Callable[[], T], device: torch.device) -> tuple[T, int
         result = fn()
         torch.cuda.synchronize()
         return result, torch.cuda.max_memory_allocated() - before
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
+    changes = []
+    nodes = list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            changes.append((node.start_time_ns, node.extra_fields.alloc_size))
     current = peak = 0
-    for _, action, (key, _), size in prof._memory_profile().timeline:
-        if key.device.type != "cpu":
-            continue
-        if action == Action.CREATE:
-            current += size
-        elif action == Action.DESTROY:
-            current -= size
+    for _, size in sorted(changes):
+        current += size
         peak = max(peak, current)
     return result, peak

@@ -33,6 +33,7 @@ from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
 from rlhf.config.validate import (
     distributed_optimizer_on,
     parallel_layout,
+    sequence_parallel_on,
     uses_critic,
     uses_reference,
 )
@@ -151,7 +152,14 @@ def trained_memory(
     distributed = train and distributed_optimizer_on(m, group)
     numel, buffer = stage_count(arch, padded, m, stage, group, distributed, role.value_head)
     shape = ActivationShape.of(
-        arch, role.token_budget, padded, tp=tp, pp=pp, sp=sp, element=element
+        arch,
+        role.token_budget,
+        padded,
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        element=element,
+        sequence_parallel=sequence_parallel_on(m),
     )
     last, lm_head = stage == pp - 1, not role.value_head
     flash = _flash(device)

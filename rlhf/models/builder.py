@@ -36,6 +36,7 @@ def build_model(
     sp: int = 1,
     initialize: bool = True,
     recompute: Recompute = NO_RECOMPUTE,
+    sequence_parallel: bool = False,
 ):
     """This pipeline stage's `GPTModel` for `arch`.
 
@@ -56,6 +57,7 @@ def build_model(
         params_dtype=params_dtype,
         perform_initialization=initialize,
         recompute=recompute,
+        sequence_parallel=sequence_parallel,
     )
     model = build_gpt_model(
         config,
@@ -133,20 +135,35 @@ class ValueHead(nn.Module):
 
     Replicated on every TP rank (its input, the final-norm output, is identical there, so
     its gradients are too). Called like Megatron's output layer and returns (output, bias).
+    Under Megatron's sequence parallelism each TP rank holds a slice of the sequence: the
+    head gathers it first, and its backward hands each rank its slice's gradient back.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, hidden_size: int, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_sbh, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_sbh = gather_from_sequence_parallel_region(
+                hidden_sbh, tensor_parallel_output_grad=False
+            )
         return hidden_sbh @ self.weight.t(), None
 
 
 def attach_value_head(model: Any, arch: ModelArch, seed: int = 0) -> Any:
     """Turn a policy model into a value model (on the last stage); head initialised N(0, 1/h)."""
     if getattr(model, "post_process", False):
-        head = ValueHead(arch.hidden_size, dtype=next(model.parameters()).dtype)
+        head = ValueHead(
+            arch.hidden_size,
+            dtype=next(model.parameters()).dtype,
+            sequence_parallel=model.config.sequence_parallel,
+        )
         gen = torch.Generator().manual_seed(seed)
         head.weight.data.normal_(0.0, arch.hidden_size**-0.5, generator=gen)
         model.output_layer = head
@@ -175,6 +192,7 @@ def value_model_from_hf(
     params_dtype: torch.dtype = torch.float32,
     sp: int = 1,
     recompute: Recompute = NO_RECOMPUTE,
+    sequence_parallel: bool = False,
 ):
     """Critic / reward model from an HF directory.
 
@@ -187,7 +205,13 @@ def value_model_from_hf(
     arch = load_arch(hf_dir)
     reader = HFCheckpointReader(hf_dir)
     policy = build_model(
-        arch, placement, params_dtype=params_dtype, sp=sp, initialize=False, recompute=recompute
+        arch,
+        placement,
+        params_dtype=params_dtype,
+        sp=sp,
+        initialize=False,
+        recompute=recompute,
+        sequence_parallel=sequence_parallel,
     )
     model = attach_value_head(policy, arch, seed)
     load_hf_weights(model, reader, arch, placement, skip=("output_layer.weight",))

@@ -208,8 +208,11 @@ def transformer_config(
     use_cpu_initialization: bool = True,
     perform_initialization: bool = True,
     recompute: Recompute = NO_RECOMPUTE,
+    sequence_parallel: bool = False,
 ):
     """The one mapping from `ModelArch` to Megatron-Core's `TransformerConfig`.
+
+    `sequence_parallel`: Megatron's sequence parallelism over the TP group (TP > 1 only).
 
     `perform_initialization=False` skips Megatron's random init for models whose weights
     are about to be loaded from a checkpoint.
@@ -237,6 +240,7 @@ def transformer_config(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=sp,  # Ulysses runs on the context-parallel group
+        sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -20,6 +20,35 @@ def transformer_engine_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm (what the local spec's `WrappedTorchNorm` builds), which that wrapper
+    refuses under Megatron's sequence parallelism: each TP rank normalises its slice of the
+    sequence, so the weight is marked `sequence_parallel` and Megatron's
+    `finalize_model_grads` sums its gradient over the TP group."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def gpt_block_spec(config: TransformerConfig, qk_layernorm: bool = False):
+    """What `GPTModel` builds its decoder from: the layer spec, or, for the local spec under
+    Megatron's sequence parallelism, the block's layers and final norm with
+    `SequenceParallelRMSNorm` (Transformer Engine's norms support it themselves)."""
+    spec = gpt_layer_spec(config, qk_layernorm)
+    if not config.sequence_parallel or transformer_engine_usable():
+        return spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    layers = [spec] * get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
+
+
 def gpt_layer_spec(config: TransformerConfig, qk_layernorm: bool = False) -> ModuleSpec:
     """The transformer-layer spec for `config`: TE layers on GPU, local layers otherwise.
 
@@ -68,7 +97,7 @@ def build_gpt_model(
     """
     return GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(config, qk_layernorm=qk_layernorm),
+        transformer_layer_spec=gpt_block_spec(config, qk_layernorm=qk_layernorm),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

@@ -158,15 +158,30 @@ def _row_layout(lengths: list[int], multiple: int, thd: bool) -> tuple[list[int]
     return starts, round_up(sum(padded), 1 if thd else multiple)
 
 
+def row_multiple(sp_size: int, tp_split: int) -> int:
+    """What a packed row's length must be a multiple of: 2 x SP under Ulysses (each rank's
+    zig-zag halves), times TP under Megatron's sequence parallelism (`tp_split`: each
+    rank's slice split again over the TP ranks)."""
+    return (2 * sp_size if sp_size > 1 else 1) * tp_split
+
+
 def build_micro_batch(
-    batch: RolloutBatch, sample_ids: list[int], thd: bool = False, sp: SequenceShard | None = None
+    batch: RolloutBatch,
+    sample_ids: list[int],
+    thd: bool = False,
+    sp: SequenceShard | None = None,
+    tp_split: int = 1,
 ) -> MicroBatch:
     """Pack `sample_ids` of `batch` into one row (mask-based, or THD when `thd`).
 
     Under Ulysses SP (`sp.size` > 1) the row is padded to a multiple of 2 x SP (THD: every
-    sample) and the tokens keep only this rank's zig-zag slice; masks stay whole-row.
+    sample) and the tokens keep only this rank's zig-zag slice; masks stay whole-row. Under
+    Megatron's sequence parallelism (`tp_split` = TP) the multiple is TP times larger; without
+    Ulysses the padding trails the last sample, which attends only to itself causally.
     """
-    multiple = 2 * sp.size if sp is not None and sp.size > 1 else 1
+    sp_size = 1 if sp is None else sp.size
+    ulysses = sp_size > 1
+    multiple = row_multiple(sp_size, tp_split)
     sequences = [batch.prompt_ids[i] + batch.response_ids[i] for i in sample_ids]
     lengths = [len(seq) for seq in sequences]
     starts, row_len = _row_layout(lengths, multiple, thd)
@@ -194,7 +209,7 @@ def build_micro_batch(
             packed.packed_seq_params(),
             packed.cu_seqlens_padded,
         )
-    elif multiple == 1:
+    elif not ulysses:
         positions, params = torch.arange(row_len), sample_bounds_params([*starts, row_len])
     else:
         positions = torch.arange(row_len)
@@ -211,7 +226,7 @@ def build_micro_batch(
         sample_ids=list(sample_ids),
         row_len=row_len,
     )
-    if multiple == 1:
+    if not ulysses:
         return mb
     assert sp is not None
     return _slice_for_rank(mb, sp, cu_padded)
@@ -248,15 +263,19 @@ class MicroBatchPlanner:
         over the DP ranks by `rlhf.data.packing`.
         """
         sp = SequenceShard.of(self.ctx)
+        tp_split = self.ctx.tp_size if self.ctx.sequence_parallel else 1
         micro = plan_micro_batches(
             batch.sequence_lengths,
             max_tokens_per_micro_batch=budget * sp.size,  # a row is spread over the SP ranks
             dp_size=self.ctx.dp_size,
             mini_batch_size=mini_batch_size,
-            pad_to_multiple_of=2 * sp.size if sp.size > 1 else 1,
+            pad_to_multiple_of=row_multiple(sp.size, tp_split),
         )
         return [
-            [build_micro_batch(batch, ids, self.thd, sp).to(self.ctx.device) for ids in mini]
+            [
+                build_micro_batch(batch, ids, self.thd, sp, tp_split).to(self.ctx.device)
+                for ids in mini
+            ]
             for mini in micro.for_rank(self.ctx.dp_rank)
         ]
 

@@ -70,7 +70,13 @@ class RewardModelScorer:
                 "HF *ForSequenceClassification checkpoint with num_labels=1"
             )
         dtype = DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
-        module, _ = value_model_from_hf(path, Placement.of(ctx), params_dtype=dtype, sp=ctx.sp_size)
+        module, _ = value_model_from_hf(
+            path,
+            Placement.of(ctx),
+            params_dtype=dtype,
+            sp=ctx.sp_size,
+            sequence_parallel=ctx.sequence_parallel,
+        )
         model = MegatronModel.frozen(module.to(ctx.device), ctx)
         return cls(model, planner, token_budget)
 

@@ -108,7 +108,14 @@ def build_policy(
     recompute: Recompute = NO_RECOMPUTE,
 ):
     placement = Placement.of(ctx)
-    model = build_model(arch, placement, params_dtype=dtype, sp=ctx.sp_size, recompute=recompute)
+    model = build_model(
+        arch,
+        placement,
+        params_dtype=dtype,
+        sp=ctx.sp_size,
+        recompute=recompute,
+        sequence_parallel=ctx.sequence_parallel,
+    )
     load_hf_weights(model, HFCheckpointReader(model_path), arch, placement)
     return model.to(ctx.device)
 
@@ -153,6 +160,7 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int
         params_dtype=DTYPES[cfg.critic.megatron.dtype],
         sp=ctx.sp_size,
         recompute=Recompute.of(cfg.critic.megatron),
+        sequence_parallel=ctx.sequence_parallel,
     )
     critic = _trained(cfg, "critic", module.to(ctx.device), ctx, total_steps)
     n, norm = cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length
@@ -174,6 +182,13 @@ def build_ppo_models(
     """Actor, and when the config needs them reference and critic, on this rank, loaded from
     the HF checkpoints, with their update specs for a run of `total_steps` steps."""
     aro = cfg.actor_rollout_ref
+    wanted = aro.actor.megatron.sequence_parallel is not False and ctx.tp_size > 1
+    if ctx.sequence_parallel != wanted:
+        raise ValueError(
+            f"the process groups were set up with sequence_parallel={ctx.sequence_parallel} "
+            f"but actor_rollout_ref.actor.megatron.sequence_parallel asks for {wanted} at "
+            f"TP {ctx.tp_size}: pass the config's layout to init_parallel"
+        )
     policy_dtype = DTYPES[aro.actor.megatron.dtype]
     actor_module = build_policy(
         arch, aro.model.path, ctx, policy_dtype, Recompute.of(aro.actor.megatron)

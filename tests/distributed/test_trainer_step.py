@@ -228,9 +228,11 @@ def test_update_favours_positive_advantages(steps, name):
 
 LAYOUTS = {
     "dp2": (2, []),
-    "tp2": (2, ["--tp", "2"]),
+    "tp2": (2, ["--tp", "2"]),  # with Megatron's sequence parallelism (on when TP > 1)
+    "tp2_no_seq_split": (2, ["--tp", "2", "--sequence-parallel", "false"]),
     "pp2": (2, ["--pp", "2"]),
     "sp2": (2, ["--sp", "2"]),
+    "tp2_sp2": (4, ["--tp", "2", "--sp", "2"]),  # Ulysses and Megatron's SP together
 }
 LAYOUT_VARIANTS = "gae,grpo_kl_loss,gspo"
 
@@ -247,9 +249,11 @@ def layout_steps(tiny_qwen2_dir, tmp_path_factory):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", LAYOUT_VARIANTS.split(","))
 def test_every_layout_takes_the_one_rank_steps(steps, layout_steps, layout, name):
-    """Two full steps at DP2 / TP2 / PP2 / SP2: every metric (critic's included, grad norms
-    too) and the updated log-probs equal the 1-rank run's."""
+    """Two full steps at DP2 / TP2 (with and without Megatron's sequence parallelism) / PP2 /
+    Ulysses SP2 / TP2 x SP2: every metric (critic's included, grad norms too) and the updated
+    log-probs equal the 1-rank run's."""
     one, other = steps[name], layout_steps[layout][name]
+    assert other["sequence_parallel"] == (layout in ("tp2", "tp2_sp2"))
     assert sorted(other["metrics"]) == sorted(one["metrics"])
     for key, value in one["metrics"].items():
         assert other["metrics"][key] == pytest.approx(value, rel=2e-4, abs=1e-6), key

@@ -126,3 +126,23 @@ def test_rng_tracker_rejects_duplicate_seeds_and_names(one_rank):
         tracker.add("b", 1)
     with pytest.raises(Exception, match="rng state a already exists"):
         tracker.add("a", 2)
+
+
+def test_custom_backward_allocations_on_the_current_device_land_on_cpu():
+    """Megatron's sequence-parallel gathers allocate on `torch.cuda.current_device()` in
+    their backward, which the autograd engine runs inside `torch.autograd.backward`."""
+
+    class Doubling(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            out = torch.empty(grad.shape, device=torch.cuda.current_device())
+            return out.copy_(2 * grad)
+
+    x = torch.ones(3, requires_grad=True)
+    torch.autograd.backward(Doubling.apply(x).sum())
+    assert x.grad is not None and x.grad.device.type == "cpu"
+    assert torch.equal(x.grad, torch.full((3,), 2.0))

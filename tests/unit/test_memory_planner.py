@@ -89,8 +89,8 @@ def test_offload_moves_exactly_the_offloaded_kinds_out_of_the_other_phases():
 def test_a_config_that_does_not_fit_gets_suggestions_that_are_real_config_changes():
     arch = shape("Qwen2.5-7B")
     budgets = [
-        f"{AR}.actor.ppo_max_token_len_per_gpu=16384",
-        "critic.ppo_max_token_len_per_gpu=16384",
+        f"{AR}.actor.ppo_max_token_len_per_gpu=32768",
+        "critic.ppo_max_token_len_per_gpu=32768",
     ]
     no_recompute = [
         f"{AR}.actor.megatron.recompute_granularity=null",

@@ -107,3 +107,20 @@ def test_readme_shows_the_planners_phases(name):
     headroom = f"{100 * (1 - plan.peak / (80 * GIB)):.0f}%"
     row = f"| {GPU_CONFIGS[name]} | `{name}.yaml` | {' | '.join(cells)} | {headroom} |"
     assert row in (REPO / "README.md").read_text()
+
+
+def test_sequence_parallel_is_on_at_tp2_and_must_match_between_actor_and_critic():
+    tp2 = ["actor_rollout_ref.model.path=m", "trainer.n_gpus_per_node=2"]
+    tp2 += [
+        f"{r}.megatron.tensor_model_parallel_size=2" for r in ("actor_rollout_ref.actor", "critic")
+    ]
+    assert validate_config(load_config(None, tp2)).sequence_parallel
+    off = [f"{r}.megatron.sequence_parallel=false" for r in ("actor_rollout_ref.actor", "critic")]
+    assert not validate_config(load_config(None, [*tp2, *off])).sequence_parallel
+    with pytest.raises(ConfigError, match="share one Megatron parallel layout"):
+        validate_config(load_config(None, [*tp2, "critic.megatron.sequence_parallel=false"]))
+    one_gpu = [
+        "actor_rollout_ref.model.path=m",
+        "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+    ]
+    assert not validate_config(load_config(None, one_gpu)).sequence_parallel  # needs TP > 1

@@ -28,8 +28,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--variants", default="none,selective,full")
     parser.add_argument("--role", default="actor", choices=["actor", "critic"])
+    parser.add_argument("--sequence-parallel", choices=["true", "false"])
     args = parser.parse_args()
-    ctx = init_parallel("cpu", tp_size=args.tp)
+    split = None if args.sequence_parallel is None else args.sequence_parallel == "true"
+    ctx = init_parallel("cpu", tp_size=args.tp, sequence_parallel=split)
     try:
         results = {}
         for recompute in args.variants.split(","):
@@ -38,6 +40,7 @@ def main() -> None:
                 ctx,
                 args.tokens,
                 role=args.role,
+                sequence_parallel=split,
                 recompute=recompute,
                 dtype=args.dtype,
             )

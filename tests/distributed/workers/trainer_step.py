@@ -107,6 +107,7 @@ def run_variant(model_dir: str, overrides: list[str], ctx) -> dict:
         models.actor, batch, models.planner, models.budgets.actor, models.logprob_head
     )
     return {
+        "sequence_parallel": models.actor.module.config.sequence_parallel,
         "has_ref": models.ref is not None,
         "has_critic": models.critic is not None,
         "old_logprobs": exp.old_logprobs_bt,
@@ -130,15 +131,23 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel size")
+    parser.add_argument(
+        "--sequence-parallel", choices=["true", "false"], help="Megatron's (default: TP > 1)"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
-    ctx = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp, sp_size=args.sp)
+    split = None if args.sequence_parallel is None else args.sequence_parallel == "true"
+    ctx = init_parallel(
+        "cpu", tp_size=args.tp, pp_size=args.pp, sp_size=args.sp, sequence_parallel=split
+    )
     layout = [
         f"trainer.n_gpus_per_node={ctx.world_size}",
         *(f"{role}.megatron.tensor_model_parallel_size={args.tp}" for role in ROLES),
         *(f"{role}.megatron.pipeline_model_parallel_size={args.pp}" for role in ROLES),
         *(f"{role}.ulysses_sequence_parallel_size={args.sp}" for role in ROLES),
     ]
+    if args.sequence_parallel is not None:
+        layout += [f"{role}.megatron.sequence_parallel={args.sequence_parallel}" for role in ROLES]
     try:
         results = {}
         for name in args.variants.split(","):
