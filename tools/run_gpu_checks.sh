@@ -7,8 +7,11 @@
 # Wheels placed in .whl/ (e.g. megatron-core built for that python) are installed into a
 # private directory first. Writes gpu.txt (device and versions), pytest_gpu.log,
 # ppo_step_*.json (MFU, and `packed_attention`: per-sample against masked-row attention on the
-# local spec, the issue-17 comparison when Transformer Engine is absent), memory_bf16.json (measured vs planned activations) and plan_*.txt (the
-# memory planner on this GPU) to OUT_DIR; exits non-zero when any part failed.
+# local spec, the issue-17 comparison when Transformer Engine is absent), memory_bf16.json
+# (measured vs planned activations), logprob_head.json (bytes per logit and seconds of the
+# chunked log-prob head at a 152k vocabulary, by the CUDA allocator) and plan_*.txt (the
+# memory planner's per-phase table on this GPU) to OUT_DIR; exits non-zero when any part
+# failed.
 set -uo pipefail
 
 out=${1:-${OUT:-runs/gpu_checks}}
@@ -38,9 +41,11 @@ python3 benchmarks/ppo_step.py >"$out/ppo_step_small.json" || status=1
 # of the shipped GPU configs for this GPU
 python3 benchmarks/memory.py --hidden 1024 --layers 8 --tokens 4096 --dtype bfloat16 \
     >"$out/memory_bf16.json" || status=1
-for pair in gsm8k_8gpu:Qwen2.5-7B gsm8k_grpo_8gpu:Qwen2.5-7B gsm8k_72b_grpo_4node:Qwen2.5-72B; do
+python3 benchmarks/logprob_head.py --tokens 16384 >"$out/logprob_head.json" || status=1
+for pair in gsm8k_qwen2.5-0.5b_1gpu:Qwen2.5-0.5B gsm8k_8gpu:Qwen2.5-7B gsm8k_grpo_8gpu:Qwen2.5-7B \
+    gsm8k_72b_grpo_4node:Qwen2.5-72B; do
     python3 -m rlhf.cli.doctor --config "configs/${pair%%:*}.yaml" \
         --model-config "configs/model_shapes/${pair##*:}.json" >"$out/plan_${pair%%:*}.txt" 2>&1
 done
-cat "$out"/ppo_step_*.json "$out"/memory_bf16.json
+cat "$out"/ppo_step_*.json "$out"/memory_bf16.json "$out"/logprob_head.json
 exit $status

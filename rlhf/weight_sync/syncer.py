@@ -26,6 +26,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -165,23 +166,38 @@ class _Targets:
         self.transport, self.version = transport, version
 
     def each(self, call: Callable[..., None], *args: Any) -> None:
-        """`call(url, *args)` for every live server."""
-        for url in list(self.live):
-            try:
-                call(url, *args)
-            except sglang_api.SGLangAPIError as e:
-                if not e.unreachable:
-                    raise  # the server answered with a failure: not a lost server
-                log.warning(
-                    "SGLang server %s lost during weight sync v%d (%s); its owner restarts "
-                    "and reloads it after this sync",
-                    url,
-                    self.version,
-                    e,
-                )
-                self.live.remove(url)
-                self.lost.append(url)
-                self.transport.forget(url)
+        """`call(url, *args)` for every live server: all at once when the transport allows
+        it (their HTTP round trips and loads overlap), else one after another."""
+        urls = list(self.live)
+        if len(urls) > 1 and self.transport.concurrent_deliveries:
+            with ThreadPoolExecutor(len(urls)) as pool:
+                errors = list(pool.map(lambda url: _attempt(call, url, args), urls))
+        else:
+            errors = [_attempt(call, url, args) for url in urls]
+        for url, error in zip(urls, errors, strict=True):
+            if error is None:
+                continue
+            if not error.unreachable:
+                raise error  # the server answered with a failure: not a lost server
+            log.warning(
+                "SGLang server %s lost during weight sync v%d (%s); its owner restarts "
+                "and reloads it after this sync",
+                url,
+                self.version,
+                error,
+            )
+            self.live.remove(url)
+            self.lost.append(url)
+            self.transport.forget(url)
+
+
+def _attempt(call: Callable[..., None], url: str, args: tuple) -> sglang_api.SGLangAPIError | None:
+    """`call(url, *args)`; the SGLang API error it raised, if any."""
+    try:
+        call(url, *args)
+    except sglang_api.SGLangAPIError as e:
+        return e
+    return None
 
 
 class Phases:

@@ -45,7 +45,11 @@ class Transport(Protocol):
     Per sync: `begin`, then for every bucket `pack` it once (local work: flatten, serialize,
     write a file) and `deliver` the packed bucket to each server. Per-server steps are
     separate so that a server lost in the middle of a sync can be left out (`forget`) while
-    the others get every bucket; the syncer restarts and re-syncs it afterwards."""
+    the others get every bucket; the syncer restarts and re-syncs it afterwards.
+    `concurrent_deliveries`: the syncer delivers a bucket to all servers at once (from
+    threads) rather than one after another."""
+
+    concurrent_deliveries: bool
 
     def begin(self, version: int) -> None:
         """Prepare to send the weights of `version`."""
@@ -78,6 +82,9 @@ def _flattened(bucket: Bucket):
 class TensorTransport:
     """update_weights_from_tensor with flattened buckets (same-machine servers).
 
+    Deliveries to several servers run at once: each is an HTTP call that hands the server
+    handles to the same packed bucket.
+
     On GPU a bucket is flattened into a new device tensor and travels as a CUDA IPC handle.
     On CPU it travels as a shared-memory file (torch's file_system sharing strategy): every
     bucket is copied once into a staging buffer in shared memory kept across buckets and
@@ -92,6 +99,8 @@ class TensorTransport:
     third receiver, or the next sync, then fails to open it). A server killed before it read
     its handle leaves the count one high: that file then stays until the run ends, when
     torch's shm manager removes what the run created."""
+
+    concurrent_deliveries = True
 
     def __init__(self, server_tp_size: int):
         self.server_tp_size = server_tp_size
@@ -166,7 +175,13 @@ class _FlatBucket:
 
 
 class DistributedTransport:
-    """Broadcast buckets over one custom process group per server (opened on first use)."""
+    """Broadcast buckets over one custom process group per server (opened on first use).
+
+    Deliveries run one server after another: each is a collective on that server's group
+    from this process, and overlapping collectives of several groups from threads is not
+    something this project has tested (NCCL or gloo)."""
+
+    concurrent_deliveries = False
 
     def __init__(self, server_urls: list[str], server_tp_size: int, master_address: str):
         self.group_names = {url: f"rlhf_weight_sync_{i}" for i, url in enumerate(server_urls)}
@@ -260,7 +275,10 @@ class DistributedTransport:
 class DiskTransport:
     """Write an HF checkpoint directory per version, then update_weights_from_disk.
 
-    With no servers to deliver to it is the restart snapshot of another transport."""
+    With no servers to deliver to it is the restart snapshot of another transport. Servers
+    read the written files at once (concurrent deliveries)."""
+
+    concurrent_deliveries = True
 
     def __init__(self, out_root: Path, hf_side_files_dir: Path, keep: int = 1):
         self.out_root = Path(out_root)

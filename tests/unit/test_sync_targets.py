@@ -4,6 +4,7 @@ seconds it counts per phase."""
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_a_server_that_stops_answering_is_set_aside_and_the_others_get_every_cal
 
     for bucket in (1, 2, 3):
         targets.each(deliver, bucket)
-    assert delivered == [
+    assert sorted(delivered, key=lambda d: (d[1], d[0])) == [
         ("http://a", 1),
         ("http://b", 1),
         ("http://c", 1),
@@ -48,6 +49,30 @@ def test_a_server_that_stops_answering_is_set_aside_and_the_others_get_every_cal
     assert targets.live == ["http://a", "http://c"]
     assert targets.lost == ["http://b"]
     assert transport.forgotten == ["http://b"]
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_deliveries_to_several_servers_overlap_when_the_transport_allows(concurrent):
+    """Each delivery waits until every server's delivery has started: deliveries one after
+    another never get there (the barrier times out and the sync fails)."""
+    transport = ForgetfulTransport()
+    transport.concurrent_deliveries = concurrent
+    urls = ["http://a", "http://b", "http://c"]
+    all_started = threading.Barrier(len(urls), timeout=2)
+
+    def deliver(url: str) -> None:
+        try:
+            all_started.wait()
+        except threading.BrokenBarrierError as e:
+            raise SGLangAPIError(f"{url}: answered alone", url, unreachable=False) from e
+
+    targets = _Targets(list(urls), transport, version=1)
+    if concurrent:
+        targets.each(deliver)
+        assert targets.live == urls
+    else:
+        with pytest.raises(SGLangAPIError, match="answered alone"):
+            targets.each(deliver)
 
 
 def test_a_failure_the_server_answered_fails_the_sync():
