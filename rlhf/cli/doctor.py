@@ -1,7 +1,8 @@
 """`rlhf-doctor`: preflight checks of one run, on the node that will run it.
 
     rlhf-doctor --config configs/gsm8k_2node.yaml [key=value ...] [--world-size N]
-                [--gpu-memory-gb 80] [--model-config configs/model_shapes/Qwen2.5-7B.json]
+                [--gpu-memory-gb 80] [--host-memory-gb 2048]
+                [--model-config configs/model_shapes/Qwen2.5-7B.json]
 
 Why: a job that dies minutes into its allocation on a busy port, an unreachable master, a
 full disk, a dead SGLang server or a bad parallel layout wastes the queue wait; each of these
@@ -112,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu-memory-gb", type=float, help="GPU memory to plan for (default: this GPU's)"
     )
     parser.add_argument(
+        "--host-memory-gb",
+        type=float,
+        help="RAM of one node to plan for (default: this machine's)",
+    )
+    parser.add_argument(
         "--model-config",
         type=Path,
         help="an HF config.json to plan memory with when the model is not downloaded",
@@ -122,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         world_size = args.world_size or _env_int(os.environ, "WORLD_SIZE", 0) or None
         checks = run_checks(cfg, world_size, requirements=args.requirements)
-        memory, report = check_memory(cfg, world_size, args.model_config, args.gpu_memory_gb)
+        memory, report = check_memory(
+            cfg, world_size, args.model_config, args.gpu_memory_gb, args.host_memory_gb
+        )
     except ConfigError as e:
         print(f"rlhf-doctor: config error: {e}", file=sys.stderr)
         return 2
-    checks.append(memory)
+    checks.extend(memory)
     print(format_table(checks))
     if report:
         print(f"\nmemory per GPU (GiB), by role and kind:\n{report}")

@@ -1,4 +1,5 @@
-"""rlhf-doctor's memory check: the planner's per-GPU table for the config, and its verdict."""
+"""rlhf-doctor's memory checks: the planner's per-GPU table for the config and its verdict,
+and the host RAM a node needs for its trainer ranks against the node's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from rlhf.cli.doctor_checks import FAIL, PASS, WARN, Check
 from rlhf.config import RLHFConfig
 from rlhf.config.loader import ConfigError
-from rlhf.memory.planner import GIB, PlanInputs
+from rlhf.memory.planner import GIB, MemoryPlan, PlanInputs
 from rlhf.memory.report import describe
 from rlhf.models.families import ModelArch, arch_from_hf_config, load_arch
 
@@ -31,31 +32,59 @@ def _arch(cfg: RLHFConfig, model_config: Path | None) -> ModelArch | None:
     return load_arch(model_dir) if (model_dir / "config.json").is_file() else None
 
 
+def host_memory_bytes(host_memory_gb: float | None) -> int:
+    """The flag's value, else this machine's RAM."""
+    if host_memory_gb is not None:
+        return int(host_memory_gb * GIB)
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def check_host_memory(plan: MemoryPlan, host_gb: float | None) -> Check:
+    """A node's trainer ranks against its RAM (`rlhf.memory.host`)."""
+    need, have = plan.host_bytes / GIB, host_memory_bytes(host_gb) / GIB
+    detail = f"{need:.1f} GiB per node for the trainer ranks (estimated) of {have:.1f} GiB"
+    if plan.host_bytes > host_memory_bytes(host_gb):
+        fix = "fewer offloaded kinds (megatron.*_offload), or nodes with more RAM"
+        return Check("host memory", FAIL, detail, fix)
+    return Check("host memory", PASS, detail)
+
+
 def check_memory(
-    cfg: RLHFConfig, world_size: int | None, model_config: Path | None, gpu_gb: float | None
-) -> tuple[Check, str]:
-    """(the check, the planner's report or '')."""
+    cfg: RLHFConfig,
+    world_size: int | None,
+    model_config: Path | None,
+    gpu_gb: float | None,
+    host_gb: float | None = None,
+) -> tuple[list[Check], str]:
+    """(the checks: GPU memory, and host memory on GPU runs; the planner's report or '')."""
     name = "memory"
     try:
         arch = _arch(cfg, model_config)
     except (OSError, ValueError, KeyError) as e:
-        return Check(name, FAIL, f"cannot read the model's config: {e}", "fix --model-config"), ""
+        return [Check(name, FAIL, f"cannot read the model's config: {e}", "fix --model-config")], ""
     if arch is None:
         fix = "download the model, or pass --model-config (see configs/model_shapes)"
-        return Check(name, WARN, "no model config.json: memory not planned", fix), ""
+        return [Check(name, WARN, "no model config.json: memory not planned", fix)], ""
     device = "cpu" if cfg.trainer.device == "cpu" else "cuda"
     world = world_size or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     gpu_bytes = None if device == "cpu" else gpu_memory_bytes(gpu_gb)
     try:
         plan, report = describe(PlanInputs.from_config(cfg, arch, world, device), gpu_bytes)
     except (ConfigError, ValueError) as e:
-        return Check(name, FAIL, str(e), "fix the parallel sizes"), ""
-    peak = f"peak {plan.peak / GIB:.2f} GiB per GPU"
+        return [Check(name, FAIL, str(e), "fix the parallel sizes")], ""
     if device == "cpu":
-        return Check(name, PASS, f"{peak} (CPU run: no GPU memory to fit)"), report
+        detail = f"peak {plan.peak / GIB:.2f} GiB per GPU (CPU run: no GPU memory to fit)"
+        return [Check(name, PASS, detail)], report
+    return [_gpu_verdict(plan, gpu_bytes), check_host_memory(plan, host_gb)], report
+
+
+def _gpu_verdict(plan: MemoryPlan, gpu_bytes: int | None) -> Check:
+    peak = f"peak {plan.peak / GIB:.2f} GiB per GPU"
     if gpu_bytes is None:
-        return Check(name, WARN, f"{peak}; GPU memory unknown", "pass --gpu-memory-gb"), report
+        return Check("memory", WARN, f"{peak}; GPU memory unknown", "pass --gpu-memory-gb")
     if not plan.fits:
         fix = "see the suggestions under the memory table"
-        return Check(name, FAIL, f"{peak} exceeds {gpu_bytes / GIB:.2f} GiB", fix), report
-    return Check(name, PASS, f"{peak} fits in {gpu_bytes / GIB:.2f} GiB"), report
+        return Check("memory", FAIL, f"{peak} exceeds {gpu_bytes / GIB:.2f} GiB", fix)
+    return Check("memory", PASS, f"{peak} fits in {gpu_bytes / GIB:.2f} GiB")

@@ -38,6 +38,7 @@ from rlhf.config.validate import (
     uses_reference,
 )
 from rlhf.memory.activations import ActivationShape, forward_peak, training_peak
+from rlhf.memory.host import host_bytes_per_rank
 from rlhf.memory.params import GradBuffer, stage_params
 from rlhf.models.families import ModelArch, Recompute, padded_vocab_size
 
@@ -90,6 +91,7 @@ class MemoryPlan:
     rows: tuple[RoleMemory, ...]
     phases: dict[str, int]  # bytes on the GPU at the peak of each phase
     gpu_bytes: int | None
+    host_bytes: int = 0  # RAM a node needs for its trainer ranks (`rlhf.memory.host`)
 
     def row(self, role: str) -> RoleMemory:
         return next(r for r in self.rows if r.role == role)
@@ -205,6 +207,7 @@ class PlanInputs:
     release_rollout: bool  # free_cache_engine on a GPU
     sync_bucket: int
     device: str
+    ranks_per_node: int = 1
 
     @classmethod
     def from_config(
@@ -234,6 +237,7 @@ class PlanInputs:
             rollout.free_cache_engine and device != "cpu",
             rollout.update_weights_bucket_megabytes * 1024**2,
             device,
+            min(world_size, cfg.trainer.n_gpus_per_node),
         )
 
 
@@ -318,7 +322,9 @@ def plan_inputs(inputs: PlanInputs, gpu_bytes: int | None) -> MemoryPlan:
     plans = []
     for stage in range(pp):
         rows = _rank_rows(inputs, stage, gpu_bytes)
-        plans.append(MemoryPlan(tuple(rows), _phases(rows, inputs), gpu_bytes))
+        sleep = inputs.colocated and inputs.release_rollout
+        host = host_bytes_per_rank(rows, sleep) * inputs.ranks_per_node
+        plans.append(MemoryPlan(tuple(rows), _phases(rows, inputs), gpu_bytes, host))
     return max(plans, key=lambda p: p.peak)
 
 

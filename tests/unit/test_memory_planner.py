@@ -171,3 +171,27 @@ def test_colocated_weight_sync_holds_only_the_actors_weights_next_to_sglangs():
     # bf16) gathered over TP 2 and copied to HF's layout, then packed alone (> the bucket)
     embedding = 152_064 * 3584 * 2
     assert actor.communication == 3 * embedding
+
+
+def test_host_memory_of_a_node_by_hand_and_the_doctors_verdict(capsys):
+    # gsm8k_8gpu.yaml offloads actor and critic (weights, gradients, master weights, Adam
+    # state) and the reference's weights: every rank keeps pinned copies of all but the
+    # gradients (freed, not copied) in the rollout phase, and a checkpoint copies one trained
+    # model's weights, master weights and Adam state to the host; 4 GiB for the process.
+    plan = plan_memory(load_config(CONFIG_8GPU, []), shape("Qwen2.5-7B"), gpu_bytes=80 * GIB)
+    actor, critic, ref = plan.row("actor"), plan.row("critic"), plan.row("reference")
+    copied = [actor.weights, actor.master_weights, actor.optimizer_state]
+    copied += [critic.weights, critic.master_weights, critic.optimizer_state, ref.weights]
+    checkpoint = max(
+        actor.weights + actor.master_weights + actor.optimizer_state,
+        critic.weights + critic.master_weights + critic.optimizer_state,
+    )
+    assert plan.host_bytes == 8 * (4 * GIB + sum(copied) + checkpoint)
+    args = ["--config", str(CONFIG_8GPU), "--model-config", str(SHAPES / "Qwen2.5-7B.json")]
+    args += ["--gpu-memory-gb", "80", "--requirements", "/nonexistent"]
+    doctor_main([*args, "--host-memory-gb", "2048"])
+    host = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("host"))
+    assert "PASS" in host and f"{plan.host_bytes / GIB:.1f} GiB per node" in host
+    assert doctor_main([*args, "--host-memory-gb", "256"]) == 1
+    host = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("host"))
+    assert "FAIL" in host and "of 256.0 GiB" in host
