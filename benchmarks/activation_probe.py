@@ -18,7 +18,7 @@ from rlhf.config import load_config
 from rlhf.distributed.bootstrap import seed_everything
 from rlhf.distributed.context import ParallelContext
 from rlhf.memory.measure import peak_bytes_during
-from rlhf.memory.planner import plan_memory
+from rlhf.memory.planner import PlanInputs, plan_stage
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.heads import token_logprobs
 from rlhf.trainer.setup import build_ppo_models, load_policy_arch
@@ -33,19 +33,20 @@ class ActivationMeasurement:
     estimate: int  # the planner's activation bytes for the same micro-batch
 
 
-def packed_batch(tokens: int, vocab_size: int) -> RolloutBatch:
-    """SAMPLES sequences that fill one micro-batch of `tokens` tokens exactly."""
+def packed_batch(tokens: int, vocab_size: int, micro_batches: int = 1) -> RolloutBatch:
+    """SAMPLES sequences per micro-batch that fill `micro_batches` micro-batches of `tokens`
+    tokens exactly."""
     gen = torch.Generator().manual_seed(5)
     rows = [
         torch.randint(3, vocab_size, (tokens // SAMPLES,), generator=gen).tolist()
-        for _ in range(SAMPLES)
+        for _ in range(SAMPLES * micro_batches)
     ]
     return RolloutBatch(
         prompt_ids=[row[:PROMPT] for row in rows],
         response_ids=[row[PROMPT:] for row in rows],
-        scores_b=torch.zeros(SAMPLES),
-        data_sources=["synthetic"] * SAMPLES,
-        uids=[str(i) for i in range(SAMPLES)],
+        scores_b=torch.zeros(len(rows)),
+        data_sources=["synthetic"] * len(rows),
+        uids=[str(i) for i in range(len(rows))],
     )
 
 
@@ -57,12 +58,15 @@ def measure_activations(
     role: str = "actor",
     recompute: str = "none",
     sequence_parallel: bool | None = None,
+    micro_batches: int = 1,
     dtype: str = "float32",
     planned_attention: str = "cpu",
 ) -> ActivationMeasurement:
     """`role`: "actor" or "critic"; `sequence_parallel`: Megatron's (None: the default, on
-    when TP > 1; must match `ctx`); `planned_attention`: "cpu" plans the local spec's
-    attention, "cuda" the fused one."""
+    when TP > 1; must match `ctx`); `micro_batches` of `tokens` each go through one
+    forward-backward (under PP, 1F1B keeps several in flight); `planned_attention`: "cpu"
+    plans the local spec's attention, "cuda" the fused one. The estimate is the planner's
+    for this rank's pipeline stage."""
     section = "actor_rollout_ref.actor" if role == "actor" else "critic"
     overrides = [
         f"actor_rollout_ref.model.path={model_dir}",
@@ -70,6 +74,7 @@ def measure_activations(
         f"algorithm.adv_estimator={'grpo' if role == 'actor' else 'gae'}",
         "algorithm.use_kl_in_reward=false",
         f"{section}.megatron.tensor_model_parallel_size={ctx.tp_size}",
+        f"{section}.megatron.pipeline_model_parallel_size={ctx.pp_size}",
         f"{section}.megatron.dtype={dtype}",
         f"{section}.ppo_max_token_len_per_gpu={tokens}",
         f"data.max_prompt_length={PROMPT}",
@@ -83,9 +88,10 @@ def measure_activations(
     arch = load_policy_arch(cfg)
     seed_everything(0)
     models = build_ppo_models(cfg, arch, ctx, total_steps=1)
-    (micro_batches,) = models.planner.plan(packed_batch(tokens, arch.vocab_size), tokens)
-    if len(micro_batches) != 1 or micro_batches[0].num_tokens != tokens:
-        raise ValueError(f"{tokens} tokens did not pack into one micro-batch of that size")
+    batch = packed_batch(tokens, arch.vocab_size, micro_batches)
+    (planned,) = models.planner.plan(batch, tokens)
+    if len(planned) != micro_batches or any(mb.num_tokens != tokens for mb in planned):
+        raise ValueError(f"the batch did not pack into {micro_batches} x {tokens} tokens")
     vocab = models.logprob_head.vocab
 
     def head(output, mb):
@@ -98,11 +104,12 @@ def measure_activations(
     assert model is not None, "the critic exists with GAE"
 
     def update():
-        return model.compute_gradients(micro_batches, head)
+        return model.compute_gradients(planned, head)
 
     update()  # warm-up: lazily built buffers
     _, peak = peak_bytes_during(update, ctx.device)
     params = model.module.named_parameters()
     grads = {name: p.main_grad.detach().cpu().clone() for name, p in params}
-    plan = plan_memory(cfg, arch, ctx.world_size, device=planned_attention)
+    inputs = PlanInputs.from_config(cfg, arch, ctx.world_size, planned_attention)
+    plan = plan_stage(inputs, ctx.pp_rank, None)  # this rank's stage
     return ActivationMeasurement(grads, peak, plan.row(role).activations)

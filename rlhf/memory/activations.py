@@ -181,9 +181,12 @@ def training_peak(
     last_stage: bool = True,
     lm_head: bool = True,
     first_stage: bool = True,
+    in_flight: int = 1,
 ) -> int:
-    """Peak activation bytes of one training micro-batch's forward and backward
-    (`lm_head` False: a value model, whose [T, 1] output head holds next to nothing)."""
+    """Peak activation bytes of a training micro-batch's forward and backward
+    (`lm_head` False: a value model, whose [T, 1] output head holds next to nothing), with
+    the saved tensors of `in_flight` micro-batches alive at once (pipeline stage s of PP
+    under Megatron's 1F1B schedule: PP - s, when a mini-batch has that many)."""
     full = layer_bytes(s, flash)
     final = _norms(s, flash) // 2 if last_stage else 0
     if recompute.granularity == "full":
@@ -206,7 +209,7 @@ def training_peak(
         backward = _attention_backward(s, flash)
     head = head_bytes(s, training=True) if last_stage and lm_head else 0
     embedding = embedding_backward_bytes(s, flash=flash) if first_stage else 0
-    return max(saved + max(head, backward), embedding)
+    return max(in_flight * saved + max(head, backward), (in_flight - 1) * saved + embedding)
 
 
 def forward_peak(

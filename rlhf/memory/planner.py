@@ -184,7 +184,13 @@ def trained_memory(
         master_weights=owned * 4 if element == 2 else 0,
         optimizer_state=2 * owned * 4,  # Adam's exp_avg and exp_avg_sq, fp32
         activations=training_peak(
-            shape, recompute, flash=flash, last_stage=last, lm_head=lm_head, first_stage=stage == 0
+            shape,
+            recompute,
+            flash=flash,
+            last_stage=last,
+            lm_head=lm_head,
+            first_stage=stage == 0,
+            in_flight=pp - stage,  # 1F1B: stage s starts pp - s forwards before a backward
         ),
         offloaded=frozenset(offloaded),
     )
@@ -316,16 +322,18 @@ def sync_bytes(arch: ModelArch, padded_vocab: int, tp: int, element: int, bucket
     return (2 * largest if tp > 1 else 0) + max(bucket, largest)
 
 
+def plan_stage(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> MemoryPlan:
+    """The plan of one pipeline stage's ranks."""
+    rows = _rank_rows(inputs, stage, gpu_bytes)
+    sleep = inputs.colocated and inputs.release_rollout
+    host = host_bytes_per_rank(rows, sleep) * inputs.ranks_per_node
+    return MemoryPlan(tuple(rows), _phases(rows, inputs), gpu_bytes, host)
+
+
 def plan_inputs(inputs: PlanInputs, gpu_bytes: int | None) -> MemoryPlan:
     """The plan of the pipeline stage with the highest peak."""
     pp = inputs.roles[0].megatron.pipeline_model_parallel_size
-    plans = []
-    for stage in range(pp):
-        rows = _rank_rows(inputs, stage, gpu_bytes)
-        sleep = inputs.colocated and inputs.release_rollout
-        host = host_bytes_per_rank(rows, sleep) * inputs.ranks_per_node
-        plans.append(MemoryPlan(tuple(rows), _phases(rows, inputs), gpu_bytes, host))
-    return max(plans, key=lambda p: p.peak)
+    return max((plan_stage(inputs, s, gpu_bytes) for s in range(pp)), key=lambda p: p.peak)
 
 
 def plan_memory(

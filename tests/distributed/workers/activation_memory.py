@@ -29,9 +29,11 @@ def main() -> None:
     parser.add_argument("--variants", default="none,selective,full")
     parser.add_argument("--role", default="actor", choices=["actor", "critic"])
     parser.add_argument("--sequence-parallel", choices=["true", "false"])
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--micro-batches", type=int, default=1)
     args = parser.parse_args()
     split = None if args.sequence_parallel is None else args.sequence_parallel == "true"
-    ctx = init_parallel("cpu", tp_size=args.tp, sequence_parallel=split)
+    ctx = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp, sequence_parallel=split)
     try:
         results = {}
         for recompute in args.variants.split(","):
@@ -41,6 +43,7 @@ def main() -> None:
                 args.tokens,
                 role=args.role,
                 sequence_parallel=split,
+                micro_batches=args.micro_batches,
                 recompute=recompute,
                 dtype=args.dtype,
             )
