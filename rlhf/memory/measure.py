@@ -28,11 +28,22 @@ def peak_bytes_during(fn: Callable[[], T], device: torch.device) -> tuple[T, int
         result = fn()
         torch.cuda.synchronize()
         return result, torch.cuda.max_memory_allocated() - before
-    from torch._C._profiler import _EventType
+    with profiling_memory() as prof:
+        result = fn()
+    return result, allocation_peak(prof)
+
+
+def profiling_memory():
+    """torch.profiler recording every CPU allocation and free inside the `with`."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+def allocation_peak(prof) -> int:
+    """The most CPU bytes allocated at once during `prof`, above its start."""
+    from torch._C._profiler import _EventType
+
     changes = []
     nodes = list(prof.profiler.kineto_results.experimental_event_tree())
     while nodes:
@@ -44,4 +55,4 @@ def peak_bytes_during(fn: Callable[[], T], device: torch.device) -> tuple[T, int
     for _, size in sorted(changes):
         current += size
         peak = max(peak, current)
-    return result, peak
+    return peak
