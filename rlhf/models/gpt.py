@@ -45,6 +45,9 @@ def gpt_block_spec(config: TransformerConfig, qk_layernorm: bool = False):
 
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if qk_layernorm:  # each TP rank normalises its own heads: the gradient is summed too
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     layers = [spec] * get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
 

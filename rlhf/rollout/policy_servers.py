@@ -196,8 +196,8 @@ class PolicyServers:
                 run_dir=node_dir,
                 model_path=cfg.actor_rollout_ref.model.path,
             )
-            if sleeps:  # SGLang measures the free memory as it starts: before the trainer's
-                wait_for_servers(engine)
+            if sleeps:  # SGLang sizes its memory from what is free as it starts
+                wait_for_servers(engine)  # so the trainer allocates only after that
         except BaseException:
             if engine is not None:
                 engine.shutdown()
@@ -280,11 +280,12 @@ class PolicyServers:
         recover a server lost on the way, then the log-prob probe (raises above
         `rollout.logprob_diff_threshold`).
 
-        Colocated GPU servers that slept while training wake in two steps, so that the GPU
-        never holds the trainer's state and SGLang's KV cache at once: with only the policy's
-        weights on the device (its gradients and optimizer state off it), SGLang's weights
-        wake and the sync runs; then its KV cache and CUDA graphs wake for the probe. The
-        allocator's cache is emptied before each wake."""
+        Colocated GPU servers that slept while training wake in two steps, with only the
+        policy's weights on the device (its gradients and optimizer state off it for the
+        whole load): SGLang's weights wake and the sync runs; then its KV cache and CUDA
+        graphs wake for the probe. The allocator's cache is emptied before each wake. What
+        the config keeps resident comes back afterwards, next to the woken servers (the
+        planner's rollout phase)."""
         near_servers = policy.weights_on_device() if self.sleeps else policy.on_device()
         with near_servers:
             self.wake(WEIGHT_TAGS)

@@ -1,5 +1,6 @@
 """HF checkpoints loaded into Megatron at TP1, TP2, PP2 and TP2 x PP2 give the logits of
-HF transformers on the same tokens (fp32, within 1e-4), for every supported family."""
+HF transformers on the same tokens (fp32, within 1e-4), for every supported family (at TP2
+with Megatron's sequence parallelism, on by default there: qk-norm families included)."""
 
 from __future__ import annotations
 

@@ -18,17 +18,20 @@ from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 from rlhf.models.mapping import Placement
 
 
-def build(hf_dir: str, placement, value_model: bool):
-    """(model, arch, reader): the policy with its HF reader, or the value model (seed 11)."""
+def build(hf_dir: str, placement, value_model: bool, sequence_parallel: bool):
+    """(model, arch, reader): the policy with its HF reader, or the value model (seed 11);
+    with Megatron's sequence parallelism when the context has it (TP > 1)."""
     from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
     from rlhf.models.families import load_arch
     from rlhf.models.hf_io import HFCheckpointReader
 
     if value_model:
-        model, arch = value_model_from_hf(hf_dir, placement, seed=11)
+        model, arch = value_model_from_hf(
+            hf_dir, placement, seed=11, sequence_parallel=sequence_parallel
+        )
         return model, arch, None
     arch = load_arch(hf_dir)
-    model = build_model(arch, placement)
+    model = build_model(arch, placement, sequence_parallel=sequence_parallel)
     reader = HFCheckpointReader(hf_dir)
     load_hf_weights(model, reader, arch, placement)
     return model, arch, reader
@@ -51,7 +54,7 @@ def main() -> None:
     tokens = torch.load(args.tokens)
     for spec in args.model:
         name, hf_dir = spec.split("=", 1)
-        model, arch, reader = build(hf_dir, placement, args.value_model)
+        model, arch, reader = build(hf_dir, placement, args.value_model, env.sequence_parallel)
         if reader is not None:
             read = {"bytes_read": reader.bytes_read, "total_bytes": reader.total_bytes()}
             Path(args.out_dir, f"{name}.read.{env.rank}.json").write_text(json.dumps(read))
