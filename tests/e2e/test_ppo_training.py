@@ -333,8 +333,12 @@ def test_two_simulated_nodes_log_the_values_of_one_node(
     for step, row in reference.items():
         assert set(got[step]) == set(row)
         for key, value in row.items():
-            if not key.startswith(VOLATILE):
-                assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+            if key.startswith(VOLATILE):
+                continue
+            # the engine's log-probs come from two servers here and one there, each batching
+            # its prompts differently: their gap to the actor's (~1e-8) is float noise
+            noise = 1e-7 if key.startswith("rollout_corr/") else 1e-9
+            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=noise), (step, key)
 
 
 def test_the_loop_stops_on_the_kl_its_steps_report(tiny_qwen2_dir, data, sglang_server, tmp_path):
