@@ -103,8 +103,8 @@ def _backward_chunk(logits, targets, saved, grad_logp, grad_entropy, where: _Sli
     z.mul_(probs)
     local = targets - where.start
     held = (local >= 0) & (local < z.shape[-1])
-    rows = held.nonzero()[:, 0]
-    z[rows, local[rows]] += grad_logp[rows]
+    index = local.clamp(0, z.shape[-1] - 1)[:, None]  # no host sync (nonzero would)
+    z.scatter_add_(-1, index, (grad_logp * held)[:, None])
     if where.temperature != 1.0:
         z.div_(where.temperature)
     return z
