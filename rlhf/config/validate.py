@@ -97,12 +97,13 @@ def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayo
             f"{prefix}.ulysses_sequence_parallel_size ({sp}) = {tp * pp * sp} does not divide the "
             f"world size {world_size} (trainer.nnodes x trainer.n_gpus_per_node)"
         )
-    return ParallelLayout(world_size, tp, pp, sp, sequence_parallel_on(section.megatron))
+    split = sequence_parallel_on(section.megatron.sequence_parallel, tp)
+    return ParallelLayout(world_size, tp, pp, sp, split)
 
 
-def sequence_parallel_on(megatron: MegatronParallelConfig) -> bool:
-    """`megatron.sequence_parallel`; null: on when TP > 1 (it needs TP > 1)."""
-    return megatron.tensor_model_parallel_size > 1 and megatron.sequence_parallel is not False
+def sequence_parallel_on(setting: bool | None, tp_size: int) -> bool:
+    """`megatron.sequence_parallel` at TP `tp_size`; null: on when TP > 1 (it needs TP > 1)."""
+    return tp_size > 1 and setting is not False
 
 
 def _check_batches(role: str, cfg: RLHFConfig, layout: ParallelLayout) -> None:

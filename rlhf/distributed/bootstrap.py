@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlhf.config.validate import sequence_parallel_on
 from rlhf.distributed.context import ParallelContext
 from rlhf.distributed.cpu_compat import apply_cpu_compat
 
@@ -153,7 +154,7 @@ def init_parallel(
         context_parallel_size=sp_size,
     )
     found = _context(pick_device(device))
-    split = tp_size > 1 and sequence_parallel is not False
+    split = sequence_parallel_on(sequence_parallel, tp_size)
     return dataclasses.replace(found, sequence_parallel=split)
 
 

@@ -161,7 +161,7 @@ def trained_memory(
         pp=pp,
         sp=sp,
         element=element,
-        sequence_parallel=sequence_parallel_on(m),
+        sequence_parallel=sequence_parallel_on(m.sequence_parallel, tp),
     )
     last, lm_head = stage == pp - 1, not role.value_head
     flash = _flash(device)

@@ -9,7 +9,12 @@ import torch
 
 from rlhf.config.budgets import TokenBudgets, token_budgets
 from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
-from rlhf.config.validate import distributed_optimizer_on, uses_critic, uses_reference
+from rlhf.config.validate import (
+    distributed_optimizer_on,
+    sequence_parallel_on,
+    uses_critic,
+    uses_reference,
+)
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
 from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute
@@ -182,7 +187,7 @@ def build_ppo_models(
     """Actor, and when the config needs them reference and critic, on this rank, loaded from
     the HF checkpoints, with their update specs for a run of `total_steps` steps."""
     aro = cfg.actor_rollout_ref
-    wanted = aro.actor.megatron.sequence_parallel is not False and ctx.tp_size > 1
+    wanted = sequence_parallel_on(aro.actor.megatron.sequence_parallel, ctx.tp_size)
     if ctx.sequence_parallel != wanted:
         raise ValueError(
             f"the process groups were set up with sequence_parallel={ctx.sequence_parallel} "
