@@ -53,11 +53,9 @@ def host_bytes_per_rank(rows: Sequence[Row], colocated_sleep: bool) -> int:
     """One trainer rank's host memory at its peak (see the module docstring)."""
     trainer = [r for r in rows if r.role != "rollout"]
     offloaded = sum(getattr(r, k) for r in trainer for k in HOST_COPIED if k in r.offloaded)
-    sync = 0
     actor = next(r for r in trainer if r.role == "actor")
-    if colocated_sleep:
-        sync = sum(getattr(actor, k) for k in ("master_weights", "optimizer_state"))
-        sync = 0 if {"master_weights", "optimizer_state"} <= actor.offloaded else sync
+    state_resident = not {"master_weights", "optimizer_state"} <= actor.offloaded
+    sync = actor.master_weights + actor.optimizer_state if colocated_sleep and state_resident else 0
     checkpoint = max(
         r.weights + r.master_weights + r.optimizer_state
         for r in trainer
