@@ -108,8 +108,8 @@ def measure_activations(
 
     update()  # warm-up: lazily built buffers
     _, peak = peak_bytes_during(update, ctx.device)
-    params = model.module.named_parameters()
-    grads = {name: p.main_grad.detach().cpu().clone() for name, p in params}
+    params = model.module.global_names().items()
+    grads = {name: p.main_grad.detach().cpu().clone() for p, name in params}
     inputs = PlanInputs.from_config(cfg, arch, ctx.world_size, planned_attention)
     plan = plan_stage(inputs, ctx.pp_rank, None)  # this rank's stage
     return ActivationMeasurement(grads, peak, plan.row(role).activations)

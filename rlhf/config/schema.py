@@ -109,6 +109,12 @@ class MegatronParallelConfig:
 
     tensor_model_parallel_size: int = doc(1, "TP: shards of every weight matrix", gt=0)
     pipeline_model_parallel_size: int = doc(1, "PP: consecutive groups of layers", gt=0)
+    virtual_pipeline_model_parallel_size: int | None = doc(
+        None,
+        "interleaved pipeline: each PP stage holds this many chunks of L / (PP x VP) layers "
+        "(Megatron's interleaved 1F1B: a bubble VP times smaller); null: one chunk per stage",
+        gt=0,
+    )
     seed: int = doc(42, "seed for weight init and dropout (Megatron RNG tracker)")
     dtype: TrainDtype = doc(
         "float32",

@@ -41,6 +41,7 @@ class ParallelLayout:
     pp_size: int = 1
     sp_size: int = 1
     sequence_parallel: bool = False  # Megatron's, over the TP group
+    vp_size: int = 1  # virtual-pipeline chunks per PP stage (interleaved schedule when > 1)
 
     @property
     def dp_size(self) -> int:
@@ -48,8 +49,10 @@ class ParallelLayout:
 
     def describe(self) -> str:
         split = " (sequence parallel)" if self.sequence_parallel else ""
+        chunks = f" (VP {self.vp_size})" if self.vp_size > 1 else ""
         return (
-            f"TP {self.tp_size}{split} x PP {self.pp_size} x SP {self.sp_size} x DP {self.dp_size}"
+            f"TP {self.tp_size}{split} x PP {self.pp_size}{chunks} x SP {self.sp_size} x "
+            f"DP {self.dp_size}"
         )
 
 
@@ -98,7 +101,14 @@ def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayo
             f"world size {world_size} (trainer.nnodes x trainer.n_gpus_per_node)"
         )
     split = sequence_parallel_on(section.megatron.sequence_parallel, tp)
-    return ParallelLayout(world_size, tp, pp, sp, split)
+    vp = section.megatron.virtual_pipeline_model_parallel_size or 1
+    if vp > 1 and pp == 1:
+        raise ConfigError(
+            f"{prefix}.megatron.virtual_pipeline_model_parallel_size={vp} needs "
+            f"{prefix}.megatron.pipeline_model_parallel_size > 1 (it splits each pipeline "
+            "stage into chunks)"
+        )
+    return ParallelLayout(world_size, tp, pp, sp, split, vp)
 
 
 def sequence_parallel_on(setting: bool | None, tp_size: int) -> bool:
@@ -182,19 +192,20 @@ def _check_recompute(role: str, cfg: RLHFConfig, shape: ModelShape | None) -> No
             )
     if shape is None or m.recompute_num_layers is None:
         return
-    per_stage = shape.num_layers // m.pipeline_model_parallel_size
-    if m.recompute_num_layers > per_stage:
+    chunks = m.pipeline_model_parallel_size * (m.virtual_pipeline_model_parallel_size or 1)
+    per_chunk = shape.num_layers // chunks
+    if m.recompute_num_layers > per_chunk:
         raise ConfigError(
-            f"{key}.recompute_num_layers={m.recompute_num_layers} exceeds the {per_stage} "
-            f"layers of a pipeline stage ({shape.num_layers} layers / "
-            f"pipeline_model_parallel_size {m.pipeline_model_parallel_size})"
+            f"{key}.recompute_num_layers={m.recompute_num_layers} exceeds the {per_chunk} "
+            f"layers of a pipeline stage's chunk ({shape.num_layers} layers / "
+            f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size {chunks})"
         )
 
 
-def model_split_problem(shape: ModelShape, tp: int, pp: int) -> tuple[str, str] | None:
-    """("tp" or "pp", what does not divide) when Megatron cannot split `shape` over TP ranks
-    (query heads, KV heads) and PP stages (layers); None when it can. Also used by
-    `rlhf.models.families.check_parallel_sizes` (the CLIs that take --tp/--pp)."""
+def model_split_problem(shape: ModelShape, tp: int, pp: int, vp: int = 1) -> tuple[str, str] | None:
+    """("tp", "pp" or "vp", what does not divide) when Megatron cannot split `shape` over TP
+    ranks (query heads, KV heads), PP stages and their VP chunks (layers); None when it can.
+    Also used by `rlhf.models.families.check_parallel_sizes` (the CLIs that take --tp/--pp)."""
     for key, count in (
         ("num_attention_heads", shape.num_attention_heads),
         ("num_key_value_heads", shape.num_query_groups),
@@ -206,20 +217,26 @@ def model_split_problem(shape: ModelShape, tp: int, pp: int) -> tuple[str, str] 
             f"num_hidden_layers ({shape.num_layers}) must be divisible by the pipeline "
             f"parallel size ({pp})"
         )
+    if vp > 1 and (pp == 1 or shape.num_layers % (pp * vp)):
+        return "vp", (
+            f"num_hidden_layers ({shape.num_layers}) must be divisible by the pipeline "
+            f"parallel size ({pp}) x the virtual pipeline size ({vp}), with PP > 1"
+        )
     return None
 
 
 def _check_model_split(layout: ParallelLayout, shape: ModelShape) -> None:
     """A model that does not divide is refused here, before any server starts, rather than
     by Megatron after."""
-    problem = model_split_problem(shape, layout.tp_size, layout.pp_size)
+    problem = model_split_problem(shape, layout.tp_size, layout.pp_size, layout.vp_size)
     if problem is not None:
         which, what = problem
-        if which == "tp":
-            key = f"{AR}.actor.megatron.tensor_model_parallel_size={layout.tp_size}"
-        else:
-            key = f"{AR}.actor.megatron.pipeline_model_parallel_size={layout.pp_size}"
-        raise ConfigError(f"{key}: the model's {what}")
+        key = {
+            "tp": f"tensor_model_parallel_size={layout.tp_size}",
+            "pp": f"pipeline_model_parallel_size={layout.pp_size}",
+            "vp": f"virtual_pipeline_model_parallel_size={layout.vp_size}",
+        }[which]
+        raise ConfigError(f"{AR}.actor.megatron.{key}: the model's {what}")
 
 
 def _check_heads(layout: ParallelLayout, heads: ModelShape) -> None:

@@ -15,7 +15,9 @@ token count instead:
    first-fit-decreasing needs on any rank (Megatron's schedule runs the same number of
    micro-batches everywhere); each rank fills its k micro-batches least-loaded-first. As
    every rank holds the same number of sequences and k never exceeds it, no micro-batch is
-   empty.
+   empty. Megatron's interleaved pipeline needs k to be a multiple of PP
+   (`count_multiple`): k is rounded up, and only when a rank holds fewer sequences than
+   that are the remaining micro-batches empty (a row of padding, no samples).
 
 Lengths are padded to `pad_to_multiple_of` (2 x the context-parallel size for Megatron's
 load-balanced context parallelism) before planning; a sequence over the budget is an error.
@@ -38,8 +40,9 @@ class MicroBatchPlan:
     """Which sequences every DP rank processes, per mini-batch and micro-batch.
 
     `assignments[mini][rank][micro]` lists indices into the step's sequences. Within a
-    mini-batch every rank has the same number of micro-batches, none empty and none over
-    `max_tokens` (counted with `lengths`, the padded lengths).
+    mini-batch every rank has the same number of micro-batches, none over `max_tokens`
+    (counted with `lengths`, the padded lengths) and none empty unless the count had to
+    reach a multiple of `count_multiple` with fewer sequences.
     """
 
     assignments: list[list[list[list[int]]]]
@@ -167,14 +170,19 @@ def plan_micro_batches(
     dp_size: int = 1,
     mini_batch_size: int | None = None,
     pad_to_multiple_of: int = 1,
+    count_multiple: int = 1,
 ) -> MicroBatchPlan:
     """Plan a step's sequences (prompt + response lengths, in order) as described above.
 
     `mini_batch_size` counts sequences (default: all in one mini-batch); it must divide the
-    number of sequences and be divisible by `dp_size`.
+    number of sequences and be divisible by `dp_size`. `count_multiple`: what the number of
+    micro-batches per rank must be a multiple of.
     """
-    if max_tokens_per_micro_batch < 1 or dp_size < 1 or pad_to_multiple_of < 1:
-        raise ValueError("max_tokens_per_micro_batch, dp_size and pad_to_multiple_of must be >= 1")
+    if min(max_tokens_per_micro_batch, dp_size, pad_to_multiple_of, count_multiple) < 1:
+        raise ValueError(
+            "max_tokens_per_micro_batch, dp_size, pad_to_multiple_of and count_multiple must "
+            "be >= 1"
+        )
     total = len(lengths)
     mini = mini_batch_size or total
     if total == 0 or total % mini or mini % dp_size:
@@ -191,8 +199,10 @@ def plan_micro_batches(
         # k <= sequences per rank (first-fit never needs more bins than items), so every
         # rank can fill k non-empty micro-batches.
         count = max(first_fit_bins(r, padded, max_tokens_per_micro_batch) for r in ranks)
-        bins = [fill_bins(r, padded, count, max_tokens_per_micro_batch) for r in ranks]
-        filled = [b for b in bins if b is not None]
+        count = round_up(count, count_multiple)
+        nonempty = min(count, mini // dp_size)
+        bins = [fill_bins(r, padded, nonempty, max_tokens_per_micro_batch) for r in ranks]
+        filled = [b + [[] for _ in range(count - nonempty)] for b in bins if b is not None]
         if len(filled) != len(bins):  # impossible by the argument above
             raise RuntimeError(f"could not pack mini-batch at {start} into {count} micro-batches")
         assignments.append(filled)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from rlhf.models.chunks import ModelChunks
 from rlhf.models.families import (
     NO_RECOMPUTE,
     ModelArch,
@@ -27,18 +28,20 @@ from rlhf.models.mapping import Placement, load_shard, resolve
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 
-def build_model(
+def build_chunks(
     arch: ModelArch,
     placement: Placement,
     *,
+    vp_size: int = 1,
     padded_vocab: int | None = None,
     params_dtype: torch.dtype = torch.float32,
     sp: int = 1,
     initialize: bool = True,
     recompute: Recompute = NO_RECOMPUTE,
     sequence_parallel: bool = False,
-):
-    """This pipeline stage's `GPTModel` for `arch`.
+) -> ModelChunks:
+    """This pipeline rank's `GPTModel` chunks for `arch`: `vp_size` of them under Megatron's
+    interleaved pipeline (`rlhf.models.chunks`), one otherwise; they share one config.
 
     `padded_vocab` defaults to the vocabulary padded to a multiple of 128 x TP; a model
     that will load a Megatron checkpoint passes the checkpoint's padded size instead.
@@ -53,12 +56,25 @@ def build_model(
         arch,
         tp=placement.tp_size,
         pp=placement.pp_size,
+        vp=vp_size,
         sp=sp,
         params_dtype=params_dtype,
         perform_initialization=initialize,
         recompute=recompute,
         sequence_parallel=sequence_parallel,
     )
+    placements = [placement.chunk(v, vp_size) for v in range(vp_size)]
+    chunks = [_build_chunk(arch, config, p, vocab, initialize) for p in placements]
+    return ModelChunks([c.to(params_dtype) for c in chunks], placements)
+
+
+def build_model(arch: ModelArch, placement: Placement, **kwargs):
+    """This pipeline stage's `GPTModel` (no interleaving); keywords as `build_chunks`."""
+    (model,) = build_chunks(arch, placement, **kwargs)
+    return model
+
+
+def _build_chunk(arch: ModelArch, config, placement: Placement, vocab: int, initialize: bool):
     model = build_gpt_model(
         config,
         vocab,
@@ -68,6 +84,7 @@ def build_model(
         rotary_base=arch.rope_theta,
         tie_embeddings=arch.tie_embeddings,
         qk_layernorm=arch.qk_layernorm,
+        vp_stage=placement.vp_stage if placement.vp_size > 1 else None,
     )
     if not initialize:
         mark_tensor_parallel_weights(model)
@@ -76,7 +93,7 @@ def build_model(
             arch.head_dim, arch.rope_theta, arch.rope_scaling
         ).to(model.rotary_pos_emb.inv_freq.device)
     model.padded_vocab_size = vocab
-    return model.to(params_dtype)
+    return model
 
 
 def mark_tensor_parallel_weights(model: Any) -> None:
@@ -117,11 +134,15 @@ def load_hf_weights(
     progress: bool = False,
     skip: tuple[str, ...] = (),
 ) -> None:
-    """Copy this rank's slices of the HF checkpoint into `model` (shapes are checked)."""
-    params = [(n, p) for n, p in model.named_parameters() if n not in skip]
-    for name, param in tqdm(params, desc="load HF weights", disable=not progress, unit="tensor"):
-        rule, layer = resolve(arch, name, placement)
-        shard = load_shard(rule, layer, reader, arch, placement, model.padded_vocab_size)
+    """Copy this rank's slices of the HF checkpoint into `model` (one chunk at `placement`,
+    or `ModelChunks`; shapes are checked)."""
+    chunks = ModelChunks.of(model, placement)
+    params = [(pl, n, p) for pl, n, p in chunks.placed_parameters() if n not in skip]
+    for part, name, param in tqdm(
+        params, desc="load HF weights", disable=not progress, unit="tensor"
+    ):
+        rule, layer = resolve(arch, name, part)
+        shard = load_shard(rule, layer, reader, arch, part, chunks.padded_vocab_size)
         if shard.shape != param.shape:
             raise ValueError(
                 f"Megatron parameter {name!r} has shape {list(param.shape)} on this rank, "
@@ -188,33 +209,38 @@ def value_model_from_hf(
     hf_dir,
     placement: Placement,
     *,
+    vp_size: int = 1,
     seed: int = 0,
     params_dtype: torch.dtype = torch.float32,
     sp: int = 1,
     recompute: Recompute = NO_RECOMPUTE,
     sequence_parallel: bool = False,
-):
-    """Critic / reward model from an HF directory.
+) -> tuple[ModelChunks, ModelArch]:
+    """Critic / reward model chunks (`build_chunks`) from an HF directory.
 
-    The trunk comes from the checkpoint; the scalar head from its `score.weight` when it is a
-    `*ForSequenceClassification` checkpoint, otherwise it is freshly initialised (critic
-    started from the actor). Returns (model, arch).
+    The trunk comes from the checkpoint; the scalar head (on the last chunk of the last
+    stage) from its `score.weight` when it is a `*ForSequenceClassification` checkpoint,
+    otherwise it is freshly initialised (critic started from the actor). Returns (chunks,
+    arch).
     """
     from rlhf.models.families import load_arch
 
     arch = load_arch(hf_dir)
     reader = HFCheckpointReader(hf_dir)
-    policy = build_model(
+    chunks = build_chunks(
         arch,
         placement,
+        vp_size=vp_size,
         params_dtype=params_dtype,
         sp=sp,
         initialize=False,
         recompute=recompute,
         sequence_parallel=sequence_parallel,
     )
-    model = attach_value_head(policy, arch, seed)
-    load_hf_weights(model, reader, arch, placement, skip=("output_layer.weight",))
+    for chunk in chunks:
+        attach_value_head(chunk, arch, seed)
+    load_hf_weights(chunks, reader, arch, placement, skip=("output_layer.weight",))
     if "score.weight" in reader:
-        load_score_head(model, reader)
-    return model, arch
+        for chunk in chunks:
+            load_score_head(chunk, reader)
+    return chunks, arch

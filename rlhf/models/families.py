@@ -190,10 +190,10 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def check_parallel_sizes(arch: ModelArch, tp: int, pp: int) -> None:
-    """Megatron splits heads over TP ranks and layers over PP stages; needs only the config,
-    so the CLIs check it before launching any worker."""
-    problem = model_split_problem(arch, tp, pp)
+def check_parallel_sizes(arch: ModelArch, tp: int, pp: int, vp: int = 1) -> None:
+    """Megatron splits heads over TP ranks and layers over PP stages (x VP chunks); needs
+    only the config, so the CLIs check it before launching any worker."""
+    problem = model_split_problem(arch, tp, pp, vp)
     if problem is not None:
         raise ValueError(problem[1])
 
@@ -203,6 +203,7 @@ def transformer_config(
     *,
     tp: int = 1,
     pp: int = 1,
+    vp: int = 1,
     sp: int = 1,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool = True,
@@ -213,13 +214,14 @@ def transformer_config(
     """The one mapping from `ModelArch` to Megatron-Core's `TransformerConfig`.
 
     `sequence_parallel`: Megatron's sequence parallelism over the TP group (TP > 1 only).
+    `vp`: virtual-pipeline chunks per stage (Megatron's interleaved 1F1B when > 1).
 
     `perform_initialization=False` skips Megatron's random init for models whose weights
     are about to be loaded from a checkpoint.
     """
     from megatron.core.transformer import TransformerConfig
 
-    check_parallel_sizes(arch, tp, pp)
+    check_parallel_sizes(arch, tp, pp, vp)
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -239,6 +241,12 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+        # Interleaved: each direction in its own p2p call (as Megatron-LM runs it). Batched,
+        # a 2-stage pipeline sends an activation and a gradient to the same peer in one
+        # batch, and with variable sequence lengths their shape messages cross (a hang).
+        overlap_p2p_comm=vp > 1,
+        batch_p2p_comm=vp == 1,
         context_parallel_size=sp,  # Ulysses runs on the context-parallel group
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=params_dtype,

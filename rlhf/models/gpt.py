@@ -92,11 +92,13 @@ def build_gpt_model(
     rotary_base: float = 10000.0,
     tie_embeddings: bool = False,
     qk_layernorm: bool = False,
+    vp_stage: int | None = None,
 ) -> GPTModel:
     """A rotary-embedding decoder (Llama/Qwen style) for this rank's pipeline stage.
 
     `vocab_size` must already be padded for tensor parallelism; `pre_process` /
-    `post_process` say whether this stage holds the embedding / the output layer.
+    `post_process` say whether this stage holds the embedding / the output layer;
+    `vp_stage`: which virtual-pipeline chunk of the stage it is (None without interleaving).
     """
     return GPTModel(
         config=config,
@@ -109,4 +111,5 @@ def build_gpt_model(
         share_embeddings_and_output_weights=tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(rotary_base),
+        vp_stage=vp_stage,
     )

@@ -17,6 +17,7 @@ back into full HF tensors. Both directions are used by the converter and by weig
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass
@@ -47,12 +48,16 @@ class ParamRule:
 
 @dataclass(frozen=True)
 class Placement:
-    """This rank's place in the tensor- and pipeline-parallel grid."""
+    """This rank's place in the tensor- and pipeline-parallel grid, and which of its
+    virtual-pipeline chunks a model part is (`vp_stage` of `vp_size`; one chunk without
+    interleaving)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    vp_stage: int = 0
+    vp_size: int = 1
 
     @classmethod
     def of(cls, ctx: ParallelContext) -> Placement:
@@ -60,13 +65,25 @@ class Placement:
             tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size
         )
 
+    def chunk(self, vp_stage: int, vp_size: int) -> Placement:
+        """The placement of this rank's chunk `vp_stage` of `vp_size`."""
+        return dataclasses.replace(self, vp_stage=vp_stage, vp_size=vp_size)
+
     @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        """This part holds the embedding: the first chunk of the first pipeline stage."""
+        return self.pp_rank == 0 and self.vp_stage == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        """This part holds the output layer: the last chunk of the last pipeline stage."""
+        return self.pp_rank == self.pp_size - 1 and self.vp_stage == self.vp_size - 1
+
+    def first_layer(self, num_layers: int) -> int:
+        """The global index of this part's first layer. Megatron's interleaved order: chunk v
+        of every stage in turn, so chunk v of stage p starts at (v x PP + p) x L / (PP x VP)."""
+        per_part = num_layers // (self.pp_size * self.vp_size)
+        return (self.vp_stage * self.pp_size + self.pp_rank) * per_part
 
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear.
@@ -136,7 +153,7 @@ def resolve(arch: ModelArch, name: str, placement: Placement) -> tuple[ParamRule
                 return rule, None
         raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
     local, rest = int(match.group(1)), TE_ALIASES.get(match.group(2), match.group(2))
-    layer = placement.pp_rank * (arch.num_layers // placement.pp_size) + local
+    layer = placement.first_layer(arch.num_layers) + local
     for rule in layer_rules(arch):
         if rule.mcore == f"decoder.layers.{{layer}}.{rest}":
             return rule, layer

@@ -16,7 +16,7 @@ import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,8 @@ import torch.distributed as dist
 from rlhf.config.schema import OptimConfig
 from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
+from rlhf.models.chunks import ModelChunks
+from rlhf.models.mapping import Placement
 from rlhf.trainer.micro_batch import MicroBatch
 from rlhf.trainer.nonfinite import tensors_finite
 from rlhf.trainer.offload import ModelOffloader
@@ -57,9 +59,18 @@ class OptimizerSettings:
 
 
 def run_schedule(
-    model, micro_batches: list[MicroBatch], head: Head, forward_only: bool, loss_scale: float
+    runners: list,
+    micro_batches: list[MicroBatch],
+    head: Head,
+    forward_only: bool,
+    loss_scale: float,
+    pp_size: int,
 ) -> list[dict[str, torch.Tensor]]:
-    """Megatron's forward(-backward) over `micro_batches`; head outputs (last stage only)."""
+    """Megatron's forward(-backward) over `micro_batches`; head outputs (last stage only).
+
+    `runners`: the model chunks (or their DDP wrappers) in order; with several, Megatron's
+    interleaved 1F1B runs them, every chunk reading the micro-batches from its own iterator
+    (their count is a multiple of PP: `MicroBatchPlanner`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
@@ -79,10 +90,13 @@ def run_schedule(
 
         return output, loss_func
 
-    return get_forward_backward_func()(
+    interleaved = len(runners) > 1
+    schedule = get_forward_backward_func(pp_size, len(runners) if interleaved else None)
+    data = [iter(micro_batches) for _ in runners] if interleaved else iter(micro_batches)
+    return schedule(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
-        model=[model],
+        data_iterator=data,
+        model=runners,
         num_microbatches=len(micro_batches),
         seq_length=max(mb.num_tokens for mb in micro_batches),
         micro_batch_size=1,
@@ -118,11 +132,12 @@ class MegatronModel:
     """
 
     def __init__(self, module, ctx: ParallelContext):
-        self.module = self.runner = module  # runner: what the schedule calls
+        self.module = ModelChunks.of(module, Placement.of(ctx))
+        self.runners: list = list(self.module)  # what the schedule calls, chunk by chunk
         self.ctx = ctx
         self.offloader = ModelOffloader(self, ())
-        if module.config.pipeline_model_parallel_size > 1:
-            module.config.variable_seq_lengths = True  # packed rows differ in length
+        if self.module.config.pipeline_model_parallel_size > 1:
+            self.module.config.variable_seq_lengths = True  # packed rows differ in length
 
     @classmethod
     def frozen(cls, module, ctx: ParallelContext, offload: bool = False) -> MegatronModel:
@@ -150,9 +165,9 @@ class MegatronModel:
 
     @torch.no_grad()
     def forward(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
-        self.runner.eval()
+        self.module.eval()
         with self.on_device():
-            return run_schedule(self.runner, micro_batches, head, True, 1.0)
+            return run_schedule(self.runners, micro_batches, head, True, 1.0, self.ctx.pp_size)
 
 
 class TrainableMegatronModel(MegatronModel):
@@ -166,15 +181,20 @@ class TrainableMegatronModel(MegatronModel):
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         super().__init__(module, ctx)
-        config = module.config
+        config = self.module.config
         # bf16 weights keep fp32 gradient buffers (reduced in fp32) for the fp32 master copy
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=config.bf16, use_distributed_optimizer=settings.distributed
         )
-        self.ddp = self.runner = DistributedDataParallel(config, ddp_config, module)
+        # one DDP per chunk; as in Megatron's training loop, later chunks keep one bucket
+        self.ddps = [
+            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(self.module)
+        ]
+        self.runners = list(self.ddps)
         config.finalize_model_grads_func = finalize_model_grads
         self.distributed_optimizer = settings.distributed
-        self.optimizer, self.scheduler = build_optimizer(self.ddp, settings)
+        self.optimizer, self.scheduler = build_optimizer(self.ddps, settings)
 
     def weights_on_device(self) -> AbstractContextManager[None]:
         """Only the weights on the device inside this context (a colocated weight sync):
@@ -189,13 +209,14 @@ class TrainableMegatronModel(MegatronModel):
             return self._compute_gradients(micro_batches, head)
 
     def _compute_gradients(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
-        self.ddp.train()
-        self.ddp.zero_grad_buffer()
+        self.module.train()
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         # Megatron divides by the micro-batch count and multiplies by the CP (= SP) size in
         # the schedule, then averages gradients over DP x SP: undo all of it.
         scale = len(micro_batches) * self.ctx.dp_sp_size / self.ctx.sp_size
-        return run_schedule(self.ddp, micro_batches, head, False, scale)
+        return run_schedule(self.runners, micro_batches, head, False, scale, self.ctx.pp_size)
 
     def train_mini_batch(self, micro_batches: list[MicroBatch], head: Head) -> MiniBatchUpdate:
         """One optimizer step over this rank's micro-batches of a mini-batch (identical on
@@ -215,7 +236,8 @@ class TrainableMegatronModel(MegatronModel):
 
     def gradients_finite(self) -> bool:
         """Every parameter's gradient finite on every rank (before the optimizer runs)."""
-        grads = [p.main_grad for p in self.module.parameters() if p.requires_grad]
+        params: list[Any] = [p for p in self.module.parameters() if p.requires_grad]
+        grads = [p.main_grad for p in params]  # DDP's fp32 gradient, set on each parameter
         return tensors_finite(grads, self.ctx.device)
 
     def weights_finite(self) -> bool:
@@ -237,7 +259,8 @@ class TrainableMegatronModel(MegatronModel):
         return coordinate(self.optimizer, (ctx.tp_rank, ctx.tp_size), (ctx.pp_rank, ctx.pp_size))
 
     def param_names(self) -> dict:
-        return {param: name for name, param in self.module.named_parameters()}
+        """Parameter -> name with its global layer index (`ModelChunks.global_names`)."""
+        return self.module.global_names()
 
     def save(self, directory: Path) -> None:
         """`model/`: the model (+ the plain optimizer) in Megatron's distributed format, the
@@ -277,7 +300,7 @@ class TrainableMegatronModel(MegatronModel):
         if not model_dir.is_dir():  # written before model/ existed: the plain optimizer's
             model_dir = directory
         state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(model_dir))
-        self.module.load_state_dict(state["model"])
+        self.module.load_sharded(state["model"])
         if saved_distributed:
             where = self.optimizer_coordinate()
             load_optimizer_shards(
@@ -287,8 +310,8 @@ class TrainableMegatronModel(MegatronModel):
             self.optimizer.load_state_dict(state["optimizer"])
 
 
-def build_optimizer(ddp, settings: OptimizerSettings):
-    """Megatron's Adam(W) over `ddp` and its LR/weight-decay scheduler."""
+def build_optimizer(ddps: list, settings: OptimizerSettings):
+    """Megatron's Adam(W) over the DDP-wrapped chunks and its LR/weight-decay scheduler."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -301,11 +324,11 @@ def build_optimizer(ddp, settings: OptimizerSettings):
         adam_beta1=optim.betas[0],
         adam_beta2=optim.betas[1],
         clip_grad=settings.grad_clip,
-        bf16=ddp.module.config.bf16,  # fp32 master weights and Adam state for bf16 weights
-        params_dtype=next(ddp.module.parameters()).dtype,
+        bf16=ddps[0].module.config.bf16,  # fp32 master weights and Adam state for bf16 weights
+        params_dtype=next(ddps[0].module.parameters()).dtype,
         use_distributed_optimizer=settings.distributed,
     )
-    optimizer = get_megatron_optimizer(config, [ddp])
+    optimizer = get_megatron_optimizer(config, ddps)
     decay_steps = max(settings.total_steps, optim.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,

@@ -178,11 +178,14 @@ def build_micro_batch(
     sample) and the tokens keep only this rank's zig-zag slice; masks stay whole-row. Under
     Megatron's sequence parallelism (`tp_split` = TP) the multiple is TP times larger; without
     Ulysses the padding trails the last sample, which attends only to itself causally.
+    No `sample_ids` (an interleaved pipeline's filler): one row of padding, nothing gathered.
     """
     sp_size = 1 if sp is None else sp.size
     ulysses = sp_size > 1
     multiple = row_multiple(sp_size, tp_split)
     sequences = [batch.prompt_ids[i] + batch.response_ids[i] for i in sample_ids]
+    if not sequences:
+        sequences = [[0] * multiple]
     lengths = [len(seq) for seq in sequences]
     starts, row_len = _row_layout(lengths, multiple, thd)
     tokens = torch.zeros(row_len, dtype=torch.long)
@@ -248,11 +251,13 @@ def _slice_for_rank(mb: MicroBatch, sp: SequenceShard, cu_padded: Tensor | None)
 class MicroBatchPlanner:
     """Cuts a step's samples into this rank's packed micro-batches.
 
-    `thd`: pack with Transformer Engine's THD layout (cu_seqlens) instead of masks.
+    `thd`: pack with Transformer Engine's THD layout (cu_seqlens) instead of masks;
+    `interleaved`: the models run Megatron's interleaved pipeline.
     """
 
     ctx: ParallelContext
     thd: bool
+    interleaved: bool = False
 
     def plan(
         self, batch: RolloutBatch, budget: int, mini_batch_size: int | None = None
@@ -260,7 +265,8 @@ class MicroBatchPlanner:
         """This rank's micro-batches per mini-batch (`mini_batch_size` samples; None: one).
 
         `budget` is tokens per micro-batch per rank; token-budget micro-batches are balanced
-        over the DP ranks by `rlhf.data.packing`.
+        over the DP ranks by `rlhf.data.packing`. Under the interleaved pipeline their count
+        is a multiple of PP (Megatron's schedule runs them in groups of PP).
         """
         sp = SequenceShard.of(self.ctx)
         tp_split = self.ctx.tp_size if self.ctx.sequence_parallel else 1
@@ -270,6 +276,7 @@ class MicroBatchPlanner:
             dp_size=self.ctx.dp_size,
             mini_batch_size=mini_batch_size,
             pad_to_multiple_of=row_multiple(sp.size, tp_split),
+            count_multiple=self.ctx.pp_size if self.interleaved else 1,
         )
         return [
             [

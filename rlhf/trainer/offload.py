@@ -93,8 +93,7 @@ class StorageOffloader:
 
 def model_tensors(model, kind: str) -> Iterator[torch.Tensor]:
     """The tensors of a TrainableMegatronModel (or a frozen module) that `kind` covers."""
-    ddp = getattr(model, "ddp", None)
-    buffers = list(ddp.buffers) if ddp is not None else []
+    buffers = [b for ddp in getattr(model, "ddps", ()) for b in ddp.buffers]
     if kind == "params":
         held = [b.param_data for b in buffers if b.param_data is not None]
         yield from held or model.module.parameters()

@@ -85,17 +85,15 @@ def coordinate(optimizer: Any, tp: tuple[int, int], pp: tuple[int, int]) -> Opti
     return OptimizerCoordinate(pp[0], tp[0], group.rank(), tp[1], pp[1], group.size())
 
 
-def global_names(names: dict[Any, str], pp_rank: int) -> dict[Any, str]:
-    """Parameter names with global layer indices (stages hold equal numbers of layers)."""
-    layers = {int(m.group(1)) for n in names.values() if (m := _LAYER.match(n))}
-    per_stage = max(layers) + 1 if layers else 0
-
-    def renamed(name: str) -> str:
-        return _LAYER.sub(
-            lambda m: f"decoder.layers.{pp_rank * per_stage + int(m.group(1))}.", name
-        )
-
-    return {param: renamed(name) for param, name in names.items()}
+def local_names(names: dict[Any, str]) -> dict[Any, str]:
+    """Global layer names -> the stage-local ones of format /1 (written without interleaving,
+    so this rank's layers are one run starting at its smallest index)."""
+    layers = [int(m.group(1)) for n in names.values() if (m := _LAYER.match(n))]
+    first = min(layers, default=0)
+    return {
+        param: _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) - first}.", name)
+        for param, name in names.items()
+    }
 
 
 def keeps_step_per_parameter(optimizer: Any) -> bool:
@@ -175,13 +173,13 @@ def save_optimizer_shards(
     optimizer: Any, names: dict[Any, str], where: OptimizerCoordinate, directory: Path
 ) -> None:
     """Write this rank's file (and, on global rank 0, the layout) into `directory`.
-    `names`: the model's local parameter names."""
+    `names`: the model's parameter names with global layer indices."""
     directory.mkdir(parents=True, exist_ok=True)
     if not dist.is_initialized() or dist.get_rank() == 0:
         layout = {"format": FORMAT, "tp": where.tp, "pp": where.pp, "dp": where.dp}
         write_durable(directory / LAYOUT_FILE, json.dumps(layout).encode())
     buffer = io.BytesIO()
-    torch.save(owned_state(optimizer, global_names(names, where.pp_rank)), buffer)
+    torch.save(owned_state(optimizer, names), buffer)
     write_durable(directory / where.file_name(), buffer.getvalue())
 
 
@@ -208,8 +206,7 @@ def load_optimizer_shards(
                 f"pipeline parallel sizes ({layout['tp']} and {layout['pp']}; this run has "
                 f"{where.tp} and {where.pp})"
             )
-    else:
-        names = global_names(names, where.pp_rank)
+        names = local_names(names)
     saved = SavedShards(directory, layout)
     for owned in _owned(optimizer, names):
         saved.assembly(owned, where.tp_rank, where.tp).install(owned, directory)

@@ -16,7 +16,8 @@ from rlhf.config.validate import (
     uses_reference,
 )
 from rlhf.distributed.context import ParallelContext
-from rlhf.models.builder import build_model, load_hf_weights, value_model_from_hf
+from rlhf.models.builder import build_chunks, load_hf_weights, value_model_from_hf
+from rlhf.models.chunks import ModelChunks
 from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
@@ -111,18 +112,26 @@ def build_policy(
     ctx: ParallelContext,
     dtype: torch.dtype,
     recompute: Recompute = NO_RECOMPUTE,
-):
+    vp_size: int = 1,
+) -> ModelChunks:
+    """This rank's chunks of the policy, loaded from the HF checkpoint."""
     placement = Placement.of(ctx)
-    model = build_model(
+    chunks = build_chunks(
         arch,
         placement,
+        vp_size=vp_size,
         params_dtype=dtype,
         sp=ctx.sp_size,
         recompute=recompute,
         sequence_parallel=ctx.sequence_parallel,
     )
-    load_hf_weights(model, HFCheckpointReader(model_path), arch, placement)
-    return model.to(ctx.device)
+    load_hf_weights(chunks, HFCheckpointReader(model_path), arch, placement)
+    return chunks.to(ctx.device)
+
+
+def virtual_pipeline_size(megatron: MegatronParallelConfig) -> int:
+    """Chunks per pipeline stage (`megatron.virtual_pipeline_model_parallel_size`; 1: none)."""
+    return megatron.virtual_pipeline_model_parallel_size or 1
 
 
 def _trained(cfg: RLHFConfig, role: str, module, ctx: ParallelContext, total_steps: int):
@@ -161,6 +170,7 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int
     module, _ = value_model_from_hf(
         cfg.critic.model.path,
         Placement.of(ctx),
+        vp_size=virtual_pipeline_size(cfg.critic.megatron),
         seed=cfg.critic.megatron.seed,
         params_dtype=DTYPES[cfg.critic.megatron.dtype],
         sp=ctx.sp_size,
@@ -195,13 +205,14 @@ def build_ppo_models(
             f"TP {ctx.tp_size}: pass the config's layout to init_parallel"
         )
     policy_dtype = DTYPES[aro.actor.megatron.dtype]
+    vp_size = virtual_pipeline_size(aro.actor.megatron)
     actor_module = build_policy(
-        arch, aro.model.path, ctx, policy_dtype, Recompute.of(aro.actor.megatron)
+        arch, aro.model.path, ctx, policy_dtype, Recompute.of(aro.actor.megatron), vp_size
     )
     actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
     ref = None
     if uses_reference(cfg):
-        ref_module = build_policy(arch, aro.model.path, ctx, policy_dtype)
+        ref_module = build_policy(arch, aro.model.path, ctx, policy_dtype, vp_size=vp_size)
         offload = aro.ref.param_offload and ctx.device.type == "cuda"
         if aro.ref.param_offload and not offload and ctx.is_main:
             log.info("ref.param_offload: no effect on CPU (the model is in host memory)")
@@ -221,7 +232,7 @@ def build_ppo_models(
         kl_bound=cfg.trainer.early_stop.ppo_kl_bound,
         on_nonfinite=cfg.trainer.on_nonfinite,
     )
-    planner = MicroBatchPlanner(ctx, use_thd(ctx))
+    planner = MicroBatchPlanner(ctx, use_thd(ctx), interleaved=vp_size > 1)
     reward_model = RewardModelScorer.from_config(cfg, ctx, planner, budgets.ref)
     return PPOModels(
         actor,

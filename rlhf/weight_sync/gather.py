@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from rlhf.distributed.context import ParallelContext
+from rlhf.models.chunks import ModelChunks
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Layout, Placement, resolve, shards_to_hf, skip_on_export
 
@@ -68,9 +69,10 @@ def _gather_tp(param: torch.Tensor, layout: Layout, topo: SyncTopology) -> list[
 def iter_stage_tensors(
     model, arch: ModelArch, topo: SyncTopology
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors of this pipeline stage (yielded on the stage leader; others only gather)."""
-    for name, param in model.named_parameters():
-        rule, layer = resolve(arch, name, topo.placement)
+    """HF tensors of this pipeline stage, chunk by chunk (`ModelChunks`, or one model at the
+    topology's placement); yielded on the stage leader, others only gather."""
+    for placement, name, param in ModelChunks.of(model, topo.placement).placed_parameters():
+        rule, layer = resolve(arch, name, placement)
         if skip_on_export(arch, rule):
             continue
         shards = _gather_tp(param, rule.layout, topo)

@@ -26,7 +26,7 @@ def build(hf_dir: str, placement, value_model: bool, sequence_parallel: bool):
     from rlhf.models.hf_io import HFCheckpointReader
 
     if value_model:
-        model, arch = value_model_from_hf(
+        (model,), arch = value_model_from_hf(
             hf_dir, placement, seed=11, sequence_parallel=sequence_parallel
         )
         return model, arch, None

@@ -77,16 +77,16 @@ def use_param_group_step_adam() -> None:
 def hf_weights(model, arch, ctx) -> dict[str, torch.Tensor]:
     """The whole model in HF's layout (gathered over TP and PP) on rank 0, {} elsewhere; a
     value head as "value_head"."""
-    from rlhf.models.mapping import Layout, Placement, resolve, shards_to_hf
+    from rlhf.models.mapping import Layout, resolve, shards_to_hf
 
     found = {}
     with model.on_device():
-        for name, param in model.module.named_parameters():
+        for placement, name, param in model.module.placed_parameters():
             value = param.detach().float().contiguous()
             if name == "output_layer.weight" and value.shape[0] == 1:
                 found["value_head"] = value
                 continue
-            rule, layer = resolve(arch, name, Placement.of(ctx))
+            rule, layer = resolve(arch, name, placement)
             shards = [value]
             if rule.layout is not Layout.REPLICATED and ctx.tp_size > 1:
                 shards = [torch.empty_like(value) for _ in range(ctx.tp_size)]
@@ -106,7 +106,7 @@ def real_bytes(model) -> dict[str, int]:
     """Bytes of the tensors the memory planner counts, from the model and its optimizer:
     weights (DDP's parameter buffer under the distributed optimizer), gradient buffers,
     fp32 master weights held apart from the weights, Adam's moments."""
-    buffers = model.ddp.buffers
+    buffers = model.ddps[0].buffers
     if model.distributed_optimizer:
         weights = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
     else:
@@ -254,7 +254,7 @@ def resident_bytes(model) -> dict[str, int]:
 
 def weights_of(model) -> dict[str, torch.Tensor]:
     with model.on_device():
-        return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
+        return {n: p.detach().float().clone() for p, n in model.module.global_names().items()}
 
 
 def main() -> None:

@@ -99,7 +99,7 @@ def run(args, ctx) -> None:
     gradient = first_gradient(actor, update, exp, planner)
     metrics, _ = stages.run_updates(update, exp, planner)
     weights_after_first_update = {
-        n: p.detach().cpu().float().clone() for n, p in actor.module.named_parameters()
+        n: p.detach().cpu().float().clone() for p, n in actor.module.global_names().items()
     }
     after, after_entropy = stages.compute_logprobs(actor, batch, planner, budget, head)
     # A second, PPO-style update from the new policy: 2 mini-batches x 2 epochs, where the
@@ -139,9 +139,10 @@ def first_gradient(actor, update, exp, planner) -> dict[str, torch.Tensor]:
         micro_batches, update.loss.head(exp, planner.mini_batch_counts(micro_batches))
     )
     grads = {
-        n: p.main_grad.detach().cpu().float().clone() for n, p in actor.module.named_parameters()
+        n: p.main_grad.detach().cpu().float().clone()
+        for p, n in actor.module.global_names().items()
     }
-    actor.ddp.zero_grad_buffer()
+    actor.ddps[0].zero_grad_buffer()
     return grads
 
 

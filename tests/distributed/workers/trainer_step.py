@@ -86,7 +86,7 @@ def synthetic_batch(vocab_size: int):
     )
 
 
-def run_variant(model_dir: str, overrides: list[str], ctx) -> dict:
+def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = None) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.config import validate_config
     from rlhf.logging import Timer
@@ -106,8 +106,15 @@ def run_variant(model_dir: str, overrides: list[str], ctx) -> dict:
     after, _ = compute_logprobs(
         models.actor, batch, models.planner, models.budgets.actor, models.logprob_head
     )
+    if save is not None:  # the actor's checkpoint after both steps, as rlhf-convert reads it
+        save_actor(models, cfg, arch, ctx, save)
+    # one sample, as the weight-sync probe runs it: fewer micro-batches than pipeline stages
+    alone, _ = compute_logprobs(
+        models.actor, batch.select([5]), models.planner, models.budgets.actor, models.logprob_head
+    )
     return {
         "sequence_parallel": models.actor.module.config.sequence_parallel,
+        "chunks": len(models.actor.module),
         "has_ref": models.ref is not None,
         "has_critic": models.critic is not None,
         "old_logprobs": exp.old_logprobs_bt,
@@ -119,9 +126,24 @@ def run_variant(model_dir: str, overrides: list[str], ctx) -> dict:
         "rollout_logprobs": batch.rollout_logprobs_bt(),
         "is_weights": exp.rollout_is_weights_bt,
         "logprobs_after": after,
+        "sample_5_logprobs": alone,
         "kl_coef": (kl_before, kl_ctrl.value),
         "metrics": metrics,
     }
+
+
+def save_actor(models, cfg, arch, ctx, directory: Path) -> None:
+    from rlhf.models.mapping import Placement
+    from rlhf.trainer.export import write_export_files
+    from rlhf.utils import DTYPES
+
+    directory.mkdir(parents=True, exist_ok=True)
+    models.actor.save(directory)
+    if ctx.rank == 0:
+        actor = cfg.actor_rollout_ref.actor
+        padded = models.actor.module.padded_vocab_size
+        dtype, path = DTYPES[actor.megatron.dtype], cfg.actor_rollout_ref.model.path
+        write_export_files(directory, path, arch, padded, dtype, Placement.of(ctx), "lm")
 
 
 def main() -> None:
@@ -130,11 +152,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vp", type=int, default=1, help="virtual-pipeline chunks per stage")
     parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel size")
     parser.add_argument(
         "--sequence-parallel", choices=["true", "false"], help="Megatron's (default: TP > 1)"
     )
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--save", help="write each variant's actor checkpoint to SAVE/<variant>")
     args = parser.parse_args()
     split = None if args.sequence_parallel is None else args.sequence_parallel == "true"
     ctx = init_parallel(
@@ -144,6 +168,7 @@ def main() -> None:
         f"trainer.n_gpus_per_node={ctx.world_size}",
         *(f"{role}.megatron.tensor_model_parallel_size={args.tp}" for role in ROLES),
         *(f"{role}.megatron.pipeline_model_parallel_size={args.pp}" for role in ROLES),
+        *(f"{role}.megatron.virtual_pipeline_model_parallel_size={args.vp}" for role in ROLES),
         *(f"{role}.ulysses_sequence_parallel_size={args.sp}" for role in ROLES),
     ]
     if args.sequence_parallel is not None:
@@ -152,7 +177,8 @@ def main() -> None:
         results = {}
         for name in args.variants.split(","):
             seed_everything(0)
-            results[name] = run_variant(args.model, [*layout, *VARIANTS[name]], ctx)
+            save = Path(args.save) / name if args.save else None
+            results[name] = run_variant(args.model, [*layout, *VARIANTS[name]], ctx, save)
         if ctx.rank == 0:
             torch.save(results, Path(args.out))
     finally:

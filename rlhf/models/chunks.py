@@ -1,0 +1,87 @@
+"""A rank's model as Megatron's pipeline schedules see it: a list of chunks.
+
+Without interleaving a pipeline rank holds one `GPTModel` (its stage). With Megatron's
+interleaved (virtual) pipeline, `virtual_pipeline_model_parallel_size` = VP, it holds VP
+chunks, each a `GPTModel` of L / (PP x VP) consecutive layers: chunk v of stage p has layers
+from (v x PP + p) x L / (PP x VP) on (`Placement.first_layer`), the embedding lives in chunk
+0 of stage 0 and the output layer in chunk VP - 1 of the last stage. Each chunk names its
+layers from 0, so everything that needs a parameter's global identity (HF names, optimizer
+checkpoints, the weight sync) goes through the chunk's `Placement`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from rlhf.models.mapping import Placement
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+class ModelChunks(nn.ModuleList):
+    """This rank's model chunks in schedule order, each with its `Placement`; the chunks
+    share one TransformerConfig."""
+
+    def __init__(self, chunks: list[nn.Module], placements: list[Placement]):
+        if len(chunks) != len(placements):
+            raise ValueError(f"{len(chunks)} chunks but {len(placements)} placements")
+        super().__init__(chunks)
+        self.placements = list(placements)
+
+    @classmethod
+    def of(cls, model: nn.Module, placement: Placement) -> ModelChunks:
+        """`model` itself when it is already chunks, else a one-chunk list at `placement`."""
+        if isinstance(model, ModelChunks):
+            return model
+        return cls([model], [placement])
+
+    @property
+    def chunks(self) -> list[Any]:
+        """The `GPTModel` chunks (Megatron-Core ships no type information)."""
+        return list(self)
+
+    @property
+    def config(self):
+        return self.chunks[0].config
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return int(self.chunks[0].padded_vocab_size)
+
+    def placed_parameters(self) -> Iterator[tuple[Placement, str, nn.Parameter]]:
+        """(chunk placement, chunk-local name, parameter) of every parameter."""
+        for placement, chunk in zip(self.placements, self):
+            for name, param in chunk.named_parameters():
+                yield placement, name, param
+
+    def global_names(self) -> dict[nn.Parameter, str]:
+        """Parameter -> its name with the global layer index (layout-independent)."""
+        num_layers = self.config.num_layers
+        names = {}
+        for placement, name, param in self.placed_parameters():
+            offset = placement.first_layer(num_layers)
+            match = _LAYER.match(name)
+            if match is not None:
+                name = f"decoder.layers.{offset + int(match.group(1))}.{name[match.end() :]}"
+            names[param] = name
+        return names
+
+    def sharded_state_dict(self) -> dict:
+        """Megatron's sharded state dict: the chunk's own, or one entry per chunk. The
+        sharded keys carry global layer offsets either way, so a checkpoint loads at any
+        pipeline layout."""
+        if len(self) == 1:
+            return self.chunks[0].sharded_state_dict()
+        return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
+
+    def load_sharded(self, state: dict) -> None:
+        """Load what `dist_checkpointing.load` returned for `sharded_state_dict()`."""
+        if len(self) == 1:
+            self.chunks[0].load_state_dict(state)
+            return
+        for i, chunk in enumerate(self.chunks):
+            chunk.load_state_dict(state[f"chunk{i}"])
