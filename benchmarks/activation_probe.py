@@ -61,12 +61,13 @@ def measure_activations(
     micro_batches: int = 1,
     dtype: str = "float32",
     planned_attention: str = "cpu",
+    vp: int = 1,
 ) -> ActivationMeasurement:
     """`role`: "actor" or "critic"; `sequence_parallel`: Megatron's (None: the default, on
     when TP > 1; must match `ctx`); `micro_batches` of `tokens` each go through one
     forward-backward (under PP, 1F1B keeps several in flight); `planned_attention`: "cpu"
-    plans the local spec's attention, "cuda" the fused one. The estimate is the planner's
-    for this rank's pipeline stage."""
+    plans the local spec's attention, "cuda" the fused one; `vp`: virtual-pipeline chunks
+    per stage. The estimate is the planner's for this rank's pipeline stage."""
     section = "actor_rollout_ref.actor" if role == "actor" else "critic"
     overrides = [
         f"actor_rollout_ref.model.path={model_dir}",
@@ -75,6 +76,7 @@ def measure_activations(
         "algorithm.use_kl_in_reward=false",
         f"{section}.megatron.tensor_model_parallel_size={ctx.tp_size}",
         f"{section}.megatron.pipeline_model_parallel_size={ctx.pp_size}",
+        f"{section}.megatron.virtual_pipeline_model_parallel_size={vp}",
         f"{section}.megatron.dtype={dtype}",
         f"{section}.ppo_max_token_len_per_gpu={tokens}",
         f"data.max_prompt_length={PROMPT}",

@@ -182,11 +182,13 @@ def training_peak(
     lm_head: bool = True,
     first_stage: bool = True,
     in_flight: int = 1,
+    chunks: int = 1,
 ) -> int:
     """Peak activation bytes of a training micro-batch's forward and backward
     (`lm_head` False: a value model, whose [T, 1] output head holds next to nothing), with
-    the saved tensors of `in_flight` micro-batches alive at once (pipeline stage s of PP
-    under Megatron's 1F1B schedule: PP - s, when a mini-batch has that many)."""
+    the saved tensors of `in_flight` micro-batches alive at once (`pipeline_in_flight`),
+    each through one of the stage's `chunks` virtual-pipeline chunks (1/`chunks` of its
+    layers)."""
     full = layer_bytes(s, flash)
     final = _norms(s, flash) // 2 if last_stage else 0
     if recompute.granularity == "full":
@@ -209,7 +211,17 @@ def training_peak(
         backward = _attention_backward(s, flash)
     head = head_bytes(s, training=True) if last_stage and lm_head else 0
     embedding = embedding_backward_bytes(s, flash=flash) if first_stage else 0
-    return max(in_flight * saved + max(head, backward), (in_flight - 1) * saved + embedding)
+    held, waiting = in_flight * saved // chunks, (in_flight - 1) * saved // chunks
+    return max(held + max(head, backward), waiting + embedding)
+
+
+def pipeline_in_flight(pp: int, stage: int, vp: int = 1) -> int:
+    """Micro-batch forwards stage `stage` has run before its first backward, that one
+    included (when a mini-batch has that many): Megatron's 1F1B warms up with PP - s - 1;
+    interleaved, with (PP - s - 1) x 2 + (VP - 1) x PP chunk forwards (groups of PP)."""
+    if vp == 1:
+        return pp - stage
+    return (pp - stage - 1) * 2 + (vp - 1) * pp + 1
 
 
 def forward_peak(

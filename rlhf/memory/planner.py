@@ -37,7 +37,12 @@ from rlhf.config.validate import (
     uses_critic,
     uses_reference,
 )
-from rlhf.memory.activations import ActivationShape, forward_peak, training_peak
+from rlhf.memory.activations import (
+    ActivationShape,
+    forward_peak,
+    pipeline_in_flight,
+    training_peak,
+)
 from rlhf.memory.host import host_bytes_per_rank
 from rlhf.memory.params import GradBuffer, stage_params
 from rlhf.models.families import ModelArch, Recompute, padded_vocab_size
@@ -148,6 +153,7 @@ def trained_memory(
     """One rank's bytes for `role` on pipeline stage `stage` (DP rank `dp_rank`)."""
     m = role.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    vp = m.virtual_pipeline_model_parallel_size or 1
     padded = padded_vocab_size(arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
     element = DTYPE_BYTES[m.dtype]
     group = dp * sp  # the distributed optimizer shards over DP x SP
@@ -190,7 +196,8 @@ def trained_memory(
             last_stage=last,
             lm_head=lm_head,
             first_stage=stage == 0,
-            in_flight=pp - stage,  # 1F1B: stage s starts pp - s forwards before a backward
+            in_flight=pipeline_in_flight(pp, stage, vp),
+            chunks=vp,
         ),
         offloaded=frozenset(offloaded),
     )

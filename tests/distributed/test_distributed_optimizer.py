@@ -30,6 +30,9 @@ import torch
 from tests.helpers import run_torchrun
 
 TOLERANCE = 2e-6  # fp32 weights of order 1e-2..1; DP2's reduce-scatter vs all-reduce order
+# Across TP sizes the row-parallel matmuls also sum in another order: TP2 resumed from DP2
+# measured 2.007e-6 here; a misplaced shard is off by Adam's step (~1e-3).
+RESHARD_TOLERANCE = 5e-6
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +142,8 @@ def test_a_param_group_step_count_gives_torch_adams_weights_and_resumes_exactly(
 def test_resume_at_another_tp_or_pp_size_reshards(runs, saved, resumed):
     full, resharded = runs[saved], runs[resumed]
     for role in ("actor", "critic"):
-        assert max_diff(resharded["hf_weights"][role], full["hf_weights"][role]) <= TOLERANCE
+        diff = max_diff(resharded["hf_weights"][role], full["hf_weights"][role])
+        assert diff <= RESHARD_TOLERANCE
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
         assert resharded["metrics"][2][key] == pytest.approx(full["metrics"][2][key], rel=1e-5)
 

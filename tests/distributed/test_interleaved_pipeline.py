@@ -7,7 +7,8 @@ group of 2 turns the distributed optimizer on). Every metric (grad norms include
 updated log-probs and the log-probs of a single sample (fewer micro-batches than stages: the
 planner pads the count to a multiple of PP with empty micro-batches) must equal the one-rank
 run's; the interleaved runs' actor checkpoints, converted to HF at one rank, must hold the
-one-rank run's weights.
+one-rank run's weights, and what the weight sync gathers from the chunks must be exactly
+the run's own converted checkpoint.
 """
 
 from __future__ import annotations
@@ -68,3 +69,18 @@ def test_interleaved_checkpoint_converts_to_the_one_rank_weights(runs, layout):
     # gradient is near 0 (8 updates at lr 2e-3); a misplaced layer is off by ~1e-1.
     for key, value in weights["one"].items():
         torch.testing.assert_close(weights[layout][key], value, rtol=0, atol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("layout", ["one", "pp2_vp2", "pp2_vp2_sp2"])
+def test_weight_sync_gathers_the_checkpoints_hf_weights(runs, layout):
+    """What the weight sync would send from the chunks (gathered over stages and chunks on
+    rank 0) is the run's own checkpoint converted to HF, tensor for tensor."""
+    work, results = runs
+    synced = results[layout]["gae"]["synced"]
+    out = work / "hf" / layout
+    if not out.exists():
+        export_hf(work / "ckpt" / layout / "gae", out)
+    exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert sorted(synced) == sorted(exported)
+    for key, value in exported.items():
+        assert torch.equal(synced[key], value), key

@@ -107,3 +107,25 @@ def test_the_first_pipeline_stage_holds_micro_batches_in_flight(tiny_qwen2_dir, 
     assert runs[4]["peak"] > 1.5 * runs[1]["peak"]
     run = runs[4]
     assert abs(run["estimate"] - run["peak"]) <= 0.3 * run["peak"], run["estimate"] / run["peak"]
+
+
+def test_the_interleaved_first_stage_holds_its_chunks_in_flight(tmp_path):
+    """PP2 x VP2, 4 micro-batches of a 4-layer model: stage 0 runs 5 forwards of its
+    one-layer chunks before its first backward ((PP - 1) x 2 + (VP - 1) x PP + 1), 2.5
+    stages' worth of saved activations where 1F1B without chunks holds 2."""
+    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", TinyModelSpec(num_hidden_layers=4))
+    runs = {}
+    for vp in (1, 2):
+        out = tmp_path / f"vp{vp}.pt"
+        args = ["--model", str(model), "--tokens", "1024", "--pp", "2", "--vp", str(vp)]
+        args += ["--micro-batches", "4", "--variants", "none", "--out", str(out)]
+        run_torchrun("activation_memory.py", 2, args)
+        runs[vp] = torch.load(out, weights_only=False)["none"]  # rank 0: stage 0
+    for run in runs.values():
+        assert abs(run["estimate"] - run["peak"]) <= 0.3 * run["peak"], (
+            run["estimate"] / run["peak"]
+        )
+    assert runs[2]["peak"] > 1.1 * runs[1]["peak"]
+    assert runs[2]["estimate"] > 1.1 * runs[1]["estimate"]

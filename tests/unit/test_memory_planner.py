@@ -196,3 +196,22 @@ def test_host_memory_of_a_node_by_hand_and_the_doctors_verdict(capsys):
     assert doctor_main([*args, "--host-memory-gb", "256"]) == 1
     host = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("host"))
     assert "FAIL" in host and "of 256.0 GiB" in host
+
+
+@pytest.mark.parametrize("pp,vp", [(2, 1), (4, 1), (2, 2), (4, 2), (4, 3), (8, 4)])
+def test_micro_batches_in_flight_are_megatrons_warmup_plus_one(pp, vp):
+    """The planner's in-flight count per stage against Megatron's own schedule arithmetic
+    (`get_pp_rank_microbatches`, the warmup forwards before the first backward)."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    from rlhf.memory.activations import pipeline_in_flight
+
+    for stage in range(pp):
+        group = SimpleNamespace(size=lambda: pp, rank=lambda s=stage: s)
+        comm = SimpleNamespace(
+            pp_group=group, virtual_pipeline_model_parallel_size=vp if vp > 1 else None
+        )
+        _, _, warmup, _ = get_pp_rank_microbatches(64, vp, pp, p2p_communicator=comm)
+        assert pipeline_in_flight(pp, stage, vp) == warmup + 1, (stage, warmup)

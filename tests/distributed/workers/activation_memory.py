@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--sequence-parallel", choices=["true", "false"])
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--vp", type=int, default=1, help="virtual-pipeline chunks per stage")
     args = parser.parse_args()
     split = None if args.sequence_parallel is None else args.sequence_parallel == "true"
     ctx = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp, sequence_parallel=split)
@@ -44,6 +45,7 @@ def main() -> None:
                 role=args.role,
                 sequence_parallel=split,
                 micro_batches=args.micro_batches,
+                vp=args.vp,
                 recompute=recompute,
                 dtype=args.dtype,
             )

@@ -106,8 +106,10 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     after, _ = compute_logprobs(
         models.actor, batch, models.planner, models.budgets.actor, models.logprob_head
     )
+    synced = None
     if save is not None:  # the actor's checkpoint after both steps, as rlhf-convert reads it
         save_actor(models, cfg, arch, ctx, save)
+        synced = weight_sync_tensors(models.actor.module, arch, ctx)
     # one sample, as the weight-sync probe runs it: fewer micro-batches than pipeline stages
     alone, _ = compute_logprobs(
         models.actor, batch.select([5]), models.planner, models.budgets.actor, models.logprob_head
@@ -129,7 +131,16 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
         "sample_5_logprobs": alone,
         "kl_coef": (kl_before, kl_ctrl.value),
         "metrics": metrics,
+        "synced": synced,
     }
+
+
+def weight_sync_tensors(module, arch, ctx) -> dict:
+    """The HF tensors the weight sync gathers from every rank and would send (rank 0)."""
+    from rlhf.weight_sync.gather import SyncTopology, iter_buckets
+
+    buckets = iter_buckets(module, arch, SyncTopology.of(ctx), bucket_bytes=64 * 1024)
+    return {name: t.clone() for bucket in buckets for name, t in bucket}
 
 
 def save_actor(models, cfg, arch, ctx, directory: Path) -> None:
