@@ -321,15 +321,17 @@ def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:
 
 def sync_bytes(arch: ModelArch, padded_vocab: int, tp: int, element: int, bucket: int) -> int:
     """What a weight sync adds on a stage leader (`WeightSyncer.sync`), with B the bucket
-    (a tensor larger than `bucket` forms its own) and L the largest parameter: while a
-    bucket is gathered the previous one waits to be sent (B + B) next to the current
-    parameter's all-gathered TP shards and their HF-layout copy (2 L, TP > 1 only); while
-    a bucket is sent the next one is held and the transport flattens it (3 B)."""
+    (a tensor larger than `bucket` forms its own) and L the largest parameter. The tensor
+    transport delivers a packed bucket while the next ones are gathered and packed
+    (`Deliveries`): while a bucket is gathered the previous one waits to be packed and the
+    one before is being delivered (3 B), next to the current parameter's all-gathered TP
+    shards and their HF-layout copy (2 L, TP > 1 only); while a bucket is packed, it, its
+    flat copy, the next bucket and the delivered one are alive (4 B)."""
     h = arch.hidden_size
     qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim
     largest = max(padded_vocab, 2 * arch.ffn_hidden_size, qkv) * h * element
     full = max(bucket, largest)
-    return max(2 * full + (2 * largest if tp > 1 else 0), 3 * full)
+    return max(3 * full + (2 * largest if tp > 1 else 0), 4 * full)
 
 
 def plan_stage(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> MemoryPlan:

@@ -26,7 +26,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -98,18 +98,20 @@ class WeightSyncer:
                 writer.begin(version)
         num_bytes = num_tensors = num_buckets = max_bucket = 0
         pending = None  # hold one bucket back so the last one is known when sent
-        for bucket in phases.iterate(
-            "gather", iter_buckets(model, self.arch, self.topology, self.bucket_bytes)
-        ):
-            if pending is not None:
-                self._send(pending, False, version, targets, phases)
-            pending = bucket
-            size = sum(t.numel() * t.element_size() for _, t in bucket)
-            num_bytes, num_tensors = num_bytes + size, num_tensors + len(bucket)
-            num_buckets, max_bucket = num_buckets + 1, max(max_bucket, size)
+        with Deliveries(self.transport.deliver_while_packing, phases) as deliveries:
+            for bucket in phases.iterate(
+                "gather", iter_buckets(model, self.arch, self.topology, self.bucket_bytes)
+            ):
+                if pending is not None:
+                    self._send(pending, False, version, targets, phases, deliveries)
+                pending = bucket
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                num_bytes, num_tensors = num_bytes + size, num_tensors + len(bucket)
+                num_buckets, max_bucket = num_buckets + 1, max(max_bucket, size)
+            if sender:
+                assert pending is not None, "a model has at least one parameter"
+                self._send(pending, True, version, targets, phases, deliveries)
         if sender:
-            assert pending is not None, "a model has at least one parameter"
-            self._send(pending, True, version, targets, phases)
             with phases("deliver"):
                 targets.each(sglang_api.end_weight_update)
         self.version = version
@@ -127,16 +129,22 @@ class WeightSyncer:
         )
 
     def _send(
-        self, bucket: Bucket, last: bool, version: int, targets: _Targets, phases: Phases
+        self,
+        bucket: Bucket,
+        last: bool,
+        version: int,
+        targets: _Targets,
+        phases: Phases,
+        deliveries: Deliveries,
     ) -> None:
-        """Pack `bucket` for every writer (the snapshot too), deliver it to the live servers."""
+        """Pack `bucket` for every writer (the snapshot too), deliver it to the live servers
+        (in the background when the transport allows: see `Deliveries`)."""
         with phases("pack"):
             packed = self.transport.pack(bucket, last, version)
         if self.snapshot is not None and self.snapshot is not self.transport:
             with phases("snapshot"):
                 self.snapshot.pack(bucket, last, version)
-        with phases("deliver"):
-            targets.each(self.transport.deliver, packed, last, version)
+        deliveries.start(targets.each, self.transport.deliver, packed, last, version)
 
     def reload(self, url: str) -> None:
         """Load the last synced weights into a restarted server (sender rank only)."""
@@ -155,6 +163,44 @@ class WeightSyncer:
         """Release the transports' resources (the distributed transport's process groups)."""
         for writer in self._writers():
             writer.close()
+
+
+class Deliveries:
+    """Runs each bucket's delivery, one at a time and in order: in a background thread
+    when `overlapped` (the server loads bucket k while this rank gathers and packs bucket
+    k + 1), else at once. `start` waits for the delivery before it; leaving the context
+    waits for the last. "deliver" counts only the time spent waiting."""
+
+    def __init__(self, overlapped: bool, phases: Phases):
+        self.phases = phases
+        self.pool = ThreadPoolExecutor(1) if overlapped else None
+        self.running: Future | None = None
+
+    def __enter__(self) -> Deliveries:
+        return self
+
+    def start(self, call: Callable[..., None], *args: Any) -> None:
+        self.wait()
+        if self.pool is None:
+            with self.phases("deliver"):
+                call(*args)
+        else:
+            self.running = self.pool.submit(call, *args)
+
+    def wait(self) -> None:
+        """The running delivery finished (its error, if any, raised here)."""
+        running, self.running = self.running, None
+        if running is not None:
+            with self.phases("deliver"):
+                running.result()
+
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            if error is None:
+                self.wait()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
 
 
 class _Targets:

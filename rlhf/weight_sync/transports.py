@@ -47,9 +47,12 @@ class Transport(Protocol):
     separate so that a server lost in the middle of a sync can be left out (`forget`) while
     the others get every bucket; the syncer restarts and re-syncs it afterwards.
     `concurrent_deliveries`: the syncer delivers a bucket to all servers at once (from
-    threads) rather than one after another."""
+    threads) rather than one after another. `deliver_while_packing`: a bucket's delivery
+    may run while the next bucket is gathered and packed (`pack` never writes into the
+    memory of the bucket before it)."""
 
     concurrent_deliveries: bool
+    deliver_while_packing: bool
 
     def begin(self, version: int) -> None:
         """Prepare to send the weights of `version`."""
@@ -93,6 +96,10 @@ class TensorTransport:
     staging buffer is safe because `deliver` returns after the server has loaded the
     bucket, before the next one is packed.
 
+    A bucket is delivered while the next one is gathered and packed: two staging buffers
+    take turns, so packing never touches the bucket a server is still loading (on GPU each
+    packed bucket is a new tensor; two are alive at once).
+
     Each receiver (server TP rank) gets a handle serialized for it alone: torch counts the
     users of a shared-memory file, every serialization adds one and every receiver takes one
     off, so one handle read by two receivers removes the file while it is still in use (the
@@ -101,10 +108,13 @@ class TensorTransport:
     torch's shm manager removes what the run created."""
 
     concurrent_deliveries = True
+    deliver_while_packing = True
 
     def __init__(self, server_tp_size: int):
         self.server_tp_size = server_tp_size
-        self._staging: torch.Tensor | None = None  # CPU: uint8, in shared memory
+        # CPU: uint8 staging buffers in shared memory, used in turn
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
 
     def begin(self, version: int) -> None:
         if not torch.cuda.is_available():
@@ -136,12 +146,15 @@ class TensorTransport:
         return {"flattened_tensor": flat, "metadata": metadata}
 
     def _staging_buffer(self, num_bytes: int) -> torch.Tensor:
-        """The first `num_bytes` of the shared-memory staging buffer, grown when too small."""
-        if self._staging is None or self._staging.numel() < num_bytes:
-            self._staging = None  # the old file goes when its last receiver lets it go
+        """The first `num_bytes` of the next shared-memory staging buffer (the one the
+        previous bucket did not use), grown when too small."""
+        turn, self._turn = self._turn, 1 - self._turn
+        staging = self._staging[turn]
+        if staging is None or staging.numel() < num_bytes:
+            self._staging[turn] = None  # the old file goes when its last receiver lets it go
             storage = torch.UntypedStorage._new_shared(num_bytes)
-            self._staging = torch.empty(0, dtype=torch.uint8).set_(storage)
-        return self._staging[:num_bytes]
+            staging = self._staging[turn] = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return staging[:num_bytes]
 
     def handles(self, packed: dict[str, Any]) -> list[str]:
         """One serialized handle per server TP rank (see the class docstring)."""
@@ -161,7 +174,7 @@ class TensorTransport:
         pass
 
     def close(self) -> None:
-        self._staging = None
+        self._staging = [None, None]
 
 
 @dataclass(frozen=True)
@@ -182,6 +195,7 @@ class DistributedTransport:
     something this project has tested (NCCL or gloo)."""
 
     concurrent_deliveries = False
+    deliver_while_packing = False  # its broadcast stays in order with the model's gathers
 
     def __init__(self, server_urls: list[str], server_tp_size: int, master_address: str):
         self.group_names = {url: f"rlhf_weight_sync_{i}" for i, url in enumerate(server_urls)}
@@ -279,6 +293,7 @@ class DiskTransport:
     read the written files at once (concurrent deliveries)."""
 
     concurrent_deliveries = True
+    deliver_while_packing = False
 
     def __init__(self, out_root: Path, hf_side_files_dir: Path, keep: int = 1):
         self.out_root = Path(out_root)

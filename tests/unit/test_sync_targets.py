@@ -101,3 +101,45 @@ def test_phases_add_up_per_name_including_the_time_to_produce_each_item(monkeypa
     assert items == ["b1", "b2"]
     # three next() calls (the last finds the end), each between two readings: 1 s each
     assert phases.seconds == {"gather": 3.0, "deliver": 3.0}
+
+
+@pytest.mark.parametrize("overlapped", [True, False])
+def test_a_buckets_delivery_runs_while_the_next_is_packed_when_the_transport_allows(overlapped):
+    """Each delivery waits (up to 2 s) for the next bucket's pack to begin: overlapped, it
+    sees it; one at a time, it never does. Deliveries keep their order either way, and a
+    failed delivery's error reaches the syncer."""
+    phases, order, saw_next_pack = Phases(), [], []
+    packing = [threading.Event() for _ in range(4)]
+
+    def deliver(bucket: int) -> None:
+        saw_next_pack.append(packing[bucket + 1].wait(timeout=2 if overlapped else 0.05))
+        order.append(bucket)
+
+    with syncer.Deliveries(overlapped, phases) as deliveries:
+        for bucket in range(3):
+            packing[bucket].set()  # what `pack` would do now
+            deliveries.start(deliver, bucket)
+        packing[3].set()
+    assert order == [0, 1, 2]
+    assert saw_next_pack == [overlapped] * 3
+    assert phases.seconds["deliver"] > 0
+
+    def fail(bucket: int) -> None:
+        raise SGLangAPIError(f"bucket {bucket} refused", "http://a", unreachable=False)
+
+    failing = syncer.Deliveries(overlapped, Phases())
+    with pytest.raises(SGLangAPIError, match="bucket 0 refused"), failing as deliveries:
+        deliveries.start(fail, 0)
+
+
+def test_the_tensor_transport_packs_consecutive_buckets_into_different_staging_buffers():
+    """The bucket being delivered is never overwritten by the next pack: two shared-memory
+    buffers take turns (bucket k + 2 reuses bucket k's)."""
+    import torch
+
+    transport = TensorTransport(server_tp_size=1)
+    buckets = [[("w", torch.full((64,), float(k)))] for k in range(3)]
+    flats = [transport.pack(b, last=False, version=1)["flattened_tensor"] for b in buckets]
+    pointers = [f.untyped_storage().data_ptr() for f in flats]
+    assert pointers[0] != pointers[1] and pointers[2] == pointers[0]
+    assert torch.equal(flats[1][:256].view(torch.float32), buckets[1][0][1])

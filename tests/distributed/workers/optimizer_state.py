@@ -248,7 +248,7 @@ def resident_bytes(model) -> dict[str, int]:
     """Bytes still held by the storages offloading covers (0 when all were offloaded)."""
     from rlhf.trainer.offload import KINDS, model_tensors
 
-    kinds = KINDS if hasattr(model, "ddp") else ("params",)
+    kinds = KINDS if hasattr(model, "ddps") else ("params",)
     return {k: sum(t.untyped_storage().nbytes() for t in model_tensors(model, k)) for k in kinds}
 
 
