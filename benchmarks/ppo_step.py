@@ -184,9 +184,10 @@ def measure(args, model_dir: Path) -> dict:
     peak = measure_matmul_flops(env.device, DTYPES[args.dtype])
     (micro_batches,) = models.planner.plan(batch, args.budget)
     head = models.logprob_head
-    plain_s = plain_update_seconds(models.actor.module, micro_batches, head.vocab, head.temperature)
+    (module,) = models.actor.module.chunks  # PP = 1: one chunk
+    plain_s = plain_update_seconds(module, micro_batches, head.vocab, head.temperature)
     masked_s = plain_update_seconds(
-        models.actor.module, micro_batches, head.vocab, head.temperature, masked_rows=True
+        module, micro_batches, head.vocab, head.temperature, masked_rows=True
     )
     num_params = sum(p.numel() for p in models.actor.module.parameters())
     bootstrap.teardown()

@@ -4,8 +4,9 @@ A 4-layer tiny model (two chunks of one layer on each of two stages) goes throug
 trainer steps (`workers/trainer_step.py`: actor, critic and reference; GAE, and GRPO with the
 KL as a loss) at one rank, at PP2 x VP2, and at PP2 x VP2 with Ulysses SP2 (whose DP x SP
 group of 2 turns the distributed optimizer on). Every metric (grad norms included), the
-updated log-probs and the log-probs of a single sample (fewer micro-batches than stages: the
-planner pads the count to a multiple of PP with empty micro-batches) must equal the one-rank
+updated log-probs and the weight-sync probe's log-probs (one sample per DP rank: fewer
+micro-batches than stages, so the planner pads the count to a multiple of PP with empty
+micro-batches) must equal the one-rank
 run's; the interleaved runs' actor checkpoints, converted to HF at one rank, must hold the
 one-rank run's weights, and what the weight sync gathers from the chunks must be exactly
 the run's own converted checkpoint.
@@ -50,7 +51,7 @@ def test_interleaved_pipeline_takes_the_one_rank_steps(runs, layout, name):
     assert sorted(other["metrics"]) == sorted(one["metrics"])
     for key, value in one["metrics"].items():
         assert other["metrics"][key] == pytest.approx(value, rel=2e-4, abs=1e-6), key
-    for key in ("logprobs_after", "sample_5_logprobs", "advantages"):
+    for key in ("logprobs_after", "probe_logprobs", "advantages"):
         torch.testing.assert_close(other[key], one[key], rtol=0, atol=2e-5, msg=key)
 
 

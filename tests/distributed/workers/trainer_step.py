@@ -90,7 +90,7 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     from rlhf.algo import build_kl_controller
     from rlhf.config import validate_config
     from rlhf.logging import Timer
-    from rlhf.trainer.ppo_step import compute_logprobs, learn_from_batch
+    from rlhf.trainer.ppo_step import compute_logprobs, learn_from_batch, probe_logprobs
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model_dir}", *COMMON, *overrides])
@@ -110,9 +110,9 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     if save is not None:  # the actor's checkpoint after both steps, as rlhf-convert reads it
         save_actor(models, cfg, arch, ctx, save)
         synced = weight_sync_tensors(models.actor.module, arch, ctx)
-    # one sample, as the weight-sync probe runs it: fewer micro-batches than pipeline stages
-    alone, _ = compute_logprobs(
-        models.actor, batch.select([5]), models.planner, models.budgets.actor, models.logprob_head
+    # the weight-sync probe's path: one sample per DP rank, fewer micro-batches than stages
+    probe = probe_logprobs(
+        models.actor, batch.prompt_ids[5] + batch.response_ids[5], models.planner, models.probe_head
     )
     return {
         "sequence_parallel": models.actor.module.config.sequence_parallel,
@@ -128,7 +128,7 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
         "rollout_logprobs": batch.rollout_logprobs_bt(),
         "is_weights": exp.rollout_is_weights_bt,
         "logprobs_after": after,
-        "sample_5_logprobs": alone,
+        "probe_logprobs": probe,
         "kl_coef": (kl_before, kl_ctrl.value),
         "metrics": metrics,
         "synced": synced,

@@ -85,7 +85,7 @@ def run(args, ctx) -> dict:
     model = build_model(arch, placement, sp=args.sp)
     load_hf_weights(model, HFCheckpointReader(args.model), arch, placement)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    optimizer, _ = build_optimizer(ddp, OptimizerSettings(OptimConfig(lr=0.0), 0.0, 1))
+    optimizer, _ = build_optimizer([ddp], OptimizerSettings(OptimConfig(lr=0.0), 0.0, 1))
     return {
         name: step(model, ddp, optimizer, ctx, tokens, mask, valid, arch.vocab_size)
         for name, (tokens, mask, valid) in inputs(arch.vocab_size).items()
