@@ -269,13 +269,13 @@ class MicroBatchPlanner:
         is a multiple of PP (Megatron's schedule runs them in groups of PP).
         """
         sp = SequenceShard.of(self.ctx)
-        tp_split = self.ctx.tp_size if self.ctx.sequence_parallel else 1
+        tp_split = self._tp_split()
         micro = plan_micro_batches(
             batch.sequence_lengths,
             max_tokens_per_micro_batch=budget * sp.size,  # a row is spread over the SP ranks
             dp_size=self.ctx.dp_size,
             mini_batch_size=mini_batch_size,
-            pad_to_multiple_of=row_multiple(sp.size, tp_split),
+            pad_to_multiple_of=self.row_multiple,
             count_multiple=self.ctx.pp_size if self.interleaved else 1,
         )
         return [
@@ -285,6 +285,14 @@ class MicroBatchPlanner:
             ]
             for mini in micro.for_rank(self.ctx.dp_rank)
         ]
+
+    def _tp_split(self) -> int:
+        return self.ctx.tp_size if self.ctx.sequence_parallel else 1
+
+    @property
+    def row_multiple(self) -> int:
+        """What every sample's length is padded to a multiple of (`row_multiple`)."""
+        return row_multiple(self.ctx.sp_size, self._tp_split())
 
     def per_sample(
         self,

@@ -50,6 +50,7 @@ from rlhf.trainer.nonfinite import (
 )
 from rlhf.trainer.rollout_strategy import RolloutStrategy
 from rlhf.trainer.setup import PPOModels, UpdateSpec
+from rlhf.utils import round_up
 
 log = logging.getLogger(__name__)
 KLController = FixedKLController | AdaptiveKLController
@@ -270,7 +271,8 @@ def probe_logprobs(
         data_sources=["probe"] * copies,
         uids=[f"probe-{i}" for i in range(copies)],
     )
-    logp, _ = compute_logprobs(actor, batch, planner, len(tokens), head)
+    budget = round_up(len(tokens), planner.row_multiple)  # padded for Ulysses / Megatron SP
+    logp, _ = compute_logprobs(actor, batch, planner, budget, head)
     return logp[0]
 
 
