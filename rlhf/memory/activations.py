@@ -183,12 +183,14 @@ def training_peak(
     first_stage: bool = True,
     in_flight: int = 1,
     chunks: int = 1,
+    gradient_from_next: bool = False,
 ) -> int:
     """Peak activation bytes of a training micro-batch's forward and backward
     (`lm_head` False: a value model, whose [T, 1] output head holds next to nothing), with
     the saved tensors of `in_flight` micro-batches alive at once (`pipeline_in_flight`),
     each through one of the stage's `chunks` virtual-pipeline chunks (1/`chunks` of its
-    layers)."""
+    layers). `gradient_from_next`: the backward starts from the output's gradient received
+    from the next pipeline stage ([T, h], alive through the backward)."""
     full = layer_bytes(s, flash)
     final = _norms(s, flash) // 2 if last_stage else 0
     if recompute.granularity == "full":
@@ -212,7 +214,8 @@ def training_peak(
     head = head_bytes(s, training=True) if last_stage and lm_head else 0
     embedding = embedding_backward_bytes(s, flash=flash) if first_stage else 0
     held, waiting = in_flight * saved // chunks, (in_flight - 1) * saved // chunks
-    return max(held + max(head, backward), waiting + embedding)
+    received = s.tokens * s.hidden * s.element if gradient_from_next else 0
+    return max(held + max(head, backward) + received, waiting + embedding)
 
 
 def pipeline_in_flight(pp: int, stage: int, vp: int = 1) -> int:

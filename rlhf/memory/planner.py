@@ -196,6 +196,7 @@ def trained_memory(
             last_stage=last,
             lm_head=lm_head,
             first_stage=stage == 0,
+            gradient_from_next=pp > 1 and (stage < pp - 1 or vp > 1),
             in_flight=pipeline_in_flight(pp, stage, vp),
             chunks=vp,
         ),

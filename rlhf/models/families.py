@@ -247,6 +247,9 @@ def transformer_config(
         # batch, and with variable sequence lengths their shape messages cross (a hang).
         overlap_p2p_comm=vp > 1,
         batch_p2p_comm=vp == 1,
+        # a stage's output goes to the next stage and is not needed for its own backward
+        # (which gets the gradient from there): freed once sent, as Megatron-LM does
+        deallocate_pipeline_outputs=pp > 1,
         context_parallel_size=sp,  # Ulysses runs on the context-parallel group
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=params_dtype,

@@ -106,7 +106,7 @@ def test_the_first_pipeline_stage_holds_micro_batches_in_flight(tiny_qwen2_dir, 
         runs[count] = torch.load(out, weights_only=False)["none"]  # rank 0: stage 0
     assert runs[4]["peak"] > 1.5 * runs[1]["peak"]
     run = runs[4]
-    assert abs(run["estimate"] - run["peak"]) <= 0.3 * run["peak"], run["estimate"] / run["peak"]
+    assert abs(run["estimate"] - run["peak"]) <= 0.1 * run["peak"], run["estimate"] / run["peak"]
 
 
 def test_the_interleaved_first_stage_holds_its_chunks_in_flight(tmp_path):
@@ -124,7 +124,7 @@ def test_the_interleaved_first_stage_holds_its_chunks_in_flight(tmp_path):
         run_torchrun("activation_memory.py", 2, args)
         runs[vp] = torch.load(out, weights_only=False)["none"]  # rank 0: stage 0
     for run in runs.values():
-        assert abs(run["estimate"] - run["peak"]) <= 0.3 * run["peak"], (
+        assert abs(run["estimate"] - run["peak"]) <= 0.1 * run["peak"], (
             run["estimate"] / run["peak"]
         )
     assert runs[2]["peak"] > 1.1 * runs[1]["peak"]
