@@ -194,6 +194,29 @@ def test_model_must_split_over_tp_and_pp(shape, expected):
         validate_config(load_config(QUICKSTART, sizes), None, model)
 
 
+def test_virtual_pipeline_needs_stages_and_layers_for_every_chunk():
+    sizes = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+    roles = ("actor_rollout_ref.actor", "critic")
+    vp2 = [f"{role}.megatron.virtual_pipeline_model_parallel_size=2" for role in roles]
+    pp2 = [f"{role}.megatron.pipeline_model_parallel_size=2" for role in roles]
+    with pytest.raises(ConfigError, match=r"virtual_pipeline_model_parallel_size=2 needs .*> 1"):
+        validate_config(load_config(QUICKSTART, sizes + vp2))
+    six_layers = SimpleNamespace(num_layers=6, num_attention_heads=4, num_query_groups=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"virtual_pipeline_model_parallel_size=2: the model's num_hidden_layers \(6\) "
+        r"must be divisible by the pipeline parallel size \(2\) x the virtual pipeline size",
+    ):
+        validate_config(load_config(QUICKSTART, sizes + vp2 + pp2), None, six_layers)
+    eight_layers = SimpleNamespace(num_layers=8, num_attention_heads=4, num_query_groups=2)
+    assert (
+        validate_config(load_config(QUICKSTART, sizes + vp2 + pp2), None, eight_layers).vp_size == 2
+    )
+    critic_vp1 = sizes + pp2 + vp2[:1]
+    with pytest.raises(ConfigError, match="share one Megatron parallel layout"):
+        validate_config(load_config(QUICKSTART, critic_vp1), None, eight_layers)
+
+
 def test_critic_free_estimators_skip_the_critic_rules_and_name_ignored_critic_keys():
     from rlhf.config.validate import ignored_settings, uses_critic, uses_reference
 
