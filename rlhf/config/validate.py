@@ -101,7 +101,7 @@ def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayo
             f"world size {world_size} (trainer.nnodes x trainer.n_gpus_per_node)"
         )
     split = sequence_parallel_on(section.megatron.sequence_parallel, tp)
-    vp = section.megatron.virtual_pipeline_model_parallel_size or 1
+    vp = virtual_pipeline_size(section.megatron)
     if vp > 1 and pp == 1:
         raise ConfigError(
             f"{prefix}.megatron.virtual_pipeline_model_parallel_size={vp} needs "
@@ -109,6 +109,11 @@ def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayo
             "stage into chunks)"
         )
     return ParallelLayout(world_size, tp, pp, sp, split, vp)
+
+
+def virtual_pipeline_size(megatron: MegatronParallelConfig) -> int:
+    """Chunks per pipeline stage (`megatron.virtual_pipeline_model_parallel_size`; 1: none)."""
+    return megatron.virtual_pipeline_model_parallel_size or 1
 
 
 def sequence_parallel_on(setting: bool | None, tp_size: int) -> bool:
@@ -192,7 +197,7 @@ def _check_recompute(role: str, cfg: RLHFConfig, shape: ModelShape | None) -> No
             )
     if shape is None or m.recompute_num_layers is None:
         return
-    chunks = m.pipeline_model_parallel_size * (m.virtual_pipeline_model_parallel_size or 1)
+    chunks = m.pipeline_model_parallel_size * virtual_pipeline_size(m)
     per_chunk = shape.num_layers // chunks
     if m.recompute_num_layers > per_chunk:
         raise ConfigError(

@@ -36,6 +36,7 @@ from rlhf.config.validate import (
     sequence_parallel_on,
     uses_critic,
     uses_reference,
+    virtual_pipeline_size,
 )
 from rlhf.memory.activations import (
     ActivationShape,
@@ -153,7 +154,7 @@ def trained_memory(
     """One rank's bytes for `role` on pipeline stage `stage` (DP rank `dp_rank`)."""
     m = role.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    vp = m.virtual_pipeline_model_parallel_size or 1
+    vp = virtual_pipeline_size(m)
     padded = padded_vocab_size(arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
     element = DTYPE_BYTES[m.dtype]
     group = dp * sp  # the distributed optimizer shards over DP x SP

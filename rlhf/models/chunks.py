@@ -11,15 +11,12 @@ checkpoints, the weight sync) goes through the chunk's `Placement`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-from rlhf.models.mapping import Placement
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+from rlhf.models.mapping import Placement, shift_layer
 
 
 class ModelChunks(nn.ModuleList):
@@ -61,14 +58,10 @@ class ModelChunks(nn.ModuleList):
     def global_names(self) -> dict[nn.Parameter, str]:
         """Parameter -> its name with the global layer index (layout-independent)."""
         num_layers = self.config.num_layers
-        names = {}
-        for placement, name, param in self.placed_parameters():
-            offset = placement.first_layer(num_layers)
-            match = _LAYER.match(name)
-            if match is not None:
-                name = f"decoder.layers.{offset + int(match.group(1))}.{name[match.end() :]}"
-            names[param] = name
-        return names
+        return {
+            param: shift_layer(name, placement.first_layer(num_layers))
+            for placement, name, param in self.placed_parameters()
+        }
 
     def sharded_state_dict(self) -> dict:
         """Megatron's sharded state dict: the chunk's own, or one entry per chunk. The

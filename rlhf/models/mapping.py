@@ -160,6 +160,21 @@ def resolve(arch: ModelArch, name: str, placement: Placement) -> tuple[ParamRule
     raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
 
 
+def layer_index(name: str) -> int | None:
+    """The layer index in a Megatron parameter name (None outside the layers)."""
+    match = _LAYER.match(name)
+    return None if match is None else int(match.group(1))
+
+
+def shift_layer(name: str, shift: int) -> str:
+    """`name` with its layer index moved by `shift` (a name outside the layers unchanged):
+    chunk-local <-> global names."""
+    match = _LAYER.match(name)
+    if match is None:
+        return name
+    return f"decoder.layers.{int(match.group(1)) + shift}.{match.group(2)}"
+
+
 def hf_names(rule: ParamRule, layer: int | None) -> list[str]:
     return [n.format(layer=layer) for n in rule.hf]
 

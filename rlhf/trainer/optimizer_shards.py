@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +36,12 @@ import torch
 import torch.distributed as dist
 
 from rlhf.checkpoint.manager import write_durable
-from rlhf.models.mapping import Layout
+from rlhf.models.mapping import Layout, layer_index, shift_layer
 from rlhf.trainer.optimizer_ranges import SavedShards
 
 FORMAT = "rlhf-distributed-optimizer/2"
 LOCAL_NAMES_FORMAT = "rlhf-distributed-optimizer/1"
 LAYOUT_FILE = "layout.json"
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # Megatron's tensor-parallel parameters by name; all others are replicated over TP.
 TP_LAYOUTS = {
     "self_attention.linear_qkv.weight": Layout.QKV,
@@ -88,12 +86,9 @@ def coordinate(optimizer: Any, tp: tuple[int, int], pp: tuple[int, int]) -> Opti
 def local_names(names: dict[Any, str]) -> dict[Any, str]:
     """Global layer names -> the stage-local ones of format /1 (written without interleaving,
     so this rank's layers are one run starting at its smallest index)."""
-    layers = [int(m.group(1)) for n in names.values() if (m := _LAYER.match(n))]
+    layers = [i for name in names.values() if (i := layer_index(name)) is not None]
     first = min(layers, default=0)
-    return {
-        param: _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) - first}.", name)
-        for param, name in names.items()
-    }
+    return {param: shift_layer(name, -first) for param, name in names.items()}
 
 
 def keeps_step_per_parameter(optimizer: Any) -> bool:

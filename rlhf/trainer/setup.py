@@ -14,6 +14,7 @@ from rlhf.config.validate import (
     sequence_parallel_on,
     uses_critic,
     uses_reference,
+    virtual_pipeline_size,
 )
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.builder import build_chunks, load_hf_weights, value_model_from_hf
@@ -127,11 +128,6 @@ def build_policy(
     )
     load_hf_weights(chunks, HFCheckpointReader(model_path), arch, placement)
     return chunks.to(ctx.device)
-
-
-def virtual_pipeline_size(megatron: MegatronParallelConfig) -> int:
-    """Chunks per pipeline stage (`megatron.virtual_pipeline_model_parallel_size`; 1: none)."""
-    return megatron.virtual_pipeline_model_parallel_size or 1
 
 
 def _trained(cfg: RLHFConfig, role: str, module, ctx: ParallelContext, total_steps: int):
