@@ -99,3 +99,19 @@ def test_a_filler_micro_batch_is_padding_that_adds_nothing_to_losses_or_metrics(
         total = sum(outputs[id(mb)][0] for mb in real)
         with_filler = total + loss_f
         assert torch.equal(with_filler, total) and total.abs() > 0
+
+
+def test_global_layer_names_go_back_to_a_stages_local_ones_for_format_1():
+    """Format /1 optimizer files name a stage's layers from 0: stage 1 of 2 with 4 layers."""
+    from rlhf.trainer.optimizer_shards import local_names
+
+    names = {
+        1: "decoder.layers.2.mlp.linear_fc1.weight",
+        2: "decoder.layers.3.self_attention.linear_qkv.weight",
+        3: "decoder.final_layernorm.weight",
+    }
+    assert local_names(names) == {
+        1: "decoder.layers.0.mlp.linear_fc1.weight",
+        2: "decoder.layers.1.self_attention.linear_qkv.weight",
+        3: "decoder.final_layernorm.weight",
+    }
