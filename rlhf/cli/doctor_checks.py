@@ -224,7 +224,7 @@ def check_config(cfg: RLHFConfig, world_size: int | None) -> Check:
     except ValueError as e:  # ConfigError, or a model config this project cannot read
         return Check("config", FAIL, str(e), "fix the keys named, or launch that many processes")
     detail = f"world size {layout.world_size}: {layout.describe()}"
-    if notes := validate.ignored_settings(cfg):
+    if notes := validate.config_notes(cfg):
         return Check("config", WARN, f"{detail}; " + "; ".join(notes), "remove the keys named")
     return Check("config", PASS, detail)
 

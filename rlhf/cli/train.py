@@ -18,7 +18,7 @@ from pathlib import Path
 from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock, RunDirUnusable
 from rlhf.checkpoint.storage import CheckpointStorageError
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validate_config
-from rlhf.config.validate import ignored_settings
+from rlhf.config.validate import config_notes
 from rlhf.data.parquet import DataError
 from rlhf.models.hf_io import CheckpointFileError
 from rlhf.reward.remote import RemoteRewardError
@@ -100,7 +100,7 @@ def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(dump_yaml(cfg))
             log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
-            for note in ignored_settings(cfg):
+            for note in config_notes(cfg):
                 log.warning("config: %s", note)
         trainer = PPOTrainer(cfg, ctx, run_dir, arch)
         last = trainer.fit()

@@ -47,7 +47,11 @@ class FilterGroupsConfig:
     """DAPO's dynamic sampling: only prompt groups whose samples score differently train."""
 
     enable: bool = doc(False, "drop groups whose samples all score the same, generate more")
-    metric: FilterGroupsMetric = doc("score", "what must differ within a group")
+    metric: FilterGroupsMetric = doc(
+        "score",
+        "what must differ within a group: score (the reward functions' score) or seq_reward "
+        "(the score after overlong shaping, what the advantages see)",
+    )
     max_num_gen_batches: int = doc(
         0, "most generation rounds per step before failing (0: no limit)", ge=0
     )
@@ -65,8 +69,11 @@ class AlgorithmConfig:
     )
     gamma: float = doc(1.0, "discount", ge=0, le=1)
     lam: float = doc(1.0, "GAE lambda", ge=0, le=1)
-    use_kl_in_reward: bool = doc(
-        True, "subtract kl_coef x KL(actor || ref) from the rewards (kl_ctrl sets kl_coef)"
+    use_kl_in_reward: bool | None = doc(
+        None,
+        "subtract kl_coef x KL(actor || ref) from the rewards (kl_ctrl sets kl_coef); null: on "
+        "unless actor.use_kl_loss is (a verl GRPO command line sets the KL loss and leaves "
+        "this out: the KL then counts once)",
     )
     kl_penalty: KLEstimator = doc("kl", "per-token KL estimator used in the reward")
     kl_ctrl: KLControlConfig = doc(KLControlConfig, "KL penalty controller")

@@ -22,7 +22,7 @@ LossAggMode = Literal[
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 PolicyLossMode = Literal["vanilla", "gspo"]
 RolloutISLevel = Literal["token", "sequence"]
-FilterGroupsMetric = Literal["score"]
+FilterGroupsMetric = Literal["score", "seq_reward"]
 TrainDtype = Literal["float32", "bfloat16"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
@@ -38,6 +38,8 @@ OnNonFinite = Literal["stop", "skip"]
 
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
 CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)  # the estimators that need a value model
+# the estimators that compare the samples of one prompt (a group of one has no baseline)
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 KL_LOSS_TYPES: tuple[str, ...] = get_args(KLLossType)
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rlhf.config.algorithm import KLControlConfig
+from rlhf.config.algorithm_rules import (
+    algorithm_notes,
+    check_algorithm,
+    kl_in_reward,
+    uses_reference,
+)
 from rlhf.config.choices import CRITIC_ESTIMATORS
 from rlhf.config.loader import ConfigError
 from rlhf.config.schema import (
@@ -270,11 +276,6 @@ def uses_critic(cfg: RLHFConfig) -> bool:
     return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
 
 
-def uses_reference(cfg: RLHFConfig) -> bool:
-    """Whether the run builds the frozen reference: for a KL in the reward or as a loss."""
-    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
-
-
 def _changed(value: Any, default: Any, prefix: str) -> list[str]:
     """Dotted keys under `prefix` where `value` (a config section) differs from `default`."""
     if not dataclasses.is_dataclass(value):
@@ -286,34 +287,21 @@ def _changed(value: Any, default: Any, prefix: str) -> list[str]:
     ]
 
 
-def ignored_settings(cfg: RLHFConfig) -> list[str]:
-    """One line per group of keys set away from their defaults that this run does not use."""
+def config_notes(cfg: RLHFConfig) -> list[str]:
+    """One line per group of keys set away from their defaults that this run does not use,
+    and per legal setting worth a word (`algorithm_notes`)."""
     notes = []
     critic_default = CriticConfig(model=ModelConfig(path=cfg.actor_rollout_ref.model.path))
     if not uses_critic(cfg) and (keys := _changed(cfg.critic, critic_default, "critic")):
         estimator = cfg.algorithm.adv_estimator
         notes.append(f"{', '.join(keys)} ignored: adv_estimator={estimator} trains no critic")
     kl_ctrl = _changed(cfg.algorithm.kl_ctrl, KLControlConfig(), "algorithm.kl_ctrl")
-    if not cfg.algorithm.use_kl_in_reward and kl_ctrl:
+    if not kl_in_reward(cfg) and kl_ctrl:
         notes.append(f"{', '.join(kl_ctrl)} ignored: algorithm.use_kl_in_reward=false")
     ref_keys = _changed(cfg.actor_rollout_ref.ref, RefConfig(), f"{AR}.ref")
     if not uses_reference(cfg) and ref_keys:
         notes.append(f"{', '.join(ref_keys)} ignored: no reference model (no KL in reward or loss)")
-    return notes
-
-
-def _check_dapo(cfg: RLHFConfig) -> None:
-    overlong, n = cfg.reward.overlong_buffer, cfg.actor_rollout_ref.rollout.n
-    if overlong.enable and overlong.len >= cfg.data.max_response_length:
-        raise ConfigError(
-            f"reward.overlong_buffer.len ({overlong.len}) must be below "
-            f"data.max_response_length ({cfg.data.max_response_length})"
-        )
-    if cfg.algorithm.filter_groups.enable and n < 2:
-        raise ConfigError(
-            f"algorithm.filter_groups.enable needs {AR}.rollout.n >= 2 (is {n}): a group of "
-            "one sample always scores the same and would always be dropped"
-        )
+    return notes + algorithm_notes(cfg)
 
 
 def _check_reward(cfg: RLHFConfig) -> None:
@@ -346,7 +334,6 @@ def _check_misc(cfg: RLHFConfig) -> None:
             raise ConfigError(f"global_profiler.steps[{i}]: steps count from 1, got {step}")
     if not cfg.actor_rollout_ref.model.path:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
-    _check_dapo(cfg)
     _check_reward(cfg)
     _check_engine_kwargs(cfg)
     if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
@@ -366,6 +353,7 @@ def validate_config(
     planned `trainer.nnodes x trainer.n_gpus_per_node` is used. `shape` (the policy's
     architecture) enables the rules on attention heads and layers.
     """
+    check_algorithm(cfg)
     world = _world_size(cfg, world_size)
     actor = parallel_layout("actor", cfg, world)
     _check_batches("actor", cfg, actor)

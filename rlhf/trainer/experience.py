@@ -55,20 +55,20 @@ def build_experience(
     ref_logprobs_bt: Tensor | None,
     values_bt: Tensor | None,
     algo: AlgorithmConfig,
-    kl_coef: float,
+    beta: float,
 ) -> tuple[Experience, dict[str, float]]:
     """Token rewards (score - beta * KL), advantages, returns; the step's KL and reward metrics.
 
     `old` is the actor's (log-probs, entropies), or the engine's log-probs and None
     (`rollout_correction.bypass_mode`: no mismatch to measure). With a reference, the KL
     reported (and fed to the controller) is the mean over responses of each response's mean
-    per-token KL, as in verl; beta is `kl_coef` when `algo.use_kl_in_reward`, else 0.
+    per-token KL, as in verl; `beta`: the KL controller's coefficient when the KL is in the
+    reward (`rlhf.config.algorithm_rules.kl_in_reward`), else 0.
     """
     old_logprobs_bt, old_entropy_bt = old
     mask = batch.mask_bt()
     metrics: dict[str, float] = {}
     kl_bt = torch.zeros_like(old_logprobs_bt)
-    beta = kl_coef if algo.use_kl_in_reward else 0.0
     reward_kl = None
     if ref_logprobs_bt is not None:
         kl = kl_penalty(old_logprobs_bt, ref_logprobs_bt, algo.kl_penalty)

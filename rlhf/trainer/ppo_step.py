@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from rlhf.algo import masked_mean
 from rlhf.algo.kl import AdaptiveKLController, FixedKLController
+from rlhf.config.algorithm_rules import kl_in_reward
 from rlhf.config.schema import RLHFConfig
 from rlhf.logging import Timer
 from rlhf.rollout.batch import RolloutBatch
@@ -192,7 +193,8 @@ def learn_from_batch(
         with timer.stage("values"):
             values = compute_values(m.critic, batch, m.planner, m.budgets.critic)
     with timer.stage("adv"):
-        exp, metrics = build_experience(batch, old, ref, values, cfg.algorithm, kl_ctrl.value)
+        beta = kl_ctrl.value if kl_in_reward(cfg) else 0.0
+        exp, metrics = build_experience(batch, old, ref, values, cfg.algorithm, beta)
     bad = nonfinite_experience(exp)
     if bad:  # identical on every rank: all skip or all stop
         if cfg.trainer.on_nonfinite == "stop":
@@ -203,7 +205,7 @@ def learn_from_batch(
         return Learned(
             exp, True, bad, finite | {"training/skipped_step": 1.0} | nonfinite_marks(bad)
         )
-    if cfg.algorithm.use_kl_in_reward:
+    if kl_in_reward(cfg):
         assert exp.reward_kl is not None, "the KL in the reward needs the reference"
         kl_ctrl.update(exp.reward_kl, batch.size)
     found: list[str] = []

@@ -8,7 +8,8 @@ whose rounds carry the policy version that generated them.
 The synchronous batch includes DAPO's two changes to it:
 
 - Dynamic sampling (`algorithm.filter_groups`): a prompt whose samples all score the same
-  gives every sample the same group advantage, i.e. no signal. Such groups are dropped and
+  (`metric`: the reward functions' score, or the shaped `seq_reward`) gives every sample the
+  same group advantage, i.e. no signal. Such groups are dropped and
   more prompts are generated, round after round, until the step has
   `data.train_batch_size` informative groups (the first ones, in order), or the run fails
   after `max_num_gen_batches` rounds.
@@ -85,10 +86,19 @@ def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
     return list(groups.values())
 
 
-def informative_groups(batch: RolloutBatch) -> list[list[int]]:
-    """The prompt groups whose samples do not all score the same."""
-    scores = batch.scores_b.tolist()
-    return [g for g in prompt_groups(batch) if len({scores[i] for i in g}) > 1]
+def informative_groups(batch: RolloutBatch, values_b: torch.Tensor) -> list[list[int]]:
+    """The prompt groups whose samples do not all have the same value (`values_b`, [B])."""
+    values = values_b.tolist()
+    return [g for g in prompt_groups(batch) if len({values[i] for i in g}) > 1]
+
+
+def filter_metric(batch: RolloutBatch, cfg: RLHFConfig) -> torch.Tensor:
+    """[B] what dynamic sampling compares (`algorithm.filter_groups.metric`): the reward
+    functions' score, or (seq_reward) the score after overlong shaping."""
+    overlong = cfg.reward.overlong_buffer
+    if cfg.algorithm.filter_groups.metric == "seq_reward" and overlong.enable:
+        return batch.scores_b + overlong_penalties(batch, cfg.data.max_response_length, overlong)
+    return batch.scores_b
 
 
 def overlong_penalties(batch: RolloutBatch, max_length: int, cfg: OverlongBufferConfig):
@@ -125,7 +135,10 @@ def collect_step_batch(
         generated = servers.generate(prompts, sampled.uids, sampled.prompt_indices, params)
         results.append(score_model_rows(generated, reward_model))
         batch = results[-1].batch
-        groups = informative_groups(batch) if filtering.enable else prompt_groups(batch)
+        if filtering.enable:
+            groups = informative_groups(batch, filter_metric(batch, cfg))
+        else:
+            groups = prompt_groups(batch)
         kept += [[offset + i for i in g] for g in groups]
         dropped += len(prompt_groups(batch)) - len(groups)
         offset += batch.size

@@ -218,27 +218,27 @@ def test_virtual_pipeline_needs_stages_and_layers_for_every_chunk():
 
 
 def test_critic_free_estimators_skip_the_critic_rules_and_name_ignored_critic_keys():
-    from rlhf.config.validate import ignored_settings, uses_critic, uses_reference
+    from rlhf.config.validate import config_notes, uses_critic, uses_reference
 
     # A critic layout that would be wrong for GAE is not checked when no critic is built.
     grpo = ["algorithm.adv_estimator=grpo", "critic.ulysses_sequence_parallel_size=3"]
     cfg = load_config(QUICKSTART, grpo)
     assert validate_config(cfg).sp_size == 1
     assert not uses_critic(cfg) and uses_reference(cfg)
-    (note,) = ignored_settings(cfg)
+    (note,) = config_notes(cfg)
     assert "critic.ulysses_sequence_parallel_size" in note and "adv_estimator=grpo" in note
     # The quickstart's own critic settings are named too; a GAE run ignores nothing.
     assert "critic.optim.lr" in note
-    assert ignored_settings(load_config(QUICKSTART)) == []
+    assert config_notes(load_config(QUICKSTART)) == []
 
 
 def test_no_reference_without_a_kl_and_kl_settings_named_when_unused():
-    from rlhf.config.validate import ignored_settings, uses_reference
+    from rlhf.config.validate import config_notes, uses_reference
 
     no_kl = ["algorithm.use_kl_in_reward=false"]
     cfg = load_config(QUICKSTART, [*no_kl, "algorithm.kl_ctrl.kl_coef=0.01"])
     assert not uses_reference(cfg)
-    assert any("algorithm.kl_ctrl.kl_coef" in note for note in ignored_settings(cfg))
+    assert any("algorithm.kl_ctrl.kl_coef" in note for note in config_notes(cfg))
     kl_loss = load_config(QUICKSTART, [*no_kl, "actor_rollout_ref.actor.use_kl_loss=true"])
     assert uses_reference(kl_loss)
 

@@ -72,7 +72,7 @@ def test_groups():
         ["a", "a", "b", "b", "c", "c"],
     )
     assert prompt_groups(batch) == [[0, 1], [2, 3], [4, 5]]
-    assert informative_groups(batch) == [[2, 3]]
+    assert informative_groups(batch, batch.scores_b) == [[2, 3]]
 
 
 def test_dynamic_sampling_keeps_informative_groups_over_rounds():
@@ -87,6 +87,22 @@ def test_dynamic_sampling_keeps_informative_groups_over_rounds():
         "dynamic_sampling/dropped_groups": 2.0,
         "dynamic_sampling/kept_groups": 2.0,
     }
+
+
+@pytest.mark.parametrize(("metric", "rounds", "dropped"), [("score", 2, 2), ("seq_reward", 1, 0)])
+def test_dynamic_sampling_compares_the_metric_it_is_given(metric, rounds, dropped):
+    """Group 0 scores 1.0 twice but its second response (16 tokens) is shaped down by the
+    overlong buffer: the same by `score`, different by `seq_reward`."""
+    fleet = ScriptedFleet([[1.0, 1.0, 0.0, 0.5], [0.0, 1.0, 1.0, 1.0]])
+    _, results, metrics = collect(
+        fleet,
+        "algorithm.filter_groups.enable=true",
+        f"algorithm.filter_groups.metric={metric}",
+        "reward.overlong_buffer.enable=true",
+        "reward.overlong_buffer.len=4",
+    )
+    assert len(results) == rounds
+    assert metrics["dynamic_sampling/dropped_groups"] == dropped
 
 
 def test_dynamic_sampling_gives_up_after_max_rounds():

@@ -1,0 +1,90 @@
+"""Rules of the algorithm settings: combinations that would silently train nothing, or
+something other than what their keys name, are refused before anything starts; the one that
+is legal but easy to set by accident (the KL both in the reward and as a loss) is said at
+startup.
+
+- GRPO and RLOO compare the samples drawn for one prompt: with `rollout.n=1` every advantage
+  is 0 (refused; verl would train on the raw score instead, which is REINFORCE without a
+  baseline: `adv_estimator=reinforce_plus_plus` is the estimator for one sample per prompt).
+- GSPO (Zheng et al. 2025) is defined on the sequence-level ratio with the sequence mean of
+  the loss and clip ranges of ~1e-4: the token-level defaults (token-mean, clip 0.2, which a
+  geometric mean of token ratios practically never leaves) are refused, not kept silently.
+- DAPO's dynamic sampling needs groups of several samples; its overlong buffer must fit in the
+  response length.
+"""
+
+from __future__ import annotations
+
+from rlhf.config.choices import GROUP_ESTIMATORS
+from rlhf.config.loader import ConfigError
+from rlhf.config.schema import RLHFConfig
+
+AR = "actor_rollout_ref"
+
+
+def kl_in_reward(cfg: RLHFConfig) -> bool:
+    """`algorithm.use_kl_in_reward`; null: on unless the actor has a KL loss."""
+    if cfg.algorithm.use_kl_in_reward is None:
+        return not cfg.actor_rollout_ref.actor.use_kl_loss
+    return cfg.algorithm.use_kl_in_reward
+
+
+def uses_reference(cfg: RLHFConfig) -> bool:
+    """Whether the run builds the frozen reference: for a KL in the reward or as a loss."""
+    return kl_in_reward(cfg) or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def check_algorithm(cfg: RLHFConfig) -> None:
+    """Refuse the settings under which training would do nothing or something else."""
+    estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+    if estimator in GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={estimator} compares the {AR}.rollout.n samples of each "
+            f"prompt; with rollout.n={n} every advantage is 0 and nothing trains: set "
+            "rollout.n >= 2 (GRPO runs use 4-16), or adv_estimator=reinforce_plus_plus for one "
+            "sample per prompt"
+        )
+    _check_gspo(cfg)
+    _check_dapo(cfg)
+
+
+def _check_gspo(cfg: RLHFConfig) -> None:
+    actor = cfg.actor_rollout_ref.actor
+    if actor.policy_loss.loss_mode != "gspo":
+        return
+    if actor.loss_agg_mode != "seq-mean-token-mean":
+        raise ConfigError(
+            f"{AR}.actor.policy_loss.loss_mode=gspo is defined with the sequence mean of the "
+            f"loss: set {AR}.actor.loss_agg_mode=seq-mean-token-mean (is {actor.loss_agg_mode})"
+        )
+    if actor.clip_ratio_low is None or actor.clip_ratio_high is None:
+        raise ConfigError(
+            f"{AR}.actor.policy_loss.loss_mode=gspo clips the sequence-level ratio, which stays "
+            f"within ~1e-3 of 1, so clip_ratio={actor.clip_ratio} would never clip: set "
+            f"{AR}.actor.clip_ratio_low and clip_ratio_high (the paper's: 3e-4 and 4e-4)"
+        )
+
+
+def _check_dapo(cfg: RLHFConfig) -> None:
+    overlong, n = cfg.reward.overlong_buffer, cfg.actor_rollout_ref.rollout.n
+    if overlong.enable and overlong.len >= cfg.data.max_response_length:
+        raise ConfigError(
+            f"reward.overlong_buffer.len ({overlong.len}) must be below "
+            f"data.max_response_length ({cfg.data.max_response_length})"
+        )
+    if cfg.algorithm.filter_groups.enable and n < 2:
+        raise ConfigError(
+            f"algorithm.filter_groups.enable needs {AR}.rollout.n >= 2 (is {n}): a group of "
+            "one sample always scores the same and would always be dropped"
+        )
+
+
+def algorithm_notes(cfg: RLHFConfig) -> list[str]:
+    """Legal settings worth a line at startup."""
+    if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
+        return [
+            "the KL to the reference counts twice: in the reward (algorithm.use_kl_in_reward="
+            f"true, kl_ctrl) and as a loss ({AR}.actor.use_kl_loss=true, kl_loss_coef); verl's "
+            "GRPO uses only the loss: leave use_kl_in_reward unset (or false) for that"
+        ]
+    return []
