@@ -98,7 +98,6 @@ def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
         bootstrap.seed_everything(cfg.actor_rollout_ref.actor.megatron.seed)
         if ctx.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(dump_yaml(cfg))
             log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
             for note in config_notes(cfg):
                 log.warning("config: %s", note)

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
@@ -103,6 +104,7 @@ class MetricTracker:
         values = {key: _scalar(v) for key, v in metrics.items()}
         self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self._jsonl.flush()
+        os.fsync(self._jsonl.fileno())  # on disk before the step's checkpoint is published
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=step)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from rlhf.algo import build_kl_controller
 from rlhf.checkpoint import load_trainer_state, save_trainer_state
+from rlhf.config.loader import dump_yaml
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
@@ -39,6 +40,7 @@ from rlhf.trainer.nonfinite import NonFiniteError, check_scores
 from rlhf.trainer.perf import measure_matmul_flops
 from rlhf.trainer.ppo_step import PPOStep, StepResult
 from rlhf.trainer.preemption import PreemptionGuard
+from rlhf.trainer.resume_check import CHECKPOINT_CONFIG, check_resume
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer, score_model_rows
 from rlhf.trainer.rollout_strategy import SynchronousRollout
 from rlhf.trainer.setup import build_ppo_models
@@ -86,8 +88,13 @@ class PPOTrainer:
         # before any server starts: a read-only or too small checkpoint directory fails now
         self.keeper = CheckpointKeeper(cfg, self.arch, run_dir, ctx.is_main, self.total_steps)
         self.checkpoints = self.keeper.manager
-        # before any server starts: a missing or damaged checkpoint fails (or falls back) now
+        # before any server starts: a missing or damaged checkpoint fails (or falls back) now,
+        # and one written under settings that would mix two runs is refused
         self.resume_path = self.checkpoints.resolve_resume(cfg.trainer.resume_mode)
+        if self.resume_path is not None:
+            check_resume(cfg, self.resume_path, len(self.train_data))
+        if ctx.is_main:
+            (run_dir / CHECKPOINT_CONFIG).write_text(dump_yaml(cfg))
         num_val = len(self.val_data) if self.val_data is not None else 0
         max_prompts = max(cfg.data.train_batch_size, num_val)
         # SGLang starts loading now; the models are built meanwhile, then wait_ready()
@@ -187,6 +194,7 @@ class PPOTrainer:
             model.save(tmp / name)
         save_trainer_state(tmp, self.state_dict(step), self.ctx.rank)
         if self.ctx.is_main:
+            (tmp / CHECKPOINT_CONFIG).write_text(dump_yaml(self.cfg))
             write_model_exports(tmp, self.cfg, self.trained(), Placement.of(self.ctx))
 
     def load_models(self, path: Path) -> dict:
@@ -277,9 +285,9 @@ class PPOTrainer:
             if decision is not None:
                 metrics[f"early_stop/{decision.action}"] = 1.0
                 log.warning("early stop at step %d: %s", step, decision.reason)
+            self.log(metrics, step)  # before the checkpoint: a kill in between redoes the step
             if save or decision is not None:
                 self.save_checkpoint(step)
-            self.log(metrics, step)
             bar.update(1)
             if not last:  # the run ends here anyway, with its final checkpoint
                 self.keeper.end_if_preempted(step, guard, self.save_checkpoint)

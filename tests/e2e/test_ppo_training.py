@@ -1,9 +1,11 @@
 """Whole PPO runs of `rlhf-train` on CPU with a real SGLang server (the session's shared one,
 as an external server: each run loads its own weights into it first).
 
-- A run killed (SIGKILL) while it writes a checkpoint resumes from the previous checkpoint
-  and then logs exactly the per-step metrics of an uninterrupted run (greedy rollouts make
-  SGLang's sampling deterministic): losses, grad norms, LR, KL coefficient, rewards.
+- A run killed (SIGKILL) the moment a checkpoint is published keeps that step's metrics row
+  (written before the checkpoint), resumes from it and then logs exactly the per-step
+  metrics of an uninterrupted run (greedy rollouts make SGLang's sampling deterministic):
+  losses, grad norms, LR, KL coefficient, rewards. (A kill while a checkpoint is being
+  written: tests/unit/test_checkpoint_manager.py, in a real process.)
 - 2-process torchrun runs (DP=2, TP=2, PP=2, Ulysses SP=2) log the metric values of that
   uninterrupted 1-process run (a constant learning rate: its first steps are those of a
   shorter run); so does a 1-process run with `algorithm.rollout_correction.bypass_mode`
@@ -136,25 +138,22 @@ def export_and_verify(run_dir: Path, step: int, tp: int = 1, pp: int = 1, role="
     )
 
 
-def kill_during_checkpoint(args: list[str], run_dir: Path, step: int) -> None:
-    """Start a run and SIGKILL it (and its servers) while it writes checkpoint `step`."""
+def kill_after_publishing(args: list[str], run_dir: Path, step: int) -> None:
+    """Run until checkpoint `step` is published, then SIGKILL (kill_after_publish_driver.py)."""
     run_dir.mkdir(parents=True)
-    partial = run_dir / "checkpoints" / f".tmp_global_step_{step}"
+    driver = [sys.executable, str(Path(__file__).with_name("kill_after_publish_driver.py"))]
     with open(run_dir.parent / f"{run_dir.name}.killed.log", "w") as log:
-        proc = subprocess.Popen(
-            train_command(args),
+        proc = subprocess.run(
+            [*driver, str(step), "--config", CONFIG, *args],
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            timeout=600,
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
-        deadline = time.monotonic() + 600
-        while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert partial.exists(), "the run ended before writing the checkpoint it was to be killed in"
+    assert proc.returncode == -signal.SIGKILL, (
+        run_dir.parent / f"{run_dir.name}.killed.log"
+    ).read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -170,15 +169,14 @@ def reference_run(tiny_qwen2_dir, data, sglang_server, tmp_path_factory) -> dict
     return rows
 
 
-@pytest.mark.slow(reason="a run killed while it checkpoints, then its resume")
-def test_killed_run_resumes_and_matches_uninterrupted(
+@pytest.mark.slow(reason="a run killed as it publishes a checkpoint, then its resume")
+def test_killed_run_keeps_its_rows_resumes_and_matches_uninterrupted(
     tiny_qwen2_dir, data, sglang_server, tmp_path, reference_run
 ):
     resumed = tmp_path / "resumed"
     args = ppo_overrides(tiny_qwen2_dir, data, resumed, 4, server=sglang_server)
-    kill_during_checkpoint(args, resumed, step=4)
-    checkpoints = sorted(p.name for p in (resumed / "checkpoints").iterdir())
-    assert "global_step_2" in checkpoints and "global_step_4" not in checkpoints
+    kill_after_publishing(args, resumed, step=2)
+    assert sorted(metrics_by_step(resumed)) == [0, 1, 2]  # step 2's row came before the kill
     text = run_train(args, resumed)
     assert "resumed from" in text and "(step 2)" in text
 
