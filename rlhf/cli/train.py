@@ -22,6 +22,7 @@ from rlhf.config.validate import config_notes
 from rlhf.data.parquet import DataError
 from rlhf.models.hf_io import CheckpointFileError
 from rlhf.reward.remote import RemoteRewardError
+from rlhf.reward.workers import RewardFunctionError
 from rlhf.rollout.client import GenerateError
 from rlhf.sglang_api import ServerLost, SGLangAPIError
 from rlhf.trainer.preemption import Preempted
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     except (GenerateError, TimeoutError, ConnectionError, ServerLost, SGLangAPIError) as e:
         print(f"rlhf-train: rollout failed: {e}", file=sys.stderr)
         return 1
-    except RemoteRewardError as e:  # reward.url unreachable or answering wrongly
+    except (RemoteRewardError, RewardFunctionError) as e:  # reward.url, or the user's function
         print(f"rlhf-train: reward failed: {e}", file=sys.stderr)
         return 1
     except FloatingPointError as e:  # rlhf.trainer.nonfinite: a NaN/inf found in a step

@@ -91,7 +91,16 @@ class RewardConfig:
     request_timeout_s: float = doc(120.0, "seconds one reward.url request may take", gt=0)
     request_retries: int = doc(3, "retries of a failed reward.url request", ge=0)
     num_workers: int = doc(
-        1, "processes scoring rule rewards in parallel (1: in the generating process)", gt=0
+        1,
+        "processes scoring rule rewards in parallel (1: the built-in rules in the generating "
+        "process; a custom_fn always runs in worker processes)",
+        gt=0,
+    )
+    timeout_s: float = doc(
+        30.0,
+        "seconds one call of the reward function may take (custom_fn, or num_workers > 1); "
+        "then the run stops naming the sample",
+        gt=0,
     )
     overlong_buffer: OverlongBufferConfig = doc(OverlongBufferConfig, "overlong shaping")
 

@@ -2,8 +2,10 @@
 
 A batch can mix rows whose `reward_model.style` is 'rule' (scored from the response text and
 ground truth by the rule or custom function of their data_source) and 'model'. Rule rows are
-scored here, one by one or, with `reward.num_workers` > 1, in a pool of processes (each
-builds the reward function from the config, so custom functions need not be picklable).
+scored here: the built-in rules in this process; a custom function, or any rules with
+`reward.num_workers` > 1, in worker processes with a per-call timeout
+(`rlhf.reward.workers`; each builds the function from the config, so it need not be
+picklable).
 Model rows go to `reward.url` when it is set; otherwise they come back as NaN, and the
 trainer scores them with the reward model of `reward.model_path`
 (`rlhf.trainer.reward_model`), which runs on every trainer rank.
@@ -12,13 +14,12 @@ trainer scores them with the reward model of `reward.model_path`
 from __future__ import annotations
 
 import math
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.reward.registry import RewardFn, build_reward_fn
 from rlhf.reward.remote import RemoteReward
+from rlhf.reward.workers import RewardWorkers, describe
 
 STYLES = ("rule", "model")
 
@@ -33,32 +34,22 @@ class RewardInput:
     extra_info: dict[str, Any] = field(default_factory=dict)
     style: str = "rule"
     prompt_text: str = ""
-
-
-_WORKER_FN: RewardFn | None = None
-
-
-def _init_worker(reward_cfg: Any) -> None:
-    global _WORKER_FN
-    _WORKER_FN = build_reward_fn(reward_cfg)
-
-
-def _score_in_worker(item: RewardInput) -> float:
-    assert _WORKER_FN is not None
-    return _rule_score(_WORKER_FN, item)
+    origin: str = ""  # where the prompt came from ("row 12 of train.parquet"), for messages
 
 
 class NonFiniteReward(FloatingPointError):
     """A reward function returned NaN or inf (the message names the sample)."""
 
 
-def _rule_score(fn: RewardFn, item: RewardInput) -> float:
-    score = float(fn(item.data_source, item.response_text, item.ground_truth, item.extra_info))
+def raw_score(fn: RewardFn, item: RewardInput) -> float:
+    """`fn`'s score of `item`, unchecked."""
+    return float(fn(item.data_source, item.response_text, item.ground_truth, item.extra_info))
+
+
+def finite_score(score: float, item: RewardInput) -> float:
+    """`score`; a NaN or inf is raised naming the sample."""
     if not math.isfinite(score):
-        raise NonFiniteReward(
-            f"the reward function of data_source {item.data_source!r} returned {score} for "
-            f"the response {item.response_text[:80]!r} (ground truth {item.ground_truth!r})"
-        )
+        raise NonFiniteReward(f"the reward function returned {score} for {describe(item)}")
     return score
 
 
@@ -67,11 +58,13 @@ class RewardScorer:
 
     def __init__(
         self,
-        rule_fn: RewardFn,
+        rule_fn: RewardFn | None,
         remote: RemoteReward | None = None,
-        pool: ProcessPoolExecutor | None = None,
+        workers: RewardWorkers | None = None,
     ):
-        self.rule_fn, self.remote, self.pool = rule_fn, remote, pool
+        """`rule_fn` scores in this process; `workers` (custom functions, or several
+        processes) instead of it."""
+        self.rule_fn, self.remote, self.workers = rule_fn, remote, workers
 
     @classmethod
     def from_config(cls, reward_cfg: Any) -> RewardScorer:
@@ -80,15 +73,10 @@ class RewardScorer:
             remote = RemoteReward(
                 reward_cfg.url, reward_cfg.request_timeout_s, reward_cfg.request_retries
             )
-        pool = None
-        if reward_cfg.num_workers > 1:
-            pool = ProcessPoolExecutor(
-                reward_cfg.num_workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(reward_cfg,),
-            )
-        return cls(build_reward_fn(reward_cfg), remote, pool)
+        if reward_cfg.custom_fn or reward_cfg.num_workers > 1:
+            workers = RewardWorkers(reward_cfg, reward_cfg.num_workers, reward_cfg.timeout_s)
+            return cls(None, remote, workers)
+        return cls(build_reward_fn(reward_cfg), remote)
 
     def __call__(self, inputs: list[RewardInput]) -> list[float]:
         bad = sorted({item.style for item in inputs} - set(STYLES))
@@ -97,10 +85,12 @@ class RewardScorer:
         scores = [math.nan] * len(inputs)
         rules = [i for i, item in enumerate(inputs) if item.style == "rule"]
         rule_items = [inputs[i] for i in rules]
-        if self.pool is not None:
-            values = list(self.pool.map(_score_in_worker, rule_items, chunksize=8))
+        if self.workers is not None:
+            values = self.workers(rule_items) if rule_items else []
         else:
-            values = [_rule_score(self.rule_fn, item) for item in rule_items]
+            assert self.rule_fn is not None
+            values = [raw_score(self.rule_fn, item) for item in rule_items]
+        values = [finite_score(v, item) for v, item in zip(values, rule_items)]
         for i, value in zip(rules, values):
             scores[i] = value
         models = [i for i, item in enumerate(inputs) if item.style == "model"]
@@ -111,8 +101,8 @@ class RewardScorer:
         return scores
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()
 
 
 def _remote_item(item: RewardInput) -> dict[str, Any]:
@@ -123,3 +113,18 @@ def _remote_item(item: RewardInput) -> dict[str, Any]:
         "ground_truth": item.ground_truth,
         "extra_info": item.extra_info,
     }
+
+
+def probe_reward_function(reward_cfg: Any, row: Any) -> None:
+    """Before any server starts: the custom function scores an empty response to `row` (a
+    training prompt row), so that one that fails, returns a non-number or hangs on it stops
+    the run now, in one line, not after the first generation."""
+    if not reward_cfg.custom_fn:
+        return
+    scorer = RewardScorer.from_config(reward_cfg)
+    origin = f"row {row.row} of {row.file}, an empty response (the startup check)"
+    item = RewardInput(row.data_source, "", row.ground_truth, row.extra_info, origin=origin)
+    try:
+        scorer([item])
+    finally:
+        scorer.close()

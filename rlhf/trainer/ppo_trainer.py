@@ -28,6 +28,7 @@ from rlhf.memory.report import startup_report, verdict
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
 from rlhf.reward import ground_truth_checker
+from rlhf.reward.scorer import probe_reward_function
 from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.generation import val_sampling_params
 from rlhf.rollout.policy_servers import PolicyServers
@@ -77,6 +78,9 @@ class PPOTrainer:
         )
         datasets = {"data.train_files": self.train_data, "data.val_files": self.val_data}
         check_model_rows_have_a_scorer(cfg, {k: v for k, v in datasets.items() if v is not None})
+        rows = (p.row for p in self.train_data.prompts if p.row.style == "rule")
+        if (first_rule_row := next(rows, None)) is not None:
+            probe_reward_function(cfg.reward, first_rule_row)
         rollout = cfg.actor_rollout_ref.rollout
         self.sampler = PromptSampler(
             len(self.train_data), cfg.data.train_batch_size, rollout.n, cfg.data.seed

@@ -79,6 +79,7 @@ _FREE_KEYS = {
     "reward.request_timeout_s",
     "reward.request_retries",
     "reward.num_workers",
+    "reward.timeout_s",
     *(f"{AR}.rollout.{leaf}" for leaf in _FREE_ROLLOUT),
 }
 

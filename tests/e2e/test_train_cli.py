@@ -99,6 +99,30 @@ def test_a_resume_that_would_mix_two_runs_is_refused_before_any_server(tiny_qwen
     assert (run_dir / "config.yaml").read_text() == dump_yaml(cfg)
 
 
+def test_a_reward_function_that_returns_text_stops_the_run_before_any_server(
+    tiny_qwen2_dir, tmp_path
+):
+    run_dir = tmp_path / "run"
+    train, _ = write_quickstart_data(tmp_path / "data", num_train=20, num_val=4)
+    user = tmp_path / "user_reward.py"
+    user.write_text(
+        "def judge(data_source, solution_str, ground_truth, extra_info):\n    return 'ok'\n"
+    )
+    args = [
+        f"actor_rollout_ref.model.path={tiny_qwen2_dir}",
+        f"trainer.default_local_dir={run_dir}",
+        f"data.train_files={train}",
+        "data.val_files=null",
+        f"reward.custom_fn={user}:judge",
+    ]
+    proc = rlhf_train(CONFIG, args, tmp_path, timeout_s=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("rlhf-train: reward failed: the reward function failed on row 0 of ")
+    assert "an empty response (the startup check)" in line and "returned 'ok'" in line
+    assert "Traceback" not in proc.stderr and not list(run_dir.rglob("sglang_*.log"))
+
+
 @pytest.mark.slow(reason="a whole run that launches and stops its own SGLang server (~22 s)")
 def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_path):
     run_dir = tmp_path / "run"

@@ -51,7 +51,7 @@ def test_a_reward_function_returning_nan_is_an_error_naming_the_response():
     item = RewardInput("gsm8k", "#### 12 apples", "12")
     with pytest.raises(
         NonFiniteReward,
-        match=r"returned nan for the response '#### 12 apples' "
-        r"\(ground truth '12'\)",
+        match=r"returned nan for data_source 'gsm8k', response '#### 12 apples', "
+        r"ground truth '12'",
     ):
         scorer([item])

@@ -43,7 +43,7 @@ def test_a_process_pool_gives_the_same_rule_scores():
     rows = [RewardInput("gsm8k", f"#### {i % 7}", str(i % 3)) for i in range(40)]
     inline, pooled = scorer_for(), scorer_for("reward.num_workers=2")
     try:
-        assert pooled.pool is not None
+        assert pooled.workers is not None and pooled.rule_fn is None
         assert pooled(rows) == inline(rows) == [float(i % 7 == i % 3) for i in range(40)]
     finally:
         pooled.close()
