@@ -14,6 +14,7 @@ run ends and stops them then; a trainer killed outright leaves them at their nex
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import signal
@@ -164,10 +165,8 @@ class RewardWorkers:
 
     def close(self) -> None:
         for worker in self.workers:
-            try:
+            with contextlib.suppress(OSError):  # already gone
                 worker.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
             worker.process.join(timeout=5)
             if worker.process.is_alive():
                 worker.process.kill()
