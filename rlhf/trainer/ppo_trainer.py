@@ -27,6 +27,7 @@ from rlhf.logging import MetricTracker, StepProfiler
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
+from rlhf.models.model_dir import check_tokenizer_fits
 from rlhf.reward import ground_truth_checker
 from rlhf.reward.scorer import probe_reward_function
 from rlhf.reward.validation import val_samples, validation_metrics
@@ -48,6 +49,7 @@ from rlhf.trainer.setup import build_ppo_models
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
+MODEL_KEY = "actor_rollout_ref.model.path"
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class PPOTrainer:
         every model directory of the run)."""
         self.cfg, self.ctx, self.run_dir, self.arch = cfg, ctx, run_dir, arch
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
+        check_tokenizer_fits(self.tokenizer, arch, cfg.actor_rollout_ref.model.path, MODEL_KEY)
         scorable = ground_truth_checker(cfg.reward)  # unscorable rule rows fail here
         self.train_data = prompt_dataset_from_config(
             cfg.data, self.tokenizer, "train", check_ground_truth=scorable

@@ -186,3 +186,27 @@ def test_j_checkpoint_directory_too_small(capsys, tiny_qwen2_dir, data, tmp_path
     checkpoints = small / "run" / "checkpoints"
     assert line.startswith(f"rlhf-train: error: checkpoint directory {checkpoints} has ")
     assert "a checkpoint of this run takes about" in line
+
+
+def test_k_weights_of_another_size_than_config_json(capsys, tiny_qwen2_dir, data, tmp_path):
+    hidden = json.loads((tiny_qwen2_dir / "config.json").read_text())["hidden_size"]
+    model = model_copy(tiny_qwen2_dir, tmp_path / "model", hidden_size=hidden * 2)
+    code, line = train_error(capsys, model, data, tmp_path)
+    assert code == 2 and line.startswith(f"rlhf-train: error: actor_rollout_ref.model.path={model}")
+    assert "in the safetensors but config.json implies" in line
+    assert "the weights and config.json are of different models" in line
+
+
+def test_l_tokenizer_larger_than_the_embedding(capsys, tiny_qwen2_dir, data, tmp_path):
+    from transformers import AutoTokenizer
+
+    model = model_copy(tiny_qwen2_dir, tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(vocab - len(tokenizer) + 5)])
+    tokenizer.save_pretrained(model)
+    code, line = train_error(capsys, model, data, tmp_path)
+    assert code == 2 and line.startswith(f"rlhf-train: error: actor_rollout_ref.model.path={model}")
+    assert (
+        f"the tokenizer has {vocab + 5} tokens but the model's embedding has {vocab} rows" in line
+    )
