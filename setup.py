@@ -62,6 +62,9 @@ setup(
             "rlhf-doctor=rlhf.cli.doctor:main",
             "rlhf-check-env=rlhf.cli.check_env:main",
             "rlhf-make-tiny-model=rlhf.cli.make_tiny_model:main",
-        ]
+        ],
+        # loaded by SGLang at the start of each of its processes; active only in servers
+        # this project launches (rlhf/rollout/sglang_plugin.py)
+        "sglang.srt.plugins": ["rlhf_bound_stores=rlhf.rollout.sglang_plugin:register"],
     },
 )

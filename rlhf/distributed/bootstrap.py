@@ -7,11 +7,9 @@ The only code that initialises, reads and tears down Megatron's global `parallel
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import os
 import random
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -21,6 +19,7 @@ import torch.distributed as dist
 from rlhf.config.validate import sequence_parallel_on
 from rlhf.distributed.context import ParallelContext
 from rlhf.distributed.cpu_compat import apply_cpu_compat
+from rlhf.distributed.stores import bound_store
 
 log = logging.getLogger(__name__)
 
@@ -70,59 +69,6 @@ def _init_process_group(device: torch.device, timeout_minutes: int) -> None:
             world_size=1,
             timeout=timeout,
         )
-
-
-def listen_host(address: str) -> str:
-    """Where to listen so that peers told `address` reach us: `address` itself, unless it
-    is a host name that resolves to a loopback address here (hosts files often map the
-    machine's own name to 127.0.1.1) while peers elsewhere resolve it to a real address:
-    then every interface, with a warning naming the name."""
-    try:
-        if ipaddress.ip_address(address):
-            return address
-    except ValueError:
-        pass
-    if address == "localhost":
-        return address
-    try:
-        resolved = socket.gethostbyname(address)
-    except OSError:
-        return address  # binding fails with a message naming it
-    if ipaddress.ip_address(resolved).is_loopback:
-        log.warning(
-            "%s resolves to %s (loopback) on this machine; listening on every interface so "
-            "that other machines can reach it; give an IP address to listen on one",
-            address,
-            resolved,
-        )
-        return ""
-    return resolved
-
-
-def bound_store(host: str, world_size: int, timeout: timedelta) -> dist.TCPStore:
-    """A master TCPStore listening on `host` only (127.0.0.1: only this machine reaches it);
-    its port is `.port`.
-
-    `TCPStore(host, port, is_master=True)` and `init_method="tcp://host:port"` listen on every
-    interface whatever the host says: torch's libuv store binds "::" (else "0.0.0.0") in
-    `UvTcpServer::makeWithPort` (torch/csrc/distributed/c10d/TCPStoreLibUvBackend.cpp) and
-    uses no address of ours. It listens on a socket it is handed instead (`master_listen_fd`,
-    used by `LibUVStoreDaemon::init`), so we bind one ourselves; the store takes the
-    descriptor over and closes it. Bound before the store exists, the port cannot be taken.
-    """
-    listen = listen_host(host)
-    family = socket.AF_INET6 if ":" in listen else socket.AF_INET
-    sock = socket.create_server((listen, 0), family=family)
-    port = sock.getsockname()[1]
-    return dist.TCPStore(
-        host,
-        port,
-        world_size,
-        True,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-    )
 
 
 def init_parallel(

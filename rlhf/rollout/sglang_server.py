@@ -26,6 +26,7 @@ from typing import BinaryIO
 from rlhf import sglang_api
 from rlhf.config.engine_args import server_argv
 from rlhf.config.schema import RolloutConfig
+from rlhf.rollout.sglang_plugin import ENV as ENV_BOUND_STORES
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def build_server_args(
         "--random-seed",
         str(seed),
     ]
-    env: dict[str, str] = {}
+    env: dict[str, str] = {ENV_BOUND_STORES: "1"}  # rlhf/rollout/sglang_plugin.py
     if device == "cpu":
         argv += [
             "--device",

@@ -29,7 +29,7 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
 from rlhf import sglang_api
-from rlhf.distributed.bootstrap import bound_store
+from rlhf.distributed.stores import bound_store
 from rlhf.weight_sync.gather import Bucket
 
 log = logging.getLogger(__name__)

@@ -64,3 +64,25 @@ def test_server_generates_and_matches_transformers(tiny_qwen2_dir, sglang_server
     # the server runs with the engine_kwargs.sglang it was launched with
     assert {k: info[k] for k in SHARED_SERVER_KWARGS} == SHARED_SERVER_KWARGS
     assert "sglang" in sglang_server.log_path.read_text().lower()
+
+
+@pytest.mark.reliability
+def test_no_process_of_a_launched_server_listens_beyond_loopback(sglang_server):
+    """SGLang's scheduler hosts a torch.distributed store for its process group; torch binds
+    such stores to every interface, unless the project's SGLang plugin
+    (rlhf/rollout/sglang_plugin.py) binds it to its host. Every listening socket of the
+    server's processes (HTTP server, scheduler store, ...) is on a loopback address."""
+    import ipaddress
+
+    import psutil
+
+    root = psutil.Process(sglang_server.proc.pid)
+    listening = [
+        (proc.pid, " ".join(proc.cmdline())[:60], conn.laddr)
+        for proc in [root, *root.children(recursive=True)]
+        for conn in proc.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN
+    ]
+    assert len(listening) >= 2, listening  # the HTTP server and the scheduler's store
+    exposed = [item for item in listening if not ipaddress.ip_address(item[2].ip).is_loopback]
+    assert not exposed, exposed

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from rlhf.distributed.bootstrap import bound_store
+from rlhf.distributed.stores import bound_store
 
 pytestmark = pytest.mark.reliability
 
@@ -81,13 +81,13 @@ def test_a_single_process_run_uses_a_loopback_store():
 def test_listen_host_keeps_addresses_and_opens_up_names_that_resolve_to_loopback(monkeypatch):
     """A hosts file mapping the machine's own name to 127.0.1.1 would make a store bound to
     "the name" unreachable for the servers on other machines that resolve it correctly."""
-    from rlhf.distributed import bootstrap
+    from rlhf.distributed import stores
 
     names = {"head-node": "127.0.1.1", "gpu-7": "10.1.2.3"}
-    monkeypatch.setattr(bootstrap.socket, "gethostbyname", names.__getitem__)
-    assert bootstrap.listen_host("127.0.0.1") == "127.0.0.1"
-    assert bootstrap.listen_host("10.0.0.5") == "10.0.0.5"
-    assert bootstrap.listen_host("::1") == "::1"
-    assert bootstrap.listen_host("localhost") == "localhost"
-    assert bootstrap.listen_host("head-node") == ""  # every interface
-    assert bootstrap.listen_host("gpu-7") == "10.1.2.3"
+    monkeypatch.setattr(stores.socket, "gethostbyname", names.__getitem__)
+    assert stores.listen_host("127.0.0.1") == "127.0.0.1"
+    assert stores.listen_host("10.0.0.5") == "10.0.0.5"
+    assert stores.listen_host("::1") == "::1"
+    assert stores.listen_host("localhost") == "localhost"
+    assert stores.listen_host("head-node") == ""  # every interface
+    assert stores.listen_host("gpu-7") == "10.1.2.3"
