@@ -243,9 +243,10 @@ class CheckpointManager:
         """
         tmp = self.root / f"{TMP_PREFIX}{step}"
         if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            with self._storage_errors(step):  # a directory turned read-only since startup
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
         _barrier()
         try:
             yield tmp
@@ -262,9 +263,21 @@ class CheckpointManager:
             raise
         _barrier()
         if _rank() == 0:
-            self._publish(tmp, step)
-            self._prune(step)
+            with self._storage_errors(step):
+                self._publish(tmp, step)
+                self._prune(step)
         _barrier()
+
+    @contextmanager
+    def _storage_errors(self, step: int) -> Iterator[None]:
+        """A full or read-only disk met outside the writers' body, said as such."""
+        try:
+            yield
+        except OSError as e:
+            problem = write_failure(self.root, e)
+            if problem is None:
+                raise
+            raise CheckpointStorageError(f"step {step}: {problem}") from e
 
     def _publish(self, tmp: Path, step: int) -> None:
         fsync_tree(tmp)

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
     )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.seed=3")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides before and after the options
 
 
 def resolve(args: argparse.Namespace) -> RLHFConfig:
@@ -155,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # SIGTERM: ended after a step (rlhf.trainer.preemption)
         print(f"rlhf-train: {e}", file=sys.stderr)
         return 128 + signal.SIGTERM
+    except KeyboardInterrupt:  # the servers were stopped on the way out
+        print(
+            "rlhf-train: interrupted (Ctrl-C); the steps since the latest checkpoint are "
+            "lost and the same command resumes from it",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     return 0
 
 

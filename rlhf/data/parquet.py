@@ -146,6 +146,10 @@ def _column_problems(schema: pa.Schema, prompt_key: str) -> list[tuple[str, str]
     return problems
 
 
+# What chat templates render (OpenAI's roles; `tool` for tool results).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _prompt_problem(prompt: Any) -> str | None:
     if prompt is None:
         return "null prompt"
@@ -159,8 +163,8 @@ def _prompt_problem(prompt: Any) -> str | None:
         for part in ("role", "content"):
             if not isinstance(message.get(part), str):
                 return f"message {i} has no {part}"
-        if not message["role"].strip():
-            return f"message {i} has an empty role"
+        if message["role"] not in CHAT_ROLES:
+            return f"message {i} has role {message['role']!r}; chat roles are {CHAT_ROLES}"
     if not any(m["content"].strip() for m in prompt):
         return "empty prompt (every message has empty content)"
     return None

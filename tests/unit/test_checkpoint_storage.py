@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -149,3 +150,26 @@ def test_keeper_says_what_is_lost_and_decides_the_preemption_save(tiny_qwen2_dir
     with pytest.raises(Preempted, match=r"after step 4: no checkpoint written .* step 4 is lost"):
         keeper.end_if_preempted(4, no_time, save)
     assert saved == [3]
+
+
+def test_a_directory_turned_read_only_mid_run_says_read_only_and_what_is_lost(
+    tiny_qwen2_dir, tmp_path
+):
+    """Writable at startup (the probe passed), read-only at the second save: the keeper's
+    documented line (read-only, the steps lost), not the bare OSError of a mkdir."""
+    cfg = load_config(
+        str(REPO / "configs" / "quickstart_cpu.yaml"),
+        [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"],
+    )
+    with small_filesystem(tmp_path / "disk", 4096) as disk:
+        keeper = CheckpointKeeper(cfg, load_arch(tiny_qwen2_dir), disk, True, total_steps=10)
+        keeper.save(1, lambda tmp: (tmp / "state").write_text("1"))
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(CheckpointStorageError) as err:
+            keeper.save(2, lambda tmp: (tmp / "state").write_text("2"))
+    message = str(err.value)
+    assert message.startswith("step 2: checkpoint not written: ")
+    assert "is read-only or not writable" in message
+    assert message.endswith(
+        f"step 2 is lost (the latest checkpoint is {disk / 'checkpoints' / 'global_step_1'})"
+    )

@@ -120,6 +120,10 @@ CASES = {
         [row(prompt=[{"role": "user", "content": None}])],
         "row 0, column 'prompt': message 0 has no content",
     ),
+    "unknown chat role": (
+        [row(), row(prompt=[{"role": "robot", "content": "2 + 2?"}])],
+        "row 1, column 'prompt': message 0 has role 'robot'; chat roles are ('system', 'user',",
+    ),
     "all contents empty": (
         [row(prompt=[{"role": "user", "content": ""}])],
         "row 0, column 'prompt': empty prompt (every message has empty content)",

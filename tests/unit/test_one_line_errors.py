@@ -210,3 +210,20 @@ def test_l_tokenizer_larger_than_the_embedding(capsys, tiny_qwen2_dir, data, tmp
     assert (
         f"the tokenizer has {vocab + 5} tokens but the model's embedding has {vocab} rows" in line
     )
+
+
+def test_m_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "run", interrupted)
+    assert train.main(["--config", QUICKSTART]) == 130
+    line = one_line(capsys.readouterr().err, "rlhf-train: ")
+    assert line.startswith("rlhf-train: interrupted (Ctrl-C); the steps since the latest")
+
+
+def test_n_overrides_before_and_after_the_options(capsys):
+    args = ["--config", QUICKSTART, "data.seed=3", "--print-config", "trainer.save_freq=7"]
+    assert train.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "seed: 3" in printed and "save_freq: 7" in printed
