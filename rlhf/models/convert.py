@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf.models.builder import ValueHead, attach_value_head, build_model, load_hf_weights
+from rlhf.models.dist_ckpt import load_distributed
 from rlhf.models.families import ModelArch, check_parallel_sizes, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
@@ -156,8 +157,6 @@ def hf_to_mcore(hf_dir: Path, out_dir: Path, placement: Placement) -> None:
 
 def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype | None = None):
     """Build this rank's model from a converted checkpoint's config and load its weights."""
-    from megatron.core import dist_checkpointing
-
     meta = read_meta(mcore_dir)
     arch = load_arch(mcore_dir / "hf")
     model = build_model(
@@ -170,7 +169,7 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
     if meta.get("head", "lm") == "value":
         model = attach_value_head(model, arch)
     wanted = model.sharded_state_dict()
-    state = dist_checkpointing.load(wanted, str(mcore_dir / "model"))
+    state = load_distributed(wanted, mcore_dir / "model")
     # a trainer checkpoint also holds the plain optimizer's state: only the model's is read
     model.load_state_dict({key: value for key, value in state.items() if key in wanted})
     return model, arch

@@ -25,6 +25,7 @@ from rlhf.config.schema import OptimConfig
 from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.chunks import ModelChunks
+from rlhf.models.dist_ckpt import load_distributed
 from rlhf.models.mapping import Placement
 from rlhf.trainer.micro_batch import MicroBatch
 from rlhf.trainer.nonfinite import tensors_finite
@@ -284,8 +285,6 @@ class TrainableMegatronModel(MegatronModel):
         save_optimizer_shards(self.optimizer, self.param_names(), where, directory / "optimizer")
 
     def _load(self, directory: Path) -> None:
-        from megatron.core import dist_checkpointing
-
         if not directory.is_dir():
             raise FileNotFoundError(f"no model checkpoint at {directory}")
         saved_distributed = (directory / "optimizer").is_dir()
@@ -299,7 +298,7 @@ class TrainableMegatronModel(MegatronModel):
         model_dir = directory / "model"
         if not model_dir.is_dir():  # written before model/ existed: the plain optimizer's
             model_dir = directory
-        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(model_dir))
+        state = load_distributed(self.sharded_state_dict(is_loading=True), model_dir)
         self.module.load_sharded(state["model"])
         if saved_distributed:
             where = self.optimizer_coordinate()

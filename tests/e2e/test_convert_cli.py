@@ -130,8 +130,8 @@ def test_clear_errors_for_bad_inputs(tiny_qwen2_dir, tp2_checkpoint, tmp_path, c
     config["intermediate_size"] = 96
     (mismatch / "config.json").write_text(json.dumps(config))
     line = fails("hf-to-mcore", mismatch, tmp_path / "b")
-    assert "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [128, 64]" in line
-    assert "the config implies [96, 64]" in line
+    assert "tensor 'model.layers.0.mlp." in line and "in the safetensors but config.json" in line
+    assert "intermediate_size 96" in line
 
     # unsupported family
     other = tmp_path / "gpt2"
@@ -146,3 +146,20 @@ def test_clear_errors_for_bad_inputs(tiny_qwen2_dir, tp2_checkpoint, tmp_path, c
         "mcore-to-hf", tmp_path / "no", tmp_path / "d"
     )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+    # a Megatron checkpoint missing one of its files, or with one damaged at the same size
+    shard = sorted((tp2_checkpoint / "model").glob("*.distcp"))[0]
+    gone = tmp_path / "gone"
+    shutil.copytree(tp2_checkpoint, gone)
+    (gone / "model" / shard.name).unlink()
+    line = fails("mcore-to-hf", gone, tmp_path / "e")
+    assert f"{gone / 'model'}: the Megatron checkpoint cannot be read (" in line
+    assert "missing or damaged" in line
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tp2_checkpoint, damaged)
+    data = bytearray((damaged / "model" / shard.name).read_bytes())
+    data[::7] = bytes(b ^ 0x55 for b in data[::7])
+    (damaged / "model" / shard.name).write_bytes(bytes(data))
+    line = fails("mcore-to-hf", damaged, tmp_path / "f")
+    assert f"{damaged / 'model'}: the Megatron checkpoint cannot be read (" in line
+    assert "weights_only=False" not in line

@@ -1,0 +1,43 @@
+"""Reading a Megatron distributed checkpoint, with a damaged or incomplete one said in one line.
+
+A checkpoint missing one of its `.distcp` files, or holding one damaged at the same size (so
+the size check of `rlhf.checkpoint.manager.damage` passes), used to end in a traceback of
+torch's loader; a damaged pickle even advised `weights_only=False`, i.e. running whatever
+the file holds. The reader's failure is reported with the directory and the first line of
+its innermost cause instead, and nothing is loaded with `weights_only=False`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf.models.hf_io import CheckpointFileError
+
+
+def innermost(error: BaseException) -> BaseException:
+    """The error at the bottom of `error`'s chain of causes."""
+    seen = {id(error)}
+    while True:
+        nxt = error.__cause__ or error.__context__
+        if nxt is None or id(nxt) in seen:
+            return error
+        seen.add(id(nxt))
+        error = nxt
+
+
+def load_distributed(sharded_state_dict: dict, directory: Path) -> dict:
+    """`dist_checkpointing.load` of `directory`; a missing or damaged file is a
+    `CheckpointFileError` naming the directory and what the reader hit."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(directory))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        cause = innermost(e)
+        first = (str(cause).strip().splitlines() or [""])[0][:300]
+        raise CheckpointFileError(
+            f"{directory}: the Megatron checkpoint cannot be read ({type(cause).__name__}: "
+            f"{first}); a file of it is missing or damaged: use an earlier checkpoint"
+        ) from e
