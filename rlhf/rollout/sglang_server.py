@@ -186,8 +186,10 @@ class SGLangServer:
         self.url = launch.url
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
+        self.shm_before: set[Path] = set()  # SGLang's /dev/shm files when it started
 
     def start(self) -> SGLangServer:
+        self.shm_before = sglang_shm_files()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with _open_log(self.log_path, private="--api-key" in self.launch.argv) as log_file:
             self.proc = subprocess.Popen(
@@ -261,12 +263,49 @@ class SGLangServer:
                 break
         _kill_group(pgid)
         self.proc = None
+        remove_unused_shm_files(self.shm_before)
 
     def __enter__(self) -> SGLangServer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+SHM = Path("/dev/shm")
+# SGLang's load-snapshot slots and the named semaphores of its multiprocessing (spawn) objects
+SHM_PREFIXES = ("sglang_loads_", "sem.mp-")
+
+
+def sglang_shm_files() -> set[Path]:
+    """SGLang's files in /dev/shm (of every server on the machine)."""
+    return {p for p in SHM.iterdir() if p.name.startswith(SHM_PREFIXES)}
+
+
+def held_shm_files() -> set[Path]:
+    """The /dev/shm files some live process has mapped or open."""
+    held: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text().splitlines()
+            paths = [line.split(maxsplit=5)[-1] for line in maps]
+            paths += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        held.update(Path(text) for text in paths if text.startswith(f"{SHM}/"))
+    return held
+
+
+def remove_unused_shm_files(before: set[Path]) -> None:
+    """Unlink SGLang's /dev/shm files that appeared since `before` and that no live process
+    uses: its processes die by SIGKILL, which skips SGLang's (and multiprocessing's) own
+    unlinking, so every start used to leave some. A file in use (another server's) is kept;
+    so is every file older than this server."""
+    for path in sglang_shm_files() - before - held_shm_files():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _group_alive(pgid: int) -> bool:

@@ -10,6 +10,7 @@ import yaml
 from rlhf.checkpoint.manager import CheckpointManager
 from rlhf.config import dump_yaml, load_config
 from rlhf.quickstart.data import write_quickstart_data
+from rlhf.rollout.sglang_server import sglang_shm_files
 from tests.helpers import REPO, processes_on, rlhf_train
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
@@ -135,8 +136,10 @@ def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_
         "trainer.total_training_steps=1",
     ]
     before = processes_on(tiny_qwen2_dir)
+    shm_before = sglang_shm_files()
     proc = rlhf_train(CONFIG, overrides, tmp_path, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sglang_shm_files() - shm_before == set()  # its /dev/shm files went with it
     assert f"checkpoints: {run_dir / 'checkpoints'}" in proc.stdout
     output = proc.stdout + proc.stderr
     assert output.count("rollout.free_cache_engine: no effect on CPU") == 1  # launched servers
