@@ -36,6 +36,9 @@ from rlhf.utils import cpu_threads, free_ports
 log = logging.getLogger(__name__)
 
 KEY = "actor_rollout_ref.rollout"
+# How long a server that failed a request but still runs may take to answer /health again or
+# to die (SGLang's HTTP process outlives a crashed scheduler by ~5 s); then it is restarted.
+SETTLE_S = 30.0
 
 
 class ServerGroup:
@@ -221,9 +224,29 @@ class ServerGroup:
             server = self._launched(url)
             if server is None:
                 raise ValueError(f"{url} is not a server of this group ({self.server_urls})")
-            if not server.is_alive():
+            if not self._settled(server):
                 self._run_on_launcher(self._restart, server)
             return url
+
+    def _settled(self, server: SGLangServer) -> bool:
+        """A server a request failed on: healthy (True), or dead, or stopped here after
+        `SETTLE_S` of running without answering /health (False: restart it). A crashed
+        server's process may still run for a few seconds; asked at once, it looked alive and
+        the caller's next request was refused with nothing restarted."""
+        deadline = time.monotonic() + SETTLE_S
+        while server.is_alive():
+            if server.healthy():
+                return True
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "SGLang server at %s runs but has not answered /health for %.0f s; stopping it",
+                    server.url,
+                    SETTLE_S,
+                )
+                server.stop()
+                return False
+            time.sleep(0.5)
+        return False
 
     def _recover_servers(self) -> None:
         if self.external:

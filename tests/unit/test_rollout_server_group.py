@@ -273,3 +273,29 @@ def test_sigterm_in_a_child_process_stops_servers_and_exits_143(tmp_path):
     for pgid in pgids:
         with pytest.raises(ProcessLookupError):
             os.killpg(pgid, 0)
+
+
+def test_a_server_that_fails_but_still_runs_is_waited_for_then_restarted(
+    stand_in, tmp_path, monkeypatch
+):
+    """A crashed SGLang server's process can run for seconds more: recovery waits for it to
+    die (or for SETTLE_S) and restarts it, instead of taking it for alive and calling it
+    again at once (the flaky "Connection refused" of the distributed transport)."""
+    monkeypatch.setattr(server_group, "SETTLE_S", 8.0)
+    restarted: list[str] = []
+    group = ServerGroup(
+        rollout(max_server_restarts=2), "m", log_dir=tmp_path, on_restart=restarted.append
+    )
+    with group.start():
+        (url,) = group.server_urls
+        dying = group.servers[0].proc
+        os.kill(dying.pid, signal.SIGSTOP)  # no answers, still a live process
+        threading.Timer(1.5, os.killpg, (dying.pid, signal.SIGKILL)).start()
+        assert group.recover(url) == url
+        assert restarted == [url] and group.health() == {url: True}
+        hung = group.servers[0].proc
+        os.kill(hung.pid, signal.SIGSTOP)  # never answers again, never dies by itself
+        start = time.monotonic()
+        assert group.recover(url) == url
+        assert time.monotonic() - start >= 8.0
+        assert restarted == [url, url] and group.health() == {url: True}
