@@ -27,7 +27,10 @@ import torch
 
 from tests.helpers import run_torchrun
 
-QWEN_VOCAB, QWEN_TOKENS = 151936, 2048  # a multiple of 128: Megatron adds no padding
+# A 152k vocabulary (a multiple of 128: Megatron adds no padding). The head's fp32 chunk is
+# scaled down with the tokens: 512 tokens in chunks of 64 MiB (110 tokens) are the 2048
+# tokens in the default 256 MiB (441 tokens) at a quarter of the CPU time.
+QWEN_VOCAB, QWEN_TOKENS, QWEN_CHUNK_MIB = 151936, 512, 64
 CASES = {"256": (256, "float32"), "1024": (1024, "float32"), "1024-bf16": (1024, "bfloat16")}
 
 
@@ -73,12 +76,13 @@ def test_a_152k_vocabulary_holds_at_most_6_bytes_per_logit_and_the_critic_none(t
         out = tmp_path / f"{role}.pt"
         args = ["--model", str(model), "--tokens", str(QWEN_TOKENS), "--dtype", "bfloat16"]
         args += ["--variants", "none", "--role", role, "--out", str(out)]
-        run_torchrun("activation_memory.py", 1, args)
+        run_torchrun("activation_memory.py", 1, [*args, "--chunk-mib", str(QWEN_CHUNK_MIB)])
         runs[role] = run = torch.load(out, weights_only=False)["none"]
         assert abs(run["estimate"] - run["peak"]) <= 0.1 * run["peak"], (role, run)
     per_logit = runs["actor"]["peak"] / (QWEN_TOKENS * QWEN_VOCAB)
     assert 4 <= per_logit <= 6, per_logit  # at least the bf16 logits and their gradient
-    assert runs["critic"]["peak"] < 0.1 * runs["actor"]["peak"]
+    # the critic holds no T x V logits: under 1 byte per logit (bf16 logits alone take 2)
+    assert runs["critic"]["peak"] < QWEN_TOKENS * QWEN_VOCAB
 
 
 def test_sequence_parallelism_lowers_the_peak_as_planned(tiny_qwen2_dir, tmp_path):

@@ -32,7 +32,14 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--vp", type=int, default=1, help="virtual-pipeline chunks per stage")
+    parser.add_argument(
+        "--chunk-mib", type=int, help="the log-prob head's fp32 chunk (default: its own)"
+    )
     args = parser.parse_args()
+    if args.chunk_mib is not None:  # read at call time by the head and by the planner
+        from rlhf.models import logprobs
+
+        logprobs.CHUNK_BYTES = args.chunk_mib * 2**20
     split = None if args.sequence_parallel is None else args.sequence_parallel == "true"
     ctx = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp, sequence_parallel=split)
     try:
