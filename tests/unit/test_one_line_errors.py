@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.checkpoint.manager import CheckpointManager
 from rlhf.cli import convert, doctor, train
+from rlhf.config import dump_yaml, load_config
 from rlhf.quickstart.data import write_quickstart_data
 from rlhf.utils import free_port
 from tests.helpers import REPO, ppo_overrides, small_filesystem
@@ -227,3 +229,35 @@ def test_n_overrides_before_and_after_the_options(capsys):
     assert train.main(args) == 0
     printed = capsys.readouterr().out
     assert "seed: 3" in printed and "save_freq: 7" in printed
+
+
+def test_o_a_resume_that_would_mix_two_runs(capsys, tiny_qwen2_dir, data, tmp_path):
+    """A checkpoint written under data.max_response_length=16, resumed with 32: one line
+    naming the key, both values and both ways out; the run's config.yaml is kept."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(QUICKSTART, ppo_overrides(tiny_qwen2_dir, data, run_dir, 1))
+    with CheckpointManager(run_dir / "checkpoints").writing(1) as tmp:  # as the trainer does
+        for role in ("actor", "critic"):
+            (tmp / role).mkdir()
+        (tmp / "config.yaml").write_text(dump_yaml(cfg))
+        sampler = {"num_prompts": 16, "batch_size": cfg.data.train_batch_size}
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": 1, "sampler": sampler}))
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    code, line = train_error(capsys, tiny_qwen2_dir, data, tmp_path, "data.max_response_length=32")
+    assert code == 2 and line.startswith("rlhf-train: error: resume from ")
+    assert "data.max_response_length (16 -> 32)" in line and "resume_mode=disable" in line
+    assert "trainer.resume_accept_changes=[data.max_response_length]" in line
+    assert (run_dir / "config.yaml").read_text() == dump_yaml(cfg)
+
+
+def test_p_a_reward_function_that_returns_text(capsys, tiny_qwen2_dir, data, tmp_path):
+    user = tmp_path / "user_reward.py"
+    user.write_text(
+        "def judge(data_source, solution_str, ground_truth, extra_info):\n    return 'ok'\n"
+    )
+    code, line = train_error(
+        capsys, tiny_qwen2_dir, data, tmp_path, f"reward.custom_fn={user}:judge"
+    )
+    assert code == 1
+    assert line.startswith("rlhf-train: reward failed: the reward function failed on row 0 of ")
+    assert "an empty response (the startup check)" in line and "returned 'ok'" in line
