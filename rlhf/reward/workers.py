@@ -14,6 +14,7 @@ run ends and stops them then; a trainer killed outright leaves them at their nex
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import multiprocessing.connection
@@ -79,12 +80,13 @@ class RewardWorkers:
         self.reward_cfg, self.count, self.timeout_s = reward_cfg, count, timeout_s
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
+        atexit.register(self.close)  # before multiprocessing joins its children at exit
 
     def _start(self) -> _Worker:
         parent, child = self.context.Pipe()
-        process = self.context.Process(
-            target=_serve, args=(child, self.reward_cfg), daemon=True, name="rlhf-reward"
-        )
+        # not daemonic: a user's function may start processes of its own (a sandbox, a
+        # verifier with a process-based timeout); a worker ends at EOF when its trainer dies
+        process = self.context.Process(target=_serve, args=(child, self.reward_cfg))
         process.start()
         child.close()
         worker = _Worker(process, parent)

@@ -38,6 +38,13 @@ def stuck(data_source, solution_str, ground_truth, extra_info):
             pass
     return 1.0
 
+def with_a_process(data_source, solution_str, ground_truth, extra_info):
+    import multiprocessing
+    checker = multiprocessing.get_context("fork").Process(target=len, args=("x",))
+    checker.start()
+    checker.join()
+    return float(checker.exitcode == 0)
+
 def crashing(data_source, solution_str, ground_truth, extra_info):
     if solution_str == "exit":
         os._exit(3)
@@ -133,5 +140,14 @@ def test_workers_outlive_the_sigterm_a_scheduler_sends_to_every_process(tmp_path
             os.kill(worker.process.pid, signal.SIGINT)
         time.sleep(0.5)
         assert score([item("4"), item("3")]) == [1.0, 0.0]
+    finally:
+        score.close()
+
+
+def test_a_function_may_start_processes_of_its_own(tmp_path):
+    """Verifiers and sandboxes often run the check in a child process."""
+    score = scorer(tmp_path, "with_a_process")
+    try:
+        assert score([item("x")]) == [1.0]
     finally:
         score.close()
