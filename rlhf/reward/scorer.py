@@ -19,7 +19,7 @@ from typing import Any
 
 from rlhf.reward.registry import RewardFn, build_reward_fn
 from rlhf.reward.remote import RemoteReward
-from rlhf.reward.workers import RewardWorkers, describe
+from rlhf.reward.workers import RewardWorkers, describe, raw_score
 
 STYLES = ("rule", "model")
 
@@ -39,11 +39,6 @@ class RewardInput:
 
 class NonFiniteReward(FloatingPointError):
     """A reward function returned NaN or inf (the message names the sample)."""
-
-
-def raw_score(fn: RewardFn, item: RewardInput) -> float:
-    """`fn`'s score of `item`, unchecked."""
-    return float(fn(item.data_source, item.response_text, item.ground_truth, item.extra_info))
 
 
 def finite_score(score: float, item: RewardInput) -> float:

@@ -39,12 +39,16 @@ def describe(item: Any) -> str:
     )
 
 
+def raw_score(fn: Any, item: Any) -> float:
+    """`fn`'s score of `item` (a `RewardInput`), unchecked."""
+    return float(fn(item.data_source, item.response_text, item.ground_truth, item.extra_info))
+
+
 def _serve(conn: multiprocessing.connection.Connection, reward_cfg: Any) -> None:
     """A worker: build the function, then score the items it is sent until None or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from rlhf.reward.registry import build_reward_fn
-    from rlhf.reward.scorer import raw_score
 
     try:
         fn = build_reward_fn(reward_cfg)
