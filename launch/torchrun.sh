@@ -64,7 +64,7 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 
 cmd=(
-    "$PYTHON" -m torch.distributed.run
+    "$PYTHON" -m rlhf.cli.torchrun
     --nnodes "$NNODES"
     --node-rank "$NODE_RANK"
     --nproc-per-node "$GPUS_PER_NODE"

@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlhf-train: stopped: {e}", file=sys.stderr)
         return 1
     except Preempted as e:  # SIGTERM: ended after a step (rlhf.trainer.preemption)
-        print(f"rlhf-train: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank ends alike: one line, not N
+            print(f"rlhf-train: {e}", file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:  # the servers were stopped on the way out
         print(

@@ -24,12 +24,19 @@ class CheckpointKeeper:
     """`manager` writes and finds checkpoints; this adds the run's bookkeeping around it."""
 
     def __init__(
-        self, cfg: RLHFConfig, arch: ModelArch, run_dir: Path, is_main: bool, total_steps: int
+        self,
+        cfg: RLHFConfig,
+        arch: ModelArch,
+        run_dir: Path,
+        is_main: bool,
+        total_steps: int,
+        optimizer_group: int = 1,
     ):
+        """`optimizer_group`: the ranks the optimizer state is sharded over (DP x SP)."""
         trainer = cfg.trainer
         # the manager first: it removes what a failed save left before space is counted
         self.manager = CheckpointManager(run_dir / "checkpoints", trainer.max_actor_ckpt_to_keep)
-        self.size = checkpoint_bytes(cfg, arch)
+        self.size = checkpoint_bytes(cfg, arch, optimizer_group)
         saves = total_steps // trainer.save_freq + 1 if trainer.save_freq > 0 else 1
         self.write_rate = self._probe(saves, trainer.max_actor_ckpt_to_keep) if is_main else 0.0
         self.last_save_s: float | None = None

@@ -93,13 +93,16 @@ class PPOTrainer:
         )
         self.log_memory_plan()
         # before any server starts: a read-only or too small checkpoint directory fails now
-        self.keeper = CheckpointKeeper(cfg, self.arch, run_dir, ctx.is_main, self.total_steps)
+        self.keeper = CheckpointKeeper(
+            cfg, self.arch, run_dir, ctx.is_main, self.total_steps, ctx.dp_sp_size
+        )
         self.checkpoints = self.keeper.manager
         # before any server starts: a missing or damaged checkpoint fails (or falls back) now,
         # and one written under settings that would mix two runs is refused
         self.resume_path = self.checkpoints.resolve_resume(cfg.trainer.resume_mode)
         if self.resume_path is not None:
-            check_resume(cfg, self.resume_path, len(self.train_data))
+            data = len(self.train_data)
+            check_resume(cfg, self.resume_path, data, ctx.world_size, ctx.dp_sp_size)
         if ctx.is_main:
             (run_dir / CHECKPOINT_CONFIG).write_text(dump_yaml(cfg))
         num_val = len(self.val_data) if self.val_data is not None else 0

@@ -23,10 +23,11 @@ from typing import Any
 
 import yaml
 
+from rlhf.checkpoint.manager import COMPLETE_MARKER
 from rlhf.checkpoint.state import TRAINER_STATE_FILE
 from rlhf.config.loader import ConfigError, all_keys, dump_yaml
 from rlhf.config.schema import RLHFConfig
-from rlhf.config.validate import uses_critic
+from rlhf.config.validate import distributed_optimizer_on, uses_critic
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +128,17 @@ def _shown(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{k} ({old!r} -> {new!r})" for k, (old, new) in changes.items())
 
 
-def check_resume(cfg: RLHFConfig, checkpoint: Path, num_prompts: int) -> None:
-    """Refuse (ConfigError, one line) a resume from `checkpoint` that would mix runs; say the
-    layout and operations that changed. `num_prompts`: this run's training prompts."""
+def check_resume(
+    cfg: RLHFConfig, checkpoint: Path, num_prompts: int, world_size: int, optimizer_group: int
+) -> None:
+    """Refuse (ConfigError, one line) a resume from `checkpoint` that would mix runs or cannot
+    load; say the layout and operations that changed. `num_prompts`: this run's training
+    prompts; `optimizer_group`: the ranks its optimizer state is sharded over (DP x SP)."""
     accepted = cfg.trainer.resume_accept_changes
     _check_accept_list(accepted)
     _check_structure(cfg, checkpoint, num_prompts)
+    _check_world_size(checkpoint, world_size)
+    _check_optimizer_format(cfg, checkpoint, optimizer_group)
     path = checkpoint / CHECKPOINT_CONFIG
     if not path.is_file():
         log.warning("%s has no %s (an older checkpoint): settings not compared", checkpoint, path)
@@ -172,3 +178,41 @@ def _check_structure(cfg: RLHFConfig, checkpoint: Path, num_prompts: int) -> Non
                 f"resume from {checkpoint}: the checkpoint's prompt order is over {sampler[key]} "
                 f"{name} and this run has {mine}; the order cannot continue: {fresh}"
             )
+
+
+def _check_optimizer_format(cfg: RLHFConfig, checkpoint: Path, optimizer_group: int) -> None:
+    """The distributed optimizer's state (sharded files) and the plain one's (inside the
+    model checkpoint) do not load into each other: a 1-rank checkpoint resumed on several
+    data-parallel ranks, where the distributed optimizer is on by default, is one case."""
+    roles = {"actor": cfg.actor_rollout_ref.actor.megatron}
+    if uses_critic(cfg):
+        roles["critic"] = cfg.critic.megatron
+    for role, megatron in roles.items():
+        saved = (checkpoint / role / "optimizer").is_dir()
+        if not (checkpoint / role).is_dir() or saved == distributed_optimizer_on(
+            megatron, optimizer_group
+        ):
+            continue
+        section = f"{AR}.actor" if role == "actor" else "critic"
+        raise ConfigError(
+            f"resume from {checkpoint}: the {role}'s optimizer state was saved "
+            f"{'with' if saved else 'without'} the distributed optimizer and this run "
+            f"({optimizer_group} data-parallel rank(s)) would {'not ' if saved else ''}use it: "
+            f"set {section}.megatron.use_distributed_optimizer={str(saved).lower()}, as the "
+            "saving run had it"
+        )
+
+
+def _check_world_size(checkpoint: Path, world_size: int) -> None:
+    """Every rank restores its own RNG streams (exact resume), so a checkpoint resumes on as
+    many processes as wrote it; its models and optimizer reshard (rlhf-convert for a new
+    run at another size)."""
+    marker = checkpoint / COMPLETE_MARKER
+    saved = json.loads(marker.read_text()).get("world_size") if marker.is_file() else None
+    if saved is not None and saved != world_size:
+        raise ConfigError(
+            f"resume from {checkpoint}: written by {saved} process(es), and this run has "
+            f"{world_size}; each rank restores its own random streams, so a run resumes on as "
+            f"many processes as wrote it (start it with {saved}, or start fresh from the "
+            "checkpoint's weights: rlhf-convert mcore-to-hf, then model.path)"
+        )

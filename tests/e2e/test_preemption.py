@@ -1,11 +1,13 @@
 """SIGTERM (a preemption) ends a real `rlhf-train` run (CPU, the session's shared SGLang
 server) after the step in flight: with a checkpoint of that step when one fits in
 trainer.preemption_grace_s, which the same command then resumes from; with no time left, no
-checkpoint is started and the one line says which steps are lost."""
+checkpoint is started and the one line says which steps are lost. Both runs are two
+processes under launch/torchrun.sh (DP 2), every process signalled together as SLURM does."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -20,6 +22,7 @@ from rlhf.config import load_config
 from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.models.families import load_arch
 from rlhf.quickstart.data import write_quickstart_data
+from rlhf.utils import free_port
 from tests.helpers import REPO, ppo_overrides
 
 pytestmark = [
@@ -36,25 +39,36 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def sigterm_after_a_step(args: list[str], run_dir: Path) -> tuple[subprocess.CompletedProcess, str]:
-    """Start rlhf-train, SIGTERM it once it logged a step it had not logged before; its exit
-    and the one `rlhf-train:` line it printed. (Output in files: see tests.helpers.rlhf_train.)"""
+def sigterm_after_a_step(
+    args: list[str], run_dir: Path, nproc: int = 1
+) -> tuple[subprocess.CompletedProcess, str]:
+    """Start rlhf-train (nproc > 1: under launch/torchrun.sh), SIGTERM every process of it, as
+    SLURM does, once it logged a step it had not logged before; its exit and the one
+    `rlhf-train:` line its ranks printed. (Output in files: see tests.helpers.rlhf_train.)"""
     before = set(logged_steps(run_dir))
     cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", CONFIG, *args]
+    env = dict(os.environ)
+    if nproc > 1:
+        cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), "--config", CONFIG, *args]
+        env |= {"GPUS_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())}
+        env |= {"PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
     name = f"{run_dir.name}_{len(before)}"  # one pair of files per launch
     logs = run_dir.parent / f"{name}.out", run_dir.parent / f"{name}.err"
     with logs[0].open("w") as out, logs[1].open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=out, stderr=err, text=True, env=env, start_new_session=True
+        )
         deadline = time.monotonic() + 600
         while not set(logged_steps(run_dir)) - before and time.monotonic() < deadline:
             assert proc.poll() is None, logs[1].read_text()[-3000:]
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=300)
     stderr = logs[1].read_text()
     done = subprocess.CompletedProcess(cmd, proc.returncode, logs[0].read_text(), stderr)
-    (line,) = [x for x in stderr.splitlines() if x.startswith("rlhf-train:")]
-    return done, line
+    lines = {x for x in stderr.splitlines() if x.startswith("rlhf-train:")}
+    assert len(lines) == 1, stderr[-3000:]  # every rank says the same
+    return done, lines.pop()
 
 
 def test_sigterm_checkpoints_the_step_then_the_run_resumes(tiny_qwen2_dir, sglang_server, tmp_path):
@@ -70,7 +84,7 @@ def test_sigterm_checkpoints_the_step_then_the_run_resumes(tiny_qwen2_dir, sglan
         "trainer.val_before_train=false",
         server=sglang_server,
     )
-    first, line = sigterm_after_a_step(args, run_dir)
+    first, line = sigterm_after_a_step(args, run_dir, nproc=2)
     assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
     step = logged_steps(run_dir)[-1]
     assert 1 <= step < 8
@@ -81,10 +95,10 @@ def test_sigterm_checkpoints_the_step_then_the_run_resumes(tiny_qwen2_dir, sglan
     )
     assert complete_steps_in(run_dir / "checkpoints") == [step]
     on_disk = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
-    planned = checkpoint_bytes(load_config(CONFIG, args), load_arch(tiny_qwen2_dir))
+    planned = checkpoint_bytes(load_config(CONFIG, args), load_arch(tiny_qwen2_dir), 2)
     assert 0.8 * planned < on_disk < 1.25 * planned, (on_disk, planned)
 
-    second, line = sigterm_after_a_step([*args, "trainer.preemption_grace_s=0"], run_dir)
+    second, line = sigterm_after_a_step([*args, "trainer.preemption_grace_s=0"], run_dir, nproc=2)
     assert second.returncode == 128 + signal.SIGTERM, second.stderr[-3000:]
     assert f"resumed from {checkpoint} (step {step})" in second.stderr
     last = logged_steps(run_dir)[-1]

@@ -79,6 +79,9 @@ def test_planned_checkpoint_size_counts_weights_and_adam(tiny_qwen2_dir):
     config = str(REPO / "configs" / "quickstart_cpu.yaml")
     cfg = load_config(config, [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"])
     assert checkpoint_bytes(cfg, arch) == 2 * params * (4 + 8)
+    # the distributed optimizer (on by default over 2 data-parallel ranks) keeps fp32 master
+    # weights in its shards even when training in fp32
+    assert checkpoint_bytes(cfg, arch, optimizer_group=2) == 2 * params * (4 + 4 + 8)
     grpo = load_config(
         config,
         [

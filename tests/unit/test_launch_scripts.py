@@ -46,7 +46,7 @@ def test_torchrun_dry_run_assembles_the_command():
     result = _run([*argv, "data.seed=3", "--print-config", "trainer.experiment_name=a b"], env)
     assert result.returncode == 0, result.stderr
     expected = (
-        f"{sys.executable} -m torch.distributed.run --nnodes 2 --node-rank 1 "
+        f"{sys.executable} -m rlhf.cli.torchrun --nnodes 2 --node-rank 1 "
         "--nproc-per-node 4 --master-addr head --master-port 1234 --shutdown-timeout 600 "
         "-m rlhf.cli.train "
         f"--config {QUICKSTART} --print-config data.seed=3 trainer.experiment_name=a\\ b "
@@ -73,7 +73,7 @@ def test_torchrun_really_runs_print_config():
     argv = ["bash", "launch/torchrun.sh", "--config", QUICKSTART, "--print-config"]
     result = _run([*argv, "data.seed=7"], env)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stderr.startswith(f"+ {sys.executable} -m torch.distributed.run --nnodes 1")
+    assert result.stderr.startswith(f"+ {sys.executable} -m rlhf.cli.torchrun --nnodes 1")
     resolved = yaml.safe_load(result.stdout)
     assert resolved["trainer"]["nnodes"] == 1
     assert resolved["trainer"]["n_gpus_per_node"] == 1

@@ -17,7 +17,7 @@ AR = "actor_rollout_ref"
 PROMPTS = 64
 
 
-def checkpoint(tmp_path, *overrides: str, critic: bool = True):
+def checkpoint(tmp_path, *overrides: str, critic: bool = True, world_size: int = 1):
     """A checkpoint directory as the trainer writes it, as far as the check reads it."""
     cfg = load_config(QUICKSTART, list(overrides))
     path = tmp_path / "global_step_3"
@@ -27,11 +27,12 @@ def checkpoint(tmp_path, *overrides: str, critic: bool = True):
     (path / CHECKPOINT_CONFIG).write_text(dump_yaml(cfg))
     sampler = {"num_prompts": PROMPTS, "batch_size": cfg.data.train_batch_size}
     (path / "trainer_state.json").write_text(json.dumps({"step": 3, "sampler": sampler}))
+    (path / "COMPLETE").write_text(json.dumps({"step": 3, "world_size": world_size}))
     return path
 
 
-def resume(path, *overrides: str, prompts: int = PROMPTS) -> None:
-    check_resume(load_config(QUICKSTART, list(overrides)), path, prompts)
+def resume(path, *overrides: str, prompts: int = PROMPTS, ranks: int = 1) -> None:
+    check_resume(load_config(QUICKSTART, list(overrides)), path, prompts, ranks, ranks)
 
 
 def test_layout_and_operations_may_change_and_are_said(tmp_path, caplog):
@@ -97,3 +98,21 @@ def test_which_keys_are_layout():
     assert not is_free(f"{AR}.actor.megatron.dtype")
     assert not is_free(f"{AR}.actor.optim.lr")
     assert not is_free("reward.custom_fn")
+
+
+def test_a_checkpoint_resumes_on_as_many_processes_as_wrote_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"written by 1 process\(es\), and this run has 2"):
+        resume(checkpoint(tmp_path), ranks=2)
+
+
+def test_plain_and_distributed_optimizer_states_do_not_load_into_each_other(tmp_path):
+    """A checkpoint of 2 ranks with the plain optimizer resumed where the distributed one is
+    on (its default at 2 data-parallel ranks), and the other way: one line naming the key."""
+    path = checkpoint(tmp_path, world_size=2)
+    with pytest.raises(ConfigError, match=r"actor's optimizer state was saved without the distr"):
+        resume(path, ranks=2)
+    off = [f"{role}.megatron.use_distributed_optimizer=false" for role in (f"{AR}.actor", "critic")]
+    resume(path, *off, ranks=2)
+    (path / "actor" / "optimizer").mkdir()
+    with pytest.raises(ConfigError, match=r"use_distributed_optimizer=true, as the saving run"):
+        resume(path, *off, ranks=2)
