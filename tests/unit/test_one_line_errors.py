@@ -144,8 +144,10 @@ def test_f_infinite_learning_rate(capsys, tiny_qwen2_dir, data, tmp_path, key):
     assert "finite" in line
 
 
-def test_g_convert_kv_heads_not_divisible_by_tp(tiny_qwen2_dir, tmp_path):
-    model = model_copy(tiny_qwen2_dir, tmp_path / "model", num_key_value_heads=1)
+def test_g_convert_kv_heads_not_divisible_by_tp(tmp_path):
+    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", TinyModelSpec(num_key_value_heads=1))
     cmd = [
         sys.executable,
         "-m",

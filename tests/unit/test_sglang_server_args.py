@@ -32,7 +32,8 @@ def test_config_maps_to_flags():
     assert flag(argv, "--dtype") == "bfloat16"
     assert flag(argv, "--random-seed") == "5"
     assert launch.url == "http://0.0.0.0:3000"
-    assert "--device" not in argv and launch.env == {}
+    # the project's SGLang plugin binds the scheduler's store to loopback (sglang_plugin.py)
+    assert "--device" not in argv and launch.env == {"RLHF_SGLANG_BOUND_STORES": "1"}
 
 
 def test_cpu_flags_and_kernel_stand_in():
