@@ -16,6 +16,7 @@ into a freshly built actor comes back equal.
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import torch
@@ -175,6 +176,8 @@ def checkpoint_round_trip(actor, build_actor) -> bool:
     )
     verdict = torch.tensor([float(same)], device=actor.ctx.device)
     torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
+    if torch.distributed.get_rank() == 0:  # every rank has read it: the all-reduce waited
+        shutil.rmtree(directory[0], ignore_errors=True)
     return bool(verdict.item())
 
 
