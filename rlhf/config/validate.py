@@ -276,6 +276,14 @@ def uses_critic(cfg: RLHFConfig) -> bool:
     return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
 
 
+def trained_megatron(cfg: RLHFConfig) -> dict[str, MegatronParallelConfig]:
+    """The Megatron settings of each model the run trains and checkpoints, by role."""
+    trained = {"actor": cfg.actor_rollout_ref.actor.megatron}
+    if uses_critic(cfg):
+        trained["critic"] = cfg.critic.megatron
+    return trained
+
+
 def _changed(value: Any, default: Any, prefix: str) -> list[str]:
     """Dotted keys under `prefix` where `value` (a config section) differs from `default`."""
     if not dataclasses.is_dataclass(value):

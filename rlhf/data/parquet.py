@@ -95,6 +95,11 @@ class PromptRow:
     def ground_truth(self) -> Any:
         return self.reward_model.get("ground_truth")
 
+    @property
+    def origin(self) -> str:
+        """Where it came from, for messages ("row 12 of train.parquet"; "" when unknown)."""
+        return f"row {self.row} of {self.file}" if self.file else ""
+
 
 @dataclass
 class FileReport:

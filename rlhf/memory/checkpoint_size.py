@@ -5,7 +5,7 @@ preemption checkpoint can be timed."""
 from __future__ import annotations
 
 from rlhf.config.schema import RLHFConfig
-from rlhf.config.validate import distributed_optimizer_on, uses_critic
+from rlhf.config.validate import distributed_optimizer_on, trained_megatron
 from rlhf.memory.planner import DTYPE_BYTES, hf_param_count
 from rlhf.models.families import ModelArch
 
@@ -19,11 +19,8 @@ def checkpoint_bytes(cfg: RLHFConfig, arch: ModelArch, optimizer_group: int = 1)
     `trainer.save_hf` an HF copy of the weights. The critic is counted at the actor's size
     (its value head is smaller than the LM head it replaces: a slight overestimate)."""
     params = hf_param_count(arch)
-    roles = [cfg.actor_rollout_ref.actor.megatron]
-    if uses_critic(cfg):
-        roles.append(cfg.critic.megatron)
     total = 0
-    for megatron in roles:
+    for megatron in trained_megatron(cfg).values():
         weight = DTYPE_BYTES[megatron.dtype]
         distributed = distributed_optimizer_on(megatron, optimizer_group)
         master = 4 if weight < 4 or distributed else 0

@@ -117,7 +117,7 @@ def probe_reward_function(reward_cfg: Any, row: Any) -> None:
     if not reward_cfg.custom_fn:
         return
     scorer = RewardScorer.from_config(reward_cfg)
-    origin = f"row {row.row} of {row.file}, an empty response (the startup check)"
+    origin = f"{row.origin}, an empty response (the startup check)"
     item = RewardInput(row.data_source, "", row.ground_truth, row.extra_info, origin=origin)
     try:
         scorer([item])

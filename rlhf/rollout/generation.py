@@ -134,7 +134,6 @@ def _reward_input(prompt: EncodedPrompt, response_text: str, tokenizer) -> Rewar
     prompt_text = ""
     if row.style == "model":  # what a remote judge reads
         prompt_text = tokenizer.decode(prompt.input_ids, skip_special_tokens=True)
-    origin = f"row {row.row} of {row.file}" if row.file else ""
     return RewardInput(
         row.data_source,
         response_text,
@@ -142,5 +141,5 @@ def _reward_input(prompt: EncodedPrompt, response_text: str, tokenizer) -> Rewar
         row.extra_info,
         row.style,
         prompt_text,
-        origin,
+        row.origin,
     )

@@ -27,7 +27,7 @@ from rlhf.checkpoint.manager import COMPLETE_MARKER
 from rlhf.checkpoint.state import TRAINER_STATE_FILE
 from rlhf.config.loader import ConfigError, all_keys, dump_yaml
 from rlhf.config.schema import RLHFConfig
-from rlhf.config.validate import distributed_optimizer_on, uses_critic
+from rlhf.config.validate import distributed_optimizer_on, trained_megatron, uses_critic
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ _FREE_LEAVES = {
     "log_prob_micro_batch_size_per_gpu",
     "log_prob_max_token_len_per_gpu",
 }
-_FREE_ROLLOUT = {
-    "tensor_model_parallel_size",
+_FREE_ROLLOUT = {  # and its tensor_model_parallel_size, a layout leaf
     "gpu_memory_utilization",
     "free_cache_engine",
     "server_startup_timeout_s",
@@ -89,7 +88,7 @@ def is_free(key: str) -> bool:
     """Whether changing `key` between a checkpoint and its resume keeps one experiment."""
     if key in _FREE_KEYS or key.startswith(_FREE_SECTIONS):
         return True
-    return key.rpartition(".")[2] in _FREE_LEAVES and f"{AR}.rollout." not in key
+    return key.rpartition(".")[2] in _FREE_LEAVES
 
 
 def _lookup(tree: Any, key: str) -> Any:
@@ -111,14 +110,19 @@ def changed_keys(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return changes
 
 
+def _within(key: str, entry: str) -> bool:
+    """Whether `key` is the config key `entry` or lies in the section `entry`."""
+    return key == entry or key.startswith(entry + ".")
+
+
 def _accepted(key: str, accepted: list[str]) -> bool:
-    return any(key == a or key.startswith(a + ".") for a in accepted)
+    return any(_within(key, entry) for entry in accepted)
 
 
 def _check_accept_list(accepted: list[str]) -> None:
     keys = all_keys()
     for entry in accepted:
-        if not any(k == entry or k.startswith(entry + ".") for k in keys):
+        if not any(_within(key, entry) for key in keys):
             raise ConfigError(
                 f"trainer.resume_accept_changes: '{entry}' is neither a config key nor a section"
             )
@@ -184,10 +188,7 @@ def _check_optimizer_format(cfg: RLHFConfig, checkpoint: Path, optimizer_group: 
     """The distributed optimizer's state (sharded files) and the plain one's (inside the
     model checkpoint) do not load into each other: a 1-rank checkpoint resumed on several
     data-parallel ranks, where the distributed optimizer is on by default, is one case."""
-    roles = {"actor": cfg.actor_rollout_ref.actor.megatron}
-    if uses_critic(cfg):
-        roles["critic"] = cfg.critic.megatron
-    for role, megatron in roles.items():
+    for role, megatron in trained_megatron(cfg).items():
         saved = (checkpoint / role / "optimizer").is_dir()
         if not (checkpoint / role).is_dir() or saved == distributed_optimizer_on(
             megatron, optimizer_group
