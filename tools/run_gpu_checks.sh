@@ -10,9 +10,10 @@
 # local spec, the issue-17 comparison when Transformer Engine is absent), memory_bf16.json
 # (measured vs planned activations), logprob_head.json (bytes per logit and seconds of the
 # chunked log-prob head at a 152k vocabulary, by the CUDA allocator), phase_memory.json (each
-# trainer phase's peak for a 0.5B model against the planner) and plan_*.txt (the
-# memory planner's per-phase table on this GPU) to OUT_DIR; exits non-zero when any part
-# failed.
+# trainer phase's peak for a 0.5B model against the planner), checkpoint_save.json (how long
+# a save of the 0.5B actor and critic holds the step, synchronous vs trainer.async_save, and
+# the plan's estimate) and plan_*.txt (the memory planner's per-phase table on this GPU) to
+# OUT_DIR; exits non-zero when any part failed.
 set -uo pipefail
 
 out=${1:-${OUT:-runs/gpu_checks}}
@@ -46,11 +47,14 @@ python3 benchmarks/logprob_head.py --tokens 16384 >"$out/logprob_head.json" || s
 # each trainer phase's peak for a 0.5B model (random weights of its shape) against the planner
 python3 benchmarks/phase_memory.py --config configs/gsm8k_qwen2.5-0.5b_1gpu.yaml \
     --model-shape configs/model_shapes/Qwen2.5-0.5B.json >"$out/phase_memory.json" || status=1
+# how long a checkpoint save holds the step: synchronous vs in the background
+python3 benchmarks/checkpoint_save.py --config configs/gsm8k_qwen2.5-0.5b_1gpu.yaml \
+    --model-shape configs/model_shapes/Qwen2.5-0.5B.json >"$out/checkpoint_save.json" || status=1
 for pair in gsm8k_qwen2.5-0.5b_1gpu:Qwen2.5-0.5B gsm8k_8gpu:Qwen2.5-7B gsm8k_grpo_8gpu:Qwen2.5-7B \
     gsm8k_72b_grpo_4node:Qwen2.5-72B; do
     python3 -m rlhf.cli.doctor --config "configs/${pair%%:*}.yaml" \
         --model-config "configs/model_shapes/${pair##*:}.json" >"$out/plan_${pair%%:*}.txt" 2>&1
 done
 cat "$out"/ppo_step_*.json "$out"/memory_bf16.json "$out"/logprob_head.json \
-    "$out"/phase_memory.json
+    "$out"/phase_memory.json "$out"/checkpoint_save.json
 exit $status

@@ -241,6 +241,16 @@ class CheckpointManager:
         raises, nothing is published and earlier checkpoints and the pointer stay as they were;
         a full disk or a read-only directory is raised as `CheckpointStorageError` saying so.
         """
+        tmp = self.begin(step)
+        try:
+            yield tmp
+        except BaseException as e:
+            self.abandon(step, tmp, e)
+            raise
+        self.publish(step, tmp)
+
+    def begin(self, step: int) -> Path:
+        """The empty temp dir `step` is written into (collective)."""
         tmp = self.root / f"{TMP_PREFIX}{step}"
         if _rank() == 0:
             with self._storage_errors(step):  # a directory turned read-only since startup
@@ -248,19 +258,23 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
         _barrier()
-        try:
-            yield tmp
-        except BaseException as e:
-            # before the cleanup frees the space; an interrupt is not the storage's fault
-            # (torch's CheckpointException is a BaseException, so it is checked too)
-            interrupted = isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit)
-            problem = None if interrupted else write_failure(self.root, e)
-            # Under torch.distributed other ranks may still be writing; the next manager cleans.
-            if not _distributed():
-                shutil.rmtree(tmp, ignore_errors=True)
-            if problem is not None:
-                raise CheckpointStorageError(f"step {step}: {problem}") from e
-            raise
+        return tmp
+
+    def abandon(self, step: int, tmp: Path, error: BaseException) -> None:
+        """After writing `step` failed with `error`: nothing is published; a full or read-only
+        disk is raised as `CheckpointStorageError` (other errors are left to the caller)."""
+        # before the cleanup frees the space; an interrupt is not the storage's fault
+        # (torch's CheckpointException is a BaseException, so it is checked too)
+        interrupted = isinstance(error, KeyboardInterrupt | SystemExit | GeneratorExit)
+        problem = None if interrupted else write_failure(self.root, error)
+        # Under torch.distributed other ranks may still be writing; the next manager cleans.
+        if not _distributed():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if problem is not None:
+            raise CheckpointStorageError(f"step {step}: {problem}") from error
+
+    def publish(self, step: int, tmp: Path) -> None:
+        """Make the fully written `tmp` the checkpoint of `step` and the latest (collective)."""
         _barrier()
         if _rank() == 0:
             with self._storage_errors(step):

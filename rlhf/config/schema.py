@@ -327,6 +327,12 @@ class TrainerConfig:
     test_freq: int = doc(-1, "validate every this many steps (-1: never; also at the end)")
     val_before_train: bool = doc(True, "validate once before the first step")
     save_freq: int = doc(-1, "checkpoint every this many steps (-1: only at the end)")
+    async_save: bool = doc(
+        False,
+        "write checkpoints in the background: the step waits only for a snapshot in host "
+        "memory, the pointer moves when every rank's files are written "
+        "(checkpoint/background.py)",
+    )
     resume_mode: str = doc(
         "auto", "auto (latest checkpoint in the run dir), disable, or a checkpoint path"
     )

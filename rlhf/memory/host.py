@@ -13,7 +13,9 @@ Per rank, at its peak:
                  are offloaded already
       checkpoint a save's CPU copies of one trained model: its weights, and under the
                  distributed optimizer this rank's master weights and Adam state
-                 (`rlhf.trainer.optimizer_shards.owned_state`)
+                 (`rlhf.trainer.optimizer_shards.owned_state`); under `trainer.async_save`
+                 those of every trained model at once, the snapshot its writer process
+                 holds until the files are written (`rlhf.checkpoint.background`)
 
 The node's need is that times the trainer ranks on it (`trainer.n_gpus_per_node`); SGLang's
 own host memory (colocated servers keep none of their released GPU memory on the host) and
@@ -49,16 +51,17 @@ class Row(Protocol):
     def offloaded(self) -> frozenset[str]: ...
 
 
-def host_bytes_per_rank(rows: Sequence[Row], colocated_sleep: bool) -> int:
+def host_bytes_per_rank(rows: Sequence[Row], colocated_sleep: bool, async_save: bool) -> int:
     """One trainer rank's host memory at its peak (see the module docstring)."""
     trainer = [r for r in rows if r.role != "rollout"]
     offloaded = sum(getattr(r, k) for r in trainer for k in HOST_COPIED if k in r.offloaded)
     actor = next(r for r in trainer if r.role == "actor")
     state_resident = not {"master_weights", "optimizer_state"} <= actor.offloaded
     sync = actor.master_weights + actor.optimizer_state if colocated_sleep and state_resident else 0
-    checkpoint = max(
+    copies = [
         r.weights + r.master_weights + r.optimizer_state
         for r in trainer
         if r.role in ("actor", "critic")
-    )
+    ]
+    checkpoint = sum(copies) if async_save else max(copies)
     return HOST_PROCESS_BYTES + offloaded + max(sync, checkpoint)

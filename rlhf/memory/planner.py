@@ -223,6 +223,7 @@ class PlanInputs:
     sync_bucket: int
     device: str
     ranks_per_node: int = 1
+    async_save: bool = False  # trainer.async_save: a snapshot of every trained model at once
 
     @classmethod
     def from_config(
@@ -253,6 +254,7 @@ class PlanInputs:
             rollout.update_weights_bucket_megabytes * 1024**2,
             device,
             min(world_size, cfg.trainer.n_gpus_per_node),
+            cfg.trainer.async_save,
         )
 
 
@@ -340,7 +342,7 @@ def plan_stage(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> MemoryP
     """The plan of one pipeline stage's ranks."""
     rows = _rank_rows(inputs, stage, gpu_bytes)
     sleep = inputs.colocated and inputs.release_rollout
-    host = host_bytes_per_rank(rows, sleep) * inputs.ranks_per_node
+    host = host_bytes_per_rank(rows, sleep, inputs.async_save) * inputs.ranks_per_node
     return MemoryPlan(tuple(rows), _phases(rows, inputs), gpu_bytes, host)
 
 

@@ -9,6 +9,8 @@ its innermost cause instead, and nothing is loaded with `weights_only=False`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from rlhf.models.hf_io import CheckpointFileError
@@ -41,3 +43,22 @@ def load_distributed(sharded_state_dict: dict, directory: Path) -> dict:
             f"{directory}: the Megatron checkpoint cannot be read ({type(cause).__name__}: "
             f"{first}); a file of it is missing or damaged: use an earlier checkpoint"
         ) from e
+
+
+def save_distributed_in_background(
+    sharded_state_dict: dict, directory: Path
+) -> tuple[Callable[[], None] | None, list[Callable[[], None]]]:
+    """`dist_checkpointing.save` of `directory` split for a background save: the plan (a
+    collective) and the copy of every tensor to host memory now; returned, the file writes
+    for the writer process (None: this rank writes none) and Megatron's finalize steps
+    (`.metadata`, `metadata.json`; collective) for after them."""
+    from megatron.core import dist_checkpointing
+
+    request = dist_checkpointing.save(sharded_state_dict, str(directory), async_sharded_save=True)
+    if request.async_fn is None:
+        return None, list(request.finalize_fns)
+    args = list(request.async_fn_args)
+    if request.preload_fn is not None:  # args[1]: the write buckets, now in host memory
+        args[1] = request.preload_fn()
+    write = partial(request.async_fn, *args, **request.async_fn_kwargs)
+    return write, list(request.finalize_fns)

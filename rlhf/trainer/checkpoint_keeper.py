@@ -1,16 +1,19 @@
 """The run's checkpoints as the trainer keeps them: the directory checked before training
 (writable, room for the planned checkpoints), every save timed and a failed one explained
-with the steps it loses, and the SIGTERM decision (`rlhf.trainer.preemption`) taken with the
-measured save time."""
+with the steps it loses, saves written in the background (`trainer.async_save`,
+`rlhf.checkpoint.background`) published when done, and the SIGTERM decision
+(`rlhf.trainer.preemption`) taken with the measured save time."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf.checkpoint import CheckpointManager, CheckpointStorageError, probe_storage
+from rlhf.checkpoint.background import BackgroundSave, PendingWrite
 from rlhf.checkpoint.storage import available_bytes, size_text
 from rlhf.config.schema import RLHFConfig
 from rlhf.memory.checkpoint_size import checkpoint_bytes
@@ -39,8 +42,11 @@ class CheckpointKeeper:
         self.size = checkpoint_bytes(cfg, arch, optimizer_group)
         saves = total_steps // trainer.save_freq + 1 if trainer.save_freq > 0 else 1
         self.write_rate = self._probe(saves, trainer.max_actor_ckpt_to_keep) if is_main else 0.0
-        self.last_save_s: float | None = None
+        self.last_save_s: float | None = None  # the last save, until it was published
         self.last_saved_step: int | None = None
+        self.pending: BackgroundSave | None = None  # a save being written in the background
+        self.pending_since = 0.0
+        self.last_blocking_s = 0.0  # how long the last background save held its step
 
     def _probe(self, saves: int, keep: int | None) -> float:
         """Fail unless one checkpoint fits; warn when all the run's may not (a new one is
@@ -65,14 +71,74 @@ class CheckpointKeeper:
     def save(self, step: int, write: Callable[[Path], None]) -> None:
         """`write(tmp_dir)` as the checkpoint of `step` (all ranks), timed; a full or
         read-only disk is raised naming the steps that are lost."""
+        self.wait()
         start = time.perf_counter()
-        try:
-            with self.manager.writing(step) as tmp:
-                write(tmp)
-        except CheckpointStorageError as e:
-            raise CheckpointStorageError(f"{e}; {self.work_lost(step)}") from e.__cause__
+        with self._explained(step), self.manager.writing(step) as tmp:
+            write(tmp)
         self.last_save_s, self.last_saved_step = time.perf_counter() - start, step
         log.info("checkpoint of step %d written to %s", step, self.manager.path_for(step))
+
+    def save_in_background(self, step: int, snapshot: Callable[[Path], list[PendingWrite]]):
+        """`snapshot(tmp_dir)` copies the checkpoint of `step` to host memory and returns its
+        writes, which a writer process runs while training goes on; published by the `poll`
+        or `wait` that finds them done (all ranks call)."""
+        self.wait()
+        start = time.perf_counter()
+        tmp = self.manager.begin(step)
+        with self._explained(step):
+            try:
+                self.pending = BackgroundSave(step, tmp, snapshot(tmp))
+            except BaseException as e:
+                self.manager.abandon(step, tmp, e)
+                raise
+        self.pending_since = start
+        self.last_blocking_s = time.perf_counter() - start
+        log.info(
+            "checkpoint of step %d: the step was held %.2f s for its snapshot; writing it in "
+            "the background",
+            step,
+            self.last_blocking_s,
+        )
+
+    def poll(self) -> None:
+        """Publish the background save if every rank's writer is done (all ranks call)."""
+        if self.pending is not None and self.pending.done_everywhere():
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish and publish the background save in flight, if any (all ranks call)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        with self._explained(pending.step):
+            try:
+                pending.finish()
+            except BaseException as e:
+                self.manager.abandon(pending.step, pending.tmp, e)
+                raise
+            self.manager.publish(pending.step, pending.tmp)
+        self.last_save_s = time.perf_counter() - self.pending_since
+        self.last_saved_step = pending.step
+        log.info(
+            "checkpoint of step %d written to %s in %.1f s (the step was held %.2f s)",
+            pending.step,
+            self.manager.path_for(pending.step),
+            self.last_save_s,
+            self.last_blocking_s,
+        )
+
+    def steps_kept(self) -> list[int]:
+        """Steps with a checkpoint, published or being written in the background."""
+        steps = self.manager.complete_steps()
+        return sorted({*steps, self.pending.step}) if self.pending is not None else steps
+
+    @contextmanager
+    def _explained(self, step: int) -> Iterator[None]:
+        """A full or read-only disk said with the steps it loses."""
+        try:
+            yield
+        except CheckpointStorageError as e:
+            raise CheckpointStorageError(f"{e}; {self.work_lost(step)}") from e.__cause__
 
     def work_lost(self, step: int) -> str:
         """In words: which steps up to `step` no checkpoint holds."""
@@ -96,6 +162,9 @@ class CheckpointKeeper:
         signalled, left_s, needed_s = guard.poll(estimate)
         if not signalled:
             return
+        if self.pending is not None:  # published first; then a save of `step` if not that
+            self.wait()
+            signalled, left_s, needed_s = guard.poll(self.last_save_s or estimate)
         saved = self.last_saved_step == step
         if not saved and needed_s <= left_s:
             save(step)

@@ -21,11 +21,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from rlhf.checkpoint.background import PendingWrite
 from rlhf.config.schema import OptimConfig
 from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.chunks import ModelChunks
-from rlhf.models.dist_ckpt import load_distributed
+from rlhf.models.dist_ckpt import load_distributed, save_distributed_in_background
 from rlhf.models.mapping import Placement
 from rlhf.trainer.micro_batch import MicroBatch
 from rlhf.trainer.nonfinite import tensors_finite
@@ -34,6 +35,7 @@ from rlhf.trainer.optimizer_shards import (
     OptimizerCoordinate,
     coordinate,
     load_optimizer_shards,
+    optimizer_shards_writer,
     save_optimizer_shards,
 )
 
@@ -269,6 +271,22 @@ class TrainableMegatronModel(MegatronModel):
         it is on (all ranks call)."""
         with self.on_device():
             self._save(directory)
+
+    def save_in_background(self, directory: Path) -> list[PendingWrite]:
+        """What `save` writes, as a snapshot in host memory taken now and writes for the
+        background writer (`rlhf.checkpoint.background`); all ranks call."""
+        with self.on_device():
+            (directory / "model").mkdir(exist_ok=True)
+            model = PendingWrite(
+                *save_distributed_in_background(self.sharded_state_dict(), directory / "model")
+            )
+            if not self.distributed_optimizer:
+                return [model]
+            where = self.optimizer_coordinate()
+            shards = optimizer_shards_writer(
+                self.optimizer, self.param_names(), where, directory / "optimizer"
+            )
+            return [model, PendingWrite(shards)]
 
     def load(self, directory: Path) -> None:
         with self.on_device():

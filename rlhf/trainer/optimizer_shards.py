@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,13 +169,27 @@ def save_optimizer_shards(
 ) -> None:
     """Write this rank's file (and, on global rank 0, the layout) into `directory`.
     `names`: the model's parameter names with global layer indices."""
+    optimizer_shards_writer(optimizer, names, where, directory)()
+
+
+def optimizer_shards_writer(
+    optimizer: Any, names: dict[Any, str], where: OptimizerCoordinate, directory: Path
+) -> Callable[[], None]:
+    """`save_optimizer_shards` in two halves: this rank's state copied to host memory now,
+    its files written by the function returned (in a background save, by the writer)."""
     directory.mkdir(parents=True, exist_ok=True)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        layout = {"format": FORMAT, "tp": where.tp, "pp": where.pp, "dp": where.dp}
-        write_durable(directory / LAYOUT_FILE, json.dumps(layout).encode())
-    buffer = io.BytesIO()
-    torch.save(owned_state(optimizer, names), buffer)
-    write_durable(directory / where.file_name(), buffer.getvalue())
+    layout = {"format": FORMAT, "tp": where.tp, "pp": where.pp, "dp": where.dp}
+    writes_layout = not dist.is_initialized() or dist.get_rank() == 0
+    state = owned_state(optimizer, names)
+
+    def write() -> None:
+        if writes_layout:
+            write_durable(directory / LAYOUT_FILE, json.dumps(layout).encode())
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_durable(directory / where.file_name(), buffer.getvalue())
+
+    return write
 
 
 def read_layout(directory: Path) -> dict:

@@ -18,12 +18,14 @@ from tqdm import tqdm
 
 from rlhf.algo import build_kl_controller
 from rlhf.checkpoint import load_trainer_state, save_trainer_state
+from rlhf.checkpoint.background import PendingWrite
 from rlhf.config.loader import dump_yaml
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
 from rlhf.logging import MetricTracker, StepProfiler
+from rlhf.memory.checkpoint_size import save_hold_text
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
@@ -96,6 +98,8 @@ class PPOTrainer:
         self.keeper = CheckpointKeeper(
             cfg, self.arch, run_dir, ctx.is_main, self.total_steps, ctx.dp_sp_size
         )
+        if ctx.is_main:
+            self.log_save_plan()
         self.checkpoints = self.keeper.manager
         # before any server starts: a missing or damaged checkpoint fails (or falls back) now,
         # and one written under settings that would mix two runs is refused
@@ -170,6 +174,13 @@ class PPOTrainer:
 
     # ---- checkpoints ------------------------------------------------------------------
 
+    def log_save_plan(self) -> None:
+        """How long a save holds its step, with and without `trainer.async_save`."""
+        trainer, keeper = self.cfg.trainer, self.keeper
+        device, world_size = self.ctx.device.type, self.ctx.world_size
+        args = (keeper.size, world_size, keeper.write_rate, device, trainer.async_save)
+        log.info("%s", save_hold_text(*args, trainer.preemption_grace_s))
+
     def trained(self) -> dict[str, TrainableMegatronModel]:
         """The models a checkpoint holds, by directory name."""
         critic = {"critic": self.models.critic} if self.models.critic is not None else {}
@@ -192,19 +203,40 @@ class PPOTrainer:
                 raise NonFiniteError(
                     f"step {step}: the {name}'s weights are not finite; checkpoint not written"
                 )
-        self.keeper.save(step, lambda tmp: self._write_checkpoint(step, tmp))
+        if self.cfg.trainer.async_save:
+            self.keeper.save_in_background(step, lambda tmp: self._snapshot(step, tmp))
+        else:
+            self.keeper.save(step, lambda tmp: self._write_checkpoint(step, tmp))
 
     def _write_checkpoint(self, step: int, tmp: Path) -> None:
+        self._make_model_dirs(tmp)
+        for name, model in self.trained().items():
+            model.save(tmp / name)
+        self._write_state(step, tmp)
+        self._write_exports(tmp)
+
+    def _snapshot(self, step: int, tmp: Path) -> list[PendingWrite]:
+        """The checkpoint of `step` in host memory and the writes of a background save; the
+        exports (an HF copy under `trainer.save_hf` reads the written model) come last."""
+        self._make_model_dirs(tmp)
+        writes = [w for name, m in self.trained().items() for w in m.save_in_background(tmp / name)]
+        self._write_state(step, tmp)
+        return [*writes, PendingWrite(None, [lambda: self._write_exports(tmp)])]
+
+    def _make_model_dirs(self, tmp: Path) -> None:
         if self.ctx.is_main:
             for name in self.trained():
                 (tmp / name).mkdir()
         if dist.is_initialized():
             dist.barrier()
-        for name, model in self.trained().items():
-            model.save(tmp / name)
+
+    def _write_state(self, step: int, tmp: Path) -> None:
         save_trainer_state(tmp, self.state_dict(step), self.ctx.rank)
         if self.ctx.is_main:
             (tmp / CHECKPOINT_CONFIG).write_text(dump_yaml(self.cfg))
+
+    def _write_exports(self, tmp: Path) -> None:
+        if self.ctx.is_main:
             write_model_exports(tmp, self.cfg, self.trained(), Placement.of(self.ctx))
 
     def load_models(self, path: Path) -> dict:
@@ -240,6 +272,7 @@ class PPOTrainer:
     def rollback(self, decision: Decision, step: int) -> dict[str, float]:
         """Back to the last good checkpoint's models; data order and step count go on."""
         good = self.stopper.last_good_step
+        self.keeper.wait()  # a background save of `good` is published first
         if good is None or good not in self.checkpoints.complete_steps():
             log.warning("rollback requested (%s) but no good checkpoint is kept", decision.reason)
             return {"early_stop/rollback_skipped": 1.0}
@@ -267,6 +300,7 @@ class PPOTrainer:
         try:
             with guard:
                 step = self._run_steps(step, bar, guard)
+                self.keeper.wait()  # the last checkpoint, if written in the background
         finally:
             bar.close()  # a failure's message then starts on its own line
         return step
@@ -298,6 +332,8 @@ class PPOTrainer:
             self.log(metrics, step)  # before the checkpoint: a kill in between redoes the step
             if save or decision is not None:
                 self.save_checkpoint(step)
+            else:
+                self.keeper.poll()  # a background save done by now is published
             bar.update(1)
             if not last:  # the run ends here anyway, with its final checkpoint
                 self.keeper.end_if_preempted(step, guard, self.save_checkpoint)
@@ -312,7 +348,7 @@ class PPOTrainer:
             metrics |= self.rollback(decision, step)
             return None  # rolled back (or could not): training goes on
         if decision is None:
-            kept = [s for s in self.checkpoints.complete_steps() if s <= step]
+            kept = [s for s in self.keeper.steps_kept() if s <= step]
             if saving:
                 self.stopper.mark_good(step)  # the checkpoint written at this step
             elif kept:

@@ -4,7 +4,10 @@
   and critic), and each rank holds half of the Adam state a single rank holds.
 - A run resumed from its checkpoint (rlhf.trainer.optimizer_shards) continues exactly as
   the uninterrupted run: same metrics and bit-identical weights, in fp32 and in bf16 (with
-  fp32 master weights, which are sharded too).
+  fp32 master weights, which are sharded too). The bf16 checkpoint is written in the
+  background (`trainer.async_save`) by a writer that starts only after the next step changed
+  every weight and moment in place: the resume proves the snapshot, not the live tensors,
+  was written.
 - With an optimizer that counts Adam's steps per param group, as Transformer Engine's and
   apex's FusedAdam do (Megatron's pick on GPU; `ParamGroupStepAdamW` in the worker), the
   weights are bit-identical to torch's AdamW and a resumed run continues exactly.
@@ -40,6 +43,7 @@ def runs(tiny_qwen2_dir, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("distributed_optimizer")
     model = ["--model", str(tiny_qwen2_dir), "--steps", "2"]
     group_step, distributed = ["--optimizer", "group-step"], ["--distributed", "true"]
+    bf16 = work / "ckpt_bf16"
     plans = {
         "dp1": (1, []),
         "dp2_plain": (2, ["--distributed", "false"]),
@@ -53,8 +57,9 @@ def runs(tiny_qwen2_dir, tmp_path_factory) -> dict:
         "tp2_from_dp2": (2, ["--tp", "2", *distributed, "--resume", str(work / "ckpt")]),
         "pp2": (2, ["--pp", "2", *distributed, "--save", str(work / "ckpt_pp2")]),
         "pp1_from_pp2": (1, [*distributed, "--resume", str(work / "ckpt_pp2")]),
-        "dp2_bf16": (2, ["--dtype", "bfloat16", "--save", str(work / "ckpt_bf16")]),
-        "dp2_bf16_resumed": (2, ["--dtype", "bfloat16", "--resume", str(work / "ckpt_bf16")]),
+        # written in the background while step 2 changes every tensor (trainer.async_save)
+        "dp2_bf16": (2, ["--dtype", "bfloat16", "--background-save", "--save", str(bf16)]),
+        "dp2_bf16_resumed": (2, ["--dtype", "bfloat16", "--resume", str(bf16)]),
         "dp2_bf16_offload": (2, ["--dtype", "bfloat16", "--offload"]),
         "dp2_bf16_weights_only": (2, ["--dtype", "bfloat16", "--weights-only"]),
         "tp2_bf16": (2, ["--dtype", "bfloat16", "--tp", "2", "--distributed", "true"]),

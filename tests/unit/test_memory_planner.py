@@ -189,6 +189,11 @@ def test_host_memory_of_a_node_by_hand_and_the_doctors_verdict(capsys):
         critic.weights + critic.master_weights + critic.optimizer_state,
     )
     assert plan.host_bytes == 8 * (4 * GIB + sum(copied) + checkpoint)
+    # a background save's writer holds both models' snapshots until it is done
+    cfg = load_config(CONFIG_8GPU, ["trainer.async_save=true"])
+    both = plan_memory(cfg, shape("Qwen2.5-7B"), gpu_bytes=80 * GIB).host_bytes
+    snapshot = sum(copied[:3]) + sum(copied[3:6])
+    assert both == 8 * (4 * GIB + sum(copied) + snapshot)
     args = ["--config", str(CONFIG_8GPU), "--model-config", str(SHAPES / "Qwen2.5-7B.json")]
     args += ["--gpu-memory-gb", "80", "--requirements", "/nonexistent"]
     doctor_main([*args, "--host-memory-gb", "2048"])

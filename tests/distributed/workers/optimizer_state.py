@@ -4,8 +4,9 @@ Builds the PPO models (GAE: actor, critic, reference) from the HF checkpoint and
 `--steps` trainer steps (`learn_from_batch`) on the fixed synthetic batch of trainer_step.py,
 each with 3 Adam steps per model (one mini-batch, 3 epochs). `--save DIR` writes actor and
 critic (model, optimizer, LR schedule) after the first step through the trainer's
-checkpoint code; `--resume DIR` loads them into freshly built models and runs the remaining
-steps. Rank 0 writes the weights of both models after each step (its own shards, and after
+checkpoint code (`--background-save`: by a background writer while step 2 runs, as under
+`trainer.async_save`); `--resume DIR` loads them into freshly built models and runs the
+remaining steps. Rank 0 writes the weights of both models after each step (its own shards, and after
 the last step the whole models in HF's layout, gathered over TP and PP), every step's
 metrics and, per rank, the bytes of the real tensors by kind (weights, gradient buffers,
 fp32 master weights held apart from the model's weights, Adam moments) next to the memory
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +43,7 @@ SETTINGS = [
     "algorithm.kl_ctrl.type=fixed",  # the controller is trainer state, not saved here
 ]
 ROLES = ("actor_rollout_ref.actor", "critic")
+WRITER_DELAY_S = 2.0
 
 
 class ParamGroupStepAdamW(torch.optim.AdamW):
@@ -155,16 +158,25 @@ def all_ranks(value: dict) -> list[dict]:
     return gathered
 
 
-def save(models, directory: Path, rank: int) -> None:
+def save(models, directory: Path, rank: int, background: bool):
+    """The trainer's checkpoint of both models; with `background`, the BackgroundSave
+    writing it (its writer first sleeps, so the next step changes every tensor first)."""
+    from rlhf.checkpoint.background import BackgroundSave, PendingWrite
+
     trained = {"actor": models.actor, "critic": models.critic}
     if rank == 0:
         for name in trained:
             (directory / name).mkdir(parents=True)
     dist.barrier()
+    writes = [PendingWrite(lambda: time.sleep(WRITER_DELAY_S))]
     for name, model in trained.items():
-        model.save(directory / name)
+        if background:
+            writes += model.save_in_background(directory / name)
+        else:
+            model.save(directory / name)
         torch.save(model.scheduler.state_dict(), directory / f"{name}_scheduler_{rank}.pt")
     dist.barrier()
+    return BackgroundSave(1, directory, writes) if background else None
 
 
 def load(models, directory: Path, rank: int) -> None:
@@ -196,7 +208,7 @@ def run(args, ctx) -> dict:
     if args.resume:
         load(models, Path(args.resume), ctx.rank)
         first = 2
-    metrics, weights, freed = {}, {}, {}
+    metrics, weights, freed, pending = {}, {}, {}, None
     for step in range(first, args.steps + 1):
         if args.offload and step == 2:  # the GPU path, forced on CPU: offloaded between uses
             for model in (models.actor, models.critic, models.ref):
@@ -211,7 +223,9 @@ def run(args, ctx) -> dict:
             freed["device_bytes"] = device_bytes(models, ctx.device)
         weights[step] = {role: weights_of(getattr(models, role)) for role in ("actor", "critic")}
         if args.save and step == 1:
-            save(models, Path(args.save), ctx.rank)
+            pending = save(models, Path(args.save), ctx.rank, args.background_save)
+    if pending is not None:
+        pending.finish()
     last = {role: hf_weights(getattr(models, role), arch, ctx) for role in ("actor", "critic")}
     return {
         "metrics": metrics,
@@ -268,6 +282,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--save")
     parser.add_argument("--resume")
+    parser.add_argument(
+        "--background-save", action="store_true", help="--save as trainer.async_save does"
+    )
     parser.add_argument("--offload", action="store_true", help="offload between uses in step 2")
     parser.add_argument(
         "--weights-only", action="store_true", help="the actor's weights_on_device before step 2"
