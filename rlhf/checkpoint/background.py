@@ -118,6 +118,8 @@ class BackgroundSave:
         """Whether every rank's writer has exited (one all-reduce; all ranks call)."""
         alive = torch.tensor([int(self.process.is_alive())], dtype=torch.int64)
         if dist.is_initialized():
+            if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+                alive = alive.cuda()
             dist.all_reduce(alive)
         return int(alive.item()) == 0
 

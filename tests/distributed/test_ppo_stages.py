@@ -108,6 +108,7 @@ def test_bf16_update_keeps_fp32_master_weights(results):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_actor_checkpoint_round_trip(results, layout):
     assert results[layout]["checkpoint_round_trip"]
+    assert results[layout]["background_round_trip"]  # the snapshot, not the changed tensors
 
 
 LR, WEIGHT_DECAY = 0.01, 0.01  # the worker's actor.optim.lr and the default weight decay

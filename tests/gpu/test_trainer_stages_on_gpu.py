@@ -2,9 +2,9 @@
 
 The worker of tests/distributed/test_ppo_stages.py runs with `--device cuda` (fp32 and
 bf16) and with `--device cpu` (fp32), one rank each: packed old log-probs, one PPO actor
-update (Adam, grad clip), the log-probs after it and a checkpoint round trip. In fp32 TF32
-stays off (torch's default), so only summation order separates the devices. Skipped
-without CUDA (tests/conftest.py).
+update (Adam, grad clip), the log-probs after it and a checkpoint round trip (synchronous and
+in the background, `trainer.async_save`). In fp32 TF32 stays off (torch's default), so only
+summation order separates the devices. Skipped without CUDA (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def test_stages_ran_on_cuda(runs):
     assert runs["cuda"]["device"] == runs["cuda_bf16"]["device"] == "cuda"
     assert runs["cpu"]["device"] == "cpu"
     assert all(run["checkpoint_round_trip"] for run in runs.values())
+    # trainer.async_save on CUDA: Megatron's device-to-host preload, then the fork
+    assert all(run["background_round_trip"] for run in runs.values())
 
 
 def test_packed_logprobs_on_cuda_match_hf(runs, tiny_qwen2_dir):

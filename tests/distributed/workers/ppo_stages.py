@@ -10,13 +10,15 @@ mini-batches x 2 epochs (clipping active): its `clipped_metrics` and `logprobs_f
 Also the dtypes of the model's parameters and of the optimizer's master parameters, and
 `checkpoint_round_trip`:
 whether the actor (weights, master weights, Adam moments) saved after the update and loaded
-into a freshly built actor comes back equal.
+into a freshly built actor comes back equal, and `background_round_trip`: the same for a save
+written in the background (`trainer.async_save`) while every one of those tensors is changed.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -109,7 +111,9 @@ def run(args, ctx) -> None:
     exp2 = dataclasses.replace(exp, old_logprobs_bt=after, old_entropy_bt=after_entropy)
     clipped_metrics, _ = stages.run_updates(clipped, exp2, planner)
     final, _ = stages.compute_logprobs(actor, batch, planner, budget, head)
-    round_trip = checkpoint_round_trip(actor, lambda: build_ppo_models(cfg, arch, ctx, 1).actor)
+    fresh_actor = lambda: build_ppo_models(cfg, arch, ctx, 1).actor  # noqa: E731
+    round_trip = checkpoint_round_trip(actor, fresh_actor)
+    background_round_trip = checkpoint_round_trip(actor, fresh_actor, background=True)
     if ctx.rank == 0:
         result = {
             "device": ctx.device.type,
@@ -118,6 +122,7 @@ def run(args, ctx) -> None:
                 str(p.dtype) for g in actor.optimizer.param_groups for p in g["params"]
             },
             "checkpoint_round_trip": round_trip,
+            "background_round_trip": background_round_trip,
             "logprobs_before": before,
             "logprobs_after": after,
             "metrics": metrics,
@@ -158,21 +163,41 @@ def flat_tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def checkpoint_round_trip(actor, build_actor) -> bool:
-    """Save `actor`, load into `build_actor()`; True when every tensor is equal on all ranks."""
+def state_tensors(actor) -> list[torch.Tensor]:
+    """The actor's weights, master weights and Adam moments (the live tensors)."""
+    return flat_tensors(actor.module.state_dict()) + flat_tensors(actor.optimizer.state_dict())
+
+
+def checkpoint_round_trip(actor, build_actor, background: bool = False) -> bool:
+    """Save `actor`, load into `build_actor()`; True when every tensor is equal on all ranks.
+    `background`: saved as under trainer.async_save, and every tensor is changed in place
+    before the writer starts: what loads must be the state of the save."""
     import tempfile
+
+    from rlhf.checkpoint.background import BackgroundSave, PendingWrite
 
     directory = [
         tempfile.mkdtemp(prefix="actor_ckpt_") if torch.distributed.get_rank() == 0 else None
     ]
     torch.distributed.broadcast_object_list(directory)
-    actor.save(Path(directory[0]))
+    saved = [t.detach().cpu().clone() for t in state_tensors(actor)]
+    if background:
+        writes = [
+            PendingWrite(lambda: time.sleep(0.5)),
+            *actor.save_in_background(Path(directory[0])),
+        ]
+        pending = BackgroundSave(1, Path(directory[0]), writes)
+        with torch.no_grad():
+            for tensor in state_tensors(actor):
+                tensor.add_(1.0)
+        pending.finish()
+    else:
+        actor.save(Path(directory[0]))
     fresh = build_actor()
     fresh.load(Path(directory[0]))
-    saved = flat_tensors(actor.module.state_dict()) + flat_tensors(actor.optimizer.state_dict())
-    loaded = flat_tensors(fresh.module.state_dict()) + flat_tensors(fresh.optimizer.state_dict())
+    loaded = state_tensors(fresh)
     same = len(saved) == len(loaded) and all(
-        a.shape == b.shape and torch.equal(a.cpu(), b.cpu()) for a, b in zip(saved, loaded)
+        a.shape == b.shape and torch.equal(a, b.cpu()) for a, b in zip(saved, loaded)
     )
     verdict = torch.tensor([float(same)], device=actor.ctx.device)
     torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
