@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -19,6 +20,7 @@ from typing import Any
 import yaml
 
 from rlhf.config.schema import RLHFConfig
+from rlhf.config.verl_keys import VERL_KEYS, VERL_SECTIONS, VerlKeyError, translate
 
 
 class ConfigError(ValueError):
@@ -45,6 +47,14 @@ def all_keys(cls: type = RLHFConfig, prefix: str = "") -> list[str]:
     return keys
 
 
+def default_of(key: str) -> Any:
+    """The schema's default of a dotted leaf key."""
+    node: Any = RLHFConfig()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def mapping_keys(cls: type = RLHFConfig, prefix: str = "") -> list[str]:
     """Keys whose value is a free mapping: `key.name=value` overrides set one entry."""
     hints = typing.get_type_hints(cls)
@@ -58,19 +68,44 @@ def mapping_keys(cls: type = RLHFConfig, prefix: str = "") -> list[str]:
     return found
 
 
+def _similar(a: str, b: str, cutoff: float) -> bool:
+    return difflib.SequenceMatcher(None, a, b).ratio() >= cutoff
+
+
+def _leaf_matches(unknown: str, leaf: str) -> bool:
+    """A misspelling of `leaf`, or every word of `unknown` (nearly) a word of `leaf`: word
+    by word, so `expert_model_parallel_size` is not taken for `pipeline_model_parallel_size`."""
+    if _similar(unknown, leaf, 0.85):
+        return True
+    words = leaf.split("_")
+    return all(any(_similar(w, v, 0.8) for v in words) for w in unknown.split("_"))
+
+
+def _shared_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def nearest_key(key: str) -> str | None:
-    """The valid key closest to a misspelt or misplaced `key`, if any is close."""
+    """The valid key a misspelt or misplaced `key` most likely means, if any: a key it is the
+    end of, else the keys whose leaf matches word by word, ranked by the path they share."""
     keys = all_keys()
     suffix = [k for k in keys if k.endswith("." + key)]
     if suffix:
         return suffix[0]
-    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    if match:
-        return match[0]
-    leaf = key.rsplit(".", 1)[-1]
-    leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
-    match = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
-    return leaves[match[0]] if match else None
+    parts = key.split(".")
+    candidates = [k for k in keys if _leaf_matches(parts[-1], k.rsplit(".", 1)[-1])]
+    if not candidates:
+        return None
+
+    def rank(candidate: str) -> tuple[int, float]:
+        path = candidate.split(".")
+        shared = _shared_prefix(parts[:-1], path[:-1])
+        return shared, difflib.SequenceMatcher(None, key, candidate).ratio()
+
+    return max(candidates, key=rank)
 
 
 def _unknown_key(path: str) -> ConfigError:
@@ -80,12 +115,47 @@ def _unknown_key(path: str) -> ConfigError:
 
 
 def parse_override(item: str) -> tuple[str, _OverrideText]:
-    """Split `a.b.c=value` into the key and its unparsed value."""
+    """Split `a.b.c=value` into the key and its unparsed value; Hydra's `+key=value` and
+    `++key=value` (add or force a key, as verl scripts write them) set the key too."""
     key, sep, value = item.partition("=")
     key = key.strip()
+    if key.startswith("~"):
+        raise ConfigError(
+            f"override '{item}': removing a key (~key) is not supported; set it to null or "
+            "its default instead"
+        )
+    key = key.lstrip("+")
     if not sep or not key:
         raise ConfigError(f"override '{item}' is not of the form key=value (e.g. data.seed=3)")
     return key, _OverrideText(value.strip())
+
+
+_ENV = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([^}]*))?\}")
+
+
+def _expand_env(node: Any, path: str = "") -> Any:
+    """`${oc.env:VAR}` and `${oc.env:VAR,default}` (OmegaConf's syntax) in every string of
+    the tree replaced by the environment's value; the result is parsed as the key's type."""
+    if isinstance(node, dict):
+        return {k: _expand_env(v, f"{path}{k}.") for k, v in node.items()}
+    if isinstance(node, list):
+        return [_expand_env(v, f"{path.rstrip('.')}[{i}].") for i, v in enumerate(node)]
+    text = node.text if isinstance(node, _OverrideText) else node
+    if not isinstance(text, str) or "${oc.env:" not in text:
+        return node
+
+    def value(m: re.Match) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise ConfigError(
+                f"{path.rstrip('.')}: environment variable {name} is not set and "
+                f"${{oc.env:{name}}} gives no default (${{oc.env:{name},DEFAULT}})"
+            )
+        return default.strip().strip("'\"")
+
+    return _OverrideText(_ENV.sub(value, text))
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -122,6 +192,14 @@ def _parse_text(text: str, tp: Any) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+
+
+def _parse_as(value: Any, example: Any) -> Any:
+    """A tree value as the type of `example` (command-line text parsed; YAML values as they
+    are): how `rlhf.config.verl_keys` compares values."""
+    if isinstance(value, _OverrideText):
+        return _parse_text(value.text, type(example) if isinstance(example, str) else Any)
+    return value
 
 
 def _finite_float(value: Any, path: str) -> float:
@@ -257,9 +335,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     mappings = mapping_keys()
     for item in overrides or []:
         key, value = parse_override(item)
-        if key not in keys and not any(key.startswith(m + ".") for m in mappings):
+        known = key in keys or key in VERL_KEYS or key.startswith(VERL_SECTIONS)
+        if not known and not any(key.startswith(m + ".") for m in mappings):
             raise _unknown_key(key)
         _set_dotted(tree, key, value)
+    tree = _expand_env(tree)
+    try:
+        translate(tree, _parse_as, default_of)
+    except VerlKeyError as e:
+        raise ConfigError(str(e)) from None
     cfg = build(RLHFConfig, tree)
     _resolve_references(cfg)
     return cfg

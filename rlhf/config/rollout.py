@@ -83,6 +83,15 @@ class RolloutConfig:
     weight_sync_master_address: str = doc(
         "127.0.0.1", "address SGLang servers use to reach rank 0 (distributed transport)"
     )
+    log_prob_micro_batch_size_per_gpu: int | None = doc(
+        None,
+        "sizes the token budget of the actor's old-log-prob forward (x the longest prompt + "
+        "response; null: the actor's update budget)",
+        gt=0,
+    )
+    log_prob_max_token_len_per_gpu: int | None = doc(
+        None, "token budget of one old-log-prob forward micro-batch (null: see above)", gt=0
+    )
     logprob_diff_threshold: float | None = doc(
         None, "fail the step when rollout/logprob_diff_max exceeds this (null: only log)", gt=0
     )

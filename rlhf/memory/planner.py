@@ -230,7 +230,9 @@ class PlanInputs:
         cls, cfg: RLHFConfig, arch: ModelArch, world_size: int, device: str
     ) -> PlanInputs:
         aro, budgets = cfg.actor_rollout_ref, token_budgets(cfg)
-        roles = [TrainedRole("actor", aro.actor.megatron, budgets.actor)]
+        # the old-log-prob forward runs in the actor's phase: its budget, when larger, bounds it
+        actor_budget = max(budgets.actor, budgets.old_log_prob)
+        roles = [TrainedRole("actor", aro.actor.megatron, actor_budget)]
         if uses_critic(cfg):
             roles.append(TrainedRole("critic", cfg.critic.megatron, budgets.critic, True))
         reference = (

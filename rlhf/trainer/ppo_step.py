@@ -184,7 +184,9 @@ def learn_from_batch(
         old = engine_logprobs(batch)
     else:
         with timer.stage("old_log_prob"):
-            old = compute_logprobs(m.actor, batch, m.planner, m.budgets.actor, m.logprob_head)
+            old = compute_logprobs(
+                m.actor, batch, m.planner, m.budgets.old_log_prob, m.logprob_head
+            )
     ref = values = None
     if m.ref is not None:
         with timer.stage("ref"):

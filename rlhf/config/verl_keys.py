@@ -1,0 +1,272 @@
+"""verl's keys on this system: each one a verl user's script sets either means the same here or
+is refused in one line that says why and what to set instead. None is silently ignored.
+
+Three kinds, by dotted key (role keys are listed once per role that has them):
+
+- `Alias(target)`: this system's key of the same meaning; the value moves there (both given
+  with different values is an error).
+- `Fixed(allowed, reason)`: a switch this system always has in one position; the value is
+  accepted when it is that position (it then means what it says) and refused with `reason`
+  otherwise. With `keep`, the key is also this system's own (the value stays).
+- `SameAs(target, reason)`: a setting that here follows `target`; accepted when equal to
+  it, refused with `reason` otherwise.
+- `Implies(sets, reason)`: a switch that sets this system's keys, unless the user set any
+  of them (then those say how).
+- `Refused(reason)`: no equivalent here; `reason` names the replacement.
+
+verl's `custom_reward_function.path` and `.name` together become `reward.custom_fn`
+(`path:name`; verl's function signature is this system's).
+
+`translate(tree)` applies them to the nested dict of a YAML file and its overrides before the
+tree is type-checked (`rlhf.config.loader`); docs/from-verl.md is the table in words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ACTOR, REF, CRITIC = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"
+ROLLOUT, MODEL = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
+MISSING = object()
+VERL_SECTIONS = ("custom_reward_function.",)  # verl sections read whole (see below)
+
+
+class VerlKeyError(ValueError):
+    """A verl key or value this system refuses; the message is the one line to print."""
+
+
+@dataclass(frozen=True)
+class Alias:
+    target: str
+
+
+@dataclass(frozen=True)
+class Fixed:
+    allowed: tuple
+    reason: str
+    keep: bool = False
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Implies:
+    """A verl switch that sets this system's keys `sets[value]` (unless the user set any of
+    them); a value not in `sets` is refused with `reason`."""
+
+    sets: dict
+    reason: str
+
+
+@dataclass(frozen=True)
+class SameAs:
+    """Accepted when equal to this system's `target` key (which it cannot differ from)."""
+
+    target: str
+    reason: str
+
+
+MEGATRON_ONLY = (
+    "this system trains with Megatron-Core only: FSDP's sharding is data parallelism with "
+    "megatron.use_distributed_optimizer=true, and megatron.tensor_model_parallel_size / "
+    "pipeline_model_parallel_size split the model (docs/from-verl.md)"
+)
+SGLANG_ONLY = (
+    "this system generates with SGLang servers only: set rollout.name=sglang (SGLang's own "
+    "arguments: rollout.engine_kwargs.sglang.<name>)"
+)
+PACKED = (
+    "micro-batches are packed to a token budget here ({role}.ppo_max_token_len_per_gpu; "
+    "null: ppo_micro_batch_size_per_gpu x the longest prompt + response), with no padding"
+)
+SHARES_ACTOR = (
+    "the reference is sharded like the actor here ({target}); drop the key or set it equal"
+)
+ULYSSES = (
+    "context parallelism is Ulysses here: set {role}.ulysses_sequence_parallel_size (it uses "
+    "Megatron's context-parallel group)"
+)
+
+
+def _role_keys() -> dict[str, Any]:
+    keys: dict[str, Any] = {}
+    for role in (ACTOR, REF, CRITIC):
+        keys[f"{role}.strategy"] = Fixed(("megatron",), MEGATRON_ONLY)
+        keys[f"{role}.use_dynamic_bsz"] = Fixed((True,), PACKED.format(role=role))
+        keys[f"{role}.megatron.context_parallel_size"] = Fixed(
+            (1,), ULYSSES.format(role=role if role != REF else ACTOR)
+        )
+        keys[f"{role}.use_torch_compile"] = Refused(
+            "torch.compile is not used by the Megatron path here; drop the key"
+        )
+    for leaf in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+    ):
+        target = f"{ACTOR}.megatron.{leaf}"
+        keys[f"{REF}.megatron.{leaf}"] = SameAs(target, SHARES_ACTOR.format(target=target))
+    keys[f"{REF}.megatron.param_offload"] = Alias(f"{REF}.param_offload")
+    for section, role in ((MODEL, ACTOR), ("critic.model", CRITIC)):
+        recompute = {
+            f"{role}.megatron.recompute_granularity": "full",
+            f"{role}.megatron.recompute_method": "uniform",
+            f"{role}.megatron.recompute_num_layers": 1,
+        }
+        keys[f"{section}.enable_gradient_checkpointing"] = Implies(
+            {True: recompute, False: {}}, "expected true or false"
+        )
+    for role in (ROLLOUT, REF):
+        keys[f"{role}.log_prob_use_dynamic_bsz"] = Fixed((True,), PACKED.format(role=role))
+    for role in (ACTOR, CRITIC):
+        keys[f"{role}.ppo_micro_batch_size"] = Refused(
+            f"micro-batch sizes are per GPU here: set {role}.ppo_micro_batch_size_per_gpu"
+        )
+    for role in (ACTOR, CRITIC):
+        keys[f"{role}.optim.clip_grad"] = Alias(f"{role}.grad_clip")
+        keys[f"{role}.optim.warmup_style"] = Alias(f"{role}.optim.lr_decay_style")
+        keys[f"{role}.optim.lr_scheduler_type"] = Alias(f"{role}.optim.lr_decay_style")
+        keys[f"{role}.optim.lr_warmup_steps_ratio"] = Fixed(
+            (0, 0.0), f"warm-up is given in steps here: set {role}.optim.lr_warmup_steps"
+        )
+    keys[f"{ROLLOUT}.log_prob_micro_batch_size"] = Refused(
+        f"micro-batch sizes are per GPU here: set {ROLLOUT}.log_prob_micro_batch_size_per_gpu"
+    )
+    return keys
+
+
+VERL_KEYS: dict[str, Alias | Fixed | Implies | SameAs | Refused] = {
+    **_role_keys(),
+    f"{ROLLOUT}.name": Fixed(("sglang",), SGLANG_ONLY, keep=True),
+    f"{ROLLOUT}.mode": Fixed(
+        ("async",),
+        "SGLang runs as HTTP servers the trainer sends requests to, which is verl's async "
+        "mode; verl's in-process sync engines do not exist here",
+    ),
+    f"{MODEL}.use_fused_kernels": Fixed(
+        (True,),
+        "the log-prob and entropy head is always the chunked vocab-parallel one "
+        "(rlhf/models/logprobs.py): it never holds the full logits",
+    ),
+    f"{MODEL}.use_remove_padding": Fixed(
+        (True,), "samples are always packed back to back without padding here"
+    ),
+    "data.use_sequence_packing": Fixed(
+        (True,), "samples are always packed back to back without padding here"
+    ),
+    "data.return_raw_chat": Fixed(
+        (True,),
+        "prompts stay chat messages until the trainer applies the chat template with its "
+        "tokenizer (data.apply_chat_template); the servers get the token ids",
+    ),
+    "reward_model.enable": Fixed(
+        (False,),
+        "a reward model here scores the rows whose reward_model.style is 'model': set "
+        "reward.model_path=<HF *ForSequenceClassification dir> (or reward.url)",
+    ),
+    "trainer.critic_warmup": Fixed(
+        (0,), "the actor trains from the first step here: a critic warm-up is not implemented"
+    ),
+}
+
+
+def _get(tree: dict, key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return MISSING
+        node = node[part]
+    return node
+
+
+def _pop(tree: dict, key: str) -> None:
+    parent, _, leaf = key.rpartition(".")
+    node = _get(tree, parent) if parent else tree
+    node.pop(leaf)
+    if parent and not node:  # an emptied verl-only section is no key of ours
+        _pop(tree, parent)
+
+
+def _set(tree: dict, key: str, value: Any) -> None:
+    node = tree
+    for part in key.split(".")[:-1]:
+        node = node.setdefault(part, {})
+    node[key.rsplit(".", 1)[-1]] = value
+
+
+def translate(tree: dict, parse: Any, default: Any) -> None:
+    """Apply `VERL_KEYS` to `tree` in place. `parse(value, example)` turns a command-line
+    value into the type of `example` (YAML values pass through); `default(key)` is the
+    default of this system's key."""
+    _custom_reward_function(tree, parse)
+    for key, rule in VERL_KEYS.items():
+        value = _get(tree, key)
+        if value is MISSING:
+            continue
+        if isinstance(rule, Refused):
+            raise VerlKeyError(f"{key}: {rule.reason}")
+        if isinstance(rule, Implies):
+            choice = parse(value, None)
+            if choice not in rule.sets:
+                raise VerlKeyError(f"{key}={_shown(value)}: {rule.reason}")
+            _pop(tree, key)
+            implied = rule.sets[choice]
+            if all(_get(tree, target) is MISSING for target in implied):  # else refined
+                for target, implied_value in implied.items():
+                    _set(tree, target, implied_value)
+            continue
+        if isinstance(rule, SameAs):
+            target = _get(tree, rule.target)
+            expected = default(rule.target) if target is MISSING else parse(target, None)
+            if parse(value, None) != expected:
+                raise VerlKeyError(f"{key}={_shown(value)}: {rule.reason}")
+            _pop(tree, key)
+            continue
+        if isinstance(rule, Fixed):
+            if parse(value, rule.allowed[0]) not in rule.allowed:
+                raise VerlKeyError(f"{key}={_shown(value)}: {rule.reason}")
+            if not rule.keep:
+                _pop(tree, key)
+            continue
+        _pop(tree, key)
+        target = _get(tree, rule.target)
+        if target is not MISSING and parse(target, None) != parse(value, None):
+            raise VerlKeyError(
+                f"{key} (verl's name of {rule.target}) and {rule.target} are both set, "
+                f"to {_shown(value)} and {_shown(target)}: set one"
+            )
+        _set(tree, rule.target, value)
+
+
+def _custom_reward_function(tree: dict, parse: Any) -> None:
+    """verl's `custom_reward_function.path` / `.name` -> `reward.custom_fn=path:name`."""
+    section = tree.get("custom_reward_function", MISSING)
+    if section is MISSING:
+        return
+    if not isinstance(section, dict) or set(section) - {"path", "name"}:
+        extra = sorted(set(section) - {"path", "name"}) if isinstance(section, dict) else []
+        raise VerlKeyError(
+            f"custom_reward_function{'.' + extra[0] if extra else ''}: verl's "
+            "custom_reward_function is read as its path and name only (reward.custom_fn)"
+        )
+    del tree["custom_reward_function"]
+    path = parse(section.get("path"), None)
+    if not path:  # verl's default: no custom function (a name alone means nothing)
+        return
+    name = parse(section.get("name"), None) or "compute_score"
+    spec = f"{path}:{name}"
+    own = _get(tree, "reward.custom_fn")
+    if own is not MISSING and parse(own, "") != spec:
+        raise VerlKeyError(
+            f"custom_reward_function (verl's name of reward.custom_fn, here {spec}) and "
+            f"reward.custom_fn={_shown(own)} are both set: set one"
+        )
+    _set(tree, "reward.custom_fn", spec)
+
+
+def _shown(value: Any) -> str:
+    return str(getattr(value, "text", value))

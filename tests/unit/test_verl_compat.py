@@ -1,0 +1,184 @@
+"""A verl user's command lines (rlhf.config.verl_keys, rlhf.config.loader): verl's own Megatron
+example scripts (tests/unit/verl_examples, unchanged copies) fed through the loader, every
+override accepted with its meaning or refused in one line naming it; Hydra's `+key=value`;
+`${oc.env:VAR,default}`; verl's names of this system's keys; did-you-mean by key path."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf.config import load_config
+from rlhf.config.budgets import token_budgets
+from rlhf.config.loader import ConfigError, all_keys, nearest_key
+
+EXAMPLES = Path(__file__).with_name("verl_examples")
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.sh"))
+VLLM = "actor_rollout_ref.rollout.name=vllm"
+# what each script sets that this system refuses (everything else is accepted)
+REFUSED = {
+    "run_deepseek_math_gsm8k_megatron.sh": {VLLM},
+    "run_qwen2-7b_math_gsm8k_megatron.sh": {VLLM},
+    "run_qwen2-7b_math_megatron.sh": {VLLM},
+    "run_qwen2-7b_seq_balance_math_megatron.sh": {VLLM},
+    "run_qwen2-7b_sgl_megatron.sh": set(),
+    "run_qwen2_5-7b_math_megatron_diff_tp.sh": {VLLM},
+}
+OURS = set(all_keys())
+
+
+def script_overrides(name: str, home: Path) -> list[str]:
+    """The `key=value` arguments the script passes to `python3` (bash runs it, with
+    `python3` a function that prints them)."""
+    shim = 'python3() { printf "%s\\0" "$@"; }; source "$0"'
+    out = subprocess.run(
+        ["bash", "-c", shim, str(EXAMPLES / name)],
+        capture_output=True,
+        check=True,
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+    ).stdout.decode()
+    return [a for a in out.split("\0") if "=" in a and not a.startswith("-")]
+
+
+def refusals(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Load `overrides`, dropping each refused one: {override: message}, the accepted."""
+    accepted, refused = list(overrides), {}
+    while True:
+        try:
+            load_config(None, accepted)
+            return refused, accepted
+        except ConfigError as e:
+            message = str(e)
+            named = [o for o in accepted if message.startswith(o.split("=")[0].lstrip("+"))]
+            assert named, f"a refusal that names none of the overrides: {message}"
+            refused[named[0]] = message
+            accepted.remove(named[0])
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_override_of_verls_example_is_accepted_or_refused_with_a_reason(name, tmp_path):
+    overrides = script_overrides(name, tmp_path)
+    assert len(overrides) > 30 and "algorithm.adv_estimator=" in " ".join(overrides)
+    refused, accepted = refusals(overrides)
+    assert set(refused) == REFUSED[name]
+    for message in refused.values():
+        assert "unknown config key" not in message and "did you mean" not in message
+    cfg = load_config(None, accepted)
+    for item in accepted:  # this system's own keys keep their values
+        key, _, text = item.partition("=")
+        if key in OURS:
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            given = text if isinstance(value, str) else yaml.safe_load(text)
+            assert value == given or float(value) == float(given), (key, value, given)
+
+
+def test_verls_names_mean_the_same_here():
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.actor.strategy=megatron",
+            "critic.strategy=megatron",
+            "+actor_rollout_ref.ref.megatron.param_offload=True",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.optim.clip_grad=0.5",
+            "critic.optim.warmup_style=cosine",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+            "custom_reward_function.path=/rewards/math.py",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.rollout.mode=async",
+        ],
+    )
+    aro = cfg.actor_rollout_ref
+    assert aro.ref.param_offload is True and aro.actor.grad_clip == 0.5
+    assert cfg.critic.optim.lr_decay_style == "cosine"
+    megatron = aro.actor.megatron
+    assert (megatron.recompute_granularity, megatron.recompute_method) == ("full", "uniform")
+    assert megatron.recompute_num_layers == 1 and cfg.critic.megatron.recompute_granularity is None
+    assert cfg.reward.custom_fn == "/rewards/math.py:compute_score"
+    assert aro.rollout.log_prob_micro_batch_size_per_gpu == 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["actor_rollout_ref.actor.strategy=fsdp2"], "trains with Megatron-Core only"),
+        ([VLLM], "generates with SGLang servers only: set rollout.name=sglang"),
+        (["critic.megatron.context_parallel_size=2"], "set critic.ulysses_sequence_parallel_size"),
+        (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"], "sharded like the actor"),
+        (["actor_rollout_ref.actor.use_torch_compile=True"], "torch.compile is not used"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size=64"], "set actor_rollout_ref.actor.ppo_"),
+        (["reward_model.enable=True"], "set reward.model_path="),
+        (["trainer.critic_warmup=3"], "a critic warm-up is not implemented"),
+        (
+            [
+                "actor_rollout_ref.ref.megatron.param_offload=true",
+                "actor_rollout_ref.ref.param_offload=false",
+            ],
+            "are both set, to true and false: set one",
+        ),
+        (
+            ["custom_reward_function.reward_kwargs=1"],
+            "custom_reward_function.reward_kwargs: verl's",
+        ),
+        (["~data.seed"], "removing a key (~key) is not supported"),
+    ],
+)
+def test_verl_settings_without_a_meaning_here_are_refused_in_one_line(overrides, said):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert said in str(err.value) and "\n" not in str(err.value)
+
+
+def test_environment_interpolation(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLHF_TEST_NODES", "4")
+    monkeypatch.setenv("RLHF_TEST_DATA", str(tmp_path))
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "trainer:\n  nnodes: ${oc.env:RLHF_TEST_NODES,1}\n"
+        "  n_gpus_per_node: ${oc.env:RLHF_TEST_UNSET,8}\n"
+        "data:\n  val_files: ${oc.env:RLHF_TEST_DATA}/val.parquet\n"
+    )
+    cfg = load_config(config, ["+data.seed=${oc.env:RLHF_TEST_NODES}"])
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.data.seed) == (4, 8, 4)
+    assert cfg.data.val_files == f"{tmp_path}/val.parquet"
+    with pytest.raises(ConfigError, match=r"^trainer.nnodes: environment variable RLHF_TEST_UN"):
+        load_config(None, ["trainer.nnodes=${oc.env:RLHF_TEST_UNSET}"])
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        (
+            "actor_rollout_ref.actor.sequence_parallel",
+            "actor_rollout_ref.actor.megatron.sequence_parallel",
+        ),
+        ("critic.megatron.sequence_parallel_size", "critic.megatron.sequence_parallel"),
+        ("actor_rollout_ref.rollout.temprature", "actor_rollout_ref.rollout.temperature"),
+        ("algorithm.kl_ctrl.kl_coeff", "algorithm.kl_ctrl.kl_coef"),
+        ("critic.ppo_micro_batch_size_per_gpux", "critic.ppo_micro_batch_size_per_gpu"),
+        ("actor_rollout_ref.actor.megatron.expert_model_parallel_size", None),  # not pipeline
+        ("actor_rollout_ref.actor.use_dynamic_bsz_x", None),  # not use_kl_loss
+        ("data.return_full_prompt", None),
+    ],
+)
+def test_did_you_mean_follows_the_key_path(typed, meant):
+    assert nearest_key(typed) == meant
+
+
+def test_the_old_log_prob_budget_follows_verls_rollout_keys():
+    base = ["data.max_prompt_length=100", "data.max_response_length=28"]
+    base.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    budgets = token_budgets(load_config(None, base))
+    assert budgets.actor == budgets.old_log_prob == 2 * 128  # null: the update's
+    micro = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"
+    budgets = token_budgets(load_config(None, [*base, micro]))
+    assert (budgets.actor, budgets.old_log_prob) == (256, 8 * 128)
+    tokens = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=3000"
+    assert token_budgets(load_config(None, [*base, micro, tokens])).old_log_prob == 3000
