@@ -11,11 +11,12 @@ startup.
   geometric mean of token ratios practically never leaves) are refused, not kept silently.
 - DAPO's dynamic sampling needs groups of several samples; its overlong buffer must fit in the
   response length.
+- `trainer.critic_warmup` freezes the actor while the critic trains: it needs a critic.
 """
 
 from __future__ import annotations
 
-from rlhf.config.choices import GROUP_ESTIMATORS
+from rlhf.config.choices import CRITIC_ESTIMATORS, GROUP_ESTIMATORS
 from rlhf.config.loader import ConfigError
 from rlhf.config.schema import RLHFConfig
 
@@ -43,6 +44,12 @@ def check_algorithm(cfg: RLHFConfig) -> None:
             f"prompt; with rollout.n={n} every advantage is 0 and nothing trains: set "
             "rollout.n >= 2 (GRPO runs use 4-16), or adv_estimator=reinforce_plus_plus for one "
             "sample per prompt"
+        )
+    if cfg.trainer.critic_warmup and estimator not in CRITIC_ESTIMATORS:
+        raise ConfigError(
+            f"trainer.critic_warmup={cfg.trainer.critic_warmup} trains only the critic for its "
+            f"first steps, and adv_estimator={estimator} has no critic: nothing would train; "
+            "set trainer.critic_warmup=0 (or adv_estimator=gae)"
         )
     _check_gspo(cfg)
     _check_dapo(cfg)

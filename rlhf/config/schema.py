@@ -327,6 +327,12 @@ class TrainerConfig:
     test_freq: int = doc(-1, "validate every this many steps (-1: never; also at the end)")
     val_before_train: bool = doc(True, "validate once before the first step")
     save_freq: int = doc(-1, "checkpoint every this many steps (-1: only at the end)")
+    critic_warmup: int = doc(
+        0,
+        "steps at the start in which only the critic trains: the actor is not updated (its "
+        "weights, optimizer state and LR schedule stay), as verl's critic_warmup",
+        ge=0,
+    )
     async_save: bool = doc(
         False,
         "write checkpoints in the background: the step waits only for a snapshot in host "

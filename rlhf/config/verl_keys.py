@@ -168,9 +168,6 @@ VERL_KEYS: dict[str, Alias | Fixed | Implies | SameAs | Refused] = {
         "a reward model here scores the rows whose reward_model.style is 'model': set "
         "reward.model_path=<HF *ForSequenceClassification dir> (or reward.url)",
     ),
-    "trainer.critic_warmup": Fixed(
-        (0,), "the actor trains from the first step here: a critic warm-up is not implemented"
-    ),
 }
 
 

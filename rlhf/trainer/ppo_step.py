@@ -143,7 +143,8 @@ class PPOStep:
             records = [record for r in scored.rounds for record in r.records]
             write_records(records, self.rollouts_dir / f"step_{step}.jsonl")
         # old/ref log-probs and values -> advantages -> critic update -> actor update
-        learned = learn_from_batch(self.models, batch, self.cfg, self.kl_ctrl, timer)
+        actor = actor_trains(self.cfg, step)
+        learned = learn_from_batch(self.models, batch, self.cfg, self.kl_ctrl, timer, actor)
         # the servers serve the updated actor as version `step`
         with timer.stage("update_weights"):
             weights = self.servers.load_weights(self.policy, step)
@@ -168,16 +169,23 @@ class PPOStep:
         )
 
 
+def actor_trains(cfg: RLHFConfig, step: int) -> bool:
+    """Whether step `step` (from 1) updates the actor: not in `trainer.critic_warmup`."""
+    return step > cfg.trainer.critic_warmup
+
+
 def learn_from_batch(
     models: PPOModels,
     batch: RolloutBatch,
     cfg: RLHFConfig,
     kl_ctrl: KLController,
     timer: Timer,
+    update_actor: bool = True,
 ) -> Learned:
     """Old log-probs (the engine's under `rollout_correction.bypass_mode`), reference
-    log-probs and values (when those models exist), advantages, then the critic's and the
-    actor's updates. The KL controller moves only when the KL is applied in the reward."""
+    log-probs and values (when those models exist), advantages, then the critic's and (with
+    `update_actor`) the actor's updates. The KL controller moves only when the KL is applied
+    in the reward."""
     m = models
     old: tuple[Tensor, Tensor | None]
     if cfg.algorithm.rollout_correction.bypass_mode:
@@ -216,10 +224,13 @@ def learn_from_batch(
             critic_metrics, critic_bad = run_updates(m.critic_update, exp, m.planner)
         metrics |= critic_metrics
         found += critic_bad
-    with timer.stage("update_actor"):
-        actor_metrics, actor_bad = run_updates(m.actor_update, exp, m.planner)
-    metrics |= actor_metrics
-    found += actor_bad
+    if update_actor:
+        with timer.stage("update_actor"):
+            actor_metrics, actor_bad = run_updates(m.actor_update, exp, m.planner)
+        metrics |= actor_metrics
+        found += actor_bad
+    else:
+        metrics["actor/frozen_for_critic_warmup"] = 1.0
     if cfg.actor_rollout_ref.actor.use_kl_loss:
         metrics["actor/kl_coef"] = cfg.actor_rollout_ref.actor.kl_loss_coef
     return Learned(exp, False, found, metrics | nonfinite_marks(found))

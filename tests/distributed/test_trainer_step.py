@@ -259,3 +259,14 @@ def test_every_layout_takes_the_one_rank_steps(steps, layout_steps, layout, name
         assert other["metrics"][key] == pytest.approx(value, rel=2e-4, abs=1e-6), key
     torch.testing.assert_close(other["logprobs_after"], one["logprobs_after"], rtol=0, atol=2e-5)
     torch.testing.assert_close(other["advantages"], one["advantages"], rtol=0, atol=2e-5)
+
+
+def test_critic_warmup_trains_only_the_critic_first(steps):
+    """trainer.critic_warmup=1: step 1 leaves the actor as it was (still the reference at
+    step 2) while the critic trains exactly as under plain GAE; step 2 updates the actor."""
+    warm, gae = steps["gae_critic_warmup"], steps["gae"]
+    assert torch.equal(warm["old_logprobs"], warm["ref_logprobs"])
+    assert not torch.equal(gae["old_logprobs"], gae["ref_logprobs"])
+    assert torch.equal(warm["values"], gae["values"])
+    assert not torch.allclose(warm["logprobs_after"], warm["old_logprobs"])
+    assert "actor/pg_loss" in warm["metrics"]

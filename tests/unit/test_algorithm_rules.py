@@ -39,6 +39,12 @@ def test_group_estimators_refuse_one_sample_per_prompt(estimator):
     check("algorithm.adv_estimator=reinforce_plus_plus", *one)
 
 
+def test_a_critic_warmup_needs_a_critic():
+    with pytest.raises(ConfigError, match=r"critic_warmup=3 .* adv_estimator=grpo has no critic"):
+        check("trainer.critic_warmup=3", "algorithm.adv_estimator=grpo")
+    check("trainer.critic_warmup=3", "algorithm.adv_estimator=gae")
+
+
 def test_gspo_needs_the_sequence_mean_and_its_own_clip_range():
     clip = [f"{AR}.actor.clip_ratio_low=0.0003", f"{AR}.actor.clip_ratio_high=0.0004"]
     seq_mean = f"{AR}.actor.loss_agg_mode=seq-mean-token-mean"

@@ -115,7 +115,6 @@ def test_verls_names_mean_the_same_here():
         (["actor_rollout_ref.actor.use_torch_compile=True"], "torch.compile is not used"),
         (["actor_rollout_ref.actor.ppo_micro_batch_size=64"], "set actor_rollout_ref.actor.ppo_"),
         (["reward_model.enable=True"], "set reward.model_path="),
-        (["trainer.critic_warmup=3"], "a critic warm-up is not implemented"),
         (
             [
                 "actor_rollout_ref.ref.megatron.param_offload=true",

@@ -50,6 +50,8 @@ VARIANTS = {
         "algorithm.rollout_correction.rollout_is=sequence",
         "algorithm.rollout_correction.rollout_is_threshold=1.5",
     ],
+    # step 1 trains only the critic, step 2 both (the trainer's actor_trains decides)
+    "gae_critic_warmup": ["algorithm.adv_estimator=gae", "trainer.critic_warmup=1"],
 }
 COMMON = [
     "data.train_batch_size=2",
@@ -90,7 +92,12 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     from rlhf.algo import build_kl_controller
     from rlhf.config import validate_config
     from rlhf.logging import Timer
-    from rlhf.trainer.ppo_step import compute_logprobs, learn_from_batch, probe_logprobs
+    from rlhf.trainer.ppo_step import (
+        actor_trains,
+        compute_logprobs,
+        learn_from_batch,
+        probe_logprobs,
+    )
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model_dir}", *COMMON, *overrides])
@@ -100,8 +107,8 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     batch = synthetic_batch(arch.vocab_size)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
     kl_before = kl_ctrl.value
-    learn_from_batch(models, batch, cfg, kl_ctrl, Timer())
-    learned = learn_from_batch(models, batch, cfg, kl_ctrl, Timer())
+    learn_from_batch(models, batch, cfg, kl_ctrl, Timer(), actor_trains(cfg, 1))
+    learned = learn_from_batch(models, batch, cfg, kl_ctrl, Timer(), actor_trains(cfg, 2))
     exp, metrics = learned.experience, learned.metrics
     after, _ = compute_logprobs(
         models.actor, batch, models.planner, models.budgets.actor, models.logprob_head
