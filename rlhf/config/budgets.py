@@ -1,20 +1,33 @@
-"""Tokens per packed micro-batch of each model's passes, as the config sets them."""
+"""How each model's passes cut a step's samples into micro-batches, as the config sets it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlhf.config.loader import ConfigError
 from rlhf.config.schema import RLHFConfig
+
+AR = "actor_rollout_ref"
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """One pass's micro-batches: packed to at most `tokens` per micro-batch (per GPU) and
+    balanced over the DP ranks; or, with `samples` (verl's `use_dynamic_bsz=false`), that many
+    samples per micro-batch in order, `tokens` then being the most they can hold."""
+
+    tokens: int
+    samples: int | None = None
 
 
 @dataclass(frozen=True)
 class TokenBudgets:
-    """Tokens per packed micro-batch (per GPU) for each model's passes."""
+    """Micro-batching of each model's passes (per GPU)."""
 
-    actor: int
-    critic: int
-    ref: int
-    old_log_prob: int  # the actor's forward-only pass (verl: rollout.log_prob_*)
+    actor: MicroBatching
+    critic: MicroBatching
+    ref: MicroBatching
+    old_log_prob: MicroBatching  # the actor's forward-only pass (verl: rollout.log_prob_*)
 
 
 def default_token_budget(micro_batch_size: int, max_prompt: int, max_response: int) -> int:
@@ -22,24 +35,72 @@ def default_token_budget(micro_batch_size: int, max_prompt: int, max_response: i
     return micro_batch_size * (max_prompt + max_response)
 
 
+def _or(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
+
+
+def _pass(dynamic: bool, tokens: int | None, samples: int, longest: tuple[int, int]):
+    """`*_max_token_len_per_gpu` (`tokens`), or by default `samples` x the longest sequence;
+    without `dynamic`, `samples` per micro-batch."""
+    if not dynamic:
+        return MicroBatching(default_token_budget(samples, *longest), samples)
+    return MicroBatching(tokens or default_token_budget(samples, *longest))
+
+
 def token_budgets(cfg: RLHFConfig) -> TokenBudgets:
-    """`*_max_token_len_per_gpu`, or by default micro-batch size x the longest sequence."""
+    """Each pass's micro-batching (`MicroBatching`), from its role's keys."""
     longest = (cfg.data.max_prompt_length, cfg.data.max_response_length)
     actor, critic, ref = cfg.actor_rollout_ref.actor, cfg.critic, cfg.actor_rollout_ref.ref
     rollout = cfg.actor_rollout_ref.rollout
-    update = actor.ppo_max_token_len_per_gpu or default_token_budget(
-        actor.ppo_micro_batch_size_per_gpu, *longest
+    update = _pass(
+        actor.use_dynamic_bsz,
+        actor.ppo_max_token_len_per_gpu,
+        actor.ppo_micro_batch_size_per_gpu,
+        longest,
     )
-    forward = rollout.log_prob_max_token_len_per_gpu or (
-        default_token_budget(rollout.log_prob_micro_batch_size_per_gpu, *longest)
-        if rollout.log_prob_micro_batch_size_per_gpu
-        else update
-    )
+    forward = update  # the old-log-prob forward: the update's unless its keys say otherwise
+    forward_dynamic = _or(rollout.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz)
+    own = rollout.log_prob_max_token_len_per_gpu or rollout.log_prob_micro_batch_size_per_gpu
+    if own or forward_dynamic != actor.use_dynamic_bsz:
+        samples = rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
+        forward = _pass(forward_dynamic, rollout.log_prob_max_token_len_per_gpu, samples, longest)
     return TokenBudgets(
         actor=update,
-        critic=critic.ppo_max_token_len_per_gpu
-        or default_token_budget(critic.ppo_micro_batch_size_per_gpu, *longest),
-        ref=ref.log_prob_max_token_len_per_gpu
-        or default_token_budget(ref.log_prob_micro_batch_size_per_gpu, *longest),
+        critic=_pass(
+            critic.use_dynamic_bsz,
+            critic.ppo_max_token_len_per_gpu,
+            critic.ppo_micro_batch_size_per_gpu,
+            longest,
+        ),
+        ref=_pass(
+            _or(ref.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz),
+            ref.log_prob_max_token_len_per_gpu,
+            ref.log_prob_micro_batch_size_per_gpu,
+            longest,
+        ),
         old_log_prob=forward,
     )
+
+
+def check_micro_batching(cfg: RLHFConfig) -> None:
+    """A token budget set for a pass that cuts fixed micro-batches would be ignored: refused."""
+    aro = cfg.actor_rollout_ref
+    passes = [
+        (f"{AR}.actor", aro.actor, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+        ("critic", cfg.critic, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+        (f"{AR}.ref", aro.ref, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+        (
+            f"{AR}.rollout",
+            aro.rollout,
+            "log_prob_use_dynamic_bsz",
+            "log_prob_max_token_len_per_gpu",
+        ),
+    ]
+    for prefix, section, switch, budget_key in passes:
+        budget = getattr(section, budget_key)
+        if not _or(getattr(section, switch), aro.actor.use_dynamic_bsz) and budget is not None:
+            raise ConfigError(
+                f"{prefix}.{budget_key}={budget} is a token budget, which the fixed "
+                f"micro-batches of {prefix}.{switch}=false do not use: drop it, or set "
+                f"{switch}=true"
+            )

@@ -92,6 +92,12 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int | None = doc(
         None, "token budget of one old-log-prob forward micro-batch (null: see above)", gt=0
     )
+    log_prob_use_dynamic_bsz: bool | None = doc(
+        None,
+        "token-budget micro-batches for the old-log-prob forward; false: "
+        "log_prob_micro_batch_size_per_gpu (null: the actor's) samples each (null: as the "
+        "actor's use_dynamic_bsz)",
+    )
     logprob_diff_threshold: float | None = doc(
         None, "fail the step when rollout/logprob_diff_max exceeds this (null: only log)", gt=0
     )

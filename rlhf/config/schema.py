@@ -46,6 +46,11 @@ class DataConfig:
     val_files: str | list[str] | None = doc(None, "validation Parquet (same forms as train_files)")
     prompt_key: str = doc("prompt", "column holding the prompt (chat messages or a string)")
     apply_chat_template: bool = doc(True, "format prompts with the tokenizer's chat template")
+    use_sequence_packing: bool = doc(
+        True,
+        "a micro-batch's samples back to back with no padding; false: each padded to the "
+        "micro-batch's longest, the padding computed and masked (verl's padded batches)",
+    )
     filter_overlong_prompts: bool = doc(
         False, "drop (and count) prompts longer than max_prompt_length"
     )
@@ -198,6 +203,11 @@ class ActorConfig:
         "(data.max_prompt_length + data.max_response_length))",
         gt=0,
     )
+    use_dynamic_bsz: bool = doc(
+        True,
+        "micro-batches packed to ppo_max_token_len_per_gpu tokens and balanced over the DP "
+        "ranks; false: ppo_micro_batch_size_per_gpu samples each, in order (verl's fixed mode)",
+    )
     ppo_epochs: int = doc(1, "passes over each step's rollouts", gt=0)
     clip_ratio: float = doc(0.2, "PPO clip epsilon", gt=0, le=1)
     clip_ratio_low: float | None = doc(None, "lower clip epsilon (null: clip_ratio)", ge=0, lt=1)
@@ -233,6 +243,11 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int | None = doc(
         None, "token budget of one reference forward micro-batch (null: see above)", gt=0
     )
+    log_prob_use_dynamic_bsz: bool | None = doc(
+        None,
+        "token-budget micro-batches; false: log_prob_micro_batch_size_per_gpu samples each "
+        "(null: as the actor's use_dynamic_bsz)",
+    )
     ulysses_sequence_parallel_size: int | None = doc(
         None, "Ulysses SP size of the reference (null: the actor's, which it must equal)", gt=0
     )
@@ -265,6 +280,9 @@ class CriticConfig:
     model: ModelConfig = doc(
         lambda: ModelConfig(path="${actor_rollout_ref.model.path}"),
         "critic trunk (an HF causal LM or *ForSequenceClassification directory)",
+    )
+    use_dynamic_bsz: bool = doc(
+        True, "token-budget micro-batches; false: ppo_micro_batch_size_per_gpu samples each"
     )
     ppo_epochs: int = doc(1, "passes over each step's rollouts", gt=0)
     cliprange_value: float | None = doc(0.5, "value clipping around the old values (null: off)")

@@ -21,6 +21,7 @@ from rlhf.config.algorithm_rules import (
     kl_in_reward,
     uses_reference,
 )
+from rlhf.config.budgets import check_micro_batching
 from rlhf.config.choices import CRITIC_ESTIMATORS
 from rlhf.config.loader import ConfigError
 from rlhf.config.schema import (
@@ -344,6 +345,7 @@ def _check_misc(cfg: RLHFConfig) -> None:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
     _check_reward(cfg)
     _check_engine_kwargs(cfg)
+    check_micro_batching(cfg)
     if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
         raise ConfigError(
             f"trainer.early_stop.kl_patience={cfg.trainer.early_stop.kl_patience} watches the KL "

@@ -79,10 +79,6 @@ SGLANG_ONLY = (
     "this system generates with SGLang servers only: set rollout.name=sglang (SGLang's own "
     "arguments: rollout.engine_kwargs.sglang.<name>)"
 )
-PACKED = (
-    "micro-batches are packed to a token budget here ({role}.ppo_max_token_len_per_gpu; "
-    "null: ppo_micro_batch_size_per_gpu x the longest prompt + response), with no padding"
-)
 SHARES_ACTOR = (
     "the reference is sharded like the actor here ({target}); drop the key or set it equal"
 )
@@ -96,7 +92,6 @@ def _role_keys() -> dict[str, Any]:
     keys: dict[str, Any] = {}
     for role in (ACTOR, REF, CRITIC):
         keys[f"{role}.strategy"] = Fixed(("megatron",), MEGATRON_ONLY)
-        keys[f"{role}.use_dynamic_bsz"] = Fixed((True,), PACKED.format(role=role))
         keys[f"{role}.megatron.context_parallel_size"] = Fixed(
             (1,), ULYSSES.format(role=role if role != REF else ACTOR)
         )
@@ -120,8 +115,6 @@ def _role_keys() -> dict[str, Any]:
         keys[f"{section}.enable_gradient_checkpointing"] = Implies(
             {True: recompute, False: {}}, "expected true or false"
         )
-    for role in (ROLLOUT, REF):
-        keys[f"{role}.log_prob_use_dynamic_bsz"] = Fixed((True,), PACKED.format(role=role))
     for role in (ACTOR, CRITIC):
         keys[f"{role}.ppo_micro_batch_size"] = Refused(
             f"micro-batch sizes are per GPU here: set {role}.ppo_micro_batch_size_per_gpu"
@@ -152,12 +145,7 @@ VERL_KEYS: dict[str, Alias | Fixed | Implies | SameAs | Refused] = {
         "the log-prob and entropy head is always the chunked vocab-parallel one "
         "(rlhf/models/logprobs.py): it never holds the full logits",
     ),
-    f"{MODEL}.use_remove_padding": Fixed(
-        (True,), "samples are always packed back to back without padding here"
-    ),
-    "data.use_sequence_packing": Fixed(
-        (True,), "samples are always packed back to back without padding here"
-    ),
+    f"{MODEL}.use_remove_padding": Alias("data.use_sequence_packing"),
     "data.return_raw_chat": Fixed(
         (True,),
         "prompts stay chat messages until the trainer applies the chat template with its "

@@ -22,6 +22,8 @@ token count instead:
 Lengths are padded to `pad_to_multiple_of` (2 x the context-parallel size for Megatron's
 load-balanced context parallelism) before planning; a sequence over the budget is an error.
 The packed (THD) tensors for one micro-batch are built by `rlhf.data.packed`.
+`plan_fixed_micro_batches` is verl's other mode (`use_dynamic_bsz=false`): a fixed number of
+sequences per micro-batch, in order.
 """
 
 from __future__ import annotations
@@ -183,13 +185,7 @@ def plan_micro_batches(
             "max_tokens_per_micro_batch, dp_size, pad_to_multiple_of and count_multiple must "
             "be >= 1"
         )
-    total = len(lengths)
-    mini = mini_batch_size or total
-    if total == 0 or total % mini or mini % dp_size:
-        raise ValueError(
-            f"{total} sequences must split into mini-batches of {mini} sequences, each divisible "
-            f"by the data-parallel size {dp_size}"
-        )
+    total, mini = _mini_batch_split(len(lengths), mini_batch_size, dp_size)
     padded = [round_up(int(n), pad_to_multiple_of) for n in lengths]
     _check_budget(padded, lengths, max_tokens_per_micro_batch, pad_to_multiple_of)
     assignments = []
@@ -207,3 +203,48 @@ def plan_micro_batches(
             raise RuntimeError(f"could not pack mini-batch at {start} into {count} micro-batches")
         assignments.append(filled)
     return MicroBatchPlan(assignments, padded, max_tokens_per_micro_batch, dp_size)
+
+
+def _mini_batch_split(total: int, mini_batch_size: int | None, dp_size: int) -> tuple[int, int]:
+    mini = mini_batch_size or total
+    if total == 0 or total % mini or mini % dp_size:
+        raise ValueError(
+            f"{total} sequences must split into mini-batches of {mini} sequences, each divisible "
+            f"by the data-parallel size {dp_size}"
+        )
+    return total, mini
+
+
+def plan_fixed_micro_batches(
+    lengths: Sequence[int],
+    *,
+    micro_batch_size: int,
+    dp_size: int = 1,
+    mini_batch_size: int | None = None,
+    pad_to_multiple_of: int = 1,
+    count_multiple: int = 1,
+) -> MicroBatchPlan:
+    """verl's fixed micro-batches (`use_dynamic_bsz=false`), with no token budget and no
+    balancing: each mini-batch split over the DP ranks in order (rank r takes the r-th
+    contiguous share) and each share cut, in order, into micro-batches of `micro_batch_size`
+    sequences (the last may hold fewer). A mode to compare with, or debug against, the
+    token-budget plan. `max_tokens` is the largest micro-batch's padded token count."""
+    if min(micro_batch_size, dp_size, pad_to_multiple_of, count_multiple) < 1:
+        raise ValueError("micro_batch_size, dp_size, pad_to_multiple_of and count_multiple >= 1")
+    total, mini = _mini_batch_split(len(lengths), mini_batch_size, dp_size)
+    padded = [round_up(int(n), pad_to_multiple_of) for n in lengths]
+    per_rank = mini // dp_size
+    assignments = []
+    for start in range(0, total, mini):
+        ranks = []
+        for first in range(start, start + mini, per_rank):
+            micro = [
+                list(range(i, min(i + micro_batch_size, first + per_rank)))
+                for i in range(first, first + per_rank, micro_batch_size)
+            ]
+            ranks.append(
+                micro + [[] for _ in range(round_up(len(micro), count_multiple) - len(micro))]
+            )
+        assignments.append(ranks)
+    largest = max(sum(padded[i] for i in m) for mb in assignments for r in mb for m in r)
+    return MicroBatchPlan(assignments, padded, largest, dp_size)

@@ -231,12 +231,12 @@ class PlanInputs:
     ) -> PlanInputs:
         aro, budgets = cfg.actor_rollout_ref, token_budgets(cfg)
         # the old-log-prob forward runs in the actor's phase: its budget, when larger, bounds it
-        actor_budget = max(budgets.actor, budgets.old_log_prob)
+        actor_budget = max(budgets.actor.tokens, budgets.old_log_prob.tokens)
         roles = [TrainedRole("actor", aro.actor.megatron, actor_budget)]
         if uses_critic(cfg):
-            roles.append(TrainedRole("critic", cfg.critic.megatron, budgets.critic, True))
+            roles.append(TrainedRole("critic", cfg.critic.megatron, budgets.critic.tokens, True))
         reference = (
-            TrainedRole("reference", aro.actor.megatron, budgets.ref)
+            TrainedRole("reference", aro.actor.megatron, budgets.ref.tokens)
             if uses_reference(cfg)
             else None
         )

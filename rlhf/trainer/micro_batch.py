@@ -36,7 +36,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from rlhf.algo.losses import BatchCounts, global_batch_counts
-from rlhf.data.packing import plan_micro_batches
+from rlhf.config.budgets import MicroBatching
+from rlhf.data.packing import plan_fixed_micro_batches, plan_micro_batches
 from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
 from rlhf.parallel.ulysses import SequenceShard, combine_positions, held_positions
@@ -171,8 +172,11 @@ def build_micro_batch(
     thd: bool = False,
     sp: SequenceShard | None = None,
     tp_split: int = 1,
+    padded: bool = False,
 ) -> MicroBatch:
-    """Pack `sample_ids` of `batch` into one row (mask-based, or THD when `thd`).
+    """Pack `sample_ids` of `batch` into one row (mask-based, or THD when `thd`); `padded`:
+    each sample followed by padding to the longest sample's length, attended to only by the
+    padding after it (causal), never gathered (verl's padded batches, computed).
 
     Under Ulysses SP (`sp.size` > 1) the row is padded to a multiple of 2 x SP (THD: every
     sample) and the tokens keep only this rank's zig-zag slice; masks stay whole-row. Under
@@ -186,6 +190,9 @@ def build_micro_batch(
     sequences = [batch.prompt_ids[i] + batch.response_ids[i] for i in sample_ids]
     if not sequences:
         sequences = [[0] * multiple]
+    if padded:
+        longest = max(len(seq) for seq in sequences)
+        sequences = [seq + [0] * (longest - len(seq)) for seq in sequences]
     lengths = [len(seq) for seq in sequences]
     starts, row_len = _row_layout(lengths, multiple, thd)
     tokens = torch.zeros(row_len, dtype=torch.long)
@@ -258,29 +265,51 @@ class MicroBatchPlanner:
     ctx: ParallelContext
     thd: bool
     interleaved: bool = False
+    padded: bool = False  # data.use_sequence_packing=false
 
     def plan(
-        self, batch: RolloutBatch, budget: int, mini_batch_size: int | None = None
+        self,
+        batch: RolloutBatch,
+        budget: int | MicroBatching,
+        mini_batch_size: int | None = None,
     ) -> list[list[MicroBatch]]:
         """This rank's micro-batches per mini-batch (`mini_batch_size` samples; None: one).
 
-        `budget` is tokens per micro-batch per rank; token-budget micro-batches are balanced
-        over the DP ranks by `rlhf.data.packing`. Under the interleaved pipeline their count
-        is a multiple of PP (Megatron's schedule runs them in groups of PP).
+        `budget`: tokens per micro-batch per rank (an int, or a `MicroBatching` without
+        `samples`): token-budget micro-batches balanced over the DP ranks by
+        `rlhf.data.packing`; a `MicroBatching` with `samples`: that many samples each, in
+        order. Under the interleaved pipeline their count is a multiple of PP (Megatron's
+        schedule runs them in groups of PP). `padded`: each sample padded to the longest of
+        its micro-batch.
         """
         sp = SequenceShard.of(self.ctx)
         tp_split = self._tp_split()
-        micro = plan_micro_batches(
-            batch.sequence_lengths,
-            max_tokens_per_micro_batch=budget * sp.size,  # a row is spread over the SP ranks
-            dp_size=self.ctx.dp_size,
-            mini_batch_size=mini_batch_size,
-            pad_to_multiple_of=self.row_multiple,
-            count_multiple=self.ctx.pp_size if self.interleaved else 1,
-        )
+        count_multiple = self.ctx.pp_size if self.interleaved else 1
+        lengths, dp, multiple = batch.sequence_lengths, self.ctx.dp_size, self.row_multiple
+        if isinstance(budget, MicroBatching) and budget.samples is not None:
+            micro = plan_fixed_micro_batches(
+                lengths,
+                micro_batch_size=budget.samples,
+                dp_size=dp,
+                mini_batch_size=mini_batch_size,
+                pad_to_multiple_of=multiple,
+                count_multiple=count_multiple,
+            )
+        else:
+            tokens = budget.tokens if isinstance(budget, MicroBatching) else budget
+            micro = plan_micro_batches(
+                lengths,
+                max_tokens_per_micro_batch=tokens * sp.size,  # a row spreads over the SP ranks
+                dp_size=dp,
+                mini_batch_size=mini_batch_size,
+                pad_to_multiple_of=multiple,
+                count_multiple=count_multiple,
+            )
         return [
             [
-                build_micro_batch(batch, ids, self.thd, sp, tp_split).to(self.ctx.device)
+                build_micro_batch(batch, ids, self.thd, sp, tp_split, self.padded).to(
+                    self.ctx.device
+                )
                 for ids in mini
             ]
             for mini in micro.for_rank(self.ctx.dp_rank)
@@ -298,7 +327,7 @@ class MicroBatchPlanner:
         self,
         model: ForwardModel,
         batch: RolloutBatch,
-        budget: int,
+        budget: int | MicroBatching,
         head: Any,
         keys: Sequence[str],
         width: int | None = None,

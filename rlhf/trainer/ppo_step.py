@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from rlhf.algo import masked_mean
 from rlhf.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf.config.algorithm_rules import kl_in_reward
+from rlhf.config.budgets import MicroBatching
 from rlhf.config.schema import RLHFConfig
 from rlhf.logging import Timer
 from rlhf.rollout.batch import RolloutBatch
@@ -255,7 +256,7 @@ def compute_logprobs(
     model: MegatronModel,
     batch: RolloutBatch,
     planner: MicroBatchPlanner,
-    budget: int,
+    budget: int | MicroBatching,
     head: LogprobHead,
 ) -> tuple[Tensor, Tensor]:
     """[B, R] log-probs and entropies of the response tokens (actor or reference)."""
@@ -264,7 +265,10 @@ def compute_logprobs(
 
 
 def compute_values(
-    critic: MegatronModel, batch: RolloutBatch, planner: MicroBatchPlanner, budget: int
+    critic: MegatronModel,
+    batch: RolloutBatch,
+    planner: MicroBatchPlanner,
+    budget: int | MicroBatching,
 ) -> Tensor:
     """[B, R] values of the response tokens."""
     (values,) = planner.per_sample(critic, batch, budget, CriticValueHead(), ("values",))

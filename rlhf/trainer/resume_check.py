@@ -54,6 +54,8 @@ _FREE_LEAVES = {
     "ppo_max_token_len_per_gpu",
     "log_prob_micro_batch_size_per_gpu",
     "log_prob_max_token_len_per_gpu",
+    "use_dynamic_bsz",
+    "log_prob_use_dynamic_bsz",
 }
 _FREE_ROLLOUT = {  # and its tensor_model_parallel_size, a layout leaf
     "gpu_memory_utilization",
@@ -76,6 +78,7 @@ _FREE_ROLLOUT = {  # and its tensor_model_parallel_size, a layout leaf
 }
 _FREE_KEYS = {
     "data.val_files",
+    "data.use_sequence_packing",
     "reward.request_timeout_s",
     "reward.request_retries",
     "reward.num_workers",

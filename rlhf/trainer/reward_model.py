@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlhf.config.budgets import MicroBatching
 from rlhf.config.loader import ConfigError
 from rlhf.config.schema import RLHFConfig
 from rlhf.distributed.context import ParallelContext
@@ -52,12 +53,18 @@ def require_scored(result: RolloutResult) -> RolloutResult:
 class RewardModelScorer:
     """`scorer(result)`: the result with its model rows scored (collective: every rank)."""
 
-    def __init__(self, model: MegatronModel, planner: MicroBatchPlanner, token_budget: int):
+    def __init__(
+        self, model: MegatronModel, planner: MicroBatchPlanner, token_budget: int | MicroBatching
+    ):
         self.model, self.planner, self.token_budget = model, planner, token_budget
 
     @classmethod
     def from_config(
-        cls, cfg: RLHFConfig, ctx: ParallelContext, planner: MicroBatchPlanner, token_budget: int
+        cls,
+        cfg: RLHFConfig,
+        ctx: ParallelContext,
+        planner: MicroBatchPlanner,
+        token_budget: int | MicroBatching,
     ) -> RewardModelScorer | None:
         path = cfg.reward.model_path
         if not path:

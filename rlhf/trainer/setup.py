@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.config.budgets import TokenBudgets, token_budgets
+from rlhf.config.budgets import MicroBatching, TokenBudgets, token_budgets
 from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
 from rlhf.config.validate import (
     distributed_optimizer_on,
@@ -47,7 +47,7 @@ class UpdateSpec:
 
     role: str
     model: TrainableMegatronModel
-    token_budget: int
+    token_budget: int | MicroBatching
     mini_batch_samples: int
     epochs: int
     loss: Loss
@@ -158,7 +158,7 @@ def offload_kinds(
     return kinds
 
 
-def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: int):
+def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: MicroBatching):
     """The critic and its update spec, or (None, None) for critic-free estimators."""
     if not uses_critic(cfg):
         return None, None
@@ -228,7 +228,8 @@ def build_ppo_models(
         kl_bound=cfg.trainer.early_stop.ppo_kl_bound,
         on_nonfinite=cfg.trainer.on_nonfinite,
     )
-    planner = MicroBatchPlanner(ctx, use_thd(ctx), interleaved=vp_size > 1)
+    padded = not cfg.data.use_sequence_packing
+    planner = MicroBatchPlanner(ctx, use_thd(ctx), interleaved=vp_size > 1, padded=padded)
     reward_model = RewardModelScorer.from_config(cfg, ctx, planner, budgets.ref)
     return PPOModels(
         actor,

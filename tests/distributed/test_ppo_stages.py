@@ -163,3 +163,30 @@ def test_clipped_epochs_match_one_rank(results, layout):
     for key, value in one["clipped_metrics"].items():
         assert other["clipped_metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     torch.testing.assert_close(other["logprobs_final"], one["logprobs_final"], atol=1e-4, rtol=0)
+
+
+PROMPT_RESPONSE = ("prompt_ids", "response_ids")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fixed_padded_micro_batches_give_the_packed_logprobs_and_gradient(results, layout):
+    """verl's other mode (`use_dynamic_bsz=false`, `use_sequence_packing=false`): 3 samples
+    per micro-batch in order, each padded to the longest; the padding is computed but changes
+    no log-prob, and the loss's gradient is the packed one (only the summation order moves;
+    compared on one rank, where the gradient is the whole mini-batch's, not a rank's share)."""
+    run = results[layout]
+    if layout in ("1rank", "bf16", "pp2"):  # rank 0 takes all 8 samples, rows not rounded
+        lengths = [len(p) + len(r) for p, r in zip(*(run["batch"][k] for k in PROMPT_RESPONSE))]
+        groups = [[0, 1, 2], [3, 4, 5], [6, 7]]
+        padded = [len(g) * max(lengths[i] for i in g) for g in groups]
+        assert run["fixed_layout"] == list(zip(groups, padded))
+    tolerance = 2e-2 if layout == "bf16" else 1e-5
+    torch.testing.assert_close(
+        run["fixed_padded_logprobs"], run["logprobs_before"], atol=tolerance, rtol=0
+    )
+    if layout in ("1rank", "bf16"):  # one rank: its gradient is the whole mini-batch's
+        atol, rtol = (1e-3, 1e-2) if layout == "bf16" else (1e-6, 1e-4)
+        for name, value in run["gradient"].items():
+            torch.testing.assert_close(
+                run["fixed_padded_gradient"][name], value, atol=atol, rtol=rtol
+            )

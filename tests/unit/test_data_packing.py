@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf.data.packed import PackedBatch, pack_sequences, scatter_sequences
-from rlhf.data.packing import balanced_partition, plan_micro_batches
+from rlhf.data.packing import balanced_partition, plan_fixed_micro_batches, plan_micro_batches
 
 # The inverse of the packing (cut a packed tensor back per sequence), used only to check it.
 
@@ -193,3 +193,18 @@ def test_batch_shape_errors():
         plan_micro_batches([1, 2, 0, 3], max_tokens_per_micro_batch=8)
     with pytest.raises(ValueError, match="cannot pack an empty micro-batch"):
         pack_sequences([])
+
+
+def test_fixed_micro_batches_by_hand():
+    """verl's use_dynamic_bsz=false: in order, `micro_batch_size` sequences each; each DP
+    rank takes its contiguous share of the mini-batch; fillers only for the PP multiple."""
+    lengths = [5, 6, 7, 8, 9, 10, 11, 12]
+    plan = plan_fixed_micro_batches(lengths, micro_batch_size=3, dp_size=2, count_multiple=2)
+    assert plan.assignments == [[[[0, 1, 2], [3]], [[4, 5, 6], [7]]]]
+    assert plan.max_tokens == 9 + 10 + 11
+    plan = plan_fixed_micro_batches(lengths, micro_batch_size=2, mini_batch_size=4)
+    assert plan.assignments == [[[[0, 1], [2, 3]]], [[[4, 5], [6, 7]]]]
+    filler = plan_fixed_micro_batches(lengths[:2], micro_batch_size=2, count_multiple=2)
+    assert filler.assignments == [[[[0, 1], []]]]
+    with pytest.raises(ValueError, match="data-parallel size 3"):
+        plan_fixed_micro_batches(lengths, micro_batch_size=2, dp_size=3)

@@ -43,8 +43,11 @@ def test_layout_and_operations_may_change_and_are_said(tmp_path, caplog):
             f"{AR}.actor.megatron.tensor_model_parallel_size=2",
             "trainer.total_training_steps=99",
             f"{AR}.rollout.weight_sync_transport=disk",
+            f"{AR}.actor.use_dynamic_bsz=false",  # micro-batching: the same gradients
+            "data.use_sequence_packing=false",
         )
     assert "tensor_model_parallel_size (1 -> 2)" in caplog.text
+    assert "data.use_sequence_packing (True -> False)" in caplog.text
     assert "trainer.total_training_steps" in caplog.text
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf.config import load_config
-from rlhf.config.budgets import token_budgets
+from rlhf.config import load_config, validate_config
+from rlhf.config.budgets import MicroBatching, token_budgets
 from rlhf.config.loader import ConfigError, all_keys, nearest_key
 
 EXAMPLES = Path(__file__).with_name("verl_examples")
@@ -91,10 +91,13 @@ def test_verls_names_mean_the_same_here():
             "actor_rollout_ref.model.enable_gradient_checkpointing=True",
             "custom_reward_function.path=/rewards/math.py",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.use_dynamic_bsz=False",
+            "actor_rollout_ref.model.use_remove_padding=False",
             "actor_rollout_ref.rollout.mode=async",
         ],
     )
+    assert not cfg.actor_rollout_ref.actor.use_dynamic_bsz
+    assert not cfg.data.use_sequence_packing
     aro = cfg.actor_rollout_ref
     assert aro.ref.param_offload is True and aro.actor.grad_clip == 0.5
     assert cfg.critic.optim.lr_decay_style == "cosine"
@@ -163,7 +166,7 @@ def test_environment_interpolation(monkeypatch, tmp_path):
         ("algorithm.kl_ctrl.kl_coeff", "algorithm.kl_ctrl.kl_coef"),
         ("critic.ppo_micro_batch_size_per_gpux", "critic.ppo_micro_batch_size_per_gpu"),
         ("actor_rollout_ref.actor.megatron.expert_model_parallel_size", None),  # not pipeline
-        ("actor_rollout_ref.actor.use_dynamic_bsz_x", None),  # not use_kl_loss
+        ("actor_rollout_ref.actor.use_dynamic_batch", None),  # not use_kl_loss
         ("data.return_full_prompt", None),
     ],
 )
@@ -175,9 +178,24 @@ def test_the_old_log_prob_budget_follows_verls_rollout_keys():
     base = ["data.max_prompt_length=100", "data.max_response_length=28"]
     base.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
     budgets = token_budgets(load_config(None, base))
-    assert budgets.actor == budgets.old_log_prob == 2 * 128  # null: the update's
+    assert budgets.actor == budgets.old_log_prob == MicroBatching(2 * 128)  # the update's
     micro = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"
     budgets = token_budgets(load_config(None, [*base, micro]))
-    assert (budgets.actor, budgets.old_log_prob) == (256, 8 * 128)
+    assert (budgets.actor.tokens, budgets.old_log_prob.tokens) == (256, 8 * 128)
     tokens = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=3000"
-    assert token_budgets(load_config(None, [*base, micro, tokens])).old_log_prob == 3000
+    assert token_budgets(load_config(None, [*base, micro, tokens])).old_log_prob.tokens == 3000
+    fixed = token_budgets(
+        load_config(None, [*base, "actor_rollout_ref.actor.use_dynamic_bsz=false"])
+    )
+    assert fixed.actor == fixed.old_log_prob == MicroBatching(256, samples=2)
+    assert fixed.ref == MicroBatching(4 * 128, samples=4)  # the ref follows the actor's switch
+    assert fixed.critic == MicroBatching(256)  # the critic has its own
+
+
+def test_a_token_budget_for_fixed_micro_batches_is_refused():
+    cfg = load_config(
+        "configs/quickstart_cpu.yaml",
+        ["critic.use_dynamic_bsz=false", "critic.ppo_max_token_len_per_gpu=300"],
+    )
+    with pytest.raises(ConfigError, match=r"^critic.ppo_max_token_len_per_gpu=300 is a token"):
+        validate_config(cfg)

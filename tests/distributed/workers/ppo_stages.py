@@ -69,6 +69,7 @@ def main() -> None:
 def run(args, ctx) -> None:
     import dataclasses
 
+    from rlhf.config.budgets import MicroBatching
     from rlhf.trainer import ppo_step as stages
     from rlhf.trainer.experience import Experience
     from rlhf.trainer.micro_batch import MicroBatchPlanner
@@ -100,6 +101,14 @@ def run(args, ctx) -> None:
     exp = Experience(batch, before, entropy, before, None, zeros, advantages, None)
     update = dataclasses.replace(models.actor_update, token_budget=budget)
     gradient = first_gradient(actor, update, exp, planner)
+    # verl's fixed micro-batches (3 samples each, in order), each sample padded to the
+    # longest of its micro-batch: the same log-probs and gradient
+    padded, fixed = dataclasses.replace(planner, padded=True), MicroBatching(budget, samples=3)
+    fixed_padded_logprobs, _ = stages.compute_logprobs(actor, batch, padded, fixed, head)
+    fixed_update = dataclasses.replace(update, token_budget=fixed)
+    (fixed_plan,) = padded.plan(batch, fixed)
+    fixed_layout = [(mb.sample_ids, mb.tokens.shape[1]) for mb in fixed_plan]
+    fixed_padded_gradient = first_gradient(actor, fixed_update, exp, padded)
     metrics, _ = stages.run_updates(update, exp, planner)
     weights_after_first_update = {
         n: p.detach().cpu().float().clone() for p, n in actor.module.global_names().items()
@@ -122,6 +131,8 @@ def run(args, ctx) -> None:
                 str(p.dtype) for g in actor.optimizer.param_groups for p in g["params"]
             },
             "checkpoint_round_trip": round_trip,
+            "fixed_padded_logprobs": fixed_padded_logprobs,
+            "fixed_layout": fixed_layout,  # rank 0's micro-batches: samples, row length
             "background_round_trip": background_round_trip,
             "logprobs_before": before,
             "logprobs_after": after,
@@ -134,6 +145,7 @@ def run(args, ctx) -> None:
         if args.tp == args.pp == 1:  # rank 0 holds every weight
             result["weights"] = weights_after_first_update
             result["gradient"] = gradient
+            result["fixed_padded_gradient"] = fixed_padded_gradient
         torch.save(result, Path(args.out))
 
 
