@@ -11,6 +11,7 @@ features land. Strings may reference other keys as `${section.key}`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rlhf.config.algorithm import AlgorithmConfig
 from rlhf.config.choices import (
@@ -160,6 +161,12 @@ class MegatronParallelConfig:
     grad_offload: bool = doc(False, "GPU: gradient buffers on pinned CPU memory while not in use")
     optimizer_offload: bool = doc(
         False, "GPU: master weights and Adam state on pinned CPU memory while not in use"
+    )
+    override_transformer_config: dict[str, Any] = doc(
+        dict,
+        "further fields of Megatron-Core's TransformerConfig as they are (verl's key; e.g. "
+        "apply_rope_fusion: true), checked against its fields; those set from config.json or "
+        "this system's keys are refused, recompute_* and sequence_parallel mean the keys above",
     )
 
 

@@ -106,6 +106,16 @@ def _role_keys() -> dict[str, Any]:
         target = f"{ACTOR}.megatron.{leaf}"
         keys[f"{REF}.megatron.{leaf}"] = SameAs(target, SHARES_ACTOR.format(target=target))
     keys[f"{REF}.megatron.param_offload"] = Alias(f"{REF}.param_offload")
+    for role in (ACTOR, CRITIC):  # verl's pass-through, for what this system has keys for
+        for leaf in (
+            "recompute_granularity",
+            "recompute_method",
+            "recompute_num_layers",
+            "sequence_parallel",
+        ):
+            keys[f"{role}.megatron.override_transformer_config.{leaf}"] = Alias(
+                f"{role}.megatron.{leaf}"
+            )
     for section, role in ((MODEL, ACTOR), ("critic.model", CRITIC)):
         recompute = {
             f"{role}.megatron.recompute_granularity": "full",

@@ -39,6 +39,7 @@ def build_chunks(
     initialize: bool = True,
     recompute: Recompute = NO_RECOMPUTE,
     sequence_parallel: bool = False,
+    overrides: dict | None = None,
 ) -> ModelChunks:
     """This pipeline rank's `GPTModel` chunks for `arch`: `vp_size` of them under Megatron's
     interleaved pipeline (`rlhf.models.chunks`), one otherwise; they share one config.
@@ -62,6 +63,7 @@ def build_chunks(
         perform_initialization=initialize,
         recompute=recompute,
         sequence_parallel=sequence_parallel,
+        overrides=overrides,
     )
     placements = [placement.chunk(v, vp_size) for v in range(vp_size)]
     chunks = [_build_chunk(arch, config, p, vocab, initialize) for p in placements]
@@ -215,6 +217,7 @@ def value_model_from_hf(
     sp: int = 1,
     recompute: Recompute = NO_RECOMPUTE,
     sequence_parallel: bool = False,
+    overrides: dict | None = None,
 ) -> tuple[ModelChunks, ModelArch]:
     """Critic / reward model chunks (`build_chunks`) from an HF directory.
 
@@ -236,6 +239,7 @@ def value_model_from_hf(
         initialize=False,
         recompute=recompute,
         sequence_parallel=sequence_parallel,
+        overrides=overrides,
     )
     for chunk in chunks:
         attach_value_head(chunk, arch, seed)

@@ -210,8 +210,12 @@ def transformer_config(
     perform_initialization: bool = True,
     recompute: Recompute = NO_RECOMPUTE,
     sequence_parallel: bool = False,
+    overrides: dict | None = None,
 ):
     """The one mapping from `ModelArch` to Megatron-Core's `TransformerConfig`.
+
+    `overrides`: further `TransformerConfig` fields as they are (verl's
+    `megatron.override_transformer_config`, checked by `check_transformer_overrides`).
 
     `sequence_parallel`: Megatron's sequence parallelism over the TP group (TP > 1 only).
     `vp`: virtual-pipeline chunks per stage (Megatron's interleaved 1F1B when > 1).
@@ -222,7 +226,7 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     check_parallel_sizes(arch, tp, pp, vp)
-    return TransformerConfig(
+    fields = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -261,6 +265,7 @@ def transformer_config(
         perform_initialization=perform_initialization,
         **recompute.megatron_kwargs(),
     )
+    return TransformerConfig(**{**fields, **(overrides or {})})
 
 
 def llama3_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -284,3 +289,50 @@ def llama3_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.
         wavelen >= orig / scaling.high_freq_factor
     )
     return torch.where(medium, interpolated, scaled)
+
+
+# set from the model's config.json or this system's own keys: not overridable
+_DERIVED_FIELDS = {
+    "num_layers": "the model's config.json",
+    "hidden_size": "the model's config.json",
+    "ffn_hidden_size": "the model's config.json",
+    "num_attention_heads": "the model's config.json",
+    "num_query_groups": "the model's config.json",
+    "kv_channels": "the model's config.json",
+    "normalization": "the model's config.json",
+    "layernorm_epsilon": "the model's config.json",
+    "gated_linear_unit": "the model's config.json",
+    "activation_func": "the model's config.json",
+    "add_bias_linear": "the model's config.json",
+    "add_qkv_bias": "the model's config.json",
+    "qk_layernorm": "the model's config.json",
+    "tensor_model_parallel_size": "megatron.tensor_model_parallel_size",
+    "pipeline_model_parallel_size": "megatron.pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size": "megatron.virtual_pipeline_model_parallel_size",
+    "context_parallel_size": "ulysses_sequence_parallel_size",
+    "params_dtype": "megatron.dtype",
+    "pipeline_dtype": "megatron.dtype",
+    "bf16": "megatron.dtype",
+    "fp16": "megatron.dtype",
+}
+
+
+def check_transformer_overrides(overrides: dict, key: str) -> None:
+    """Each `key.<field>` names a field of Megatron's `TransformerConfig` that this system
+    does not set from the model or its own keys; raises ValueError naming the first that
+    does not."""
+    import dataclasses
+    import difflib
+
+    from megatron.core.transformer import TransformerConfig
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    for name in overrides:
+        if name in _DERIVED_FIELDS:
+            raise ValueError(f"{key}.{name}: set by {_DERIVED_FIELDS[name]} here, not overridden")
+        if name not in fields:
+            near = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.7)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ValueError(
+                f"{key}.{name}: not a field of Megatron-Core's TransformerConfig{hint}"
+            )

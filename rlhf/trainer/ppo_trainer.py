@@ -47,7 +47,7 @@ from rlhf.trainer.preemption import PreemptionGuard
 from rlhf.trainer.resume_check import CHECKPOINT_CONFIG, check_resume
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer, score_model_rows
 from rlhf.trainer.rollout_strategy import SynchronousRollout
-from rlhf.trainer.setup import build_ppo_models
+from rlhf.trainer.setup import build_ppo_models, check_megatron_overrides
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class PPOTrainer:
         )
         datasets = {"data.train_files": self.train_data, "data.val_files": self.val_data}
         check_model_rows_have_a_scorer(cfg, {k: v for k, v in datasets.items() if v is not None})
+        check_megatron_overrides(cfg)
         rows = (p.row for p in self.train_data.prompts if p.row.style == "rule")
         if (first_rule_row := next(rows, None)) is not None:
             probe_reward_function(cfg.reward, first_rule_row)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.config.budgets import MicroBatching, TokenBudgets, token_budgets
+from rlhf.config.loader import ConfigError
 from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
 from rlhf.config.validate import (
     distributed_optimizer_on,
@@ -19,7 +20,7 @@ from rlhf.config.validate import (
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.builder import build_chunks, load_hf_weights, value_model_from_hf
 from rlhf.models.chunks import ModelChunks
-from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute
+from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute, check_transformer_overrides
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
@@ -107,6 +108,21 @@ def use_thd(ctx: ParallelContext) -> bool:
     return ctx.device.type == "cuda" and transformer_engine_usable()
 
 
+def check_megatron_overrides(cfg: RLHFConfig) -> None:
+    """Every `megatron.override_transformer_config` field of the trained models is one of
+    Megatron's TransformerConfig that the model and this system's keys leave free (before any
+    server starts)."""
+    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.megatron}
+    if uses_critic(cfg):
+        roles["critic"] = cfg.critic.megatron
+    for prefix, megatron in roles.items():
+        key = f"{prefix}.megatron.override_transformer_config"
+        try:
+            check_transformer_overrides(megatron.override_transformer_config, key)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def build_policy(
     arch: ModelArch,
     model_path: str,
@@ -114,8 +130,10 @@ def build_policy(
     dtype: torch.dtype,
     recompute: Recompute = NO_RECOMPUTE,
     vp_size: int = 1,
+    overrides: dict | None = None,
 ) -> ModelChunks:
-    """This rank's chunks of the policy, loaded from the HF checkpoint."""
+    """This rank's chunks of the policy, loaded from the HF checkpoint; `overrides`: further
+    TransformerConfig fields (`megatron.override_transformer_config`)."""
     placement = Placement.of(ctx)
     chunks = build_chunks(
         arch,
@@ -125,6 +143,7 @@ def build_policy(
         sp=ctx.sp_size,
         recompute=recompute,
         sequence_parallel=ctx.sequence_parallel,
+        overrides=overrides,
     )
     load_hf_weights(chunks, HFCheckpointReader(model_path), arch, placement)
     return chunks.to(ctx.device)
@@ -171,6 +190,7 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: Mic
         params_dtype=DTYPES[cfg.critic.megatron.dtype],
         sp=ctx.sp_size,
         recompute=Recompute.of(cfg.critic.megatron),
+        overrides=cfg.critic.megatron.override_transformer_config,
         sequence_parallel=ctx.sequence_parallel,
     )
     critic = _trained(cfg, "critic", module.to(ctx.device), ctx, total_steps)
@@ -202,13 +222,22 @@ def build_ppo_models(
         )
     policy_dtype = DTYPES[aro.actor.megatron.dtype]
     vp_size = virtual_pipeline_size(aro.actor.megatron)
+    overrides = aro.actor.megatron.override_transformer_config
     actor_module = build_policy(
-        arch, aro.model.path, ctx, policy_dtype, Recompute.of(aro.actor.megatron), vp_size
+        arch,
+        aro.model.path,
+        ctx,
+        policy_dtype,
+        Recompute.of(aro.actor.megatron),
+        vp_size,
+        overrides,
     )
     actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
     ref = None
     if uses_reference(cfg):
-        ref_module = build_policy(arch, aro.model.path, ctx, policy_dtype, vp_size=vp_size)
+        ref_module = build_policy(
+            arch, aro.model.path, ctx, policy_dtype, vp_size=vp_size, overrides=overrides
+        )
         offload = aro.ref.param_offload and ctx.device.type == "cuda"
         if aro.ref.param_offload and not offload and ctx.is_main:
             log.info("ref.param_offload: no effect on CPU (the model is in host memory)")

@@ -199,3 +199,34 @@ def test_a_token_budget_for_fixed_micro_batches_is_refused():
     )
     with pytest.raises(ConfigError, match=r"^critic.ppo_max_token_len_per_gpu=300 is a token"):
         validate_config(cfg)
+
+
+def test_override_transformer_config_reaches_megatron_and_is_checked(tiny_qwen2_dir):
+    from rlhf.models.families import load_arch, transformer_config
+    from rlhf.trainer.setup import check_megatron_overrides
+
+    prefix = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    cfg = load_config(
+        None,
+        [
+            f"+{prefix}.recompute_granularity=selective",  # this system's own key
+            f"+{prefix}.attention_dropout=0.25",
+            f"++{prefix}.apply_rope_fusion=false",
+        ],
+    )
+    megatron = cfg.actor_rollout_ref.actor.megatron
+    assert megatron.recompute_granularity == "selective"
+    assert megatron.override_transformer_config == {
+        "attention_dropout": 0.25,
+        "apply_rope_fusion": False,
+    }
+    check_megatron_overrides(cfg)
+    config = transformer_config(load_arch(tiny_qwen2_dir), overrides={"attention_dropout": 0.25})
+    assert config.attention_dropout == 0.25 and config.hidden_dropout == 0.0
+    for field, said in (
+        ("num_layers=2", "num_layers: set by the model's config.json here"),
+        ("tensor_model_parallel_size=2", "set by megatron.tensor_model_parallel_size"),
+        ("apply_rope_fusin=true", "not a field of Megatron-Core's TransformerConfig; did you mean"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            check_megatron_overrides(load_config(None, [f"+{prefix}.{field}"]))
