@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from phase_memory import random_model, synthetic_batch
+from phase_memory import random_model, single_rank_models, synthetic_batch
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_SHAPE = {
@@ -55,24 +54,14 @@ def disk_bytes(path: Path) -> int:
 
 def measure(args, model_dir: Path, run_dir: Path) -> dict:
     from rlhf.algo import build_kl_controller
-    from rlhf.config import load_config
-    from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
+    from rlhf.distributed.bootstrap import teardown
     from rlhf.logging import Timer
     from rlhf.memory.checkpoint_size import save_hold_text
     from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
     from rlhf.trainer.ppo_step import learn_from_batch
-    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 
-    overrides = [f"actor_rollout_ref.model.path={model_dir}", "trainer.n_gpus_per_node=1"]
-    cfg = load_config(args.config, [*overrides, "trainer.nnodes=1", *args.overrides])
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("WORLD_SIZE", "1")
-    ctx = init_parallel(cfg.trainer.device)
+    cfg, ctx, arch, models = single_rank_models(args.config, str(model_dir), args.overrides, 29533)
     try:
-        seed_everything(0)
-        arch = load_policy_arch(cfg)
-        models = build_ppo_models(cfg, arch, ctx, total_steps=1)
         aro = cfg.actor_rollout_ref
         batch = synthetic_batch(cfg, arch.vocab_size, aro.actor.ppo_mini_batch_size * aro.rollout.n)
         learn_from_batch(models, batch, cfg, build_kl_controller(cfg.algorithm.kl_ctrl), Timer())

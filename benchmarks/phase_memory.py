@@ -113,26 +113,32 @@ class StageMemory:
         self.peaks[name] = allocation_peak(prof)
 
 
-def measure(args) -> dict:
-    from rlhf.algo import build_kl_controller
+def single_rank_models(config: str, model: str, overrides: list[str], port: int):
+    """`config` with `model` on one process (its process group started, seeded) and the PPO
+    models built as the trainer builds them: (cfg, ctx, arch, models). Call `teardown` after."""
     from rlhf.config import load_config
-    from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
-    from rlhf.memory.planner import GPU_RUNTIME_BYTES, plan_memory
-    from rlhf.trainer.ppo_step import learn_from_batch
+    from rlhf.distributed.bootstrap import init_parallel, seed_everything
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 
-    overrides = [f"actor_rollout_ref.model.path={args.model}", "trainer.n_gpus_per_node=1"]
-    overrides += ["trainer.nnodes=1", *args.overrides]
-    cfg = load_config(args.config, overrides)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    os.environ.setdefault("RANK", "0")
+    one = [f"actor_rollout_ref.model.path={model}", "trainer.n_gpus_per_node=1", "trainer.nnodes=1"]
+    cfg = load_config(config, [*one, *overrides])
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0")):
+        os.environ.setdefault(key, value)
     os.environ.setdefault("WORLD_SIZE", "1")
     ctx = init_parallel(cfg.trainer.device)
+    seed_everything(0)
+    arch = load_policy_arch(cfg)
+    return cfg, ctx, arch, build_ppo_models(cfg, arch, ctx, total_steps=1)
+
+
+def measure(args) -> dict:
+    from rlhf.algo import build_kl_controller
+    from rlhf.distributed.bootstrap import teardown
+    from rlhf.memory.planner import GPU_RUNTIME_BYTES, plan_memory
+    from rlhf.trainer.ppo_step import learn_from_batch
+
+    cfg, ctx, arch, models = single_rank_models(args.config, args.model, args.overrides, 29531)
     try:
-        seed_everything(0)
-        arch = load_policy_arch(cfg)
-        models = build_ppo_models(cfg, arch, ctx, total_steps=1)
         aro = cfg.actor_rollout_ref
         samples = args.samples or aro.actor.ppo_mini_batch_size * aro.rollout.n
         batch = synthetic_batch(cfg, arch.vocab_size, samples)
