@@ -168,6 +168,7 @@ class CheckpointKeeper:
         saved = self.last_saved_step == step
         if not saved and needed_s <= left_s:
             save(step)
+            self.wait()  # a save in the background is published before the run ends
             saved = True
         if saved:
             raise Preempted(step, f"{self.work_lost(step)}; the same command resumes from it")

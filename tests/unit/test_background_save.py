@@ -117,6 +117,15 @@ def test_sigterm_publishes_the_background_save_before_ending(tiny_qwen2_dir, tmp
     with pytest.raises(Preempted, match=r"after step 3: checkpoint .*global_step_3 holds step 3"):
         keeper.end_if_preempted(3, guard, lambda step: pytest.fail("saved again"))
     assert keeper.manager.complete_steps() == [3]
+    # step 4's preemption save is itself a background save: published before the run ends
+    keeper.save_in_background(4, snapshot)  # still in flight at step 5's SIGTERM
+
+    def save_in_background(step):
+        keeper.save_in_background(step, snapshot)
+
+    with pytest.raises(Preempted, match=r"after step 5: checkpoint .*global_step_5 holds step 5"):
+        keeper.end_if_preempted(5, guard, save_in_background)
+    assert keeper.manager.complete_steps() == [4, 5] and keeper.pending is None  # keeps 2
 
 
 def test_the_save_plan_by_hand():
