@@ -130,11 +130,11 @@ class BackgroundSave:
         failures = [f for f in _gathered(self._failure()) if f is not None]
         if failures:
             rank, code, message = failures[0]
-            if code is not None:
-                raise OSError(code, f"rank {rank}'s checkpoint writer: {message}")
-            raise CheckpointWriterError(
+            error = CheckpointWriterError(
                 f"checkpoint of step {self.step} not written: rank {rank}'s writer {message}"
             )
+            # an errno travels as the cause: a full or read-only disk is said as such
+            raise error from (OSError(code, message) if code is not None else None)
         for piece in self.writes:
             for finalize in piece.finalize:
                 finalize()

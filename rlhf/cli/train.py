@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+from rlhf.checkpoint.background import CheckpointWriterError
 from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock, RunDirUnusable
 from rlhf.checkpoint.storage import CheckpointStorageError
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validate_config
@@ -39,6 +40,7 @@ USER_ERRORS = (
     RunDirBusy,
     RunDirUnusable,
     CheckpointStorageError,
+    CheckpointWriterError,
     CheckpointFileError,
 )
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf.checkpoint import CheckpointManager, CheckpointStorageError, probe_storage
-from rlhf.checkpoint.background import BackgroundSave, PendingWrite
+from rlhf.checkpoint.background import BackgroundSave, CheckpointWriterError, PendingWrite
 from rlhf.checkpoint.storage import available_bytes, size_text
 from rlhf.config.schema import RLHFConfig
 from rlhf.memory.checkpoint_size import checkpoint_bytes
@@ -139,6 +139,8 @@ class CheckpointKeeper:
             yield
         except CheckpointStorageError as e:
             raise CheckpointStorageError(f"{e}; {self.work_lost(step)}") from e.__cause__
+        except CheckpointWriterError as e:
+            raise CheckpointWriterError(f"{e}; {self.work_lost(step)}") from e.__cause__
 
     def work_lost(self, step: int) -> str:
         """In words: which steps up to `step` no checkpoint holds."""

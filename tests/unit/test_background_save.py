@@ -102,7 +102,16 @@ def test_a_failed_writer_publishes_nothing_and_names_the_rank(tmp_path, write, s
     with pytest.raises(CheckpointWriterError) as err:
         pending.finish()
     assert str(err.value).startswith("checkpoint of step 5 not written: rank 0's writer ")
-    assert said in str(err.value)
+    assert said in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_failed_writer_says_which_steps_are_lost(tiny_qwen2_dir, tmp_path):
+    keeper = keeper_for(tiny_qwen2_dir, tmp_path)
+    keeper.save(1, lambda tmp: (tmp / "state").write_text("1"))
+    keeper.save_in_background(2, lambda tmp: [PendingWrite(lambda: os._exit(9))])
+    with pytest.raises(CheckpointWriterError, match=r"died \(exit code 9.*; step 2 is lost \("):
+        keeper.wait()
+    assert keeper.manager.complete_steps() == [1]
 
 
 def test_sigterm_publishes_the_background_save_before_ending(tiny_qwen2_dir, tmp_path):
