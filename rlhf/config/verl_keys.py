@@ -129,7 +129,6 @@ def _role_keys() -> dict[str, Any]:
         keys[f"{role}.ppo_micro_batch_size"] = Refused(
             f"micro-batch sizes are per GPU here: set {role}.ppo_micro_batch_size_per_gpu"
         )
-    for role in (ACTOR, CRITIC):
         keys[f"{role}.optim.clip_grad"] = Alias(f"{role}.grad_clip")
         keys[f"{role}.optim.warmup_style"] = Alias(f"{role}.optim.lr_decay_style")
         keys[f"{role}.optim.lr_scheduler_type"] = Alias(f"{role}.optim.lr_decay_style")
