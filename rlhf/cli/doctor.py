@@ -37,6 +37,7 @@ from rlhf.cli.doctor_checks import (
     check_packages,
     check_run_dir,
     check_sglang_urls,
+    check_weight_sync_address,
 )
 from rlhf.cli.doctor_memory import check_memory
 from rlhf.config import ConfigError, RLHFConfig, load_config
@@ -74,6 +75,11 @@ def run_checks(
         check_master_addr(addr, port, node_rank, trainer.nnodes),
         check_run_dir(Path(trainer.default_local_dir), model_dir),
         check_sglang_urls(rollout.server_urls, rollout.num_servers),
+        check_weight_sync_address(
+            rollout.server_urls,
+            rollout.weight_sync_transport,
+            rollout.weight_sync_master_address,
+        ),
         check_config(cfg, world_size),
         check_inputs(cfg),
     ]

@@ -14,6 +14,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import torch
@@ -212,6 +213,33 @@ def check_sglang_urls(urls: list[str] | None, num_servers: int) -> Check:
         detail = f"no healthy answer to GET /health from {', '.join(down)}"
         return Check(name, FAIL, detail, f"start them (launch/sglang_servers.sh) or fix {URLS_KEY}")
     return Check(name, PASS, f"{len(urls)} server(s) healthy")
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) resolves only to loopback addresses."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return all(ipaddress.ip_address(str(info[4][0])).is_loopback for info in infos)
+
+
+def check_weight_sync_address(urls: list[str] | None, transport: str, address: str) -> Check:
+    """Servers on other hosts reach the trainer's rank 0 for a distributed-transport weight
+    sync at `rollout.weight_sync_master_address`: a loopback address cannot serve them."""
+    name = "weight sync address"
+    if transport != "distributed":
+        return Check(name, SKIP, f"weight_sync_transport={transport}: no process group")
+    remote = [u for u in urls or [] if not _is_loopback(urlsplit(u).hostname or "")]
+    if not remote:
+        return Check(name, PASS, f"{address} (servers on this host)")
+    if _is_loopback(address):
+        detail = (
+            f"rollout.weight_sync_master_address={address} is loopback, unreachable from the "
+            f"servers at {', '.join(remote)}"
+        )
+        return Check(name, FAIL, detail, "set it to this node's address the servers can reach")
+    return Check(name, PASS, f"{address}, for {len(remote)} server(s) on other hosts")
 
 
 def check_config(cfg: RLHFConfig, world_size: int | None) -> Check:

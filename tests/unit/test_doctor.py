@@ -29,6 +29,7 @@ from rlhf.cli.doctor_checks import (
     check_packages,
     check_run_dir,
     check_sglang_urls,
+    check_weight_sync_address,
 )
 from rlhf.config import load_config
 from rlhf.utils import free_port
@@ -223,3 +224,16 @@ def test_run_checks_reads_the_launch_environment(tmp_path, tiny_qwen2_dir, liste
     assert checks["master port"].status == FAIL and port in checks["master port"].detail
     assert checks["config"].status == PASS
     assert checks["sglang servers"].status == SKIP
+
+
+def test_a_loopback_weight_sync_address_fails_with_servers_on_other_hosts():
+    remote = ["http://10.1.2.3:30000", "http://127.0.0.1:30001"]
+    failed = check_weight_sync_address(remote, "distributed", "127.0.0.1")
+    assert failed.status == FAIL and "unreachable from the servers at http://10.1.2.3:30000" in (
+        failed.detail
+    )
+    assert check_weight_sync_address(remote, "distributed", "10.1.2.9").status == PASS
+    local = ["http://localhost:30000", "http://127.0.0.1:30001"]
+    assert check_weight_sync_address(local, "distributed", "127.0.0.1").status == PASS
+    assert check_weight_sync_address(None, "distributed", "127.0.0.1").status == PASS
+    assert check_weight_sync_address(remote, "tensor", "127.0.0.1").status == SKIP
