@@ -94,6 +94,11 @@ class RewardConfig:
     url: str | None = doc(
         None, "remote reward endpoint scoring the style=model rows instead (POST of a batch)"
     )
+    model_scores_every_row: bool = doc(
+        False,
+        "the reward model (model_path or url) scores every row, whatever its "
+        "reward_model.style: no rule rewards (verl's reward_model.enable)",
+    )
     request_timeout_s: float = doc(120.0, "seconds one reward.url request may take", gt=0)
     request_retries: int = doc(3, "retries of a failed reward.url request", ge=0)
     num_workers: int = doc(

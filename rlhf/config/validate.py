@@ -320,6 +320,16 @@ def _check_reward(cfg: RLHFConfig) -> None:
             f"reward.url ({reward.url}) and reward.model_path ({reward.model_path}) both score "
             "the reward_model.style=model rows: set one of them"
         )
+    if reward.model_scores_every_row and not (reward.url or reward.model_path):
+        raise ConfigError(
+            "reward.model_scores_every_row=true needs a reward model: set reward.model_path "
+            "(an HF *ForSequenceClassification directory) or reward.url"
+        )
+    if reward.model_scores_every_row and reward.custom_fn:
+        raise ConfigError(
+            f"reward.custom_fn={reward.custom_fn} would score no row: "
+            "reward.model_scores_every_row=true has the reward model score every row; set one"
+        )
     if reward.url and not reward.url.startswith(("http://", "https://")):
         raise ConfigError(f"reward.url: {reward.url!r} is not a URL like http://host:port/path")
     correction = cfg.algorithm.rollout_correction

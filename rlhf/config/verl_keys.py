@@ -1,7 +1,7 @@
 """verl's keys on this system: each one a verl user's script sets either means the same here or
 is refused in one line that says why and what to set instead. None is silently ignored.
 
-Three kinds, by dotted key (role keys are listed once per role that has them):
+The kinds, by dotted key (role keys are listed once per role that has them):
 
 - `Alias(target)`: this system's key of the same meaning; the value moves there (both given
   with different values is an error).
@@ -12,10 +12,12 @@ Three kinds, by dotted key (role keys are listed once per role that has them):
   it, refused with `reason` otherwise.
 - `Implies(sets, reason)`: a switch that sets this system's keys, unless the user set any
   of them (then those say how).
+- `Divided(target, model)`: verl's global micro-batch size, divided by the data-parallel
+  size of `model` into this system's per-GPU `target`.
 - `Refused(reason)`: no equivalent here; `reason` names the replacement.
 
-verl's `custom_reward_function.path` and `.name` together become `reward.custom_fn`
-(`path:name`; verl's function signature is this system's).
+The sections verl reads whole, `custom_reward_function` and `reward_model`, are translated by
+`rlhf.config.verl_sections`.
 
 `translate(tree)` applies them to the nested dict of a YAML file and its overrides before the
 tree is type-checked (`rlhf.config.loader`); docs/from-verl.md is the table in words.
@@ -26,14 +28,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf.config.tree import MISSING, get, pop, put
+from rlhf.config.verl_sections import (
+    VerlKeyError,
+    custom_reward_function,
+    per_gpu,
+    reward_model,
+    shown,
+)
+
 ACTOR, REF, CRITIC = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"
 ROLLOUT, MODEL = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
-MISSING = object()
-VERL_SECTIONS = ("custom_reward_function.",)  # verl sections read whole (see below)
-
-
-class VerlKeyError(ValueError):
-    """A verl key or value this system refuses; the message is the one line to print."""
+VERL_SECTIONS = ("custom_reward_function.", "reward_model.")  # read whole: verl_sections
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,15 @@ class Implies:
 
     sets: dict
     reason: str
+
+
+@dataclass(frozen=True)
+class Divided:
+    """verl's global micro-batch size: this system's per-GPU `target` times the data-parallel
+    size of `model` (whose layout keys give it), as verl divides it."""
+
+    target: str
+    model: str
 
 
 @dataclass(frozen=True)
@@ -126,22 +141,20 @@ def _role_keys() -> dict[str, Any]:
             {True: recompute, False: {}}, "expected true or false"
         )
     for role in (ACTOR, CRITIC):
-        keys[f"{role}.ppo_micro_batch_size"] = Refused(
-            f"micro-batch sizes are per GPU here: set {role}.ppo_micro_batch_size_per_gpu"
-        )
+        keys[f"{role}.ppo_micro_batch_size"] = Divided(f"{role}.ppo_micro_batch_size_per_gpu", role)
         keys[f"{role}.optim.clip_grad"] = Alias(f"{role}.grad_clip")
         keys[f"{role}.optim.warmup_style"] = Alias(f"{role}.optim.lr_decay_style")
         keys[f"{role}.optim.lr_scheduler_type"] = Alias(f"{role}.optim.lr_decay_style")
         keys[f"{role}.optim.lr_warmup_steps_ratio"] = Fixed(
             (0, 0.0), f"warm-up is given in steps here: set {role}.optim.lr_warmup_steps"
         )
-    keys[f"{ROLLOUT}.log_prob_micro_batch_size"] = Refused(
-        f"micro-batch sizes are per GPU here: set {ROLLOUT}.log_prob_micro_batch_size_per_gpu"
-    )
+    for role in (ROLLOUT, REF):  # both compute log-probs with the actor's layout
+        per_gpu = f"{role}.log_prob_micro_batch_size_per_gpu"
+        keys[f"{role}.log_prob_micro_batch_size"] = Divided(per_gpu, ACTOR)
     return keys
 
 
-VERL_KEYS: dict[str, Alias | Fixed | Implies | SameAs | Refused] = {
+VERL_KEYS: dict[str, Alias | Divided | Fixed | Implies | SameAs | Refused] = {
     **_role_keys(),
     f"{ROLLOUT}.name": Fixed(("sglang",), SGLANG_ONLY, keep=True),
     f"{ROLLOUT}.mode": Fixed(
@@ -160,45 +173,17 @@ VERL_KEYS: dict[str, Alias | Fixed | Implies | SameAs | Refused] = {
         "prompts stay chat messages until the trainer applies the chat template with its "
         "tokenizer (data.apply_chat_template); the servers get the token ids",
     ),
-    "reward_model.enable": Fixed(
-        (False,),
-        "a reward model here scores the rows whose reward_model.style is 'model': set "
-        "reward.model_path=<HF *ForSequenceClassification dir> (or reward.url)",
-    ),
 }
-
-
-def _get(tree: dict, key: str) -> Any:
-    node: Any = tree
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return MISSING
-        node = node[part]
-    return node
-
-
-def _pop(tree: dict, key: str) -> None:
-    parent, _, leaf = key.rpartition(".")
-    node = _get(tree, parent) if parent else tree
-    node.pop(leaf)
-    if parent and not node:  # an emptied verl-only section is no key of ours
-        _pop(tree, parent)
-
-
-def _set(tree: dict, key: str, value: Any) -> None:
-    node = tree
-    for part in key.split(".")[:-1]:
-        node = node.setdefault(part, {})
-    node[key.rsplit(".", 1)[-1]] = value
 
 
 def translate(tree: dict, parse: Any, default: Any) -> None:
     """Apply `VERL_KEYS` to `tree` in place. `parse(value, example)` turns a command-line
     value into the type of `example` (YAML values pass through); `default(key)` is the
     default of this system's key."""
-    _custom_reward_function(tree, parse)
+    custom_reward_function(tree, parse)
+    reward_model(tree, parse, default)
     for key, rule in VERL_KEYS.items():
-        value = _get(tree, key)
+        value = get(tree, key)
         if value is MISSING:
             continue
         if isinstance(rule, Refused):
@@ -206,61 +191,35 @@ def translate(tree: dict, parse: Any, default: Any) -> None:
         if isinstance(rule, Implies):
             choice = parse(value, None)
             if choice not in rule.sets:
-                raise VerlKeyError(f"{key}={_shown(value)}: {rule.reason}")
-            _pop(tree, key)
+                raise VerlKeyError(f"{key}={shown(value)}: {rule.reason}")
+            pop(tree, key)
             implied = rule.sets[choice]
-            if all(_get(tree, target) is MISSING for target in implied):  # else refined
+            if all(get(tree, target) is MISSING for target in implied):  # else refined
                 for target, implied_value in implied.items():
-                    _set(tree, target, implied_value)
+                    put(tree, target, implied_value)
             continue
-        if isinstance(rule, SameAs):
-            target = _get(tree, rule.target)
+        if isinstance(rule, Divided):
+            value = per_gpu(tree, parse, default, key, parse(value, None), rule.model)
+            put(tree, key, value)
+            rule = Alias(rule.target)
+        elif isinstance(rule, SameAs):
+            target = get(tree, rule.target)
             expected = default(rule.target) if target is MISSING else parse(target, None)
             if parse(value, None) != expected:
-                raise VerlKeyError(f"{key}={_shown(value)}: {rule.reason}")
-            _pop(tree, key)
+                raise VerlKeyError(f"{key}={shown(value)}: {rule.reason}")
+            pop(tree, key)
             continue
         if isinstance(rule, Fixed):
             if parse(value, rule.allowed[0]) not in rule.allowed:
-                raise VerlKeyError(f"{key}={_shown(value)}: {rule.reason}")
+                raise VerlKeyError(f"{key}={shown(value)}: {rule.reason}")
             if not rule.keep:
-                _pop(tree, key)
+                pop(tree, key)
             continue
-        _pop(tree, key)
-        target = _get(tree, rule.target)
+        pop(tree, key)
+        target = get(tree, rule.target)
         if target is not MISSING and parse(target, None) != parse(value, None):
             raise VerlKeyError(
                 f"{key} (verl's name of {rule.target}) and {rule.target} are both set, "
-                f"to {_shown(value)} and {_shown(target)}: set one"
+                f"to {shown(value)} and {shown(target)}: set one"
             )
-        _set(tree, rule.target, value)
-
-
-def _custom_reward_function(tree: dict, parse: Any) -> None:
-    """verl's `custom_reward_function.path` / `.name` -> `reward.custom_fn=path:name`."""
-    section = tree.get("custom_reward_function", MISSING)
-    if section is MISSING:
-        return
-    if not isinstance(section, dict) or set(section) - {"path", "name"}:
-        extra = sorted(set(section) - {"path", "name"}) if isinstance(section, dict) else []
-        raise VerlKeyError(
-            f"custom_reward_function{'.' + extra[0] if extra else ''}: verl's "
-            "custom_reward_function is read as its path and name only (reward.custom_fn)"
-        )
-    del tree["custom_reward_function"]
-    path = parse(section.get("path"), None)
-    if not path:  # verl's default: no custom function (a name alone means nothing)
-        return
-    name = parse(section.get("name"), None) or "compute_score"
-    spec = f"{path}:{name}"
-    own = _get(tree, "reward.custom_fn")
-    if own is not MISSING and parse(own, "") != spec:
-        raise VerlKeyError(
-            f"custom_reward_function (verl's name of reward.custom_fn, here {spec}) and "
-            f"reward.custom_fn={_shown(own)} are both set: set one"
-        )
-    _set(tree, "reward.custom_fn", spec)
-
-
-def _shown(value: Any) -> str:
-    return str(getattr(value, "text", value))
+        put(tree, rule.target, value)

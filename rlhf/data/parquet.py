@@ -28,7 +28,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,10 @@ class PromptRow:
     def origin(self) -> str:
         """Where it came from, for messages ("row 12 of train.parquet"; "" when unknown)."""
         return f"row {self.row} of {self.file}" if self.file else ""
+
+    def scored_by_model(self) -> PromptRow:
+        """The row with reward_model.style 'model' (`reward.model_scores_every_row`)."""
+        return replace(self, reward_model={**self.reward_model, "style": "model"})
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +45,11 @@ class PromptDataset:
 
     def __getitem__(self, index: int) -> EncodedPrompt:
         return self.prompts[index]
+
+    def scored_by_model(self) -> PromptDataset:
+        """The same prompts, every row's reward_model.style 'model'."""
+        prompts = [replace(p, row=p.row.scored_by_model()) for p in self.prompts]
+        return PromptDataset(prompts, self.num_filtered, self.num_truncated)
 
 
 def load_tokenizer(path: str | Path):

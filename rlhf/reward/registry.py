@@ -163,8 +163,10 @@ def check_ground_truth(data_source: str, ground_truth: Any) -> tuple[str, str] |
 def ground_truth_checker(reward_cfg: Any) -> GroundTruthCheck | None:
     """The check the `reward` config section implies for loaded rule rows: the rules' own, or
     none with `reward.custom_fn` (the user's function scores every data source and decides
-    which ground truths it accepts)."""
-    return None if reward_cfg.custom_fn else check_ground_truth
+    which ground truths it accepts) or `reward.model_scores_every_row` (no rule scores)."""
+    if reward_cfg.custom_fn or reward_cfg.model_scores_every_row:
+        return None
+    return check_ground_truth
 
 
 def compute_score(

@@ -51,6 +51,8 @@ def eval_prompts(cfg: RLHFConfig, data_files: list[str], tokenizer) -> PromptDat
         key="--data",
         check_ground_truth=ground_truth_checker(cfg.reward),
     )
+    if cfg.reward.model_scores_every_row:
+        rows = [r.scored_by_model() for r in rows]
     model_rows = [r for r in rows if r.style == "model"]
     if model_rows and not cfg.reward.url:
         first = model_rows[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -21,7 +22,7 @@ from rlhf.checkpoint import load_trainer_state, save_trainer_state
 from rlhf.checkpoint.background import PendingWrite
 from rlhf.config.loader import dump_yaml
 from rlhf.config.schema import RLHFConfig
-from rlhf.data.prompts import load_tokenizer, prompt_dataset_from_config
+from rlhf.data.prompts import PromptDataset, load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
 from rlhf.logging import MetricTracker, StepProfiler
@@ -72,15 +73,8 @@ class PPOTrainer:
         self.cfg, self.ctx, self.run_dir, self.arch = cfg, ctx, run_dir, arch
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
         check_tokenizer_fits(self.tokenizer, arch, cfg.actor_rollout_ref.model.path, MODEL_KEY)
-        scorable = ground_truth_checker(cfg.reward)  # unscorable rule rows fail here
-        self.train_data = prompt_dataset_from_config(
-            cfg.data, self.tokenizer, "train", check_ground_truth=scorable
-        )
-        self.val_data = (
-            prompt_dataset_from_config(cfg.data, self.tokenizer, "val", check_ground_truth=scorable)
-            if cfg.data.val_files
-            else None
-        )
+        self.train_data = self.prompts("train")
+        self.val_data = self.prompts("val") if cfg.data.val_files else None
         datasets = {"data.train_files": self.train_data, "data.val_files": self.val_data}
         check_model_rows_have_a_scorer(cfg, {k: v for k, v in datasets.items() if v is not None})
         check_megatron_overrides(cfg)
@@ -157,6 +151,15 @@ class PPOTrainer:
         finally:
             if self.tracker is not None:
                 self.tracker.close()
+
+    def prompts(self, split: Literal["train", "val"]) -> PromptDataset:
+        """`data.{split}_files`, their rule rows checked scorable (they fail here, not mid-run),
+        every row the reward model's under `reward.model_scores_every_row`."""
+        scorable = ground_truth_checker(self.cfg.reward)
+        data = prompt_dataset_from_config(
+            self.cfg.data, self.tokenizer, split, check_ground_truth=scorable
+        )
+        return data.scored_by_model() if self.cfg.reward.model_scores_every_row else data
 
     def load_weights(self, version: int) -> None:
         """The servers serve the actor's current weights as `version`."""

@@ -8,8 +8,9 @@
   1e-5). The critic's is a `*ForTokenClassification` model: run by transformers on the
   next step's logged rollouts, its values average to the `critic/values/mean` the trainer
   logged for that step (computed with the checkpointed critic).
-- `reward.url` sends the model rows to an endpoint (a judge this test runs on 127.0.0.1,
-  scoring by response length); a dead endpoint fails the run with one line naming it.
+- `reward.url` with `reward.model_scores_every_row` (verl's `reward_model.enable`) sends
+  every row, rule rows too, to an endpoint (a judge this test runs on 127.0.0.1, scoring by
+  response length); a dead endpoint fails the run with one line naming it.
 """
 
 from __future__ import annotations
@@ -137,10 +138,14 @@ def test_reward_endpoint_and_a_dead_one(tiny_qwen2_dir, mixed_data, sglang_serve
         args = ppo_overrides(
             tiny_qwen2_dir, mixed_data, run_dir, 1, f"reward.url={url}", server=sglang_server
         )
-        proc = train([*args, "trainer.val_before_train=false"], tmp_path / "remote_logs")
+        every_row = ["reward.model_scores_every_row=true", "trainer.val_before_train=false"]
+        proc = train([*args, *every_row], tmp_path / "remote_logs")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    judged = [r for r in records(run_dir, 1) if r["prompt_index"] % 2]
-    assert judged and all(r["score"] == float(len(r["response_text"])) for r in judged)
+    # verl's reward_model.enable: the judge scores the rule rows too (the rule would say 0/1)
+    judged = records(run_dir, 1)
+    assert {r["prompt_index"] % 2 for r in judged} == {0, 1}
+    assert all(r["score"] == float(len(r["response_text"])) for r in judged)
+    assert metrics_by_step(run_dir)[1]["reward/model/count"] == len(judged)
 
     dead = f"http://127.0.0.1:{free_port()}/score"
     args = ppo_overrides(

@@ -46,6 +46,11 @@ def test_config_and_data_errors(tiny_qwen2_dir, tmp_path, val_file, capsys):
     assert main([str(tiny_qwen2_dir), "--data", str(judged)]) == 2
     line = error_line(capsys)
     assert "judged.parquet" in line and "row 2" in line and "reward.url" in line
+    # verl's reward_model.enable: every row is the reward model's, the rule rows too
+    every_row = ["reward.model_scores_every_row=true", f"reward.model_path={tmp_path}"]
+    assert main([str(tiny_qwen2_dir), *every_row, "--data", str(val_file)]) == 2
+    line = error_line(capsys)
+    assert "val.parquet: 4 rows have reward_model.style=model (the first is row 0)" in line
 
 
 def test_unreachable_server(tiny_qwen2_dir, tmp_path, val_file, capsys):

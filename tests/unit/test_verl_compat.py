@@ -20,6 +20,16 @@ SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.sh"))
 VLLM = "actor_rollout_ref.rollout.name=vllm"
 # what each script sets that this system refuses (everything else is accepted)
 REFUSED = {
+    "run_deepseek_full_hh_rlhf.sh": {
+        VLLM,
+        "reward_model.use_reward_loop=True",
+        "reward_model.rollout.name=vllm",
+        "reward_model.rollout.gpu_memory_utilization=0.8",
+        "reward_model.rollout.tensor_model_parallel_size=4",
+        "reward_model.rollout.prompt_length=256",
+        "reward_model.rollout.response_length=128",
+        "reward_model.num_workers=8",
+    },
     "run_deepseek_math_gsm8k_megatron.sh": {VLLM},
     "run_qwen2-7b_math_gsm8k_megatron.sh": {VLLM},
     "run_qwen2-7b_math_megatron.sh": {VLLM},
@@ -75,6 +85,10 @@ def test_every_override_of_verls_example_is_accepted_or_refused_with_a_reason(na
                 value = getattr(value, part)
             given = text if isinstance(value, str) else yaml.safe_load(text)
             assert value == given or float(value) == float(given), (key, value, given)
+    if "reward_model.enable=True" in accepted:  # verl's reward model scores every sample
+        path = next(o for o in accepted if o.startswith("reward_model.model.path="))
+        assert cfg.reward.model_path == path.partition("=")[2]
+        assert cfg.reward.model_scores_every_row
 
 
 def test_verls_names_mean_the_same_here():
@@ -94,6 +108,12 @@ def test_verls_names_mean_the_same_here():
             "actor_rollout_ref.actor.use_dynamic_bsz=False",
             "actor_rollout_ref.model.use_remove_padding=False",
             "actor_rollout_ref.rollout.mode=async",
+            # verl's global micro-batches over the data-parallel size: 8 / (2 TP) = 4 ranks
+            "trainer.n_gpus_per_node=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size=16",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size=8",
+            "critic.ppo_micro_batch_size=16",  # the critic's own layout: 8 ranks
+            "critic.ulysses_sequence_parallel_size=2",  # ... over Ulysses 2: 4 ranks
         ],
     )
     assert not cfg.actor_rollout_ref.actor.use_dynamic_bsz
@@ -106,6 +126,9 @@ def test_verls_names_mean_the_same_here():
     assert megatron.recompute_num_layers == 1 and cfg.critic.megatron.recompute_granularity is None
     assert cfg.reward.custom_fn == "/rewards/math.py:compute_score"
     assert aro.rollout.log_prob_micro_batch_size_per_gpu == 4
+    assert aro.actor.ppo_micro_batch_size_per_gpu == 4
+    assert aro.ref.log_prob_micro_batch_size_per_gpu == 2
+    assert cfg.critic.ppo_micro_batch_size_per_gpu == 4
 
 
 @pytest.mark.parametrize(
@@ -116,8 +139,30 @@ def test_verls_names_mean_the_same_here():
         (["critic.megatron.context_parallel_size=2"], "set critic.ulysses_sequence_parallel_size"),
         (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"], "sharded like the actor"),
         (["actor_rollout_ref.actor.use_torch_compile=True"], "torch.compile is not used"),
-        (["actor_rollout_ref.actor.ppo_micro_batch_size=64"], "set actor_rollout_ref.actor.ppo_"),
-        (["reward_model.enable=True"], "set reward.model_path="),
+        (
+            ["actor_rollout_ref.actor.ppo_micro_batch_size=6", "trainer.n_gpus_per_node=4"],
+            "data-parallel size, 4 here (4 processes / TP x PP x Ulysses 1)",
+        ),
+        (["reward_model.enable=True"], "needs reward_model.model.path"),
+        (["reward_model.model.path=/rm"], "reward_model.enable is not true"),
+        (
+            [
+                "reward_model.enable=True",
+                "reward_model.model.path=/rm",
+                "reward.custom_fn=f.py:g",
+                "actor_rollout_ref.model.path=/policy",
+            ],
+            "would score no row",
+        ),
+        (
+            [
+                "reward_model.enable=True",
+                "reward_model.model.path=/rm",
+                "reward_model.micro_batch_size_per_gpu=2",
+            ],
+            "the reference's micro-batches here (actor_rollout_ref.ref.log_prob_micro_batch",
+        ),
+        (["reward_model.enable=True", "reward_model.rollout.name=vllm"], "on the trainer ranks"),
         (
             [
                 "actor_rollout_ref.ref.megatron.param_offload=true",
@@ -134,7 +179,7 @@ def test_verls_names_mean_the_same_here():
 )
 def test_verl_settings_without_a_meaning_here_are_refused_in_one_line(overrides, said):
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        validate_config(load_config(None, overrides))
     assert said in str(err.value) and "\n" not in str(err.value)
 
 
