@@ -36,6 +36,7 @@ setup(
         "tqdm",
         "requests",
         "aiohttp",
+        "math-verify",
     ],
     extras_require={
         "gpu": requirement_names("requirements/gpu.txt"),

@@ -1,7 +1,11 @@
-"""rlhf-preprocess: check prompt Parquet files, convert GSM8K, write the quickstart data.
+"""rlhf-preprocess: check prompt Parquet files, convert GSM8K, MATH-500, DAPO-Math and AIME,
+write the quickstart data.
 
     rlhf-preprocess check FILE... [--prompt_key prompt] [--custom_fn path/to/file.py:function]
     rlhf-preprocess gsm8k --input DIR_OR_FILE --local_dir OUT
+    rlhf-preprocess math500 --input test.jsonl --local_dir OUT          # -> OUT/test.parquet
+    rlhf-preprocess dapo-math --input dapo-math-17k.parquet --local_dir OUT  # -> train.parquet
+    rlhf-preprocess aime --input FILE... --local_dir OUT [--data_source aime24]  # -> test
     rlhf-preprocess quickstart --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
 
 `check` runs the loader's validation: for each file it prints the rows and data sources and
@@ -9,8 +13,9 @@ exits 0, or prints every problem (file, row, column, what is wrong) and exits 1.
 a path, a glob or a URI. Like training startup it checks each rule row against the built-in
 rule rewards (a known data_source, a ground truth its rule can score); `--custom_fn`, the
 run's `reward.custom_fn`, is imported and then accepts any data source and ground truth.
-`gsm8k` works offline on the original release (jsonl or Parquet). Errors in the inputs of
-`gsm8k`/`quickstart`, or a `--custom_fn` that does not load, print one line and exit 2.
+`gsm8k`, `math500`, `dapo-math` and `aime` work offline on the public releases' files (jsonl
+or Parquet; rlhf/data/gsm8k.py and rlhf/data/math_sets.py name the formats). Errors in the
+inputs of a conversion, or a `--custom_fn` that does not load, print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -19,9 +24,17 @@ import argparse
 import sys
 
 from rlhf.data.gsm8k import preprocess_gsm8k
+from rlhf.data.math_sets import MATH_SETS, preprocess_math
 from rlhf.data.parquet import FileReport, GroundTruthCheck, Problem, check_files
 from rlhf.quickstart.data import write_quickstart_data
 from rlhf.reward import check_ground_truth, load_custom_fn
+from rlhf.reward.math import last_boxed
+
+_MATH_HELP = {
+    "math500": "MATH-500 test.jsonl (or Parquet) -> test.parquet (HuggingFaceH4/MATH-500)",
+    "dapo-math": "DAPO-Math-17k Parquet (verl schema or open-r1's Processed) -> train.parquet",
+    "aime": "AIME jsonl/Parquet files (2024, 2025 releases) -> test.parquet",
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,6 +51,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gsm8k = sub.add_parser("gsm8k", help="GSM8K release -> train/test Parquet in our schema")
     gsm8k.add_argument("--input", required=True, help="GSM8K directory or one train/test file")
     gsm8k.add_argument("--local_dir", required=True, help="output directory")
+    for command, help_text in _MATH_HELP.items():
+        math_cmd = sub.add_parser(command, help=help_text)
+        math_cmd.add_argument("--input", required=True, nargs="+", help="the release's file(s)")
+        math_cmd.add_argument("--local_dir", required=True, help="output directory")
+        if command == "aime":
+            math_cmd.add_argument(
+                "--data_source",
+                default=MATH_SETS["aime"].data_source,
+                help="the rows' data_source, starting with 'aime' (aime24, aime25: one "
+                "validation metric each)",
+            )
     quick = sub.add_parser("quickstart", help="write the arithmetic train/val Parquet files")
     quick.add_argument("--local_dir", required=True, help="output directory")
     quick.add_argument("--num_train", type=int, default=256)
@@ -78,6 +102,15 @@ def run_check(files: list[str], prompt_key: str, custom_fn: str | None = None) -
     return 0
 
 
+def _preprocess_math(args: argparse.Namespace) -> dict:
+    data_source = getattr(args, "data_source", None)
+    if data_source is not None and not data_source.startswith("aime"):
+        raise ValueError(
+            f"--data_source {data_source!r} must start with 'aime' (the AIME reward rule)"
+        )
+    return preprocess_math(args.command, args.input, args.local_dir, last_boxed, data_source)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "check":
@@ -85,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "gsm8k":
             written = preprocess_gsm8k(args.input, args.local_dir)
+        elif args.command in MATH_SETS:
+            written = _preprocess_math(args)
         else:
             paths = write_quickstart_data(args.local_dir, args.num_train, args.num_val, args.seed)
             written = {"train": (paths[0], args.num_train), "val": (paths[1], args.num_val)}

@@ -68,7 +68,7 @@ def find_split_files(input_path: str | Path) -> dict[str, list[Path]]:
     return found
 
 
-def _read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+def read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(location, record) pairs; location is 'line N' (jsonl, from 1) or 'row N' (Parquet)."""
     if path.suffix == ".parquet":
         try:
@@ -108,7 +108,7 @@ def convert_split(files: list[Path], split: str) -> list[dict[str, Any]]:
     """Schema rows for all records of one split; errors name the file and line/row."""
     rows: list[dict[str, Any]] = []
     for path in files:
-        for where, record in _read_records(path):
+        for where, record in read_records(path):
             question, answer = record.get("question"), record.get("answer")
             for name, value in (("question", question), ("answer", answer)):
                 if not isinstance(value, str) or not value.strip():

@@ -1,13 +1,17 @@
 """GSM8K-style rule reward: the final number of a response against the ground truth.
 
-Two ways to find the response's answer:
-- strict: the number right after the last `####` that is followed by one (the format the
-  prompt asks for); a response without one has no answer.
-- flexible: the last number anywhere in the response.
+The answer is found as verl's gsm8k reward finds it, in the last 300 characters of the
+response (verl reads no further back), so that a run scores what it would score there:
+- strict: the last `#### ` (four hashes, one space) followed by a run of digits, `.` and `,`
+  with an optional leading `-`; a response without one has no answer. `####72`,
+  `#### $18` and `#### -$5` have none.
+- flexible: the last such run (`-?[0-9.,]+`) anywhere; a run without a digit (`.`, `,`) is
+  not a number (verl skips only `.` and would score `,` as a wrong answer).
 
-Numbers are compared after normalisation ($ and thousands commas removed, `12.50` = `12.5`,
-`7.0` = `7`, `-0` = `0`), so `$1,200.00` matches a ground truth of `1200`. Score: no answer
-0, an answer that is wrong `format_score`, a correct one `correct_score`.
+Unlike verl, which compares strings, numbers are compared by value, after removing commas
+and a trailing period (`1,200` = `1200`, `12.` = `12`, `3.50` = `3.5`, `7.0` = `7`, `-0` =
+`0`): a score here is verl's or higher, higher only where the same number is written
+differently. Score: no answer 0, a wrong one `format_score`, a correct one `correct_score`.
 """
 
 from __future__ import annotations
@@ -19,11 +23,9 @@ from typing import Any
 
 from rlhf.config.choices import GSM8KMethod
 
-# A number not glued to a preceding word or digit ("3-5" is 3 and 5, not 3 and -5): optional
-# minus and $ (either order), digits with optional thousands commas, optional decimals.
-_NUMBER = r"(?:-\s?\$?|\$\s?-?)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-_ANY_NUMBER = re.compile(r"(?<![\w.])" + _NUMBER)
-_HASH_NUMBER = re.compile(r"####\s*(" + _NUMBER + ")")
+CLIP_CHARS = 300  # verl's window: only the end of a response is searched
+_STRICT = re.compile(r"#### (-?[0-9.,]+)")
+_FLEXIBLE = re.compile(r"-?[0-9.,]+")
 
 
 def normalize_number(text: str) -> str | None:
@@ -57,10 +59,11 @@ def ground_truth_problem(ground_truth: Any) -> str | None:
 
 def extract_answer(solution: str, method: GSM8KMethod = "strict") -> str | None:
     """The response's final answer as written (not normalised), or None."""
+    text = solution[-CLIP_CHARS:]
     if method == "strict":
-        matches = _HASH_NUMBER.findall(solution)
+        matches = _STRICT.findall(text)
     elif method == "flexible":
-        matches = _ANY_NUMBER.findall(solution)
+        matches = [m for m in _FLEXIBLE.findall(text) if any(c.isdigit() for c in m)]
     else:
         raise ValueError(f"reward.gsm8k_method must be strict or flexible, got {method!r}")
     return matches[-1] if matches else None

@@ -1,7 +1,9 @@
 """Which reward function scores a row: rule rewards by `data_source`, or the user's own.
 
-Every row names its `data_source`; the registry maps it to a rule (gsm8k `####`, math
-`\\boxed{}`), so one run can mix datasets. `reward.custom_fn=path/to/file.py:function`
+Every row names its `data_source`; the registry maps it to a rule (gsm8k `####`; MATH's last
+`\\boxed{}`, DAPO-Math's and AIME's `\\boxed{}` or `Answer:` line, both compared by
+math-verify; any name starting with `aime` is scored as AIME, as verl does), so one run can
+mix datasets. `reward.custom_fn=path/to/file.py:function`
 replaces the rules with a user function: that file is imported and executed as ordinary
 Python with the trainer's permissions, so only point it at code you trust. All reward
 functions are called as `fn(data_source=, solution_str=, ground_truth=, extra_info=)` and
@@ -64,15 +66,32 @@ def _math_rule(solution: str, ground_truth: Any, settings: RuleSettings) -> floa
     )
 
 
+def _answer_line_rule(solution: str, ground_truth: Any, settings: RuleSettings) -> float:
+    return math.compute_score(
+        solution,
+        str(ground_truth),
+        answer_line=True,
+        format_score=settings.format_score,
+        correct_score=settings.correct_score,
+    )
+
+
 RuleFn = Callable[[str, Any, RuleSettings], float]
 _RULES: dict[str, RuleFn] = {
     "openai/gsm8k": _gsm8k_rule,
     "gsm8k": _gsm8k_rule,
     "arithmetic": _gsm8k_rule,  # the quickstart problems (rlhf/data/arithmetic.py)
+    # verl's MATH names: the last \boxed{} answer
     "lighteval/MATH": _math_rule,
     "DigitalLearningGmbH/MATH-lighteval": _math_rule,
     "HuggingFaceH4/MATH-500": _math_rule,
-    "math": _math_rule,
+    # verl's math_dapo names (and any "aime..." name, see `_rule_name`): the last \boxed{}
+    # or `Answer: ...` line, whichever comes last
+    "math": _answer_line_rule,
+    "math_dapo": _answer_line_rule,
+    "math_dapo_reasoning": _answer_line_rule,
+    "BytedTsinghua-SIA/DAPO-Math-17k": _answer_line_rule,
+    "aime": _answer_line_rule,
 }
 
 
@@ -84,26 +103,40 @@ def _gsm8k_answer(solution: str, settings: RuleSettings) -> str | None:
 
 
 def _math_answer(solution: str, settings: RuleSettings) -> str | None:
-    boxed = math.last_boxed(solution)
-    if boxed is None:
-        return None
-    text = math.normalize_latex(boxed)
-    value = math.as_number(text)
-    return text if value is None else str(value)
+    answer = math.final_answer(solution)
+    return None if answer is None else math.canonical_answer(answer)
+
+
+def _answer_line_answer(solution: str, settings: RuleSettings) -> str | None:
+    answer = math.final_answer(solution, answer_line=True)
+    return None if answer is None else math.canonical_answer(answer)
 
 
 AnswerFn = Callable[[str, RuleSettings], "str | None"]
 # What each built-in rule extracts as its answer and accepts as a ground truth; a new
 # built-in rule needs an entry here (a KeyError at import otherwise).
-_RULE_ANSWERS: dict[RuleFn, AnswerFn] = {_gsm8k_rule: _gsm8k_answer, _math_rule: _math_answer}
+_RULE_ANSWERS: dict[RuleFn, AnswerFn] = {
+    _gsm8k_rule: _gsm8k_answer,
+    _math_rule: _math_answer,
+    _answer_line_rule: _answer_line_answer,
+}
 _ANSWERS: dict[str, AnswerFn] = {source: _RULE_ANSWERS[rule] for source, rule in _RULES.items()}
 
 TruthCheck = Callable[[Any], "str | None"]
 _RULE_CHECKS: dict[RuleFn, TruthCheck] = {
     _gsm8k_rule: gsm8k.ground_truth_problem,
     _math_rule: math.ground_truth_problem,
+    _answer_line_rule: math.ground_truth_problem,
 }
 _TRUTH_CHECKS: dict[str, TruthCheck] = {s: _RULE_CHECKS[rule] for s, rule in _RULES.items()}
+
+
+def _rule_name(data_source: str) -> str:
+    """The entry that scores `data_source`: its own, else "aime" for a name starting with
+    "aime" (verl scores every such source with its math_dapo rule: aime24, aime2025, ...)."""
+    if data_source not in _RULES and data_source.startswith("aime"):
+        return "aime"
+    return data_source
 
 
 def register_rule(
@@ -129,7 +162,7 @@ def register_rule(
 def answer_extractor(data_source: str) -> AnswerFn | None:
     """The canonical-answer function of `data_source` (equal strings = the same answer), or
     None when the source has none (no majority vote)."""
-    return _ANSWERS.get(data_source)
+    return _ANSWERS.get(_rule_name(data_source))
 
 
 def known_sources() -> list[str]:
@@ -149,9 +182,9 @@ def check_ground_truth(data_source: str, ground_truth: Any) -> tuple[str, str] |
     """(column, what is wrong) when no rule can score `ground_truth` for `data_source`, else
     None. Called on every rule row when data is loaded, so a row that would fail or silently
     score 0 at reward time is reported at startup with its file and row."""
-    if data_source not in _RULES:
+    if _rule_name(data_source) not in _RULES:
         return "data_source", _unknown_source(data_source)
-    check = _TRUTH_CHECKS.get(data_source)
+    check = _TRUTH_CHECKS.get(_rule_name(data_source))
     problem = check(ground_truth) if check is not None else None
     if problem is None:
         return None
@@ -178,7 +211,7 @@ def compute_score(
     settings: RuleSettings = RuleSettings(),
 ) -> float:
     """The rule reward of one response; unknown `data_source` is a ValueError."""
-    rule = _RULES.get(data_source)
+    rule = _RULES.get(_rule_name(data_source))
     if rule is None:
         raise ValueError(_unknown_source(data_source))
     return float(rule(solution_str, ground_truth, settings))
