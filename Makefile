@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock clean
+.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,12 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# By hand (needs PyPI; about 5 minutes, downloads ~2 GB to a temporary directory): pip resolves
+# `pip install .[gpu]` against the lock without installing, which is how a lock or gpu.txt change
+# is checked against SGLang's, Transformer Engine's and flashinfer's declared dependencies.
+gpu-deps: setup
+	PIP_NO_CACHE_DIR=1 $(PIP) install --dry-run --ignore-installed --quiet -c requirements/cpu.lock ".[gpu]"
 
 # Re-pin after changing requirements/cpu.in: the lock is the freeze of a working .venv.
 lock: setup

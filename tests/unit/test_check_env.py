@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from importlib.metadata import requires
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 from rlhf.cli.check_env import canonical, main, mismatches, read_pins
 
@@ -60,3 +63,20 @@ def test_vendored_duplicates_do_not_shadow_the_installed_package(monkeypatch):
     vendored = SimpleNamespace(metadata={"Name": "packaging"}, version="26.3")  # later on sys.path
     monkeypatch.setattr(check_env.metadata, "distributions", lambda: [installed, vendored])
     assert check_env.installed_versions() == {"packaging": "26.4"}
+
+
+def test_the_lock_agrees_with_what_sglang_declares():
+    """SGLang is installed --no-deps on the CPU, but whole by `pip install .[gpu]` with the
+    lock as constraints: every package its wheel requires that the lock pins must be pinned
+    to a version it accepts, or the GPU install cannot resolve (apache-tvm-ffi and
+    python-dateutil once were not)."""
+    pins = read_pins(LOCK)
+    declared = [Requirement(text) for text in requires("sglang") or []]
+    checked = [r for r in declared if r.marker is None or r.marker.evaluate({"extra": ""})]
+    clashes = [
+        f"{r} (lock: {pins[canonical(r.name)]})"
+        for r in checked
+        if canonical(r.name) in pins
+        and not r.specifier.contains(pins[canonical(r.name)], prereleases=True)
+    ]
+    assert len(checked) > 50 and clashes == []
