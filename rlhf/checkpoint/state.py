@@ -116,19 +116,25 @@ def save_trainer_state(ckpt_dir: Path | str, state: dict, rank: int) -> None:
     write_durable(path, buffer.getvalue())
 
 
+def read_trainer_state(ckpt_dir: Path | str) -> dict:
+    """The JSON-able state of a checkpoint, without touching any RNG (what rank 0 reads
+    before the models are built, e.g. the tracker run ids)."""
+    json_path = Path(ckpt_dir) / TRAINER_STATE_FILE
+    if not json_path.is_file():
+        raise FileNotFoundError(f"{json_path} not found: {ckpt_dir} holds no trainer state")
+    return json.loads(json_path.read_text())
+
+
 def load_trainer_state(ckpt_dir: Path | str, rank: int, restore_rng: bool = True) -> dict:
     """The JSON-able state of a checkpoint; also restores this rank's RNG unless told not to.
 
     Call it after the models are built: building them draws random numbers.
     """
     ckpt_dir = Path(ckpt_dir)
-    json_path = ckpt_dir / TRAINER_STATE_FILE
-    if not json_path.is_file():
-        raise FileNotFoundError(f"{json_path} not found: {ckpt_dir} holds no trainer state")
+    state = read_trainer_state(ckpt_dir)
     path = rng_file(ckpt_dir, rank)
     if not path.is_file():
         raise FileNotFoundError(_missing_rank_message(ckpt_dir, rank))
-    state = json.loads(json_path.read_text())
     rng = torch.load(path, weights_only=True)
     if restore_rng:
         restore_rng_state(rng)

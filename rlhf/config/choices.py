@@ -33,7 +33,7 @@ Truncation = Literal["left", "right", "error"]
 BadRows = Literal["error", "skip"]
 GSM8KMethod = Literal["strict", "flexible"]
 Device = Literal["auto", "cuda", "cpu"]
-Logger = Literal["console", "tensorboard", "wandb", "mlflow"]
+Logger = Literal["console", "tensorboard", "wandb", "mlflow", "swanlab"]
 OnNonFinite = Literal["stop", "skip"]
 
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)

@@ -3,8 +3,9 @@
 Metric names follow verl (`actor/pg_loss`, `critic/vf_loss`, `timing_s/gen`, ...). The
 JSONL file (one object per step with `step` and every metric) is the record tests and
 `rlhf-plot` read; the console prints one readable line per step; TensorBoard
-event files go to `<run dir>/tensorboard`; W&B and MLflow are used when installed and
-otherwise skipped with a warning. Only the main rank should create a tracker.
+event files go to `<run dir>/tensorboard`; W&B, MLflow and SwanLab (`rlhf.logging.backends`)
+are used when installed and otherwise skipped with a warning. A resumed run continues their
+runs (ids kept with the checkpoint). Only the main rank should create a tracker.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf.config.choices import LOGGERS
+from rlhf.logging.backends import BACKENDS, RemoteRun, RunInfo, TrackerResume, start_backend
 from rlhf.logging.profiler import stage_range
 from rlhf.utils import atomic_output
 
@@ -54,7 +55,10 @@ class MetricTracker:
         project: str = "rlhf",
         experiment: str = "run",
         config: Mapping | None = None,
+        resume: TrackerResume | None = None,
     ):
+        """`resume`: the checkpoint a resumed run goes on from; its rows of later steps leave
+        metrics.jsonl (`drop_after`) and the W&B/MLflow/SwanLab runs it names continue."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         unknown = sorted(set(loggers) - set(LOGGERS))
@@ -63,23 +67,23 @@ class MetricTracker:
         self.loggers = list(loggers)
         self.metrics_path = self.run_dir / METRICS_FILE
         self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 (closed in close())
-        self._tb = self._wandb = self._mlflow = None
+        self._tb = None
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        if "wandb" in self.loggers and self._available("wandb"):
-            import wandb
-
-            self._wandb = wandb.init(project=project, name=experiment, config=dict(config or {}))
-        if "mlflow" in self.loggers and self._available("mlflow"):
-            import mlflow
-
-            mlflow.set_experiment(project)
-            self._mlflow = mlflow.start_run(run_name=experiment)
+        # the ids of backends not used now stay with the checkpoints, for a later resume
+        self._kept_ids = dict(resume.run_ids) if resume is not None else {}
+        logged_after = resume is not None and self.drop_after(resume.step) > 0
+        info = RunInfo(self.run_dir, project, experiment, dict(config or {}))
+        self._remote: dict[str, RemoteRun] = {
+            name: start_backend(name, info, resume, rewind=logged_after)
+            for name in BACKENDS
+            if name in self.loggers and self._available(name)
+        }
 
     @classmethod
-    def from_config(cls, cfg) -> MetricTracker:
+    def from_config(cls, cfg, resume: TrackerResume | None = None) -> MetricTracker:
         """The tracker for a run: `trainer.logger` backends in `trainer.default_local_dir`."""
         from rlhf.config.loader import config_to_dict
 
@@ -90,7 +94,13 @@ class MetricTracker:
             project=trainer.project_name,
             experiment=trainer.experiment_name,
             config=config_to_dict(cfg),
+            resume=resume,
         )
+
+    def run_ids(self) -> dict[str, str]:
+        """Backend name -> the id of its run: what a checkpoint keeps, so that a run resumed
+        from it continues these runs (`TrackerResume.run_ids`)."""
+        return {**self._kept_ids, **{name: run.run_id for name, run in self._remote.items()}}
 
     @staticmethod
     def _available(name: str) -> bool:
@@ -109,12 +119,8 @@ class MetricTracker:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(values, step=step)
-        if self._mlflow is not None:
-            import mlflow
-
-            mlflow.log_metrics({k: v for k, v in values.items() if math.isfinite(v)}, step=step)
+        for run in self._remote.values():
+            run.log(values, step)
         if "console" in self.loggers:
             print(self.console_line(values, step), flush=True)
 
@@ -159,12 +165,8 @@ class MetricTracker:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-        if self._mlflow is not None:
-            import mlflow
-
-            mlflow.end_run()
+        for run in self._remote.values():
+            run.finish()
 
     def __enter__(self) -> MetricTracker:
         return self

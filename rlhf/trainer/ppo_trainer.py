@@ -25,7 +25,7 @@ from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import PromptDataset, load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
-from rlhf.logging import MetricTracker, StepProfiler
+from rlhf.logging import StepProfiler
 from rlhf.memory.checkpoint_size import save_hold_text
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.families import ModelArch
@@ -49,6 +49,7 @@ from rlhf.trainer.resume_check import CHECKPOINT_CONFIG, check_resume
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer, score_model_rows
 from rlhf.trainer.rollout_strategy import SynchronousRollout
 from rlhf.trainer.setup import build_ppo_models, check_megatron_overrides
+from rlhf.trainer.tracking import build_tracker, tracker_state
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,10 @@ class PPOTrainer:
         self.peak_flops = measure_matmul_flops(
             ctx.device, DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
         )
-        self.tracker = MetricTracker.from_config(cfg) if ctx.is_main else None
+        # on resume it continues the tracker runs of the checkpoint (and drops the rows of
+        # later steps from metrics.jsonl: they are redone)
+        root = self.checkpoints.root
+        self.tracker = build_tracker(cfg, self.resume_path, root) if ctx.is_main else None
 
     def log_memory_plan(self) -> None:
         """The planner's per-GPU table (rlhf.memory), once, before the models are built."""
@@ -196,6 +200,7 @@ class PPOTrainer:
             "sampler": self.sampler.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "early_stop": self.stopper.state_dict(),
+            **tracker_state(self.tracker),
             **{f"{name}_scheduler": m.scheduler.state_dict() for name, m in self.trained().items()},
         }
 
@@ -267,8 +272,6 @@ class PPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.stopper.load_state_dict(state["early_stop"])
         step = int(state["step"])
-        if self.tracker is not None:  # rows of steps after the checkpoint are redone
-            self.tracker.drop_after(step)
         self.load_weights(step)  # the servers started from the HF weights
         log.info("resumed from %s (step %d)", path, step)
         return step

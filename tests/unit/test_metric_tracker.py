@@ -48,11 +48,16 @@ def test_unknown_logger_is_a_clear_error(tmp_path):
         MetricTracker(tmp_path, ["tensorbord"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
-def test_missing_optional_backend_is_skipped_with_a_warning(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING), MetricTracker(tmp_path, ["wandb"]) as tracker:
+@pytest.mark.parametrize("name", ["wandb", "mlflow", "swanlab"])
+def test_missing_optional_backend_is_skipped_with_a_warning(tmp_path, caplog, monkeypatch, name):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda module: None if module == name else find_spec(module)
+    )
+    with caplog.at_level(logging.WARNING), MetricTracker(tmp_path, [name]) as tracker:
         tracker.log({"x/y": 1.0}, step=1)
-    assert "wandb but it is not installed" in caplog.text
+        assert tracker.run_ids() == {}
+    assert f"{name} but it is not installed" in caplog.text
 
 
 def test_timer_accumulates_stages():
