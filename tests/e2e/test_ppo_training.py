@@ -9,10 +9,11 @@ as an external server: each run loads its own weights into it first).
 - 2-process torchrun runs (DP=2, TP=2, PP=2, Ulysses SP=2) log the metric values of that
   uninterrupted 1-process run (a constant learning rate: its first steps are those of a
   shorter run); so does a 1-process run with `algorithm.rollout_correction.bypass_mode`
-  (the engine's fp32 log-probs as the old ones, no old-log-prob pass). Two simulated nodes
-  (two `launch/torchrun.sh` launches, NNODES=2, rendezvous on localhost, an SGLang server
-  launched on each node, the prompts split across them, each synced by its node's local
-  rank 0) log exactly the values of the DP=2 run.
+  (the engine's fp32 log-probs as the old ones, no old-log-prob pass). The disaggregated
+  SLURM recipe (`launch/slurm_disaggregated.sbatch`), started from only what sbatch gives
+  a batch script, on three simulated nodes of this machine (two trainer nodes, rendezvous
+  over the first; an SGLang server on the third, synced by broadcast from rank 0) logs
+  exactly the values of the DP=2 run.
 - A trainer checkpoint's actor (TP2, PP2; 1 process: tests/e2e/test_model_rewards.py)
   exports with `rlhf-convert mcore-to-hf` to an HF directory whose transformers logits equal
   the trainer's Megatron forward at the checkpoint's own layout within 1e-5
@@ -22,6 +23,7 @@ as an external server: each run loads its own weights into it first).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -30,10 +32,12 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlhf.quickstart.data import write_quickstart_data
 from rlhf.utils import free_port
-from tests.helpers import REPO, metrics_by_step, ppo_overrides, torchrun_command
+from tests.fake_slurm import sbatch_environment, write_stand_ins
+from tests.helpers import REPO, metrics_by_step, ppo_overrides, processes_on, torchrun_command
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 ROLES = ("actor_rollout_ref.actor", "critic")
@@ -309,39 +313,71 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float =
         assert code == 0, log.read_text()[-6000:]
 
 
-@pytest.mark.slow(reason="two launches of launch/torchrun.sh, each with its own SGLang server")
-def test_two_simulated_nodes_log_the_values_of_one_node(
+def run_batch_script(argv: list[str], env: dict[str, str], log: Path, model_dir: Path) -> None:
+    """`bash <sbatch script> ARGV` in `env` as SLURM runs a batch script (from the submit
+    directory); on a timeout, SIGTERM as `scancel` sends, then everything it left."""
+    before = processes_on(model_dir)
+    with open(log, "w") as out:
+        batch = subprocess.Popen(
+            argv,
+            cwd=env["SLURM_SUBMIT_DIR"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        code = batch.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        batch.terminate()  # the script stops its trainers and servers
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            batch.wait(timeout=120)
+        os.killpg(batch.pid, signal.SIGKILL)
+        for pid in processes_on(model_dir) - before:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        raise
+    assert code == 0, log.read_text()[-6000:]
+    assert processes_on(model_dir) - before == set()  # the script stopped its servers
+
+
+@pytest.mark.slow(reason="the disaggregated SLURM recipe: two trainer nodes and a server node")
+def test_sbatch_recipe_on_two_trainer_nodes_logs_the_values_of_one_node(
     tiny_qwen2_dir, data, tmp_path, layout_runs
 ):
-    two = tmp_path / "two_nodes"
-    port = str(free_port())
-    logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
-    procs = [
-        launch_node(
-            ppo_overrides(tiny_qwen2_dir, data, two, 2),
-            logs[k],
-            NNODES="2",
-            NODE_RANK=str(k),
-            GPUS_PER_NODE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        for k in (0, 1)
-    ]
-    wait_all(procs, logs)
-    # one colocated server per node, each with its own log
-    assert (two / "node0" / "logs" / "sglang_server_0.log").is_file()
-    assert (two / "node1" / "logs" / "sglang_server_0.log").is_file()
+    """launch/slurm_disaggregated.sbatch from what sbatch gives a batch script and nothing
+    per node (tests/fake_slurm.py: stand-in srun/scontrol, nodes 127.0.0.2-4 on this
+    machine): it starts an SGLang server on the third node, and trainers on the first two
+    (NODE_RANK from srun, MASTER_ADDR the first node), tells them the server's URL and the
+    weight-sync address, and the run logs the DP=2 run's values."""
+    nodes = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    submit_dir = tmp_path / "submit"
+    stand_ins = write_stand_ins(submit_dir / "bin")
+    ports = {"MASTER_PORT": str(free_port()), "SERVER_PORT": str(free_port())}
+    env = sbatch_environment(stand_ins, nodes, submit_dir, 4242, RLHF_REPO=str(REPO), **ports)
+    run_dir = tmp_path / "run"
+    argv = ["bash", str(REPO / "launch" / "slurm_disaggregated.sbatch"), "--config", CONFIG]
+    argv += ppo_overrides(tiny_qwen2_dir, data, run_dir, 2)
+    run_batch_script(argv, env, submit_dir / "rlhf-4242.out", tiny_qwen2_dir)
+
+    told = yaml.safe_load((run_dir / "config.yaml").read_text())
+    rollout = told["actor_rollout_ref"]["rollout"]
+    assert rollout["server_urls"] == [f"http://127.0.0.4:{ports['SERVER_PORT']}"]
+    assert rollout["weight_sync_master_address"] == "127.0.0.2"  # where rank 0 listens
+    assert rollout["weight_sync_transport"] == "distributed"
+    assert told["trainer"]["nnodes"] == 2
+    assert (submit_dir / "logs" / "sglang-4242" / "127.0.0.4" / "sglang_server_0.log").is_file()
+    assert not (run_dir / "logs").exists() and not (run_dir / "node0").exists()
     _, reference = layout_runs("dp2")  # one node, 2 processes, one (external) server
-    got = metrics_by_step(two)
+    got = metrics_by_step(run_dir)
     assert sorted(got) == sorted(reference) == [0, 1, 2]
     for step, row in reference.items():
         assert set(got[step]) == set(row)
         for key, value in row.items():
             if key.startswith(VOLATILE):
                 continue
-            # the engine's log-probs come from two servers here and one there, each batching
-            # its prompts differently: their gap to the actor's (~1e-8) is float noise
+            # the engine's log-probs come from another server there, batching its prompts
+            # its own way: their gap to the actor's (~1e-8) is float noise
             noise = 1e-7 if key.startswith("rollout_corr/") else 1e-9
             assert got[step][key] == pytest.approx(value, rel=1e-6, abs=noise), (step, key)
 

