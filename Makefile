@@ -64,7 +64,7 @@ format: setup
 
 # By hand (needs PyPI; about 5 minutes, downloads ~2 GB to a temporary directory): pip resolves
 # `pip install .[gpu]` against the lock without installing, which is how a lock or gpu.txt change
-# is checked against SGLang's, Transformer Engine's and flashinfer's declared dependencies.
+# is checked against what SGLang, Transformer Engine and flashinfer declare they depend on.
 gpu-deps: setup
 	PIP_NO_CACHE_DIR=1 $(PIP) install --dry-run --ignore-installed --quiet -c requirements/cpu.lock ".[gpu]"
 
