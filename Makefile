@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean
+.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
 
 setup: $(STAMP)
 
@@ -48,6 +48,11 @@ test-slow: setup
 
 test-unit test-distributed test-e2e test-gpu: setup
 	$(PY) -m pytest tests -m $(subst test-,,$@) $(PYTEST_ARGS)
+
+# By hand, not in CI (about 20 minutes the first time; root, podman, buildah, runc, debootstrap):
+# the CPU image of docker/Dockerfile on a debootstrapped Debian base, and the quickstart in it.
+docker-test:
+	tools/docker_test.sh
 
 bench: setup
 	for script in benchmarks/*.py; do $(PY) $$script || exit 1; done

@@ -1,13 +1,16 @@
 """docker/Dockerfile against the repository: pins, install commands, versions, build context.
 
-The image is never built in CI (no Docker daemon there), so these checks keep the Dockerfile
-honest from the outside: every package version it or requirements/gpu.txt names agrees with
+The image is never built in CI (no Docker daemon there; `make docker-test` builds its CPU
+variant and runs the quickstart in it, by hand), so these checks keep the Dockerfile honest from
+the outside: every package version it or requirements/gpu.txt names agrees with
 requirements/cpu.lock, it installs the way `make setup` does, the Python and CUDA it picks are
-the ones the lock and its torch wheel were made for, and hadolint finds nothing.
+the ones the lock and its torch wheel were made for, GPU_STACK=0 skips exactly the CUDA-only
+steps, and hadolint finds nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
@@ -26,6 +29,7 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 LOCK = ROOT / "requirements" / "cpu.lock"
 GPU_REQUIREMENTS = ROOT / "requirements" / "gpu.txt"
+DOCKER_TEST = ROOT / "tools" / "docker_test.sh"
 LOCK_ARG = "requirements/cpu.lock"
 VERSION_RE = r"\d+(?:\.\d+)+(?:\.?(?:post|dev|rc|a|b)\d+)?"
 # pip options that take a value (the rest of the dash arguments are flags).
@@ -125,15 +129,20 @@ def parse_pip_install(tokens: list[str]) -> PipInstall | None:
     return pip
 
 
+# Shell words that may open a simple command (`if ! cmd`, `then cmd`, `else cmd`).
+SHELL_PREFIXES = {"if", "then", "else", "elif", "do", "!", "{"}
+
+
 def shell_commands(script: str) -> list[list[str]]:
-    """The simple commands of a shell line as token lists, split on &&, ||, | and ;."""
+    """The simple commands of a shell line as token lists, split on &&, ||, | and ;
+    (`if`, `then`, `else`, ... before a command dropped)."""
     lexer = shlex.shlex(script, posix=True, punctuation_chars=";&|")
     lexer.whitespace_split = True
     commands: list[list[str]] = [[]]
     for token in lexer:
         if token in {"&&", "||", "|", ";"}:
             commands.append([])
-        else:
+        elif commands[-1] or token not in SHELL_PREFIXES:
             commands[-1].append(token)
     return [command for command in commands if command]
 
@@ -305,9 +314,10 @@ def test_sglang_is_installed_without_dependencies_like_the_makefile(instrs):
     assert "--no-deps" in sglang[0].flags
 
     makefile = (ROOT / "Makefile").read_text().replace("$(PIP)", "pip")
+    recipes = [line for line in makefile.splitlines() if line.startswith("\t")]  # not comments
     make_sglang = [
         pip
-        for line in makefile.splitlines()
+        for line in recipes
         if (pip := parse_pip_install(shlex.split(line))) and "sglang" in pip.targets
     ]
     assert len(make_sglang) == 1
@@ -355,8 +365,84 @@ def test_cuda_base_image_matches_the_locked_torch_wheel(instrs, pins):
     declared = global_args(instrs)
     cuda_major_minor = ".".join(declared["CUDA_VERSION"].split(".")[:2])
     assert cuda_major_minor == torch.version.cuda  # Apex refuses any other toolkit
+    # the default base is the CUDA image; BASE_IMAGE swaps it (a Debian base for a CPU image)
+    assert declared["BASE_IMAGE"].startswith("nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu")
     first_from = next(rest for keyword, rest in instrs if keyword == "FROM")
-    assert first_from.startswith("nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu")
+    assert first_from == "${BASE_IMAGE} AS base"
+
+
+def test_python_comes_from_the_distro_or_else_from_deadsnakes(instrs):
+    base_run = next(rest for keyword, rest in instrs if keyword == "RUN" and "python" in rest)
+    # the PPA is added only where apt has no python${PYTHON_VERSION} (Ubuntu 24.04, not bookworm)
+    guard = re.search(
+        r'if ! apt-cache show "python\$\{PYTHON_VERSION\}-venv" >/dev/null 2>&1; then(.*?)fi',
+        base_run,
+    )
+    assert guard and "add-apt-repository -y ppa:deadsnakes/ppa" in guard.group(1)
+    assert "add-apt-repository" not in base_run.replace(guard.group(0), "")
+    assert '"python${PYTHON_VERSION}-venv"' in base_run.replace(guard.group(0), "")
+
+
+# --- (e) GPU_STACK=0: a CPU image without the CUDA-only steps -------------------------------
+
+GPU_IF = re.compile(r'if \[ "\$\{GPU_STACK\}" = 1 \]; then(.*?)else(.*?)fi(?:$|\s)', re.S)
+
+
+def gpu_branches(instrs: list[tuple[str, str]]) -> tuple[str, str, str]:
+    """The RUN lines' GPU_STACK=1 branches, their else branches, and the text outside both."""
+    runs = [rest for keyword, rest in instrs if keyword == "RUN"]
+    then = "\n".join(m.group(1) for run in runs for m in GPU_IF.finditer(run))
+    other = "\n".join(m.group(2) for run in runs for m in GPU_IF.finditer(run))
+    outside = "\n".join(GPU_IF.sub("", run) for run in runs)
+    return then, other, outside
+
+
+def test_gpu_stack_is_one_argument_defaulting_to_the_gpu_image(instrs):
+    assert global_args(instrs)["GPU_STACK"] == "1"
+    stages = [rest for keyword, rest in instrs if keyword in ("FROM", "ARG")]
+    for stage in ("builder", "runtime"):
+        after = stages[stages.index(next(s for s in stages if s.endswith(f"AS {stage}"))) + 1 :]
+        declared = list(itertools.takewhile(lambda s: " AS " not in s, after))
+        assert "GPU_STACK" in declared, f"the {stage} stage does not declare ARG GPU_STACK"
+    # asking for the GPU stack on a base without nvcc fails before the long CPU install
+    assert any(
+        '"${GPU_STACK}" = 1 ] && [ ! -x "${CUDA_HOME}/bin/nvcc" ]' in rest and "exit 1" in rest
+        for keyword, rest in instrs
+        if keyword == "RUN"
+    )
+
+
+def test_gpu_stack_zero_skips_exactly_the_cuda_only_steps_and_says_so(instrs):
+    then, other, outside = gpu_branches(instrs)
+    gpu_only = [
+        "-r requirements/gpu.txt",
+        "https://github.com/NVIDIA/apex.git",
+        "--cuda_ext",
+        "rlhf-check-env requirements/gpu.txt",
+        "'amp_C'",
+    ]
+    for text in gpu_only:
+        assert text in then, f"{text} is not inside an `if GPU_STACK = 1` branch"
+        assert text not in outside, f"{text} also runs with GPU_STACK=0"
+    # what `make setup` installs runs on both bases
+    for text in ("-r requirements/cpu.in", "--no-deps -c requirements/cpu.lock sglang", "-e ."):
+        assert text in outside and text not in then
+    assert "rlhf-check-env requirements/cpu.lock" in outside
+    skips = re.findall(r'echo "(GPU_STACK=0: [^"]*)"', other)
+    assert len(skips) == len(GPU_IF.findall("\n".join(r for k, r in instrs if k == "RUN"))) == 3
+    assert any("Transformer Engine" in s for s in skips) and any("Apex" in s for s in skips)
+
+
+def test_docker_test_passes_only_arguments_the_dockerfile_declares(instrs):
+    declared = {rest.partition("=")[0] for keyword, rest in instrs if keyword == "ARG"}
+    script = DOCKER_TEST.read_text()
+    passed = set(re.findall(r"--build-arg \"?([A-Z_]+)=", script))
+    passed |= set(re.findall(r"for env_name in ([A-Z_ ]+);", script)[0].split())
+    assert {"BASE_IMAGE", "GPU_STACK", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL"} <= passed
+    assert passed <= declared
+    assert "--build-arg GPU_STACK=0" in script
+    makefile = (ROOT / "Makefile").read_text()
+    assert "docker-test:\n\ttools/docker_test.sh\n" in makefile
 
 
 # --- (d) build context -----------------------------------------------------------------------
