@@ -23,6 +23,7 @@
 #                      set its default rlimits without CAP_SYS_RESOURCE)
 #   DEBIAN_MIRROR      (default http://deb.debian.org/debian)
 #   PYTHON             the python whose pip configuration is copied (default python3)
+#   MIN_FREE_GB        free disk the build insists on (default 35)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -143,6 +144,15 @@ snapshot_checkout() {
 }
 
 build_image() {
+    # the runtime stage's copy of the ~7.5 GB venv needs about three times that while buildah
+    # commits it (the layer, its temporary copies in /var/tmp and the storage)
+    local free_gb
+    free_gb=$(df -BG --output=avail /var/lib/containers/storage /var/tmp 2>/dev/null |
+        tail -n +2 | tr -d 'G ' | sort -n | head -1)
+    if [[ -n $free_gb && $free_gb -lt ${MIN_FREE_GB:-35} ]]; then
+        echo "only ${free_gb} GB free for the build; it needs about 35 (MIN_FREE_GB)" >&2
+        exit 1
+    fi
     make_base
     collect_pip_sources
     context=${CONTEXT:-}
