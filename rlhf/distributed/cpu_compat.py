@@ -7,7 +7,10 @@ process then leaves alone):
 
 1. `torch.cuda.current_device()` used as a device -> returns 0, and device index 0 /
    "cuda" is mapped to the CPU by (4).
-2. `torch.cuda.synchronize()` (pipeline p2p) -> a no-op: CPU ops are synchronous.
+2. `torch.cuda.synchronize()` (pipeline p2p) -> a no-op: CPU ops are synchronous. For the
+   same reason CUDA streams (`torch.cuda.Stream`, `current_stream`, `stream(...)`: the MoE
+   all-to-all token dispatcher copies its split sizes to the host on a side stream) become
+   `HostStream`, one in-order queue whose waits and events are no-ops.
 3. Megatron's CUDA RNG tracker (`CudaRNGStatesTracker.add/fork`,
    `_get_cuda_rng_state`, `_set_cuda_rng_state`) -> the CPU default generator, so
    `model_parallel_cuda_manual_seed` and dropout inside `fork()` are reproducible.
@@ -18,9 +21,16 @@ process then leaves alone):
    `torch.autograd.backward`, so each custom autograd Function's backward (where Megatron's
    sequence-parallel gathers allocate on `torch.cuda.current_device()`) enters the mode
    again.
+
+Besides CUDA, Megatron-Core 0.16.1's MoE router assumes Transformer Engine:
+`moe_utils.RouterGatingLinearFunction` tests `te_general_gemm is not None`, a name defined
+only when TE imports (a NameError without it); it is set to None here, which selects the
+router's own torch.mm path.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -102,6 +112,45 @@ def _cpu_tracker_add(self, name: str, seed: int) -> None:
     torch.set_rng_state(orig)
 
 
+class HostEvent:
+    """A CUDA event stand-in on the CPU: everything recorded has already happened."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class HostStream:
+    """A CUDA stream stand-in on the CPU: CPU ops run in order, so there is nothing to wait
+    for; every "stream" is the same queue."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event: HostEvent | None = None) -> HostEvent:
+        return event or HostEvent()
+
+
+_HOST_STREAM = HostStream()
+
+
 def is_applied() -> bool:
     return _APPLIED
 
@@ -116,12 +165,18 @@ def apply_cpu_compat() -> bool:
     if _APPLIED:
         return True
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = HostStream  # type: ignore[misc, assignment]
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
     mcore_random.CudaRNGStatesTracker.add = _cpu_tracker_add
+    if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine
+        moe_utils.te_general_gemm = None
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     _backward_functions_in_mode(_MODE)
