@@ -10,7 +10,9 @@ process then leaves alone):
 2. `torch.cuda.synchronize()` (pipeline p2p) -> a no-op: CPU ops are synchronous. For the
    same reason CUDA streams (`torch.cuda.Stream`, `current_stream`, `stream(...)`: the MoE
    all-to-all token dispatcher copies its split sizes to the host on a side stream) become
-   `HostStream`, one in-order queue whose waits and events are no-ops.
+   `HostStream`, one in-order queue whose waits and events are no-ops; that copy
+   (`maybe_move_tensor_to_cpu`) turns split sizes into NumPy arrays only for GPU tensors,
+   so on the CPU `host_split_sizes` does it (`all_to_all_single` takes no tensor sizes).
 3. Megatron's CUDA RNG tracker (`CudaRNGStatesTracker.add/fork`,
    `_get_cuda_rng_state`, `_set_cuda_rng_state`) -> the CPU default generator, so
    `model_parallel_cuda_manual_seed` and dropout inside `fork()` are reproducible.
@@ -21,6 +23,11 @@ process then leaves alone):
    `torch.autograd.backward`, so each custom autograd Function's backward (where Megatron's
    sequence-parallel gathers allocate on `torch.cuda.current_device()`) enters the mode
    again.
+
+Gloo has no all-gather or reduce-scatter of unequal parts, which Megatron's tensor-parallel
+mappings use when the MoE dispatcher moves tokens between expert-TP ranks (each holds a
+different number): `uneven_gather` and `uneven_reduce_scatter` do those two with gloo's
+`all_to_all_single`, which takes unequal splits; the even cases stay Megatron's own.
 
 Besides CUDA, Megatron-Core 0.16.1's MoE router assumes Transformer Engine:
 `moe_utils.RouterGatingLinearFunction` tests `te_general_gemm is not None`, a name defined
@@ -151,6 +158,48 @@ class HostStream:
 _HOST_STREAM = HostStream()
 
 
+def host_split_sizes(tensor: object, as_numpy: bool = False, record_stream: bool = False):
+    """The MoE token dispatcher's `maybe_move_tensor_to_cpu` for tensors already on the
+    host: NumPy arrays where it asks for them, as its GPU path returns."""
+    if as_numpy and isinstance(tensor, torch.Tensor):
+        return tensor.numpy()
+    return tensor
+
+
+_GATHER = _REDUCE_SCATTER = None  # Megatron's own, for the even cases
+
+
+def uneven_gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """Megatron's `_gather_along_first_dim`; parts of unequal sizes by an all-to-all that
+    sends every rank this rank's part."""
+    if output_split_sizes is None or group.size() == 1:
+        return _GATHER(input_, group, output_split_sizes, use_global_buffer)
+    import torch.distributed as dist
+
+    world = group.size()
+    output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
+    sent = torch.cat([input_.contiguous()] * world)
+    dist.all_to_all_single(
+        output, sent, list(output_split_sizes), [input_.shape[0]] * world, group=group
+    )
+    return output
+
+
+def uneven_reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """Megatron's `_reduce_scatter_along_first_dim`; parts of unequal sizes by an all-to-all
+    that brings each rank every rank's copy of its part, summed in rank order."""
+    if input_split_sizes is None or group.size() == 1:
+        return _REDUCE_SCATTER(input_, group, input_split_sizes, use_global_buffer)
+    import torch.distributed as dist
+
+    world, mine = group.size(), input_split_sizes[group.rank()]
+    received = input_.new_empty((world * mine, *input_.shape[1:]))
+    dist.all_to_all_single(
+        received, input_.contiguous(), [mine] * world, list(input_split_sizes), group=group
+    )
+    return received.view(world, mine, *input_.shape[1:]).sum(dim=0)
+
+
 def is_applied() -> bool:
     return _APPLIED
 
@@ -161,11 +210,12 @@ def apply_cpu_compat() -> bool:
     Also on a machine with GPUs: Megatron would otherwise put CPU-initialised state (the
     rotary frequencies, grad buffers) on GPU 0 next to a model on the CPU.
     """
-    global _APPLIED, _MODE
+    global _APPLIED, _MODE, _GATHER, _REDUCE_SCATTER
     if _APPLIED:
         return True
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda device=None: None
@@ -177,6 +227,13 @@ def apply_cpu_compat() -> bool:
     mcore_random.CudaRNGStatesTracker.add = _cpu_tracker_add
     if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine
         moe_utils.te_general_gemm = None
+    token_dispatcher.maybe_move_tensor_to_cpu = host_split_sizes
+    _GATHER, _REDUCE_SCATTER = (
+        mappings._gather_along_first_dim,
+        mappings._reduce_scatter_along_first_dim,
+    )
+    mappings._gather_along_first_dim = uneven_gather
+    mappings._reduce_scatter_along_first_dim = uneven_reduce_scatter
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     _backward_functions_in_mode(_MODE)

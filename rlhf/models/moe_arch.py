@@ -34,7 +34,8 @@ class MoEArch:
             i not in dense and (i + 1) % step == 0 for i in range(hf["num_hidden_layers"])
         )
         return cls(
-            num_experts=hf["num_experts"],
+            # transformers 5 writes Qwen3-MoE's as `num_local_experts` (published: num_experts)
+            num_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
             topk=hf["num_experts_per_tok"],
             ffn_hidden_size=hf["moe_intermediate_size"],
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),

@@ -1,0 +1,149 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert) built with
+transformers load into Megatron at 1 rank, EP2, EP2 x TP2 (expert-TP 1 and 2) and EP2 x PP2
+and give transformers' logits (fp32, within 1e-5); HF -> Megatron (EP2) -> HF is bitwise;
+`rlhf-convert verify` passes on the converted checkpoint; an EP that does not divide the
+experts is one line before any process starts.
+
+Odd shapes on purpose: 6 experts (3 per EP rank), top-3 of 6 and top-2, `norm_topk_prob`
+true and false, dense layers among the MoE layers by `mlp_only_layers` (Qwen3-MoE) and
+`decoder_sparse_step` (Qwen2-MoE), a shared expert with its sigmoid gate (Qwen2-MoE).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rlhf.cli.convert import main as convert_main
+from tests.helpers import run_torchrun
+
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=40,  # the dense layers' MLP
+    moe_intermediate_size=12,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=6,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,  # larger than the default 0.02: routing and experts matter
+)
+MODELS = {
+    # layers 0, 2, 3 MoE, 1 dense; top-2 renormalised
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        head_dim=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+    # layers 1, 3 MoE, 0, 2 dense; top-3 not renormalised; shared expert with its gate
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        shared_expert_intermediate_size=20,
+    ),
+}
+LAYOUTS = {  # name -> (ranks, worker arguments)
+    "1rank": (1, []),
+    "ep2": (2, ["--ep", "2"]),
+    "ep2tp2etp1": (4, ["--tp", "2", "--ep", "2", "--etp", "1"]),
+    "ep2tp2etp2": (4, ["--tp", "2", "--ep", "2", "--etp", "2"]),
+    "ep2pp2": (4, ["--pp", "2", "--ep", "2"]),
+}
+CONVERT = [sys.executable, "-m", "rlhf.cli.convert"]
+
+
+def save_moe_model(out: Path, fields: dict, seed: int) -> Path:
+    config = AutoConfig.for_model(**{**COMMON, **fields})
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_models")
+    dirs = {name: save_moe_model(root / name, f, i) for i, (name, f) in enumerate(MODELS.items())}
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, root / "tokens.pt")
+    reference = {}
+    for name, path in dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            reference[name] = model(tokens).logits
+    return dirs, root / "tokens.pt", reference
+
+
+def test_the_models_mix_dense_and_moe_layers(moe_models):
+    from rlhf.models.families import load_arch
+
+    dirs, _, _ = moe_models
+    qwen3, qwen2 = load_arch(dirs["qwen3_moe"]), load_arch(dirs["qwen2_moe"])
+    assert qwen3.moe is not None and qwen2.moe is not None
+    assert qwen3.moe.layers == (True, False, True, True)
+    assert qwen2.moe.layers == (False, True, False, True)
+    assert (qwen3.moe.shared_expert_size, qwen2.moe.shared_expert_size) == (None, 20)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_logits_match_transformers(moe_models, tmp_path, layout):
+    dirs, tokens, reference = moe_models
+    nproc, extra = LAYOUTS[layout]
+    args = ["--tokens", str(tokens), "--out-dir", str(tmp_path), *extra]
+    for name, path in dirs.items():
+        args += ["--model", f"{name}={path}"]
+    run_torchrun("hf_model_parity.py", nproc, args)
+    for name, want in reference.items():
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert got.shape == want.shape, name
+        diff = (got - want).abs().max().item()
+        print(f"{name} {layout}: max |logit diff| {diff:.2e} (logits up to {want.abs().max():.2f})")
+        assert diff < 1e-5, f"{name} at {layout}: max |logit diff| = {diff}"
+
+
+def read_all(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def run_convert(*args) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*CONVERT, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_round_trip_through_ep2_is_bitwise_and_verifies(moe_models, tmp_path):
+    dirs, _, _ = moe_models
+    hf_dir = dirs["qwen2_moe"]
+    mcore, back = tmp_path / "mcore", tmp_path / "hf_back"
+    run_convert("hf-to-mcore", hf_dir, mcore, "--ep", 2)
+    run_convert("mcore-to-hf", mcore, back)
+    original, restored = read_all(hf_dir), read_all(back)
+    assert sorted(original) == sorted(restored)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, restored[name]), name
+    proc = run_convert("verify", hf_dir, mcore, "--ep", 2, "--tp", 2, "--etp", 1, "--tol", 1e-5)
+    assert "OK" in proc.stdout and "EP 2 ETP 1" in proc.stdout, proc.stdout
+
+
+def test_an_ep_that_does_not_divide_the_experts_is_one_line(moe_models, tmp_path, capsys):
+    dirs, _, _ = moe_models
+    code = convert_main(["hf-to-mcore", str(dirs["qwen3_moe"]), str(tmp_path / "out"), "--ep", "4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "num_experts (6) must be divisible by the expert parallel size (4)" in err
+    assert "--ep 4" in err and not (tmp_path / "out").exists()
