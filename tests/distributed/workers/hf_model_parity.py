@@ -48,9 +48,7 @@ def main() -> None:
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--value-model", action="store_true")
     args = parser.parse_args()
-    env = init_parallel(
-        "cpu", tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, etp_size=args.etp
-    )
+    env = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, etp_size=args.etp)
     seed_everything(0)
     from rlhf.models.forward import forward_logits, gather_vocab
 
