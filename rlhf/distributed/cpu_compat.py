@@ -38,6 +38,7 @@ router's own torch.mm path.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -158,6 +159,14 @@ class HostStream:
 _HOST_STREAM = HostStream()
 
 
+def _host_stream(device: object = None) -> HostStream:
+    return _HOST_STREAM
+
+
+def _no_stream_switch(stream: object = None) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
+
+
 def host_split_sizes(tensor: object, as_numpy: bool = False, record_stream: bool = False):
     """The MoE token dispatcher's `maybe_move_tensor_to_cpu` for tensors already on the
     host: NumPy arrays where it asks for them, as its GPU path returns."""
@@ -166,7 +175,9 @@ def host_split_sizes(tensor: object, as_numpy: bool = False, record_stream: bool
     return tensor
 
 
-_GATHER = _REDUCE_SCATTER = None  # Megatron's own, for the even cases
+# Megatron's own, for the even cases (set by apply_cpu_compat)
+_GATHER: Callable[..., torch.Tensor]
+_REDUCE_SCATTER: Callable[..., torch.Tensor]
 
 
 def uneven_gather(input_, group, output_split_sizes=None, use_global_buffer=False):
@@ -220,8 +231,8 @@ def apply_cpu_compat() -> bool:
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.Stream = HostStream  # type: ignore[misc, assignment]
-    torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.current_stream = _host_stream  # type: ignore[assignment]
+    torch.cuda.stream = _no_stream_switch  # type: ignore[assignment]
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
     mcore_random.CudaRNGStatesTracker.add = _cpu_tracker_add

@@ -222,9 +222,9 @@ def check_parallel_sizes(
     problem = model_split_problem(arch, tp, pp, vp)
     if problem is not None:
         raise ValueError(problem[1])
-    problem = expert_split_problem(arch.moe, arch.family, tp, ep, etp or tp)
-    if problem is not None:
-        raise ValueError(problem)
+    expert_problem = expert_split_problem(arch.moe, arch.family, tp, ep, etp or tp)
+    if expert_problem is not None:
+        raise ValueError(expert_problem)
 
 
 def transformer_config(

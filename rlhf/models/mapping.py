@@ -283,7 +283,7 @@ def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
 def _moe_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     assert arch.moe is not None
     h, f, s = arch.hidden_size, arch.moe.ffn_hidden_size, arch.moe.shared_expert_size
-    shapes = {
+    shapes: dict[str, tuple[int, ...]] = {
         "mlp.gate.weight": (arch.moe.num_experts, h),
         "mlp.experts.{e}.gate_proj.weight": (f, h),
         "mlp.experts.{e}.up_proj.weight": (f, h),
