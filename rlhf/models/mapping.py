@@ -32,6 +32,7 @@ import torch
 
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.families import ModelArch
+from rlhf.models.fused_experts import read_expert
 from rlhf.models.hf_io import HFCheckpointReader
 
 
@@ -288,6 +289,8 @@ def _moe_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         "mlp.experts.{e}.gate_proj.weight": (f, h),
         "mlp.experts.{e}.up_proj.weight": (f, h),
         "mlp.experts.{e}.down_proj.weight": (h, f),
+        "mlp.experts.gate_up_proj": (arch.moe.num_experts, 2 * f, h),  # fused (fused_experts.py)
+        "mlp.experts.down_proj": (arch.moe.num_experts, h, f),
     }
     if s is not None:
         shapes |= {
@@ -318,15 +321,17 @@ def load_shard(
         placement = placement.experts()
 
     def read(name: str, **kw) -> torch.Tensor:
+        if rule.expert:  # stored per expert or fused
+            return read_expert(reader, name, expected_hf_shape(arch, name), **kw)
         return reader.read(name, expected_shape=expected_hf_shape(arch, name), **kw)
 
     if rule.layout is Layout.REPLICATED:
         return read(names[0])
     if rule.layout is Layout.ROW:
-        shape = reader.shape(names[0])
+        shape = expected_hf_shape(arch, names[0])
         return read(names[0], cols=_rows(shape[1], placement))
     if rule.layout is Layout.GATE_UP:
-        ffn = reader.shape(names[0])[0]  # the dense, a routed or the shared expert's size
+        ffn = expected_hf_shape(arch, names[0])[0]  # the dense, a routed or the shared expert's
         return torch.cat([read(n, rows=_rows(ffn, placement)) for n in names])
     if rule.layout is Layout.QKV:
         return _load_qkv(names, read, arch, placement)

@@ -6,17 +6,19 @@ experts is one line before any process starts.
 
 Odd shapes on purpose: 6 experts (3 per EP rank), top-3 of 6 and top-2, `norm_topk_prob`
 true and false, dense layers among the MoE layers by `mlp_only_layers` (Qwen3-MoE) and
-`decoder_sparse_step` (Qwen2-MoE), a shared expert with its sigmoid gate (Qwen2-MoE).
+`decoder_sparse_step` (Qwen2-MoE), a shared expert with its sigmoid gate (Qwen2-MoE); and
+the Qwen3-MoE checkpoint rewritten with its experts fused (transformers 5's in-memory form).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.cli.convert import main as convert_main
@@ -70,17 +72,46 @@ def save_moe_model(out: Path, fields: dict, seed: int) -> Path:
     return out
 
 
+def save_fused_copy(src: Path, out: Path) -> Path:
+    """`src` with each layer's experts stored fused, as transformers 5 holds them in memory:
+    gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]."""
+    shutil.copytree(src, out)
+    tensors, fused = read_all(src), {}
+    for name, tensor in tensors.items():
+        if ".mlp.experts." not in name:
+            fused[name] = tensor
+    experts = COMMON["num_experts"]
+    for layer in range(COMMON["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        if f"{prefix}0.gate_proj.weight" not in tensors:
+            continue  # a dense layer
+        per = [
+            [tensors[f"{prefix}{e}.{p}_proj.weight"] for e in range(experts)]
+            for p in ("gate", "up", "down")
+        ]
+        gate_up = [torch.cat([g, u]) for g, u in zip(per[0], per[1], strict=True)]
+        fused[prefix + "gate_up_proj"] = torch.stack(gate_up)
+        fused[prefix + "down_proj"] = torch.stack(per[2])
+    for file in out.glob("*.safetensors*"):
+        file.unlink()
+    save_file(fused, out / "model.safetensors")
+    return out
+
+
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_models")
     dirs = {name: save_moe_model(root / name, f, i) for i, (name, f) in enumerate(MODELS.items())}
+    # the same weights with experts stored fused: the same logits
+    dirs["qwen3_moe_fused"] = save_fused_copy(dirs["qwen3_moe"], root / "qwen3_moe_fused")
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     torch.save(tokens, root / "tokens.pt")
     reference = {}
-    for name, path in dirs.items():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for name in MODELS:
+        model = AutoModelForCausalLM.from_pretrained(dirs[name], dtype=torch.float32).eval()
         with torch.no_grad():
             reference[name] = model(tokens).logits
+    reference["qwen3_moe_fused"] = reference["qwen3_moe"]
     return dirs, root / "tokens.pt", reference
 
 
