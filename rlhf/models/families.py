@@ -341,6 +341,17 @@ _DERIVED_FIELDS = {
     "add_bias_linear": "the model's config.json",
     "add_qkv_bias": "the model's config.json",
     "qk_layernorm": "the model's config.json",
+    "num_moe_experts": "the model's config.json",
+    "moe_ffn_hidden_size": "the model's config.json",
+    "moe_router_topk": "the model's config.json",
+    "moe_router_pre_softmax": "the model's config.json",
+    "moe_shared_expert_intermediate_size": "the model's config.json",
+    "moe_shared_expert_gate": "the model's config.json",
+    "moe_layer_freq": "the model's config.json",
+    "expert_model_parallel_size": "rlhf-convert --ep (expert parallelism in training: not yet, "
+    "issue 30 item 2)",
+    "expert_tensor_parallel_size": "rlhf-convert --etp (expert parallelism in training: not yet, "
+    "issue 30 item 2)",
     "tensor_model_parallel_size": "megatron.tensor_model_parallel_size",
     "pipeline_model_parallel_size": "megatron.pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size": "megatron.virtual_pipeline_model_parallel_size",

@@ -183,7 +183,10 @@ def moe_rules(arch: ModelArch, m: str, h: str) -> list[ParamRule]:
         ParamRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), Layout.REPLICATED),
         ParamRule(expert_m + "linear_fc1.weight", gate_up, Layout.GATE_UP, expert=True),
         ParamRule(
-            expert_m + "linear_fc2.weight", (expert_h + "down_proj.weight",), Layout.ROW, True
+            expert_m + "linear_fc2.weight",
+            (expert_h + "down_proj.weight",),
+            Layout.ROW,
+            expert=True,
         ),
     ]
     if arch.moe is not None and arch.moe.shared_expert_size is not None:
