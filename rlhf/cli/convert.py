@@ -1,14 +1,17 @@
 """rlhf-convert: HF <-> Megatron-Core checkpoints, verified against HF transformers.
 
-    rlhf-convert hf-to-mcore HF_DIR OUT_DIR [--tp N] [--pp N]
+    rlhf-convert hf-to-mcore HF_DIR OUT_DIR [--tp N] [--pp N] [--ep N] [--etp N]
     rlhf-convert mcore-to-hf MCORE_DIR OUT_DIR [--max-shard-size-mb M]
-    rlhf-convert verify HF_DIR MCORE_DIR [--tol X] [--tp N] [--pp N]
+    rlhf-convert verify HF_DIR MCORE_DIR [--tol X] [--tp N] [--pp N] [--ep N] [--etp N]
 
 MCORE_DIR may be a trainer checkpoint's `global_step_N/actor` (a causal LM) or
 `global_step_N/critic` (exported as a one-label `*ForTokenClassification` model whose
 per-token logits are the critic's values).
 
-With TP x PP > 1 the command re-launches itself under torchrun with that many processes
+Mixture-of-experts models (qwen2_moe, qwen3_moe) also split their experts over `--ep`
+ranks and each expert over `--etp` ranks (expert tensor parallelism; default: --tp). The
+command needs PP x lcm(TP, EP x ETP) processes (the attention's data-parallel ranks hold
+the other experts); with more than one it re-launches itself under torchrun with that many
 (or runs as is when torchrun already started it with the right world size). `verify`
 prints the largest absolute logit difference and exits 1 above the tolerance. Errors in
 the inputs exit 2 with one line naming the file or tensor; those found from the configs and
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -48,7 +52,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for p in (to_mcore, verify):
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+        p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+        p.add_argument("--etp", type=int, help="expert tensor-parallel size (default: --tp)")
     return parser.parse_args(argv)
+
+
+def layout(args: argparse.Namespace):
+    """The parallel sizes asked for, as a `Placement` (its ranks are 0), and the number of
+    processes they need: PP x lcm(TP, EP x expert-TP)."""
+    from rlhf.models.mapping import Placement
+
+    tp, pp, ep = getattr(args, "tp", 1), getattr(args, "pp", 1), getattr(args, "ep", 1)
+    etp = getattr(args, "etp", None) or tp
+    for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--etp", etp)):
+        if size < 1:
+            raise ValueError(f"{flag} {size}: a parallel size is at least 1")
+    placement = Placement(tp_size=tp, pp_size=pp, ep_size=ep, etp_rank=0, etp_size=etp)
+    return placement, pp * math.lcm(tp, ep * etp)
 
 
 def relaunch_under_torchrun(num_procs: int, argv: list[str]) -> int:
@@ -71,8 +91,14 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.models import convert
     from rlhf.models.mapping import Placement
 
-    tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
-    ctx = bootstrap.init_parallel("auto", tp_size=tp, pp_size=pp)
+    sizes, _ = layout(args)
+    ctx = bootstrap.init_parallel(
+        "auto",
+        tp_size=sizes.tp_size,
+        pp_size=sizes.pp_size,
+        ep_size=sizes.ep_size,
+        etp_size=sizes.etp_size,
+    )
     try:
         bootstrap.seed_everything(0)
         placement = Placement.of(ctx)
@@ -83,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "hf-to-mcore":
             convert.hf_to_mcore(args.hf_dir, args.out_dir, placement)
             if ctx.is_main:
-                print(f"wrote Megatron checkpoint (TP {args.tp}, PP {args.pp}) to {args.out_dir}")
+                print(f"wrote Megatron checkpoint ({describe(sizes)}) to {args.out_dir}")
             return 0
         return verify(args, ctx)
     finally:
@@ -116,9 +142,17 @@ def verify(args: argparse.Namespace, ctx) -> int:
         verdict = "OK" if ok else "FAILED"
         print(
             f"verify: max |logit diff| = {diff.item():.3e} on {args.batch}x{args.seq} random "
-            f"tokens at TP {args.tp} PP {args.pp} (tolerance {args.tol:.1e}): {verdict}"
+            f"tokens at {describe(layout(args)[0])} (tolerance {args.tol:.1e}): {verdict}"
         )
     return 0 if ok else 1
+
+
+def describe(sizes) -> str:
+    """ "TP 1 PP 2", with "EP 2 ETP 1" when the experts are split."""
+    text = f"TP {sizes.tp_size} PP {sizes.pp_size}"
+    if sizes.ep_size > 1 or sizes.etp_size != sizes.tp_size:
+        text += f" EP {sizes.ep_size} ETP {sizes.etp_size}"
+    return text
 
 
 def preflight(args: argparse.Namespace) -> None:
@@ -126,27 +160,25 @@ def preflight(args: argparse.Namespace) -> None:
     a worker that fails ends in torchrun's traceback, after the one-line message."""
     from rlhf.models import convert
 
-    tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
+    sizes, _ = layout(args)
     if args.command == "hf-to-mcore":
-        convert.check_hf_to_mcore(args.hf_dir, args.out_dir, tp, pp)
+        convert.check_hf_to_mcore(args.hf_dir, args.out_dir, sizes)
     elif args.command == "verify":
-        convert.check_verify(args.mcore_dir, tp, pp)
+        convert.check_verify(args.mcore_dir, sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    num_procs = getattr(args, "tp", 1) * getattr(args, "pp", 1)
     launched = int(os.environ.get("WORLD_SIZE", 0))
-    if launched and launched != num_procs:
-        print(
-            f"rlhf-convert: error: launched with {launched} processes, "
-            f"but --tp x --pp = {num_procs}",
-            file=sys.stderr,
-        )
-        return 2
     try:
+        _, num_procs = layout(args)
+        if launched and launched != num_procs:
+            raise ValueError(
+                f"launched with {launched} processes, but --pp x lcm(--tp, --ep x --etp) = "
+                f"{num_procs}"
+            )
         preflight(args)
         if num_procs > 1 and not launched:
             return relaunch_under_torchrun(num_procs, argv)

@@ -77,6 +77,8 @@ def init_parallel(
     tp_size: int = 1,
     pp_size: int = 1,
     sp_size: int = 1,
+    ep_size: int = 1,
+    etp_size: int | None = None,
     sequence_parallel: bool | None = None,
     timeout_minutes: int = 30,
 ) -> ParallelContext:
@@ -84,7 +86,8 @@ def init_parallel(
 
     Ulysses sequence parallelism (`sp_size`) is Megatron's context-parallel group;
     `sequence_parallel` is Megatron's own over the TP group (on only when TP > 1; None: on
-    then, as `megatron.sequence_parallel: null` has it).
+    then, as `megatron.sequence_parallel: null` has it). Mixture-of-experts layers have
+    their own grid over the same ranks: expert-TP (`etp_size`, None: TP) x EP x expert-DP x PP.
     """
     from megatron.core import parallel_state
 
@@ -94,10 +97,18 @@ def init_parallel(
         raise ValueError(
             f"TP {tp_size} x PP {pp_size} x SP {sp_size} does not divide the {world} ranks running"
         )
+    etp_size = etp_size or tp_size
+    if world % (etp_size * ep_size * pp_size):
+        raise ValueError(
+            f"expert-TP {etp_size} x EP {ep_size} x PP {pp_size} does not divide the {world} "
+            "ranks running"
+        )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=sp_size,
+        expert_model_parallel_size=ep_size,
+        expert_tensor_parallel_size=etp_size,
     )
     found = _context(pick_device(device))
     split = sequence_parallel_on(sequence_parallel, tp_size)
@@ -136,6 +147,10 @@ def _context(device: torch.device) -> ParallelContext:
         dp_size=ps.get_data_parallel_world_size(),
         dp_group=ps.get_data_parallel_group(),
         dp_sp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
 
 

@@ -7,7 +7,8 @@ that only one package needs are derived from it inside that package: `Placement`
 (rlhf.parallel.ulysses), `SyncTopology` (rlhf.weight_sync.gather).
 
 Dimension names: `tp` tensor, `pp` pipeline, `sp` Ulysses sequence parallelism (which runs
-on Megatron's context-parallel group), `dp` data parallelism.
+on Megatron's context-parallel group), `dp` data parallelism, `ep` expert parallelism and
+`etp` expert tensor parallelism (mixture-of-experts layers).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class ParallelContext:
     stage by stage; `dp_sp_size` is the number of ranks Megatron's DDP averages gradients
     over (DP x SP). `sequence_parallel`: the models split their activations outside the
     TP-split layers along the sequence over the TP group (Megatron's sequence parallelism).
+    `ep_*` / `etp_*`: where the rank sits among the expert-parallel ranks and, within those,
+    the expert tensor-parallel ranks (mixture-of-experts layers; both 1 for dense models
+    except that expert-TP follows TP by Megatron's default).
     """
 
     rank: int
@@ -51,6 +55,10 @@ class ParallelContext:
     dp_group: ProcessGroup
     dp_sp_size: int
     sequence_parallel: bool = False
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
 
     @property
     def is_main(self) -> bool:

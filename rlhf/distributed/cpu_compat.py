@@ -7,7 +7,12 @@ process then leaves alone):
 
 1. `torch.cuda.current_device()` used as a device -> returns 0, and device index 0 /
    "cuda" is mapped to the CPU by (4).
-2. `torch.cuda.synchronize()` (pipeline p2p) -> a no-op: CPU ops are synchronous.
+2. `torch.cuda.synchronize()` (pipeline p2p) -> a no-op: CPU ops are synchronous. For the
+   same reason CUDA streams (`torch.cuda.Stream`, `current_stream`, `stream(...)`: the MoE
+   all-to-all token dispatcher copies its split sizes to the host on a side stream) become
+   `HostStream`, one in-order queue whose waits and events are no-ops; that copy
+   (`maybe_move_tensor_to_cpu`) turns split sizes into NumPy arrays only for GPU tensors,
+   so on the CPU `host_split_sizes` does it (`all_to_all_single` takes no tensor sizes).
 3. Megatron's CUDA RNG tracker (`CudaRNGStatesTracker.add/fork`,
    `_get_cuda_rng_state`, `_set_cuda_rng_state`) -> the CPU default generator, so
    `model_parallel_cuda_manual_seed` and dropout inside `fork()` are reproducible.
@@ -18,9 +23,22 @@ process then leaves alone):
    `torch.autograd.backward`, so each custom autograd Function's backward (where Megatron's
    sequence-parallel gathers allocate on `torch.cuda.current_device()`) enters the mode
    again.
+
+Gloo has no all-gather or reduce-scatter of unequal parts, which Megatron's tensor-parallel
+mappings use when the MoE dispatcher moves tokens between expert-TP ranks (each holds a
+different number): `uneven_gather` and `uneven_reduce_scatter` do those two with gloo's
+`all_to_all_single`, which takes unequal splits; the even cases stay Megatron's own.
+
+Besides CUDA, Megatron-Core 0.16.1's MoE router assumes Transformer Engine:
+`moe_utils.RouterGatingLinearFunction` tests `te_general_gemm is not None`, a name defined
+only when TE imports (a NameError without it); it is set to None here, which selects the
+router's own torch.mm path.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -102,6 +120,97 @@ def _cpu_tracker_add(self, name: str, seed: int) -> None:
     torch.set_rng_state(orig)
 
 
+class HostEvent:
+    """A CUDA event stand-in on the CPU: everything recorded has already happened."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class HostStream:
+    """A CUDA stream stand-in on the CPU: CPU ops run in order, so there is nothing to wait
+    for; every "stream" is the same queue."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event: HostEvent | None = None) -> HostEvent:
+        return event or HostEvent()
+
+
+_HOST_STREAM = HostStream()
+
+
+def _host_stream(device: object = None) -> HostStream:
+    return _HOST_STREAM
+
+
+def _no_stream_switch(stream: object = None) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
+
+
+def host_split_sizes(tensor: object, as_numpy: bool = False, record_stream: bool = False):
+    """The MoE token dispatcher's `maybe_move_tensor_to_cpu` for tensors already on the
+    host: NumPy arrays where it asks for them, as its GPU path returns."""
+    if as_numpy and isinstance(tensor, torch.Tensor):
+        return tensor.numpy()
+    return tensor
+
+
+# Megatron's own, for the even cases (set by apply_cpu_compat)
+_GATHER: Callable[..., torch.Tensor]
+_REDUCE_SCATTER: Callable[..., torch.Tensor]
+
+
+def uneven_gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """Megatron's `_gather_along_first_dim`; parts of unequal sizes by an all-to-all that
+    sends every rank this rank's part."""
+    if output_split_sizes is None or group.size() == 1:
+        return _GATHER(input_, group, output_split_sizes, use_global_buffer)
+    import torch.distributed as dist
+
+    world = group.size()
+    output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
+    sent = torch.cat([input_.contiguous()] * world)
+    dist.all_to_all_single(
+        output, sent, list(output_split_sizes), [input_.shape[0]] * world, group=group
+    )
+    return output
+
+
+def uneven_reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """Megatron's `_reduce_scatter_along_first_dim`; parts of unequal sizes by an all-to-all
+    that brings each rank every rank's copy of its part, summed in rank order."""
+    if input_split_sizes is None or group.size() == 1:
+        return _REDUCE_SCATTER(input_, group, input_split_sizes, use_global_buffer)
+    import torch.distributed as dist
+
+    world, mine = group.size(), input_split_sizes[group.rank()]
+    received = input_.new_empty((world * mine, *input_.shape[1:]))
+    dist.all_to_all_single(
+        received, input_.contiguous(), [mine] * world, list(input_split_sizes), group=group
+    )
+    return received.view(world, mine, *input_.shape[1:]).sum(dim=0)
+
+
 def is_applied() -> bool:
     return _APPLIED
 
@@ -112,16 +221,30 @@ def apply_cpu_compat() -> bool:
     Also on a machine with GPUs: Megatron would otherwise put CPU-initialised state (the
     rotary frequencies, grad buffers) on GPU 0 next to a model on the CPU.
     """
-    global _APPLIED, _MODE
+    global _APPLIED, _MODE, _GATHER, _REDUCE_SCATTER
     if _APPLIED:
         return True
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = HostStream  # type: ignore[misc, assignment]
+    torch.cuda.current_stream = _host_stream  # type: ignore[assignment]
+    torch.cuda.stream = _no_stream_switch  # type: ignore[assignment]
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
     mcore_random.CudaRNGStatesTracker.add = _cpu_tracker_add
+    if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine
+        moe_utils.te_general_gemm = None
+    token_dispatcher.maybe_move_tensor_to_cpu = host_split_sizes
+    _GATHER, _REDUCE_SCATTER = (
+        mappings._gather_along_first_dim,
+        mappings._reduce_scatter_along_first_dim,
+    )
+    mappings._gather_along_first_dim = uneven_gather
+    mappings._reduce_scatter_along_first_dim = uneven_reduce_scatter
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     _backward_functions_in_mode(_MODE)

@@ -59,6 +59,8 @@ def build_chunks(
         pp=placement.pp_size,
         vp=vp_size,
         sp=sp,
+        ep=placement.ep_size,
+        etp=placement.etp_size,
         params_dtype=params_dtype,
         perform_initialization=initialize,
         recompute=recompute,
@@ -87,6 +89,7 @@ def _build_chunk(arch: ModelArch, config, placement: Placement, vocab: int, init
         tie_embeddings=arch.tie_embeddings,
         qk_layernorm=arch.qk_layernorm,
         vp_stage=placement.vp_stage if placement.vp_size > 1 else None,
+        moe_layers=_moe_layers(arch, placement),
     )
     if not initialize:
         mark_tensor_parallel_weights(model)
@@ -96,6 +99,15 @@ def _build_chunk(arch: ModelArch, config, placement: Placement, vocab: int, init
         ).to(model.rotary_pos_emb.inv_freq.device)
     model.padded_vocab_size = vocab
     return model
+
+
+def _moe_layers(arch: ModelArch, placement: Placement) -> list[bool] | None:
+    """Whether each layer of this model part has experts (None for a dense model)."""
+    if arch.moe is None:
+        return None
+    first = placement.first_layer(arch.num_layers)
+    per_part = arch.num_layers // (placement.pp_size * placement.vp_size)
+    return list(arch.moe.layers[first : first + per_part])
 
 
 def mark_tensor_parallel_weights(model: Any) -> None:

@@ -82,6 +82,8 @@ def write_meta(
         "dtype": str(dtype).removeprefix("torch."),
         "saved_tensor_model_parallel_size": placement.tp_size,
         "saved_pipeline_model_parallel_size": placement.pp_size,
+        "saved_expert_model_parallel_size": placement.ep_size,
+        "saved_expert_tensor_parallel_size": placement.etp_size,
         "head": head,
     }
     (out_dir / META_NAME).write_text(json.dumps(meta, indent=2))
@@ -110,34 +112,39 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def check_hf_to_mcore(hf_dir: Path, out_dir: Path, tp: int, pp: int) -> ModelArch:
+def check_hf_to_mcore(hf_dir: Path, out_dir: Path, placement: Placement) -> ModelArch:
     """What `hf_to_mcore` needs of its inputs, from config.json and the safetensors headers
-    alone: cheap enough to run before any worker process is launched."""
+    alone: cheap enough to run before any worker process is launched (`placement`: the
+    parallel sizes; the ranks do not matter)."""
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another OUT_DIR")
     arch = check_model_dir(hf_dir)
-    _check_split(arch, hf_dir, tp, pp)
+    _check_split(arch, hf_dir, placement)
     return arch
 
 
-def check_verify(mcore_dir: Path, tp: int, pp: int) -> None:
-    """`verify`'s checkpoint is one written here, and its model splits over TP x PP."""
+def check_verify(mcore_dir: Path, placement: Placement) -> None:
+    """`verify`'s checkpoint is one written here, and its model splits over the layout."""
     read_meta(mcore_dir)
-    _check_split(load_arch(mcore_dir / "hf"), mcore_dir / "hf", tp, pp)
+    _check_split(load_arch(mcore_dir / "hf"), mcore_dir / "hf", placement)
 
 
-def _check_split(arch: ModelArch, hf_dir: Path, tp: int, pp: int) -> None:
+def _check_split(arch: ModelArch, hf_dir: Path, placement: Placement) -> None:
+    p = placement
     try:
-        check_parallel_sizes(arch, tp, pp)
+        check_parallel_sizes(arch, p.tp_size, p.pp_size, ep=p.ep_size, etp=p.etp_size)
     except ValueError as e:
-        raise ValueError(f"{hf_dir / 'config.json'}: {e} (--tp {tp} --pp {pp})") from None
+        sizes = f"--tp {p.tp_size} --pp {p.pp_size}"
+        if p.ep_size > 1 or p.etp_size != p.tp_size:
+            sizes += f" --ep {p.ep_size} --etp {p.etp_size}"
+        raise ValueError(f"{hf_dir / 'config.json'}: {e} ({sizes})") from None
 
 
 def hf_to_mcore(hf_dir: Path, out_dir: Path, placement: Placement) -> None:
     """Convert on every rank of the current TP x PP world (call on all ranks)."""
     from megatron.core import dist_checkpointing
 
-    arch = check_hf_to_mcore(hf_dir, out_dir, placement.tp_size, placement.pp_size)
+    arch = check_hf_to_mcore(hf_dir, out_dir, placement)
     reader = HFCheckpointReader(hf_dir)
     dtype = checkpoint_dtype(reader)
     model = build_model(arch, placement, params_dtype=dtype, initialize=False)
@@ -176,8 +183,8 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
 
 
 def export_hf_tensors(model, arch: ModelArch, placement: Placement, progress: bool = False):
-    """(HF name, tensor) pairs from an unsharded (TP = PP = 1) Megatron model."""
-    assert placement.tp_size == 1 and placement.pp_size == 1
+    """(HF name, tensor) pairs from an unsharded (TP = PP = EP = 1) Megatron model."""
+    assert placement.tp_size == placement.pp_size == placement.ep_size == placement.etp_size == 1
     params = list(model.named_parameters())
     for name, param in tqdm(params, desc="export HF tensors", disable=not progress, unit="tensor"):
         if name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
@@ -190,7 +197,7 @@ def export_hf_tensors(model, arch: ModelArch, placement: Placement, progress: bo
 
 
 def mcore_to_hf(mcore_dir: Path, out_dir: Path, max_shard_bytes: int) -> None:
-    """Write sharded safetensors + index + config + tokenizer (single process, TP = PP = 1)."""
+    """Write sharded safetensors + index + config + tokenizer (single process, TP = PP = EP = 1)."""
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another OUT_DIR")
     placement = Placement()

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf.config.validate import model_split_problem
+from rlhf.models.moe_arch import MoEArch, expert_split_problem
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,15 @@ class ModelArch:
     qkv_bias: bool = False
     qk_layernorm: bool = False
     rope_scaling: RopeScaling | None = None
+    moe: MoEArch | None = None
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has experts (a dense MLP otherwise)."""
+        return self.moe is not None and self.moe.layers[layer]
 
 
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
@@ -155,10 +161,27 @@ def qwen3_arch(hf: dict) -> ModelArch:
     )
 
 
+def qwen2_moe_arch(hf: dict) -> ModelArch:
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (QKV bias, `qkv_bias`), routed
+    experts plus a shared expert with a sigmoid gate; dense layers by `mlp_only_layers` /
+    `decoder_sparse_step`."""
+    moe = MoEArch.from_hf(hf, shared_expert=True)
+    return _decoder_arch(hf, "qwen2_moe", qkv_bias=bool(hf.get("qkv_bias", True)), moe=moe)
+
+
+def qwen3_moe_arch(hf: dict) -> ModelArch:
+    """Qwen3-MoE: Qwen3 attention (q/k RMSNorm per head), routed experts, no shared expert."""
+    moe = MoEArch.from_hf(hf, shared_expert=False)
+    bias = bool(hf.get("attention_bias", False))
+    return _decoder_arch(hf, "qwen3_moe", qkv_bias=bias, qk_layernorm=True, moe=moe)
+
+
 FAMILIES: dict[str, Callable[[dict], ModelArch]] = {
     "llama": llama_arch,
     "qwen2": qwen2_arch,
     "qwen3": qwen3_arch,
+    "qwen2_moe": qwen2_moe_arch,
+    "qwen3_moe": qwen3_moe_arch,
 }
 
 
@@ -190,12 +213,18 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def check_parallel_sizes(arch: ModelArch, tp: int, pp: int, vp: int = 1) -> None:
-    """Megatron splits heads over TP ranks and layers over PP stages (x VP chunks); needs
-    only the config, so the CLIs check it before launching any worker."""
+def check_parallel_sizes(
+    arch: ModelArch, tp: int, pp: int, vp: int = 1, ep: int = 1, etp: int | None = None
+) -> None:
+    """Megatron splits heads over TP ranks and layers over PP stages (x VP chunks), experts
+    over EP ranks and each expert's MLP over expert-TP ranks (`etp`, None: TP, Megatron's
+    default); needs only the config, so the CLIs check it before launching any worker."""
     problem = model_split_problem(arch, tp, pp, vp)
     if problem is not None:
         raise ValueError(problem[1])
+    expert_problem = expert_split_problem(arch.moe, arch.family, tp, ep, etp or tp)
+    if expert_problem is not None:
+        raise ValueError(expert_problem)
 
 
 def transformer_config(
@@ -205,6 +234,8 @@ def transformer_config(
     pp: int = 1,
     vp: int = 1,
     sp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool = True,
     perform_initialization: bool = True,
@@ -219,13 +250,16 @@ def transformer_config(
 
     `sequence_parallel`: Megatron's sequence parallelism over the TP group (TP > 1 only).
     `vp`: virtual-pipeline chunks per stage (Megatron's interleaved 1F1B when > 1).
+    `ep`, `etp`: expert parallel and expert tensor parallel sizes (mixture-of-experts models;
+    `etp` None: TP, as Megatron has it).
 
     `perform_initialization=False` skips Megatron's random init for models whose weights
     are about to be loaded from a checkpoint.
     """
     from megatron.core.transformer import TransformerConfig
 
-    check_parallel_sizes(arch, tp, pp, vp)
+    check_parallel_sizes(arch, tp, pp, vp, ep, etp)
+    moe = arch.moe.megatron_kwargs(ep, etp or tp) if arch.moe is not None else {}
     fields = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -264,6 +298,7 @@ def transformer_config(
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         **recompute.megatron_kwargs(),
+        **moe,
     )
     return TransformerConfig(**{**fields, **(overrides or {})})
 
@@ -306,6 +341,17 @@ _DERIVED_FIELDS = {
     "add_bias_linear": "the model's config.json",
     "add_qkv_bias": "the model's config.json",
     "qk_layernorm": "the model's config.json",
+    "num_moe_experts": "the model's config.json",
+    "moe_ffn_hidden_size": "the model's config.json",
+    "moe_router_topk": "the model's config.json",
+    "moe_router_pre_softmax": "the model's config.json",
+    "moe_shared_expert_intermediate_size": "the model's config.json",
+    "moe_shared_expert_gate": "the model's config.json",
+    "moe_layer_freq": "the model's config.json",
+    "expert_model_parallel_size": "rlhf-convert --ep (expert parallelism in training: not yet, "
+    "issue 30 item 2)",
+    "expert_tensor_parallel_size": "rlhf-convert --etp (expert parallelism in training: not yet, "
+    "issue 30 item 2)",
     "tensor_model_parallel_size": "megatron.tensor_model_parallel_size",
     "pipeline_model_parallel_size": "megatron.pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size": "megatron.virtual_pipeline_model_parallel_size",

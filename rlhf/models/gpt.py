@@ -31,29 +31,49 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = True  # type: ignore[attr-defined]
 
 
-def gpt_block_spec(config: TransformerConfig, qk_layernorm: bool = False):
-    """What `GPTModel` builds its decoder from: the layer spec, or, for the local spec under
-    Megatron's sequence parallelism, the block's layers and final norm with
-    `SequenceParallelRMSNorm` (Transformer Engine's norms support it themselves)."""
-    spec = gpt_layer_spec(config, qk_layernorm)
-    if not config.sequence_parallel or transformer_engine_usable():
-        return spec
+def gpt_block_spec(
+    config: TransformerConfig, qk_layernorm: bool = False, moe_layers: list[bool] | None = None
+):
+    """What `GPTModel` builds its decoder from: the layer spec, or the block's layers and
+    final norm when they differ: a mixture-of-experts model's layers (`moe_layers`: whether
+    each of this chunk's layers has experts; Megatron's MoE layer with `SequentialMLP`
+    experts on the local spec), or, for the local spec under Megatron's sequence
+    parallelism, layers and final norm with `SequenceParallelRMSNorm` (Transformer Engine's
+    norms support it themselves)."""
     from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
+    dense = gpt_layer_spec(config, qk_layernorm)
+    local_sp = config.sequence_parallel and not transformer_engine_usable()
+    if moe_layers is None and not local_sp:
+        return dense
+    if moe_layers is None:
+        moe_layers = [False] * get_num_layers_to_build(config)
+    moe = gpt_layer_spec(config, qk_layernorm, num_experts=config.num_moe_experts)
+    if local_sp:
+        for spec in (dense, moe):
+            _sequence_parallel_norms(spec, qk_layernorm)
+    layers = [moe if has_experts else dense for has_experts in moe_layers]
+    norm = SequenceParallelRMSNorm if local_sp else LayerNormImpl
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
+
+
+def _sequence_parallel_norms(spec: ModuleSpec, qk_layernorm: bool) -> None:
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     if qk_layernorm:  # each TP rank normalises its own heads: the gradient is summed too
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
-    layers = [spec] * get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
 
 
-def gpt_layer_spec(config: TransformerConfig, qk_layernorm: bool = False) -> ModuleSpec:
-    """The transformer-layer spec for `config`: TE layers on GPU, local layers otherwise.
+def gpt_layer_spec(
+    config: TransformerConfig, qk_layernorm: bool = False, num_experts: int | None = None
+) -> ModuleSpec:
+    """The transformer-layer spec for `config`: TE layers on GPU, local layers otherwise;
+    with `num_experts`, a layer whose MLP is Megatron's MoE layer.
 
     The local spec's core attention computes packed rows per sample
     (`rlhf.models.packed_attention`). With a context-parallel size > 1 the core attention is
@@ -63,10 +83,12 @@ def gpt_layer_spec(config: TransformerConfig, qk_layernorm: bool = False) -> Mod
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine_usable():
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, qk_layernorm=qk_layernorm
+        )
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            normalization=config.normalization, qk_layernorm=qk_layernorm
+            num_experts=num_experts, normalization=config.normalization, qk_layernorm=qk_layernorm
         )
         if config.context_parallel_size == 1:  # packed rows: attention per sample
             from rlhf.models.packed_attention import PackedDotProductAttention
@@ -93,16 +115,18 @@ def build_gpt_model(
     tie_embeddings: bool = False,
     qk_layernorm: bool = False,
     vp_stage: int | None = None,
+    moe_layers: list[bool] | None = None,
 ) -> GPTModel:
     """A rotary-embedding decoder (Llama/Qwen style) for this rank's pipeline stage.
 
     `vocab_size` must already be padded for tensor parallelism; `pre_process` /
     `post_process` say whether this stage holds the embedding / the output layer;
-    `vp_stage`: which virtual-pipeline chunk of the stage it is (None without interleaving).
+    `vp_stage`: which virtual-pipeline chunk of the stage it is (None without interleaving);
+    `moe_layers`: for a mixture-of-experts model, whether each of its layers has experts.
     """
     return GPTModel(
         config=config,
-        transformer_layer_spec=gpt_block_spec(config, qk_layernorm=qk_layernorm),
+        transformer_layer_spec=gpt_block_spec(config, qk_layernorm, moe_layers),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

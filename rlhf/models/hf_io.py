@@ -125,6 +125,22 @@ class HFCheckpointReader:
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
+    def read_block(
+        self, name: str, index: int, rows: tuple[int, int], cols: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Rows [a, b) (and columns [a, b)) of block `index` of a 3-D tensor (fused experts)."""
+        shape = self.shape(name)
+        if len(shape) != 3 or index >= shape[0] or rows[1] > shape[1]:
+            raise ValueError(
+                f"tensor {name!r} has shape {list(shape)} in {self.model_dir}: no block "
+                f"{index} with rows {rows[0]}..{rows[1]}"
+            )
+        c0, c1 = cols or (0, shape[2])
+        view = self._handle(name).get_slice(name)
+        tensor = view[index : index + 1, rows[0] : rows[1], c0:c1][0]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
     def total_bytes(self) -> int:
         """Size of all tensors in the checkpoint (from the headers; nothing is read)."""
         total = 0

@@ -10,6 +10,12 @@ Megatron parameter is laid out across tensor-parallel ranks:
 - `GATE_UP`: `linear_fc1` is [gate_shard; up_shard] on each TP rank.
 - `VOCAB`: rows split across TP ranks, padded with zero rows beyond the true vocabulary.
 
+Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE): the router (HF `mlp.gate`) is replicated;
+routed expert e (HF `mlp.experts.{e}.gate_proj/up_proj/down_proj`) lives on the expert-parallel
+rank that holds it as local expert e - ep_rank x E / EP, `GATE_UP`/`ROW` over the
+expert-TP ranks (`expert=True` rules: names with `{expert}`, split by `Placement.experts()`);
+the shared expert and its sigmoid gate (Qwen2-MoE) split over TP as a dense MLP does.
+
 `load_shard` builds this rank's slice from the HF checkpoint reading only those rows or
 columns; `shards_to_hf` turns the list of a parameter's TP shards (one shard when TP = 1)
 back into full HF tensors. Both directions are used by the converter and by weight sync.
@@ -26,6 +32,7 @@ import torch
 
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.families import ModelArch
+from rlhf.models.fused_experts import read_expert
 from rlhf.models.hf_io import HFCheckpointReader
 
 
@@ -44,13 +51,23 @@ class ParamRule:
     mcore: str
     hf: tuple[str, ...]
     layout: Layout
+    expert: bool = False  # a routed expert's weight: names hold `{expert}`, split over expert-TP
+
+    def for_expert(self, expert: int) -> ParamRule:
+        """This rule with `{expert}` filled in (the global expert index)."""
+        fill = str(expert)
+        hf = tuple(n.replace("{expert}", fill) for n in self.hf)
+        return dataclasses.replace(self, mcore=self.mcore.replace("{expert}", fill), hf=hf)
 
 
 @dataclass(frozen=True)
 class Placement:
     """This rank's place in the tensor- and pipeline-parallel grid, and which of its
     virtual-pipeline chunks a model part is (`vp_stage` of `vp_size`; one chunk without
-    interleaving)."""
+    interleaving). Mixture-of-experts layers: this rank holds experts
+    [ep_rank x E / ep_size, (ep_rank + 1) x E / ep_size) and the `etp_rank`-th of
+    `etp_size` slices of each (expert tensor parallelism; None: as TP, Megatron's default).
+    """
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -58,12 +75,33 @@ class Placement:
     pp_size: int = 1
     vp_stage: int = 0
     vp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int | None = None
+    etp_size: int | None = None
+
+    def __post_init__(self):
+        if self.etp_size is None:
+            object.__setattr__(self, "etp_size", self.tp_size)
+            object.__setattr__(self, "etp_rank", self.tp_rank)
 
     @classmethod
     def of(cls, ctx: ParallelContext) -> Placement:
         return cls(
-            tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size
+            tp_rank=ctx.tp_rank,
+            tp_size=ctx.tp_size,
+            pp_rank=ctx.pp_rank,
+            pp_size=ctx.pp_size,
+            ep_rank=ctx.ep_rank,
+            ep_size=ctx.ep_size,
+            etp_rank=ctx.etp_rank,
+            etp_size=ctx.etp_size,
         )
+
+    def experts(self) -> Placement:
+        """The view an expert's weights are split by: expert-TP as the tensor-parallel grid."""
+        assert self.etp_rank is not None and self.etp_size is not None
+        return dataclasses.replace(self, tp_rank=self.etp_rank, tp_size=self.etp_size)
 
     def chunk(self, vp_stage: int, vp_size: int) -> Placement:
         """The placement of this rank's chunk `vp_stage` of `vp_size`."""
@@ -93,6 +131,7 @@ TE_ALIASES = {
 }
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 
 
 def layer_rules(arch: ModelArch) -> list[ParamRule]:
@@ -119,6 +158,8 @@ def layer_rules(arch: ModelArch) -> list[ParamRule]:
         ),
         ParamRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), Layout.ROW),
     ]
+    if arch.moe is not None:
+        rules += moe_rules(arch, m, h)
     if arch.qkv_bias:
         qkv_bias = tuple(attn + f"{p}_proj.bias" for p in "qkv")
         rules.append(ParamRule(m + "self_attention.linear_qkv.bias", qkv_bias, Layout.QKV))
@@ -131,6 +172,33 @@ def layer_rules(arch: ModelArch) -> list[ParamRule]:
                     Layout.REPLICATED,
                 )
             )
+    return rules
+
+
+def moe_rules(arch: ModelArch, m: str, h: str) -> list[ParamRule]:
+    """The rules of a mixture-of-experts layer's MLP (`m`, `h`: the layer's name prefixes)."""
+    expert_m, expert_h = m + "mlp.experts.local_experts.{expert}.", h + "mlp.experts.{expert}."
+    gate_up = (expert_h + "gate_proj.weight", expert_h + "up_proj.weight")
+    rules = [
+        ParamRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), Layout.REPLICATED),
+        ParamRule(expert_m + "linear_fc1.weight", gate_up, Layout.GATE_UP, expert=True),
+        ParamRule(
+            expert_m + "linear_fc2.weight",
+            (expert_h + "down_proj.weight",),
+            Layout.ROW,
+            expert=True,
+        ),
+    ]
+    if arch.moe is not None and arch.moe.shared_expert_size is not None:
+        shared_m, shared_h = m + "mlp.shared_experts.", h + "mlp.shared_expert."
+        shared_gate_up = (shared_h + "gate_proj.weight", shared_h + "up_proj.weight")
+        rules += [
+            ParamRule(shared_m + "linear_fc1.weight", shared_gate_up, Layout.GATE_UP),
+            ParamRule(shared_m + "linear_fc2.weight", (shared_h + "down_proj.weight",), Layout.ROW),
+            ParamRule(
+                shared_m + "gate_weight", (h + "mlp.shared_expert_gate.weight",), Layout.REPLICATED
+            ),
+        ]
     return rules
 
 
@@ -154,8 +222,15 @@ def resolve(arch: ModelArch, name: str, placement: Placement) -> tuple[ParamRule
         raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
     local, rest = int(match.group(1)), TE_ALIASES.get(match.group(2), match.group(2))
     layer = placement.first_layer(arch.num_layers) + local
+    expert = _LOCAL_EXPERT.match(rest)
+    if expert is not None and arch.moe is not None:  # local expert index -> global
+        rest = expert.group(1) + "{expert}" + expert.group(3)
+        first = placement.ep_rank * (arch.moe.num_experts // placement.ep_size)
     for rule in layer_rules(arch):
         if rule.mcore == f"decoder.layers.{{layer}}.{rest}":
+            if rule.expert:
+                assert expert is not None
+                return rule.for_expert(first + int(expert.group(2))), layer
             return rule, layer
     raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
 
@@ -184,6 +259,7 @@ def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
     h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
     leaf = hf_name.split(".layers.")[-1].split(".", 1)[-1] if ".layers." in hf_name else hf_name
+    leaf = re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{e}.", leaf)
     shapes = {
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
@@ -203,7 +279,30 @@ def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
         "lm_head.weight": (arch.vocab_size, h),
         "model.norm.weight": (h,),
     }
+    if arch.moe is not None:
+        shapes |= _moe_shapes(arch)
     return shapes[leaf]
+
+
+def _moe_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    assert arch.moe is not None
+    h, f, s = arch.hidden_size, arch.moe.ffn_hidden_size, arch.moe.shared_expert_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "mlp.gate.weight": (arch.moe.num_experts, h),
+        "mlp.experts.{e}.gate_proj.weight": (f, h),
+        "mlp.experts.{e}.up_proj.weight": (f, h),
+        "mlp.experts.{e}.down_proj.weight": (h, f),
+        "mlp.experts.gate_up_proj": (arch.moe.num_experts, 2 * f, h),  # fused (fused_experts.py)
+        "mlp.experts.down_proj": (arch.moe.num_experts, h, f),
+    }
+    if s is not None:
+        shapes |= {
+            "mlp.shared_expert.gate_proj.weight": (s, h),
+            "mlp.shared_expert.up_proj.weight": (s, h),
+            "mlp.shared_expert.down_proj.weight": (h, s),
+            "mlp.shared_expert_gate.weight": (1, h),
+        }
+    return shapes
 
 
 def _rows(total: int, placement: Placement) -> tuple[int, int]:
@@ -221,17 +320,22 @@ def load_shard(
 ) -> torch.Tensor:
     """This rank's slice of one Megatron parameter, read from the HF checkpoint."""
     names = hf_names(rule, layer)
+    if rule.expert:
+        placement = placement.experts()
 
     def read(name: str, **kw) -> torch.Tensor:
+        if rule.expert:  # stored per expert or fused
+            return read_expert(reader, name, expected_hf_shape(arch, name), **kw)
         return reader.read(name, expected_shape=expected_hf_shape(arch, name), **kw)
 
     if rule.layout is Layout.REPLICATED:
         return read(names[0])
     if rule.layout is Layout.ROW:
-        shape = reader.shape(names[0])
+        shape = expected_hf_shape(arch, names[0])
         return read(names[0], cols=_rows(shape[1], placement))
     if rule.layout is Layout.GATE_UP:
-        return torch.cat([read(n, rows=_rows(arch.ffn_hidden_size, placement)) for n in names])
+        ffn = expected_hf_shape(arch, names[0])[0]  # the dense, a routed or the shared expert's
+        return torch.cat([read(n, rows=_rows(ffn, placement)) for n in names])
     if rule.layout is Layout.QKV:
         return _load_qkv(names, read, arch, placement)
     return _load_vocab(names[0], read, arch, placement, padded_vocab)

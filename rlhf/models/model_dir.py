@@ -75,6 +75,17 @@ def _shape_mismatch(reader: HFCheckpointReader, arch: ModelArch) -> str | None:
     return None
 
 
+def check_trainable(arch: ModelArch, model_dir: str | Path, key: str) -> None:
+    """The trainer builds dense models only: a mixture-of-experts model converts and
+    verifies (`rlhf-convert`), but its training is not there yet."""
+    if arch.moe is not None:
+        raise ConfigError(
+            f"{_where(model_dir, key)}: {arch.family} is a mixture-of-experts model; expert "
+            "parallelism in training: not yet (issue 30 item 2); rlhf-convert converts and "
+            "verifies it"
+        )
+
+
 def check_tokenizer_fits(tokenizer, arch: ModelArch, model_dir: str | Path, key: str) -> None:
     """A tokenizer with more tokens than the embedding has rows would hand SGLang and the
     trainer ids past the embedding (SGLang crashes on them, and is restarted in vain)."""

@@ -25,7 +25,7 @@ from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
 from rlhf.models.mapping import Placement
-from rlhf.models.model_dir import check_model_dir, read_model_arch
+from rlhf.models.model_dir import check_model_dir, check_trainable, read_model_arch
 from rlhf.trainer.heads import LogprobHead, Loss, PolicyLoss, ValueLoss
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
 from rlhf.trainer.micro_batch import MicroBatchPlanner
@@ -95,6 +95,8 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     of the run has passed `check_model_dir`: this runs before any server starts, so a model
     the trainer cannot load fails in one line instead of after SGLang has loaded it."""
     arches = {key: check_model_dir(path, key) for key, path in model_dirs(cfg).items()}
+    for key, path in model_dirs(cfg).items():
+        check_trainable(arches[key], path, key)
     return arches["actor_rollout_ref.model.path"]
 
 

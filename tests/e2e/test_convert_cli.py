@@ -138,7 +138,10 @@ def test_clear_errors_for_bad_inputs(tiny_qwen2_dir, tp2_checkpoint, tmp_path, c
     shutil.copytree(tiny_qwen2_dir, other)
     (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     line = fails("hf-to-mcore", other, tmp_path / "c")
-    assert "unsupported model family 'gpt2'" in line and "llama, qwen2, qwen3" in line
+    assert (
+        "unsupported model family 'gpt2'" in line
+        and "llama, qwen2, qwen2_moe, qwen3, qwen3_moe" in line
+    )
 
     # never overwrite, and a missing Megatron checkpoint is named
     assert "already exists" in fails("hf-to-mcore", tiny_qwen2_dir, tp2_checkpoint)

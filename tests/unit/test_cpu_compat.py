@@ -146,3 +146,36 @@ def test_custom_backward_allocations_on_the_current_device_land_on_cpu():
     torch.autograd.backward(Doubling.apply(x).sum())
     assert x.grad is not None and x.grad.device.type == "cpu"
     assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_cuda_streams_are_the_host_queue():
+    """The MoE all-to-all dispatcher copies its split sizes on a side stream and waits on it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x = torch.ones(2)
+    side.record_event().synchronize()
+    assert x.sum().item() == 2.0
+
+
+def test_moe_dispatcher_split_sizes_become_numpy_on_the_host():
+    import numpy as np
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert isinstance(sizes, np.ndarray) and sizes.tolist() == [3, 1]
+    assert moe_utils.te_general_gemm is None  # the router's torch.mm path without TE
+    logits = moe_utils.router_gating_linear(torch.ones(2, 3), torch.eye(3), None, torch.float32)
+    assert torch.equal(logits, torch.ones(2, 3))
+
+
+def test_unequal_gather_and_reduce_scatter_on_one_rank(one_rank):
+    """The unequal paths themselves run on 2 and 4 gloo ranks in
+    tests/distributed/test_moe_parity.py (expert-TP 2); on one rank they are the identity."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    x = torch.arange(6.0).view(3, 2)
+    assert torch.equal(mappings._gather_along_first_dim(x, group, [3]), x)
+    assert torch.equal(mappings._reduce_scatter_along_first_dim(x, group, [3]), x)

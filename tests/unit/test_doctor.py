@@ -169,6 +169,24 @@ def test_config_for_the_world_size_and_inputs(tmp_path, tiny_qwen2_dir):
     assert check_inputs(cfg).status == PASS
 
 
+def test_a_mixture_of_experts_policy_is_refused_for_training(tmp_path, tiny_qwen2_dir):
+    """rlhf-convert handles Qwen2/3-MoE; the trainer (and so the doctor) says it cannot yet."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    moe_dir = tmp_path / "moe"
+    shutil.copytree(tiny_qwen2_dir, moe_dir)
+    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    vocab = json.loads((tiny_qwen2_dir / "config.json").read_text())["vocab_size"]
+    experts = dict(num_experts=3, moe_intermediate_size=8)
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=vocab, **shape, **experts)
+    AutoModelForCausalLM.from_config(config).save_pretrained(moe_dir)
+    inputs = check_inputs(load_config(QUICKSTART, _overrides(tmp_path, moe_dir)))
+    assert inputs.status == FAIL
+    assert "expert parallelism in training: not yet (issue 30 item 2)" in inputs.detail
+
+
 def _overrides(tmp_path: Path, model_dir: Path) -> list[str]:
     for name in ("train.parquet", "val.parquet"):
         (tmp_path / name).write_bytes(b"")  # only their existence is checked

@@ -60,7 +60,8 @@ def test_older_config_keys_are_read():
 
 def test_unsupported_inputs_are_clear_errors():
     with pytest.raises(
-        ValueError, match=r"unsupported model family 'gpt2'.*supported: llama, qwen2, qwen3"
+        ValueError,
+        match=r"'gpt2'.*supported: llama, qwen2, qwen2_moe, qwen3, qwen3_moe",
     ):
         arch_from_hf_config({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="use_sliding_window"):
@@ -108,3 +109,46 @@ def test_logprobs_single_rank_match_log_softmax_in_bf16_input():
     logp.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
     assert torch.all(logits.grad[..., 33:] == 0)
+
+
+def moe_dict(family: str, **kw) -> dict:
+    moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, **kw)
+    if family == "qwen2_moe":
+        moe.setdefault("shared_expert_intermediate_size", 40)
+    return hf_dict(family, num_hidden_layers=4, **moe)
+
+
+def test_moe_families_map_to_megatron_routing_that_equals_transformers():
+    qwen3 = arch_from_hf_config(moe_dict("qwen3_moe", norm_topk_prob=True, mlp_only_layers=[2]))
+    assert qwen3.qk_layernorm and qwen3.moe.layers == (True, True, False, True)
+    config = transformer_config(qwen3, ep=2)
+    assert (config.num_moe_experts, config.moe_ffn_hidden_size, config.moe_router_topk) == (
+        6,
+        24,
+        2,
+    )
+    # renormalised top-k: top-k logits, then softmax over them
+    assert config.moe_router_pre_softmax is False and config.moe_layer_freq == [1, 1, 0, 1]
+    assert config.moe_expert_capacity_factor is None and config.expert_model_parallel_size == 2
+    assert config.moe_shared_expert_intermediate_size is None
+
+    qwen2 = arch_from_hf_config(moe_dict("qwen2_moe", decoder_sparse_step=2))
+    assert qwen2.qkv_bias and qwen2.moe.layers == (False, True, False, True)
+    config = transformer_config(qwen2, tp=2, etp=1)
+    assert config.moe_router_pre_softmax is True  # softmax over all experts, then top-k
+    assert config.moe_shared_expert_intermediate_size == 40 and config.moe_shared_expert_gate
+    assert config.expert_tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (dict(ep=4), "num_experts (6) must be divisible by the expert parallel size (4)"),
+        (dict(tp=2, etp=5), "moe_intermediate_size (24) must be divisible by the expert tensor"),
+    ],
+)
+def test_expert_splits_that_do_not_divide_are_refused(sizes, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        transformer_config(arch_from_hf_config(moe_dict("qwen3_moe")), **sizes)
+    with pytest.raises(ValueError, match="qwen3 has no experts"):
+        transformer_config(arch_from_hf_config(hf_dict("qwen3")), ep=2)

@@ -1,4 +1,4 @@
-"""Worker: load HF checkpoints into Megatron at a TP/PP layout and save what they compute.
+"""Worker: load HF checkpoints into Megatron at a TP/PP(/EP) layout and save what they compute.
 
 For each `--model NAME=DIR`, the rank holding TP rank 0 of the last pipeline stage writes
 `OUT_DIR/NAME.pt`: logits [b, s, vocab] for the tokens in `--tokens`, or with
@@ -42,11 +42,13 @@ def main() -> None:
     parser.add_argument("--model", action="append", required=True, help="NAME=HF_DIR")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert-TP size (default: TP)")
     parser.add_argument("--tokens", required=True)
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--value-model", action="store_true")
     args = parser.parse_args()
-    env = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp)
+    env = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, etp_size=args.etp)
     seed_everything(0)
     from rlhf.models.forward import forward_logits, gather_vocab
 
@@ -65,7 +67,7 @@ def main() -> None:
             result = {"values": output[..., 0], "head": model.output_layer.weight.detach()}
         else:
             result = gather_vocab(output, env.tp_group, arch.vocab_size)
-        if placement.tp_rank == 0:
+        if placement.tp_rank == 0 and env.dp_rank == 0:
             torch.save(result, Path(args.out_dir) / f"{name}.pt")
     teardown()
 
