@@ -94,6 +94,8 @@ def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
         tp_size=layout.tp_size,
         pp_size=layout.pp_size,
         sp_size=layout.sp_size,
+        ep_size=layout.ep_size,
+        etp_size=layout.etp_size,
         sequence_parallel=layout.sequence_parallel,
     )
     trainer = None

@@ -26,6 +26,7 @@ from rlhf.config.choices import (
     PolicyLossMode,
     RecomputeGranularity,
     RecomputeMethod,
+    TokenDropPolicy,
     TrainDtype,
     Truncation,
 )
@@ -161,6 +162,30 @@ class MegatronParallelConfig:
     )
     recompute_num_layers: int | None = doc(
         None, "full recompute: layers per recomputed unit (uniform) or per stage (block)", gt=0
+    )
+    expert_model_parallel_size: int = doc(
+        1, "EP: mixture-of-experts models' routed experts split over this many ranks", gt=0
+    )
+    expert_tensor_parallel_size: int | None = doc(
+        None, "expert-TP: each routed expert's MLP split over this many ranks (null: TP)", gt=0
+    )
+    moe_aux_loss_coeff: float = doc(
+        0.0,
+        "MoE: coefficient of Megatron's load-balancing loss (aux_loss: over each micro-batch's "
+        "tokens, averaged over micro-batches and DP ranks); 0: off",
+        ge=0,
+    )
+    moe_z_loss_coeff: float | None = doc(
+        None, "MoE: coefficient of the router z-loss (Megatron's; null: off)", ge=0
+    )
+    moe_expert_capacity_factor: float | None = doc(
+        None,
+        "MoE token dropping: each expert takes at most factor x its even share of a "
+        "micro-batch's routed tokens, the rest is dropped (null: no dropping)",
+        gt=0,
+    )
+    moe_token_drop_policy: TokenDropPolicy = doc(
+        "probs", "MoE token dropping: keep the tokens of highest probability, or the first"
     )
     param_offload: bool = doc(False, "GPU: parameters on pinned CPU memory while not in use")
     grad_offload: bool = doc(False, "GPU: gradient buffers on pinned CPU memory while not in use")

@@ -49,6 +49,8 @@ class ParallelLayout:
     sp_size: int = 1
     sequence_parallel: bool = False  # Megatron's, over the TP group
     vp_size: int = 1  # virtual-pipeline chunks per PP stage (interleaved schedule when > 1)
+    ep_size: int = 1  # experts split over EP ranks (mixture-of-experts layers)
+    etp_size: int | None = None  # each expert's MLP over expert-TP ranks (None: TP)
 
     @property
     def dp_size(self) -> int:
@@ -57,9 +59,12 @@ class ParallelLayout:
     def describe(self) -> str:
         split = " (sequence parallel)" if self.sequence_parallel else ""
         chunks = f" (VP {self.vp_size})" if self.vp_size > 1 else ""
+        experts = (
+            f"; experts EP {self.ep_size} x expert-TP {self.etp_size}" if self.ep_size > 1 else ""
+        )
         return (
             f"TP {self.tp_size}{split} x PP {self.pp_size}{chunks} x SP {self.sp_size} x "
-            f"DP {self.dp_size}"
+            f"DP {self.dp_size}{experts}"
         )
 
 
@@ -115,7 +120,26 @@ def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayo
             f"{prefix}.megatron.pipeline_model_parallel_size > 1 (it splits each pipeline "
             "stage into chunks)"
         )
-    return ParallelLayout(world_size, tp, pp, sp, split, vp)
+    ep, etp = _expert_sizes(section.megatron, prefix, world_size, pp)
+    return ParallelLayout(world_size, tp, pp, sp, split, vp, ep, etp)
+
+
+def _expert_sizes(
+    megatron: MegatronParallelConfig, prefix: str, world_size: int, pp: int
+) -> tuple[int, int | None]:
+    """EP and expert-TP: Megatron lays the experts out as expert-TP x EP x expert-DP x PP
+    over the same ranks, so expert-TP x EP x PP must divide the world size."""
+    ep = megatron.expert_model_parallel_size
+    etp = megatron.expert_tensor_parallel_size
+    experts = (etp or megatron.tensor_model_parallel_size) * ep * pp
+    if world_size % experts:
+        raise ConfigError(
+            f"{prefix}.megatron.expert_tensor_parallel_size ({etp or 'null: TP'}) x "
+            f"{prefix}.megatron.expert_model_parallel_size ({ep}) x "
+            f"{prefix}.megatron.pipeline_model_parallel_size ({pp}) = {experts} does not divide "
+            f"the world size {world_size} (trainer.nnodes x trainer.n_gpus_per_node)"
+        )
+    return ep, etp
 
 
 def virtual_pipeline_size(megatron: MegatronParallelConfig) -> int:

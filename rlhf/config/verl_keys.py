@@ -117,6 +117,8 @@ def _role_keys() -> dict[str, Any]:
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "virtual_pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
     ):
         target = f"{ACTOR}.megatron.{leaf}"
         keys[f"{REF}.megatron.{leaf}"] = SameAs(target, SHARES_ACTOR.format(target=target))
@@ -127,6 +129,10 @@ def _role_keys() -> dict[str, Any]:
             "recompute_method",
             "recompute_num_layers",
             "sequence_parallel",
+            "moe_aux_loss_coeff",
+            "moe_z_loss_coeff",
+            "moe_expert_capacity_factor",
+            "moe_token_drop_policy",
         ):
             keys[f"{role}.megatron.override_transformer_config.{leaf}"] = Alias(
                 f"{role}.megatron.{leaf}"

@@ -24,6 +24,7 @@ from rlhf.models.families import (
 from rlhf.models.gpt import build_gpt_model
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.mapping import Placement, load_shard, resolve
+from rlhf.models.moe_arch import MoERouter
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
@@ -40,6 +41,7 @@ def build_chunks(
     recompute: Recompute = NO_RECOMPUTE,
     sequence_parallel: bool = False,
     overrides: dict | None = None,
+    router: MoERouter | None = None,
 ) -> ModelChunks:
     """This pipeline rank's `GPTModel` chunks for `arch`: `vp_size` of them under Megatron's
     interleaved pipeline (`rlhf.models.chunks`), one otherwise; they share one config.
@@ -66,6 +68,7 @@ def build_chunks(
         recompute=recompute,
         sequence_parallel=sequence_parallel,
         overrides=overrides,
+        router=router,
     )
     placements = [placement.chunk(v, vp_size) for v in range(vp_size)]
     chunks = [_build_chunk(arch, config, p, vocab, initialize) for p in placements]
@@ -230,6 +233,7 @@ def value_model_from_hf(
     recompute: Recompute = NO_RECOMPUTE,
     sequence_parallel: bool = False,
     overrides: dict | None = None,
+    router: MoERouter | None = None,
 ) -> tuple[ModelChunks, ModelArch]:
     """Critic / reward model chunks (`build_chunks`) from an HF directory.
 
@@ -252,6 +256,7 @@ def value_model_from_hf(
         recompute=recompute,
         sequence_parallel=sequence_parallel,
         overrides=overrides,
+        router=router,
     )
     for chunk in chunks:
         attach_value_head(chunk, arch, seed)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf.config.validate import model_split_problem
-from rlhf.models.moe_arch import MoEArch, expert_split_problem
+from rlhf.models.moe_arch import MoEArch, MoERouter, expert_split_problem
 
 
 @dataclass(frozen=True)
@@ -242,6 +242,7 @@ def transformer_config(
     recompute: Recompute = NO_RECOMPUTE,
     sequence_parallel: bool = False,
     overrides: dict | None = None,
+    router: MoERouter | None = None,
 ):
     """The one mapping from `ModelArch` to Megatron-Core's `TransformerConfig`.
 
@@ -251,7 +252,8 @@ def transformer_config(
     `sequence_parallel`: Megatron's sequence parallelism over the TP group (TP > 1 only).
     `vp`: virtual-pipeline chunks per stage (Megatron's interleaved 1F1B when > 1).
     `ep`, `etp`: expert parallel and expert tensor parallel sizes (mixture-of-experts models;
-    `etp` None: TP, as Megatron has it).
+    `etp` None: TP, as Megatron has it); `router`: the router's training settings
+    (`megatron.moe_*`; None: no router losses, no token dropping).
 
     `perform_initialization=False` skips Megatron's random init for models whose weights
     are about to be loaded from a checkpoint.
@@ -259,7 +261,7 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     check_parallel_sizes(arch, tp, pp, vp, ep, etp)
-    moe = arch.moe.megatron_kwargs(ep, etp or tp) if arch.moe is not None else {}
+    moe = arch.moe.megatron_kwargs(ep, etp or tp, router) if arch.moe is not None else {}
     fields = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -348,10 +350,13 @@ _DERIVED_FIELDS = {
     "moe_shared_expert_intermediate_size": "the model's config.json",
     "moe_shared_expert_gate": "the model's config.json",
     "moe_layer_freq": "the model's config.json",
-    "expert_model_parallel_size": "rlhf-convert --ep (expert parallelism in training: not yet, "
-    "issue 30 item 2)",
-    "expert_tensor_parallel_size": "rlhf-convert --etp (expert parallelism in training: not yet, "
-    "issue 30 item 2)",
+    "expert_model_parallel_size": "megatron.expert_model_parallel_size (rlhf-convert --ep)",
+    "expert_tensor_parallel_size": "megatron.expert_tensor_parallel_size (rlhf-convert --etp)",
+    "moe_router_load_balancing_type": "megatron.moe_aux_loss_coeff (aux_loss when > 0)",
+    "moe_aux_loss_coeff": "megatron.moe_aux_loss_coeff",
+    "moe_z_loss_coeff": "megatron.moe_z_loss_coeff",
+    "moe_expert_capacity_factor": "megatron.moe_expert_capacity_factor",
+    "moe_token_drop_policy": "megatron.moe_token_drop_policy",
     "tensor_model_parallel_size": "megatron.tensor_model_parallel_size",
     "pipeline_model_parallel_size": "megatron.pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size": "megatron.virtual_pipeline_model_parallel_size",

@@ -76,13 +76,14 @@ def _shape_mismatch(reader: HFCheckpointReader, arch: ModelArch) -> str | None:
 
 
 def check_trainable(arch: ModelArch, model_dir: str | Path, key: str) -> None:
-    """The trainer builds dense models only: a mixture-of-experts model converts and
-    verifies (`rlhf-convert`), but its training is not there yet."""
+    """The trainer runs dense models only: a mixture-of-experts model converts and verifies
+    (`rlhf-convert`) and its training stages run at any expert-parallel layout, but the
+    weight sync of experts into SGLang is not there yet, so a run would stop at step 1."""
     if arch.moe is not None:
         raise ConfigError(
-            f"{_where(model_dir, key)}: {arch.family} is a mixture-of-experts model; expert "
-            "parallelism in training: not yet (issue 30 item 2); rlhf-convert converts and "
-            "verifies it"
+            f"{_where(model_dir, key)}: {arch.family} is a mixture-of-experts model; rollouts "
+            "and the weight sync of experts to SGLang: not yet (issue 30 item 3); "
+            "rlhf-convert converts and verifies it"
         )
 
 

@@ -3,12 +3,14 @@
 Qwen2-MoE and Qwen3-MoE describe their experts the same way (`num_experts`,
 `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`,
 `mlp_only_layers`); Qwen2-MoE adds a shared expert with a sigmoid gate. `MoEArch` holds
-that, `megatron_kwargs` is its part of `rlhf.models.families.transformer_config`.
+that, `megatron_kwargs` is its part of `rlhf.models.families.transformer_config`;
+`MoERouter` the training-only router settings (load-balancing and z-loss, token dropping).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class MoEArch:
             shared_expert_size=hf["shared_expert_intermediate_size"] if shared_expert else None,
         )
 
-    def megatron_kwargs(self, ep: int, etp: int) -> dict:
+    def megatron_kwargs(self, ep: int, etp: int, router: MoERouter | None = None) -> dict:
         """TransformerConfig's MoE fields, chosen so that the forward is transformers' exactly:
 
         - routing: transformers takes softmax over all experts, then the top k; with
@@ -53,7 +55,8 @@ class MoEArch:
           (exp(l_i) / sum over the top k of exp(l_j)). No scaling factor.
         - shared expert: Megatron's `moe_shared_expert_gate` multiplies the shared expert's
           output by sigmoid(x @ gate_weight.T), gate_weight [1, hidden]: transformers' gate.
-        - no token dropping (capacity factor None), no auxiliary losses (forward unchanged).
+        - `router` (None: `NO_ROUTER_LOSS`): the load-balancing and z-losses (gradients
+          only; the forward is unchanged) and token dropping (changes the forward).
         """
         return {
             "num_moe_experts": self.num_experts,
@@ -62,9 +65,6 @@ class MoEArch:
             "moe_router_score_function": "softmax",
             "moe_router_pre_softmax": not self.norm_topk_prob,
             "moe_router_topk_scaling_factor": None,
-            "moe_router_load_balancing_type": "none",
-            "moe_aux_loss_coeff": 0.0,
-            "moe_expert_capacity_factor": None,
             "moe_token_dispatcher_type": "alltoall",
             "moe_grouped_gemm": False,
             "moe_shared_expert_intermediate_size": self.shared_expert_size,
@@ -72,7 +72,43 @@ class MoEArch:
             "moe_layer_freq": [int(x) for x in self.layers],
             "expert_model_parallel_size": ep,
             "expert_tensor_parallel_size": etp,
+            **(router or NO_ROUTER_LOSS).megatron_kwargs(),
         }
+
+
+@dataclass(frozen=True)
+class MoERouter:
+    """The router's training settings, Megatron's names (`megatron.moe_*` keys):
+    `aux_loss_coeff` of the load-balancing loss (Megatron's "aux_loss" type, per
+    micro-batch), `z_loss_coeff` (None: off), token dropping at `capacity_factor` (None:
+    none) keeping tokens by `token_drop_policy`."""
+
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float | None = None
+    capacity_factor: float | None = None
+    token_drop_policy: str = "probs"
+
+    @classmethod
+    def of(cls, megatron: Any) -> MoERouter:
+        """From a config's `megatron` section."""
+        return cls(
+            megatron.moe_aux_loss_coeff,
+            megatron.moe_z_loss_coeff,
+            megatron.moe_expert_capacity_factor,
+            megatron.moe_token_drop_policy,
+        )
+
+    def megatron_kwargs(self) -> dict:
+        return {
+            "moe_router_load_balancing_type": "aux_loss" if self.aux_loss_coeff > 0 else "none",
+            "moe_aux_loss_coeff": self.aux_loss_coeff,
+            "moe_z_loss_coeff": self.z_loss_coeff,
+            "moe_expert_capacity_factor": self.capacity_factor,
+            "moe_token_drop_policy": self.token_drop_policy,
+        }
+
+
+NO_ROUTER_LOSS = MoERouter()
 
 
 def expert_split_problem(

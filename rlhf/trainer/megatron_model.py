@@ -38,6 +38,7 @@ from rlhf.trainer.optimizer_shards import (
     optimizer_shards_writer,
     save_optimizer_shards,
 )
+from rlhf.trainer.router_stats import RouterStats
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +68,26 @@ def run_schedule(
     head: Head,
     forward_only: bool,
     loss_scale: float,
-    pp_size: int,
+    ctx: ParallelContext,
+    moe: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Megatron's forward(-backward) over `micro_batches`; head outputs (last stage only).
 
     `runners`: the model chunks (or their DDP wrappers) in order; with several, Megatron's
     interleaved 1F1B runs them, every chunk reading the micro-batches from its own iterator
-    (their count is a multiple of PP: `MicroBatchPlanner`)."""
+    (their count is a multiple of PP: `MicroBatchPlanner`). `moe`: the model has
+    mixture-of-experts layers (they are told which tokens are padding)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
+        routing = {"padding_mask": padding_for(chunk, mb.padding_mask, ctx)} if moe else {}
         output = chunk(
             mb.tokens,
             mb.position_ids,
             mb.attention_mask,
             packed_seq_params=mb.packed_seq_params,
+            **routing,
         )
 
         def loss_func(output_tensor):
@@ -94,7 +99,7 @@ def run_schedule(
         return output, loss_func
 
     interleaved = len(runners) > 1
-    schedule = get_forward_backward_func(pp_size, len(runners) if interleaved else None)
+    schedule = get_forward_backward_func(ctx.pp_size, len(runners) if interleaved else None)
     data = [iter(micro_batches) for _ in runners] if interleaved else iter(micro_batches)
     return schedule(
         forward_step_func=forward_step,
@@ -105,6 +110,25 @@ def run_schedule(
         micro_batch_size=1,
         forward_only=forward_only,
     )
+
+
+def padding_for(
+    chunk, padding_mask: torch.Tensor | None, ctx: ParallelContext
+) -> torch.Tensor | None:
+    """The padding mask a model chunk takes ([1, T], True = padding), so that its MoE layers
+    leave padding out of the router's statistics and losses. Megatron-Core (0.16) scatters
+    it over the sequence-parallel TP ranks only on the first pipeline stage; a later
+    stage's chunk gets its TP rank's slice of the row here."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    config = get_attr_wrapped_model(chunk, "config")
+    if padding_mask is None or not config.sequence_parallel:
+        return padding_mask
+    if get_attr_wrapped_model(chunk, "pre_process"):
+        return padding_mask
+    size = padding_mask.shape[1] // ctx.tp_size
+    start = ctx.tp_rank * size
+    return padding_mask[:, start : start + size]
 
 
 @dataclass(frozen=True)
@@ -138,6 +162,7 @@ class MegatronModel:
         self.module = ModelChunks.of(module, Placement.of(ctx))
         self.runners: list = list(self.module)  # what the schedule calls, chunk by chunk
         self.ctx = ctx
+        self.moe = self.module.config.num_moe_experts is not None
         self.offloader = ModelOffloader(self, ())
         if self.module.config.pipeline_model_parallel_size > 1:
             self.module.config.variable_seq_lengths = True  # packed rows differ in length
@@ -170,7 +195,7 @@ class MegatronModel:
     def forward(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
         self.module.eval()
         with self.on_device():
-            return run_schedule(self.runners, micro_batches, head, True, 1.0, self.ctx.pp_size)
+            return run_schedule(self.runners, micro_batches, head, True, 1.0, self.ctx, self.moe)
 
 
 class TrainableMegatronModel(MegatronModel):
@@ -198,6 +223,17 @@ class TrainableMegatronModel(MegatronModel):
         config.finalize_model_grads_func = finalize_model_grads
         self.distributed_optimizer = settings.distributed
         self.optimizer, self.scheduler = build_optimizer(self.ddps, settings)
+        self.router_stats = (
+            RouterStats(
+                self.module,
+                config.num_layers,
+                config.num_moe_experts,
+                config.moe_router_topk,
+                ctx.device,
+            )
+            if self.moe
+            else None
+        )
 
     def weights_on_device(self) -> AbstractContextManager[None]:
         """Only the weights on the device inside this context (a colocated weight sync):
@@ -219,7 +255,7 @@ class TrainableMegatronModel(MegatronModel):
         # Megatron divides by the micro-batch count and multiplies by the CP (= SP) size in
         # the schedule, then averages gradients over DP x SP: undo all of it.
         scale = len(micro_batches) * self.ctx.dp_sp_size / self.ctx.sp_size
-        return run_schedule(self.runners, micro_batches, head, False, scale, self.ctx.pp_size)
+        return run_schedule(self.runners, micro_batches, head, False, scale, self.ctx, self.moe)
 
     def train_mini_batch(self, micro_batches: list[MicroBatch], head: Head) -> MiniBatchUpdate:
         """One optimizer step over this rank's micro-batches of a mini-batch (identical on
@@ -231,6 +267,8 @@ class TrainableMegatronModel(MegatronModel):
                 ok, grad_norm, _ = self.optimizer.step()
                 finite = bool(ok)
         summed = reduce_metrics(outputs, self.ctx)
+        if self.router_stats is not None:  # mixture-of-experts: the routing of this update
+            summed |= self.router_stats.collect()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if not finite:  # no step: weights and optimizer state stay (rlhf.trainer.nonfinite)
             return MiniBatchUpdate(summed, lr, math.nan, skipped=True)

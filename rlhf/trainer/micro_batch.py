@@ -68,6 +68,7 @@ class MicroBatch:
     mask: Tensor
     sample_ids: list[int]
     row_len: int = 0  # T, the whole row (tokens hold only this rank's slice under SP)
+    padding_mask: Tensor | None = None  # [1, T] True = padding: no sample's token (MoE routing)
     local_positions: Tensor | None = None  # Ulysses: the row positions this SP rank holds
     sp_group: ProcessGroup | None = None
 
@@ -111,9 +112,11 @@ class MicroBatch:
             )
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
         local = None if self.local_positions is None else self.local_positions.to(device)
+        padding = None if self.padding_mask is None else self.padding_mask.to(device)
         return dataclasses.replace(
             self,
             local_positions=local,
+            padding_mask=padding,
             tokens=self.tokens.to(device),
             position_ids=self.position_ids.to(device),
             attention_mask=mask,
@@ -190,12 +193,16 @@ def build_micro_batch(
     sequences = [batch.prompt_ids[i] + batch.response_ids[i] for i in sample_ids]
     if not sequences:
         sequences = [[0] * multiple]
+    real = [len(seq) for seq in sequences]  # before `padded` fills them up
     if padded:
-        longest = max(len(seq) for seq in sequences)
+        longest = max(real)
         sequences = [seq + [0] * (longest - len(seq)) for seq in sequences]
     lengths = [len(seq) for seq in sequences]
     starts, row_len = _row_layout(lengths, multiple, thd)
     tokens = torch.zeros(row_len, dtype=torch.long)
+    padding_mask = torch.ones(row_len, dtype=torch.bool)
+    for start, n in zip(starts, real if sample_ids else []):
+        padding_mask[start : start + n] = False
     width = batch.response_width
     gather_index = torch.zeros(len(sample_ids), width, dtype=torch.long)
     mask = torch.zeros(len(sample_ids), width, dtype=torch.bool)
@@ -235,6 +242,7 @@ def build_micro_batch(
         mask=mask,
         sample_ids=list(sample_ids),
         row_len=row_len,
+        padding_mask=padding_mask[None] if sample_ids else None,  # a filler: no tokens at all
     )
     if not ulysses:
         return mb
@@ -249,6 +257,7 @@ def _slice_for_rank(mb: MicroBatch, sp: SequenceShard, cu_padded: Tensor | None)
         tokens=mb.tokens[:, local],
         position_ids=mb.position_ids[:, local],
         labels=mb.labels[:, local],
+        padding_mask=None if mb.padding_mask is None else mb.padding_mask[:, local],
         local_positions=local,
         sp_group=sp.group,
     )

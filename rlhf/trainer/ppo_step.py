@@ -317,7 +317,8 @@ def run_updates(
     the steps taken, and what was not finite in the updates that were skipped.
 
     grad_norm, lr and the count of skipped updates come back as `<role>/grad_norm`,
-    `<role>/lr` and `<role>/skipped_updates` (the means are over the updates taken).
+    `<role>/lr` and `<role>/skipped_updates` (the means are over the updates taken), a
+    mixture-of-experts model's routing as `<role>/moe/...` (`rlhf.trainer.router_stats`).
     """
     with spec.model.on_device():  # one reload for all mini-batches of an offloaded model
         return _run_updates(spec, exp, planner)
@@ -358,7 +359,10 @@ def _run_updates(
     averaged = {k: v / steps for k, v in totals.items()} | stop_note
     averaged["skipped_updates"] = float(skipped)
     prefixed = ("grad_norm", "lr", "skipped_updates")
-    named = {(f"{spec.role}/{k}" if k in prefixed else k): v for k, v in averaged.items()}
+    named = {
+        (f"{spec.role}/{k}" if k in prefixed or k.startswith("moe/") else k): v
+        for k, v in averaged.items()
+    }
     return named, sorted(set(found))
 
 

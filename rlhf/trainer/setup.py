@@ -26,6 +26,7 @@ from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
 from rlhf.models.mapping import Placement
 from rlhf.models.model_dir import check_model_dir, check_trainable, read_model_arch
+from rlhf.models.moe_arch import MoERouter, expert_split_problem
 from rlhf.trainer.heads import LogprobHead, Loss, PolicyLoss, ValueLoss
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
 from rlhf.trainer.micro_batch import MicroBatchPlanner
@@ -33,6 +34,7 @@ from rlhf.trainer.reward_model import RewardModelScorer
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
+AR = "actor_rollout_ref"
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,28 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     of the run has passed `check_model_dir`: this runs before any server starts, so a model
     the trainer cannot load fails in one line instead of after SGLang has loaded it."""
     arches = {key: check_model_dir(path, key) for key, path in model_dirs(cfg).items()}
+    check_experts(arches["actor_rollout_ref.model.path"], cfg.actor_rollout_ref.actor.megatron, AR)
+    if uses_critic(cfg):
+        check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
     for key, path in model_dirs(cfg).items():
         check_trainable(arches[key], path, key)
     return arches["actor_rollout_ref.model.path"]
+
+
+def check_experts(arch: ModelArch, megatron: MegatronParallelConfig, prefix: str) -> None:
+    """The `megatron.expert_*` sizes split this model's experts, and the `megatron.moe_*`
+    router settings are left alone for a model without experts."""
+    tp = megatron.tensor_model_parallel_size
+    ep, etp = megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size
+    keys = f"{prefix}.megatron.expert_model_parallel_size={ep} / expert_tensor_parallel_size"
+    problem = expert_split_problem(arch.moe, arch.family, tp, ep, etp or tp)
+    if problem is not None:
+        raise ConfigError(f"{keys}={etp}: {problem}")
+    if arch.moe is None and MoERouter.of(megatron) != MoERouter():
+        raise ConfigError(
+            f"{prefix}.megatron.moe_*: router settings for {arch.family}, a model without "
+            "experts; leave them at their defaults"
+        )
 
 
 def optimizer_steps(cfg: RLHFConfig, total_steps: int, mini_batch_size: int, epochs: int) -> int:
@@ -133,9 +154,11 @@ def build_policy(
     recompute: Recompute = NO_RECOMPUTE,
     vp_size: int = 1,
     overrides: dict | None = None,
+    router: MoERouter | None = None,
 ) -> ModelChunks:
     """This rank's chunks of the policy, loaded from the HF checkpoint; `overrides`: further
-    TransformerConfig fields (`megatron.override_transformer_config`)."""
+    TransformerConfig fields (`megatron.override_transformer_config`); `router`: the MoE
+    router's training settings."""
     placement = Placement.of(ctx)
     chunks = build_chunks(
         arch,
@@ -146,6 +169,7 @@ def build_policy(
         recompute=recompute,
         sequence_parallel=ctx.sequence_parallel,
         overrides=overrides,
+        router=router,
     )
     load_hf_weights(chunks, HFCheckpointReader(model_path), arch, placement)
     return chunks.to(ctx.device)
@@ -194,6 +218,7 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: Mic
         recompute=Recompute.of(cfg.critic.megatron),
         overrides=cfg.critic.megatron.override_transformer_config,
         sequence_parallel=ctx.sequence_parallel,
+        router=MoERouter.of(cfg.critic.megatron),
     )
     critic = _trained(cfg, "critic", module.to(ctx.device), ctx, total_steps)
     n, norm = cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length
@@ -225,6 +250,7 @@ def build_ppo_models(
     policy_dtype = DTYPES[aro.actor.megatron.dtype]
     vp_size = virtual_pipeline_size(aro.actor.megatron)
     overrides = aro.actor.megatron.override_transformer_config
+    router = MoERouter.of(aro.actor.megatron)  # the reference's too (same token dropping)
     actor_module = build_policy(
         arch,
         aro.model.path,
@@ -233,12 +259,19 @@ def build_ppo_models(
         Recompute.of(aro.actor.megatron),
         vp_size,
         overrides,
+        router,
     )
     actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
     ref = None
     if uses_reference(cfg):
         ref_module = build_policy(
-            arch, aro.model.path, ctx, policy_dtype, vp_size=vp_size, overrides=overrides
+            arch,
+            aro.model.path,
+            ctx,
+            policy_dtype,
+            vp_size=vp_size,
+            overrides=overrides,
+            router=router,
         )
         offload = aro.ref.param_offload and ctx.device.type == "cuda"
         if aro.ref.param_offload and not offload and ctx.is_main:

@@ -253,3 +253,46 @@ def test_kl_early_stop_needs_a_reference():
             "trainer.early_stop.kl_patience=3",
         ]
     )
+
+
+def test_expert_parallel_sizes_must_divide_world_size():
+    """Megatron lays the experts out as expert-TP x EP x expert-DP x PP over the ranks."""
+    prefix = "actor_rollout_ref.actor.megatron"
+    layout = check(
+        [
+            "trainer.n_gpus_per_node=4",
+            f"{prefix}.expert_model_parallel_size=4",
+            f"{prefix}.expert_tensor_parallel_size=1",
+            f"{prefix}.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "critic.megatron.tensor_model_parallel_size=2",
+            "critic.megatron.expert_model_parallel_size=4",
+            "critic.megatron.expert_tensor_parallel_size=1",
+            "critic.ppo_micro_batch_size_per_gpu=2",
+        ]
+    )
+    assert (layout.ep_size, layout.etp_size, layout.dp_size) == (4, 1, 2)
+    assert "experts EP 4" in layout.describe()
+    with pytest.raises(ConfigError) as err:
+        check(
+            [
+                "trainer.n_gpus_per_node=4",
+                f"{prefix}.expert_model_parallel_size=2",
+                f"{prefix}.expert_tensor_parallel_size=2",
+                f"{prefix}.pipeline_model_parallel_size=2",
+            ]
+        )
+    assert "= 8 does not divide the world size 4" in str(err.value)
+
+
+def test_router_settings_and_expert_sizes_need_a_model_with_experts(tiny_qwen2_dir):
+    from rlhf.trainer.setup import load_policy_arch
+
+    prefix = "actor_rollout_ref.actor.megatron"
+    model = f"actor_rollout_ref.model.path={tiny_qwen2_dir}"
+    for key, said in (
+        (f"{prefix}.moe_aux_loss_coeff=0.01", "router settings for qwen2, a model without experts"),
+        (f"{prefix}.expert_model_parallel_size=2", "qwen2 has no experts"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            load_policy_arch(load_config(None, [model, "trainer.n_gpus_per_node=2", key]))

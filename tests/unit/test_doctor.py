@@ -170,7 +170,8 @@ def test_config_for_the_world_size_and_inputs(tmp_path, tiny_qwen2_dir):
 
 
 def test_a_mixture_of_experts_policy_is_refused_for_training(tmp_path, tiny_qwen2_dir):
-    """rlhf-convert handles Qwen2/3-MoE; the trainer (and so the doctor) says it cannot yet."""
+    """rlhf-convert handles Qwen2/3-MoE; the trainer (and so the doctor) says it cannot
+    serve one yet."""
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -184,7 +185,7 @@ def test_a_mixture_of_experts_policy_is_refused_for_training(tmp_path, tiny_qwen
     AutoModelForCausalLM.from_config(config).save_pretrained(moe_dir)
     inputs = check_inputs(load_config(QUICKSTART, _overrides(tmp_path, moe_dir)))
     assert inputs.status == FAIL
-    assert "expert parallelism in training: not yet (issue 30 item 2)" in inputs.detail
+    assert "weight sync of experts to SGLang: not yet (issue 30 item 3)" in inputs.detail
 
 
 def _overrides(tmp_path: Path, model_dir: Path) -> list[str]:

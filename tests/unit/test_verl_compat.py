@@ -210,7 +210,7 @@ def test_environment_interpolation(monkeypatch, tmp_path):
         ("actor_rollout_ref.rollout.temprature", "actor_rollout_ref.rollout.temperature"),
         ("algorithm.kl_ctrl.kl_coeff", "algorithm.kl_ctrl.kl_coef"),
         ("critic.ppo_micro_batch_size_per_gpux", "critic.ppo_micro_batch_size_per_gpu"),
-        ("actor_rollout_ref.actor.megatron.expert_model_parallel_size", None),  # not pipeline
+        ("actor_rollout_ref.actor.megatron.data_parallel_size", None),  # not pipeline
         ("actor_rollout_ref.actor.use_dynamic_batch", None),  # not use_kl_loss
         ("data.return_full_prompt", None),
     ],
@@ -275,3 +275,25 @@ def test_override_transformer_config_reaches_megatron_and_is_checked(tiny_qwen2_
     ):
         with pytest.raises(ConfigError, match=said):
             check_megatron_overrides(load_config(None, [f"+{prefix}.{field}"]))
+
+
+def test_verl_moe_keys_mean_this_systems_expert_keys():
+    """verl sets the router's losses through override_transformer_config and the
+    reference's expert sizes beside the actor's: they mean this system's keys."""
+    prefix = "actor_rollout_ref.actor.megatron"
+    cfg = load_config(
+        None,
+        [
+            f"{prefix}.expert_model_parallel_size=2",
+            "actor_rollout_ref.ref.megatron.expert_model_parallel_size=2",
+            f"+{prefix}.override_transformer_config.moe_aux_loss_coeff=0.001",
+            f"+{prefix}.override_transformer_config.moe_z_loss_coeff=0.0001",
+            f"+{prefix}.override_transformer_config.moe_token_drop_policy=position",
+        ],
+    )
+    megatron = cfg.actor_rollout_ref.actor.megatron
+    assert (megatron.expert_model_parallel_size, megatron.moe_aux_loss_coeff) == (2, 0.001)
+    assert (megatron.moe_z_loss_coeff, megatron.moe_token_drop_policy) == (0.0001, "position")
+    assert megatron.override_transformer_config == {}
+    with pytest.raises(ConfigError, match="expert_model_parallel_size"):
+        load_config(None, ["actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"])

@@ -1,0 +1,171 @@
+"""The trainer's stages on a mixture-of-experts policy (Qwen3-MoE, 6 experts, top-2, a dense
+layer among 3 MoE layers), laid out by the config's `megatron.expert_*` keys:
+
+- At EP2 (x DP2 for the dense part), EP2 x TP2 with expert-TP 1 (4 ranks: the experts'
+  gradients are reduced over an expert-data-parallel group of 2), EP2 x PP2, EP2 x DP2,
+  EP2 x Ulysses SP2 and EP2 x TP2 x PP2 the old-log-prob and reference stages, one actor
+  update's pg_loss and grad norm (over dense and expert parameters) and the log-probs
+  after it equal one rank's; so do the update's router metrics and transformers' routing.
+- With megatron.moe_aux_loss_coeff / moe_z_loss_coeff on, one sample per micro-batch, the
+  update's grad norm is that of an independent reference: transformers' model, the
+  policy-gradient loss of test_ppo_stages plus Megatron's load-balancing loss and z-loss
+  written out here from transformers' router logits, and autograd; every layout gives it
+  (padding tokens are left out of the router's statistics), and EP2 the same update.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.distributed.test_moe_parity import MODELS, save_moe_model
+from tests.helpers import run_worker_layouts
+
+AUX, Z = 0.1, 0.01  # the worker's default --aux / --z
+LAYOUTS = {
+    "1rank": (1, []),
+    "ep2": (2, ["--ep", "2"]),
+    "ep2tp2etp1": (4, ["--ep", "2", "--tp", "2", "--etp", "1"]),
+    "ep2pp2": (4, ["--ep", "2", "--pp", "2"]),
+    "ep2dp2": (4, ["--ep", "2"]),  # dense DP4; the experts EP2 x expert-DP2
+    "ep2sp2": (4, ["--ep", "2", "--sp", "2"]),  # Ulysses: dense SP2 x DP2
+    # the second stage's MoE layers get their TP rank's slice of the padding mask
+    "ep2tp2pp2": (8, ["--ep", "2", "--tp", "2", "--etp", "1", "--pp", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_stages_model")
+    return save_moe_model(root / "qwen3_moe", MODELS["qwen3_moe"], seed=0)
+
+
+@pytest.fixture(scope="module")
+def results(moe_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe_stages")
+    return run_worker_layouts("moe_stages.py", LAYOUTS, moe_dir, out)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "1rank"])
+def test_expert_parallel_update_matches_one_rank(results, layout):
+    one, other = results["1rank"]["plain"], results[layout]["plain"]
+    for key in ("logprobs_before", "ref_logprobs", "logprobs_after"):
+        print(f"{layout} {key}: max |diff| {max_diff(other[key], one[key]):.2e}")
+    torch.testing.assert_close(other["logprobs_before"], one["logprobs_before"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(other["ref_logprobs"], one["ref_logprobs"], atol=1e-5, rtol=0)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        print(f"{layout} {key}: {other['metrics'][key]!r} vs {one['metrics'][key]!r}")
+        assert other["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+    torch.testing.assert_close(other["logprobs_after"], one["logprobs_after"], atol=1e-4, rtol=0)
+    assert max_diff(one["logprobs_after"], one["logprobs_before"]) > 1e-2  # the step moved it
+
+
+def megatron_router_losses(router_logits: tuple[torch.Tensor, ...], topk: int) -> torch.Tensor:
+    """Megatron's load-balancing loss (without its coefficient) and z-loss terms of one
+    micro-batch, summed over the MoE layers: E x sum_i f_i P_i with f_i the share of the
+    top-k assignments that go to expert i and P_i its mean softmax probability; the z-loss
+    the mean of logsumexp(logits)^2. Returns (aux, z)."""
+    aux, z = torch.zeros(()), torch.zeros(())
+    for logits in router_logits:
+        tokens, experts = logits.shape
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.zeros_like(probs).scatter(1, probs.topk(topk, dim=-1).indices, 1.0)
+        f = chosen.sum(0) / (tokens * topk)
+        aux = aux + experts * (f * probs.mean(0)).sum()
+        z = z + torch.logsumexp(logits, dim=-1).square().mean()
+    return torch.stack([aux, z])
+
+
+def hf_grad_norm_with_router_losses(model_dir, batch: dict, advantages: torch.Tensor) -> float:
+    """The norm of d/dtheta of PPO's token-mean loss at ratio 1 plus, per sample (one per
+    micro-batch), AUX x aux + Z x z averaged over the samples (Megatron scales its router
+    losses by 1 / micro-batches)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    samples = list(zip(batch["prompt_ids"], batch["response_ids"]))
+    num_tokens = sum(len(r) for _, r in samples)
+    loss = torch.zeros(())
+    for i, (prompt, response) in enumerate(samples):
+        out = model(torch.tensor([prompt + response]), output_router_logits=True)
+        positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+        logp = torch.log_softmax(out.logits[0].float(), dim=-1)[positions, torch.tensor(response)]
+        ratio = torch.exp(logp - logp.detach())
+        loss = loss - (advantages[i, : len(response)] * ratio).sum() / num_tokens
+        aux, z = megatron_router_losses(out.router_logits, model.config.num_experts_per_tok)
+        loss = loss + (AUX * aux + Z * z) / len(samples)
+    loss.backward()
+    grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+    return float(torch.cat(grads).norm())
+
+
+# Layouts that split each row over ranks (Megatron's sequence parallelism at TP2, Ulysses):
+# Megatron takes the z-loss (and the aux loss's probabilities) as a mean over each rank's
+# slice of the row and averages those, so with padding the slices weigh their real tokens
+# unequally and the loss moves by ~1e-4 of the grad norm. Adam's first step (~lr x sign)
+# turns that into ~1e-2 in the log-probs, so those are compared where rows are whole.
+SPLIT_ROWS = {"ep2tp2etp1": 5e-4, "ep2sp2": 5e-4, "ep2tp2pp2": 5e-4}
+
+
+def test_router_losses_give_the_reference_gradient_at_every_layout(results, moe_dir):
+    one = results["1rank"]
+    advantages = one["advantages"]
+    expected = hf_grad_norm_with_router_losses(moe_dir, one["batch"], advantages)
+    without = one["plain"]["metrics"]["actor/grad_norm"]
+    assert abs(expected - without) > 1e-2 * expected  # the router losses are not negligible
+    for layout, run in results.items():
+        got = run["router_loss"]["metrics"]["actor/grad_norm"]
+        print(f"{layout} grad norm with router losses: {got!r} (transformers: {expected!r})")
+        assert got == pytest.approx(expected, rel=SPLIT_ROWS.get(layout, 1e-4)), layout
+        diff = max_diff(run["router_loss"]["logprobs_after"], one["router_loss"]["logprobs_after"])
+        print(f"{layout} log-probs after the update with router losses: max |diff| {diff:.2e}")
+        if layout not in SPLIT_ROWS:
+            assert diff < 1e-4, layout
+
+
+def hf_router_metrics(model_dir, batch: dict) -> dict[str, float]:
+    """The routing of the update batch's real tokens by transformers' routers, written out
+    here: per MoE layer the top-k assignments' max / min share per expert, Megatron's
+    load-balancing loss over the batch (experts x sum_i f_i P_i) and the mean
+    logsumexp(logits)^2; the loss and z-loss averaged over layers."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sparse = [
+        i for i in range(model.config.num_hidden_layers) if i not in model.config.mlp_only_layers
+    ]
+    topk = model.config.num_experts_per_tok
+    logits_by_layer: list[list[torch.Tensor]] = [[] for _ in sparse]
+    with torch.no_grad():
+        for prompt, response in zip(batch["prompt_ids"], batch["response_ids"]):
+            out = model(torch.tensor([prompt + response]), output_router_logits=True)
+            for i, logits in enumerate(out.router_logits):
+                logits_by_layer[i].append(logits.float())
+    metrics, aux, z = {}, [], []
+    for layer, parts in zip(sparse, logits_by_layer):
+        logits = torch.cat(parts)
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.zeros_like(probs).scatter(1, probs.topk(topk, dim=-1).indices, 1.0)
+        share = chosen.sum(0) / chosen.sum()
+        metrics[f"layer_{layer}/max_expert_share"] = float(share.max())
+        metrics[f"layer_{layer}/min_expert_share"] = float(share.min())
+        aux.append(float(logits.shape[1] * (share * probs.mean(0)).sum()))
+        z.append(float(torch.logsumexp(logits, dim=-1).square().mean()))
+    return metrics | {"aux_loss": sum(aux) / len(aux), "z_loss": sum(z) / len(z)}
+
+
+def test_router_metrics_equal_transformers_routing_at_every_layout(results, moe_dir):
+    """The update's `actor/moe/*` metrics: the expert load of every MoE layer, the
+    load-balancing loss and z-loss, and no token dropped, as transformers routes the batch."""
+    expected = hf_router_metrics(moe_dir, results["1rank"]["batch"])
+    assert expected["layer_0/max_expert_share"] > expected["layer_0/min_expert_share"]
+    for layout, run in results.items():
+        got = run["plain"]["metrics"]
+        for name, value in expected.items():
+            print(f"{layout} moe/{name}: {got[f'actor/moe/{name}']!r} (transformers: {value!r})")
+            assert got[f"actor/moe/{name}"] == pytest.approx(value, rel=1e-5), (layout, name)
+        assert "actor/moe/layer_1/max_expert_share" not in got  # the dense layer
+        assert got["actor/moe/tokens_dropped_fraction"] == pytest.approx(0.0, abs=1e-12)
+        shares = [v for k, v in expected.items() if k.endswith("/max_expert_share")]
+        assert got["actor/moe/max_expert_share"] == pytest.approx(max(shares), rel=1e-5)

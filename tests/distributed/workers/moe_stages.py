@@ -1,0 +1,143 @@
+"""Worker: the trainer's stages on a mixture-of-experts policy at any EP x TP layout.
+
+Built from the config's `megatron.expert_*` / `megatron.moe_*` keys through the trainer's
+own setup; on the fixed synthetic batch of `ppo_stages.py` rank 0 writes to OUT:
+
+- `plain`: the router losses off (coefficients 0), token-budget packed micro-batches:
+  `logprobs_before` [B, R], one actor update's `metrics` (pg_loss, grad_norm, ...) and
+  `logprobs_after`, and the reference's log-probs (it shares the actor's layout);
+- `router_loss`: a fresh actor with `--aux` / `--z` as megatron.moe_aux_loss_coeff /
+  moe_z_loss_coeff, one sample per micro-batch (Megatron's router losses are per
+  micro-batch, so the micro-batches must hold the same samples at every layout for the
+  loss to be the same): the update's `metrics` and `logprobs_after`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from rlhf.config import load_config
+from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
+from tests.distributed.workers.ppo_stages import synthetic_batch
+
+BUDGET = 40  # tokens per micro-batch: several packed micro-batches per rank
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel size")
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
+    parser.add_argument("--aux", type=float, default=0.1, help="moe_aux_loss_coeff")
+    parser.add_argument("--z", type=float, default=0.01, help="moe_z_loss_coeff")
+    args = parser.parse_args()
+    cfg = config(args, aux=0.0, z=None)
+    from rlhf.config.validate import validate_config
+
+    layout = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    ctx = init_parallel(
+        "cpu",
+        tp_size=layout.tp_size,
+        pp_size=layout.pp_size,
+        sp_size=layout.sp_size,
+        ep_size=layout.ep_size,
+        etp_size=layout.etp_size,
+        sequence_parallel=layout.sequence_parallel,
+    )
+    try:
+        seed_everything(0)
+        run(args, cfg, ctx)
+    finally:
+        teardown()
+
+
+def config(args, aux: float, z: float | None):
+    etp = "null" if args.etp is None else args.etp
+    actor = "actor_rollout_ref.actor"
+    return load_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={args.model}",
+            f"{actor}.optim.lr=0.01",
+            f"{actor}.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            f"{actor}.clip_ratio_c=null",
+            "data.train_batch_size=4",
+            "algorithm.adv_estimator=grpo",  # no critic: the actor's stages are compared
+            f"{actor}.use_kl_loss=true",  # and so a reference
+            f"trainer.n_gpus_per_node={os.environ.get('WORLD_SIZE', '1')}",
+            f"{actor}.megatron.tensor_model_parallel_size={args.tp}",
+            f"{actor}.megatron.pipeline_model_parallel_size={args.pp}",
+            f"{actor}.ulysses_sequence_parallel_size={args.sp}",
+            f"{actor}.megatron.expert_model_parallel_size={args.ep}",
+            f"{actor}.megatron.expert_tensor_parallel_size={etp}",
+            f"{actor}.megatron.moe_aux_loss_coeff={aux}",
+            f"{actor}.megatron.moe_z_loss_coeff={'null' if z is None else z}",
+        ],
+    )
+
+
+def build(cfg, ctx):
+    from rlhf.models.model_dir import read_model_arch
+    from rlhf.trainer.setup import AR, build_ppo_models, check_experts
+
+    arch = read_model_arch(cfg.actor_rollout_ref.model.path)
+    check_experts(arch, cfg.actor_rollout_ref.actor.megatron, AR)
+    return arch, build_ppo_models(cfg, arch, ctx, total_steps=1)
+
+
+def update_once(models, exp, planner, budget):
+    """One actor update (one mini-batch); its metrics and the log-probs after it."""
+    from rlhf.trainer import ppo_step as stages
+
+    update = dataclasses.replace(models.actor_update, token_budget=budget)
+    metrics, _ = stages.run_updates(update, exp, planner)
+    after, _ = stages.compute_logprobs(
+        models.actor, exp.batch, planner, budget, models.logprob_head
+    )
+    return metrics, after
+
+
+def run(args, cfg, ctx) -> None:
+    from rlhf.config.budgets import MicroBatching
+    from rlhf.trainer import ppo_step as stages
+    from rlhf.trainer.experience import Experience
+    from rlhf.trainer.micro_batch import MicroBatchPlanner
+
+    arch, models = build(cfg, ctx)
+    planner = MicroBatchPlanner(ctx, thd=False)
+    batch = synthetic_batch(arch.vocab_size)
+    head = models.logprob_head
+    before, entropy = stages.compute_logprobs(models.actor, batch, planner, BUDGET, head)
+    assert models.ref is not None
+    ref, _ = stages.compute_logprobs(models.ref, batch, planner, BUDGET, head)
+    gen = torch.Generator().manual_seed(3)
+    advantages = torch.randn(before.shape, generator=gen) * batch.mask_bt()
+    zeros = torch.zeros_like(before)
+    exp = Experience(batch, before, entropy, ref, None, zeros, advantages, None)
+    metrics, after = update_once(models, exp, planner, BUDGET)
+    plain = {"logprobs_before": before, "ref_logprobs": ref, "metrics": metrics}
+    plain["logprobs_after"] = after
+    # the same first update with the router losses on, one sample per micro-batch
+    _, lossy = build(config(args, args.aux, args.z), ctx)
+    one_each = MicroBatching(BUDGET, samples=1)
+    padded = dataclasses.replace(planner, padded=True)
+    lossy_metrics, lossy_after = update_once(lossy, exp, padded, one_each)
+    router_loss = {"metrics": lossy_metrics, "logprobs_after": lossy_after}
+    if ctx.rank == 0:
+        result = {"plain": plain, "router_loss": router_loss, "advantages": advantages}
+        result["batch"] = batch.to_objects()
+        torch.save(result, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
