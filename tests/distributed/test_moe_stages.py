@@ -169,3 +169,22 @@ def test_router_metrics_equal_transformers_routing_at_every_layout(results, moe_
         assert got["actor/moe/tokens_dropped_fraction"] == pytest.approx(0.0, abs=1e-12)
         shares = [v for k, v in expected.items() if k.endswith("/max_expert_share")]
         assert got["actor/moe/max_expert_share"] == pytest.approx(max(shares), rel=1e-5)
+
+
+def test_token_dropping_drops_and_changes_the_update_alike_at_every_layout(results):
+    """megatron.moe_expert_capacity_factor=0.5: about half the top-k assignments are
+    dropped (Megatron keeps each expert's highest-probability tokens up to its capacity),
+    so the update differs from the one without dropping; layouts whose ranks route whole
+    rows (one sample per micro-batch) drop the same tokens, so give the same update."""
+    one = results["1rank"]["dropping"]
+    dropped = one["metrics"]["actor/moe/tokens_dropped_fraction"]
+    print(f"1rank dropped fraction at capacity 0.5: {dropped:.3f}")
+    assert 0.3 < dropped < 0.7
+    kept_all = results["1rank"]["router_loss"]["logprobs_after"]
+    assert max_diff(one["logprobs_after"], kept_all) > 1e-2
+    for layout, run in results.items():
+        if layout in SPLIT_ROWS:  # capacity is per rank's slice of the row there
+            continue
+        got = run["dropping"]["metrics"]["actor/moe/tokens_dropped_fraction"]
+        assert got == pytest.approx(dropped, rel=1e-9), layout
+        assert max_diff(run["dropping"]["logprobs_after"], one["logprobs_after"]) < 1e-4, layout

@@ -9,7 +9,9 @@ own setup; on the fixed synthetic batch of `ppo_stages.py` rank 0 writes to OUT:
 - `router_loss`: a fresh actor with `--aux` / `--z` as megatron.moe_aux_loss_coeff /
   moe_z_loss_coeff, one sample per micro-batch (Megatron's router losses are per
   micro-batch, so the micro-batches must hold the same samples at every layout for the
-  loss to be the same): the update's `metrics` and `logprobs_after`.
+  loss to be the same): the update's `metrics` and `logprobs_after`;
+- `dropping`: the same with megatron.moe_expert_capacity_factor 0.5 instead (tokens over
+  an expert's capacity are dropped).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def main() -> None:
         teardown()
 
 
-def config(args, aux: float, z: float | None):
+def config(args, aux: float, z: float | None, capacity: float | None = None):
     etp = "null" if args.etp is None else args.etp
     actor = "actor_rollout_ref.actor"
     return load_config(
@@ -82,6 +84,7 @@ def config(args, aux: float, z: float | None):
             f"{actor}.megatron.expert_tensor_parallel_size={etp}",
             f"{actor}.megatron.moe_aux_loss_coeff={aux}",
             f"{actor}.megatron.moe_z_loss_coeff={'null' if z is None else z}",
+            f"{actor}.megatron.moe_expert_capacity_factor={'null' if capacity is None else capacity}",
         ],
     )
 
@@ -133,8 +136,13 @@ def run(args, cfg, ctx) -> None:
     padded = dataclasses.replace(planner, padded=True)
     lossy_metrics, lossy_after = update_once(lossy, exp, padded, one_each)
     router_loss = {"metrics": lossy_metrics, "logprobs_after": lossy_after}
+    # token dropping: each expert takes at most half its even share of a sample's tokens
+    _, dropping = build(config(args, 0.0, None, capacity=0.5), ctx)
+    drop_metrics, drop_after = update_once(dropping, exp, padded, one_each)
+    dropped = {"metrics": drop_metrics, "logprobs_after": drop_after}
     if ctx.rank == 0:
         result = {"plain": plain, "router_loss": router_loss, "advantages": advantages}
+        result["dropping"] = dropped
         result["batch"] = batch.to_objects()
         torch.save(result, Path(args.out))
 
