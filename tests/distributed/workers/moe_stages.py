@@ -64,6 +64,7 @@ def main() -> None:
 
 def config(args, aux: float, z: float | None, capacity: float | None = None):
     etp = "null" if args.etp is None else args.etp
+    factor = "null" if capacity is None else capacity
     actor = "actor_rollout_ref.actor"
     return load_config(
         None,
@@ -84,7 +85,7 @@ def config(args, aux: float, z: float | None, capacity: float | None = None):
             f"{actor}.megatron.expert_tensor_parallel_size={etp}",
             f"{actor}.megatron.moe_aux_loss_coeff={aux}",
             f"{actor}.megatron.moe_z_loss_coeff={'null' if z is None else z}",
-            f"{actor}.megatron.moe_expert_capacity_factor={'null' if capacity is None else capacity}",
+            f"{actor}.megatron.moe_expert_capacity_factor={factor}",
         ],
     )
 
