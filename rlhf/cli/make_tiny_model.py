@@ -2,6 +2,9 @@
 
     rlhf-make-tiny-model OUT_DIR [--family qwen2] [--seed 0] [--force] [--warm-start]
 
+--family qwen3_moe builds the tiny mixture-of-experts model of `make quickstart-moe` (8
+experts, top-2; rlhf/quickstart/tiny_model.py, TinyMoESpec).
+
 Skips the work when OUT_DIR already holds a model, unless --force is given.
 --warm-start then fine-tunes the model into a weak arithmetic "base model" (right format,
 correct about a third of the time; see rlhf/quickstart/warm_start.py), which the CPU quickstart
@@ -40,17 +43,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tiny model already present in {out}")
             return 0
         print(f"{out} holds a model that was not warm-started (no {marker.name}); rebuilding it")
-    save_tiny_model(out, TinyModelSpec(family=args.family, seed=args.seed))
+    save_tiny_model(out, TinyModelSpec.for_family(args.family, args.seed))
     print(f"wrote tiny {args.family} model and tokenizer to {out}")
     if args.warm_start:
         from rlhf.quickstart.warm_start import warm_start
 
         result = warm_start(out)
         marker.write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
-        print(
+        summary = (
             f"warm start: {result.num_steps} steps in {result.seconds:.1f}s, final loss "
             f"{result.final_loss:.4f} (target entropy {result.target_entropy:.4f})"
         )
+        if result.final_load_balancing_loss is not None:
+            summary += f", load balance {result.final_load_balancing_loss:.3f} (1: even)"
+        print(summary)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 No model hub is reachable from CI, so every model a test or the quickstart uses is built
 here from a config with a fixed seed and saved as safetensors next to the tiny tokenizer.
+The mixture-of-experts family (qwen3_moe, for `make quickstart-moe`) keeps the dense
+model's attention and widths: only each layer's MLP becomes routed experts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,21 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.quickstart.tokenizer import build_tiny_tokenizer
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+MOE_FAMILIES = ("qwen3_moe",)
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+
+
+@dataclass(frozen=True)
+class TinyMoESpec:
+    """The routed experts of a tiny MoE model. Every layer has experts (SGLang 0.5.23's
+    qwen3_moe builds every layer sparse, whatever `mlp_only_layers` says), and top-k of
+    them run per token, so the defaults compute what the dense model's 128-wide MLP does."""
+
+    num_experts: int = 8  # divisible by expert parallel sizes 1, 2, 4 and 8
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: int = 64  # each expert's MLP width
+    norm_topk_prob: bool = True  # the top-k routing weights are renormalised to sum to 1
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,12 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     rope_scaling: dict | None = None
     seed: int = 0
+    moe: TinyMoESpec | None = None  # the experts; set exactly for the MoE families
+
+    @classmethod
+    def for_family(cls, family: str, seed: int = 0) -> TinyModelSpec:
+        """The quickstart model of `family`: a MoE family gets the default `TinyMoESpec`."""
+        return cls(family=family, seed=seed, moe=TinyMoESpec() if family in MOE_FAMILIES else None)
 
     @classmethod
     def scaled(cls, hidden: int, layers: int) -> TinyModelSpec:
@@ -50,6 +72,11 @@ def tiny_hf_config(spec: TinyModelSpec, vocab_size: int, pad_token_id: int, eos_
         raise ValueError(
             f"unknown tiny model family {spec.family!r}; supported: {', '.join(FAMILIES)}"
         )
+    if (spec.family in MOE_FAMILIES) != (spec.moe is not None):
+        raise ValueError(
+            f"tiny model family {spec.family!r} "
+            + ("needs a TinyMoESpec" if spec.moe is None else "is dense: it takes no TinyMoESpec")
+        )
     return AutoConfig.for_model(
         spec.family,
         vocab_size=vocab_size,
@@ -68,7 +95,20 @@ def tiny_hf_config(spec: TinyModelSpec, vocab_size: int, pad_token_id: int, eos_
         bos_token_id=eos_token_id,
         eos_token_id=eos_token_id,
         torch_dtype="float32",
+        **(moe_fields(spec.moe) if spec.moe is not None else {}),
     )
+
+
+def moe_fields(moe: TinyMoESpec) -> dict:
+    """The config.json fields of Qwen3-MoE's experts, every layer sparse."""
+    return {
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
 
 def save_tiny_model(

@@ -16,6 +16,10 @@ at the answers' marginal distribution, which ignores the prompt):
   then the targets move to the mix (the model learns to be unsure).
 The model then puts about `p_correct` on the right answer of unseen prompts, is right about
 that often when sampled at temperature 1, and PPO has a signal to sharpen.
+
+A mixture-of-experts model is warm-started the same way plus a load-balancing loss per layer,
+as MoE models are pretrained: without it the tiny Qwen3-MoE came out with two of its eight
+experts getting 0.4% and 0.5% of one layer's tokens (a uniform share is 12.5%).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class WarmStartConfig:
     lr: float = 3e-3  # peak AdamW learning rate (linear warmup, cosine decay to 10%)
     warmup_steps: int = 30  # steps of linear warmup
     weight_decay: float = 0.0  # AdamW weight decay
+    load_balancing_coef: float = 0.01  # weight of `load_balancing_loss` (models with experts)
     seed: int = 0  # batch shuffling
     # torch CPU threads. One: measured on 2 cores (benchmarks/warm_start.py), 2 threads are
     # 1.6x faster alone but 9x slower while other processes keep the cores busy (a thread
@@ -69,6 +74,10 @@ class WarmStartConfig:
         for key in ("num_problems", "num_steps", "batch_size", "num_threads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"warm_start.{key} must be >= 1, got {getattr(self, key)}")
+        if self.load_balancing_coef < 0:
+            raise ValueError(
+                f"warm_start.load_balancing_coef must be >= 0, got {self.load_balancing_coef}"
+            )
         if self.lr <= 0:
             raise ValueError(f"warm_start.lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
@@ -83,6 +92,9 @@ class WarmStartResult:
     final_loss: float  # mean response-token loss over the last 10% of steps
     target_entropy: float  # the lowest final_loss possible: entropy of the final targets
     seconds: float  # wall time of the training loop
+    # mean `load_balancing_loss` over the last 10% of steps (1: experts used evenly); None
+    # for a model without experts
+    final_load_balancing_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,7 @@ class SftExamples:
     mixed_nrv: [N, R, V] next-token distribution at step r when the whole response is drawn
         from `answer_distribution` (the final targets).
     mask_nr: [N, R] True where response token r exists.
+    tokens_nt: [N, T] True at the prompt and response tokens, False at the padding.
     """
 
     input_ids_nt: torch.Tensor
@@ -102,6 +115,7 @@ class SftExamples:
     labels_nr: torch.Tensor
     mixed_nrv: torch.Tensor
     mask_nr: torch.Tensor
+    tokens_nt: torch.Tensor
 
 
 def answer_distribution(truth: int, p_correct: float) -> list[float]:
@@ -156,6 +170,7 @@ def build_examples(
         labels_nr=torch.zeros(num, max_resp, dtype=torch.long),
         mixed_nrv=torch.zeros(num, max_resp, vocab_size),
         mask_nr=torch.zeros(num, max_resp, dtype=torch.bool),
+        tokens_nt=torch.zeros(num, max(map(len, prompts)) + max_resp, dtype=torch.bool),
     )
     for i, (row, prompt) in enumerate(zip(rows, prompts)):
         truth = int(row["reward_model"]["ground_truth"])
@@ -167,6 +182,7 @@ def build_examples(
         examples.labels_nr[i, :steps] = torch.tensor(response)
         examples.mixed_nrv[i, :steps] = path_targets(responses, probs, truth, vocab_size)
         examples.mask_nr[i, :steps] = True
+        examples.tokens_nt[i, : start + 1 + steps] = True
     return examples
 
 
@@ -194,43 +210,77 @@ def mix_weight(step: int, cfg: WarmStartConfig) -> float:
     return 1.0 if step >= clean + anneal else (step - clean) / anneal
 
 
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss per layer, averaged over the layers: E x the
+    sum over experts of (share of the top-k picks) x (mean router probability), counted at
+    `tokens` (True where a token is not padding). 1 when the experts are used evenly.
+
+    router_logits: per layer [B * T, E]; tokens: [B, T].
+    """
+    mask = tokens.reshape(-1)
+    losses = []
+    for logits_xe in router_logits:
+        probs_xe = torch.softmax(logits_xe[mask].float(), dim=-1)
+        num_experts = probs_xe.shape[-1]
+        picks = torch.topk(probs_xe, top_k, dim=-1).indices.reshape(-1)
+        share_e = torch.bincount(picks, minlength=num_experts) / picks.numel()
+        losses.append(num_experts * (share_e * probs_xe.mean(dim=0)).sum())
+    return torch.stack(losses).mean()
+
+
 def response_loss(
     model: torch.nn.Module, examples: SftExamples, idx: torch.Tensor, mix: float
-) -> torch.Tensor:
-    """Mean cross-entropy over response tokens against (1 - mix) correct + mix mixed targets."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mean cross-entropy over response tokens against (1 - mix) correct + mix mixed targets,
+    and the `load_balancing_loss` of the same forward for a model with experts (else None)."""
     # Right padding needs no attention mask: causal attention never looks ahead to it.
-    logits_btv = model(input_ids=examples.input_ids_nt[idx]).logits
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    router = {"output_router_logits": True} if top_k else {}
+    out = model(input_ids=examples.input_ids_nt[idx], **router)
+    logits_btv = out.logits
     position_brv = examples.position_nr[idx, :, None].expand(-1, -1, logits_btv.shape[-1])
     logp_brv = torch.log_softmax(torch.gather(logits_btv, 1, position_brv).float(), dim=-1)
     clean_br = -torch.gather(logp_brv, 2, examples.labels_nr[idx, :, None]).squeeze(-1)
     mixed_br = -(examples.mixed_nrv[idx] * logp_brv).sum(dim=-1)
     loss_br = (1.0 - mix) * clean_br + mix * mixed_br
     mask_br = examples.mask_nr[idx]
-    return (loss_br * mask_br).sum() / mask_br.sum()
+    loss = (loss_br * mask_br).sum() / mask_br.sum()
+    if not top_k:
+        return loss, None
+    return loss, load_balancing_loss(out.router_logits, examples.tokens_nt[idx], top_k)
 
 
-def train(model: torch.nn.Module, examples: SftExamples, cfg: WarmStartConfig) -> list[float]:
-    """`cfg.num_steps` AdamW steps on shuffled batches; the loss of every step."""
+def train(
+    model: torch.nn.Module, examples: SftExamples, cfg: WarmStartConfig
+) -> tuple[list[float], list[float]]:
+    """`cfg.num_steps` AdamW steps on shuffled batches; the response loss of every step and,
+    for a model with experts, its load-balancing loss (else an empty list)."""
     generator = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     num = len(examples.input_ids_nt)
-    order, cursor, losses = torch.randperm(num, generator=generator), 0, []
+    order, cursor, losses, balances = torch.randperm(num, generator=generator), 0, [], []
     model.train()
     for step in range(cfg.num_steps):
         if cursor + cfg.batch_size > num:
             order, cursor = torch.randperm(num, generator=generator), 0
         idx = order[cursor : cursor + cfg.batch_size]
         cursor += cfg.batch_size
-        loss = response_loss(model, examples, idx, mix_weight(step, cfg))
+        loss, balance = response_loss(model, examples, idx, mix_weight(step, cfg))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if balance is None:
+            loss.backward()
+        else:
+            (loss + cfg.load_balancing_coef * balance).backward()
+            balances.append(balance.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
     model.eval()
-    return losses
+    return losses, balances
 
 
 def warm_start(model_dir: str | Path, cfg: WarmStartConfig = WarmStartConfig()) -> WarmStartResult:
@@ -246,10 +296,21 @@ def warm_start(model_dir: str | Path, cfg: WarmStartConfig = WarmStartConfig()) 
     torch.set_num_threads(cfg.num_threads)
     try:
         start = time.perf_counter()
-        losses = train(model, examples, cfg)
+        losses, balances = train(model, examples, cfg)
         seconds = time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(model_dir, safe_serialization=True)
-    tail = losses[-max(1, len(losses) // 10) :]
-    return WarmStartResult(len(losses), sum(tail) / len(tail), target_entropy(examples), seconds)
+    return WarmStartResult(
+        num_steps=len(losses),
+        final_loss=tail_mean(losses),
+        target_entropy=target_entropy(examples),
+        seconds=seconds,
+        final_load_balancing_loss=tail_mean(balances) if balances else None,
+    )
+
+
+def tail_mean(values: list[float]) -> float:
+    """The mean of the last 10% of `values` (at least one)."""
+    tail = values[-max(1, len(values) // 10) :]
+    return sum(tail) / len(tail)

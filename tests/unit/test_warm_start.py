@@ -1,4 +1,5 @@
-"""The warm start: its targets by hand, and a short run that teaches the answer format."""
+"""The warm start: its targets and load-balancing loss by hand, and short runs that teach the
+answer format (and, to a mixture-of-experts model, to use its experts evenly)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from transformers import (
 )
 
 from rlhf.quickstart.arithmetic import make_problems
-from rlhf.quickstart.tiny_model import save_tiny_model
+from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
 from rlhf.quickstart.tokenizer import build_tiny_tokenizer
 from rlhf.quickstart.warm_start import (
     WarmStartConfig,
     answer_distribution,
     build_examples,
+    load_balancing_loss,
     mix_weight,
     path_targets,
     prompt_ids,
@@ -76,6 +78,29 @@ def sampled_accuracy(
             scores.append(compute_score(row["data_source"], text, truth, row.get("extra_info")))
             formats.append("####" in text)
     return AccuracyResult(sum(scores) / len(scores), sum(formats) / len(scores), len(scores))
+
+
+@torch.no_grad()
+def expert_shares(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict]):
+    """[layers, experts]: the share of the top-k picks each expert gets at the prompt tokens
+    of `rows`, read from each layer's router (transformers' Qwen3-MoE)."""
+    layers = model.model.layers
+    counts = torch.zeros(len(layers), model.config.num_experts)
+
+    def count(layer: int):
+        def hook(_module, _inputs, out) -> None:  # out: logits, top-k weights, top-k experts
+            counts[layer] += torch.bincount(out[2].reshape(-1), minlength=counts.shape[1])
+
+        return hook
+
+    hooks = [layer.mlp.gate.register_forward_hook(count(i)) for i, layer in enumerate(layers)]
+    try:
+        for row in rows:
+            model(torch.tensor([prompt_ids(tokenizer, row)]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts / counts.sum(dim=1, keepdim=True)
 
 
 WRONG = 0.65 / 18  # probability of each wrong answer when p_correct = 0.35
@@ -136,8 +161,26 @@ def test_mix_weight_moves_from_clean_to_mixed():
     assert [mix_weight(s, cfg) for s in (0, 39, 40, 50, 60, 99)] == [0, 0, 0, 0.5, 1, 1]
 
 
+def test_load_balancing_loss_is_one_for_even_use_and_counts_no_padding():
+    pair_a, pair_b = [10.0, 10.0, 0.0, 0.0], [0.0, 0.0, 10.0, 10.0]  # top-2 of 4 experts
+    even_xe = torch.tensor([pair_a, pair_b, pair_a])  # the last token is padding
+    skewed_xe = torch.tensor([pair_a, pair_a, pair_b])
+    tokens = torch.tensor([[True, True, False]])
+    assert load_balancing_loss((even_xe,), tokens, top_k=2).item() == pytest.approx(1.0)
+    # experts 0 and 1 take every pick, with probability ~1/2 each: 4 x (1/2 x 1/2) x 2
+    assert load_balancing_loss((skewed_xe,), tokens, 2).item() == pytest.approx(2.0, rel=1e-3)
+    both = load_balancing_loss((even_xe, skewed_xe), tokens, 2).item()
+    assert both == pytest.approx(1.5, rel=1e-3)  # the mean over the layers
+
+
 @pytest.mark.parametrize(
-    "bad", [{"p_correct": 1.5}, {"clean_fraction": 0.9, "anneal_fraction": 0.2}, {"lr": 0.0}]
+    "bad",
+    [
+        {"p_correct": 1.5},
+        {"clean_fraction": 0.9, "anneal_fraction": 0.2},
+        {"lr": 0.0},
+        {"load_balancing_coef": -0.1},
+    ],
 )
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="warm_start"):
@@ -154,7 +197,25 @@ def test_short_warm_start_teaches_the_answer_format(tmp_path):
     result = warm_start(model_dir, cfg)
     assert result.num_steps == 150
     assert result.final_loss < 1.0  # a random model starts near ln(vocab) = 5.9
+    assert result.final_load_balancing_loss is None  # no experts
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # the weights were saved
     sampled = sampled_accuracy(model, tokenizer, rows, num_samples=4, seed=0)
     assert sampled.num_responses == 64
     assert sampled.format_rate >= 0.9
+
+
+def test_short_moe_warm_start_teaches_the_format_and_spreads_the_tokens(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "moe", TinyModelSpec.for_family("qwen3_moe"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = make_problems(320, seed=0)[256:272]
+    cfg = WarmStartConfig(num_problems=512, num_steps=150, batch_size=32, warmup_steps=5)
+    result = warm_start(model_dir, cfg)
+    assert result.final_loss < 1.0
+    # measured 1.007 (without the balancing loss: 1.75, two experts of one layer unused)
+    assert result.final_load_balancing_loss is not None
+    assert result.final_load_balancing_loss < 1.1
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert sampled_accuracy(model, tokenizer, rows, num_samples=4, seed=0).format_rate >= 0.9
+    shares = expert_shares(model, tokenizer, rows)  # measured 0.07-0.17 (uniform: 0.125)
+    print(shares)
+    assert shares.min() > 0.04 and shares.max() < 0.25, shares
