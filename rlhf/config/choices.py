@@ -26,6 +26,7 @@ FilterGroupsMetric = Literal["score", "seq_reward"]
 TrainDtype = Literal["float32", "bfloat16"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
+RouterReplayMode = Literal["disabled", "R2", "R3"]  # verl's names
 TokenDropPolicy = Literal["probs", "position"]  # Megatron's moe_token_drop_policy
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
 RolloutName = Literal["sglang"]

@@ -26,6 +26,7 @@ from rlhf.config.choices import (
     PolicyLossMode,
     RecomputeGranularity,
     RecomputeMethod,
+    RouterReplayMode,
     TokenDropPolicy,
     TrainDtype,
     Truncation,
@@ -227,6 +228,17 @@ class PolicyLossConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """Mixture-of-experts routing replay (verl's `router_replay`)."""
+
+    mode: RouterReplayMode = doc(
+        "disabled",
+        "R2: the update's forwards take the experts the old-log-prob pass chose for each "
+        "token instead of routing anew; R3 (rollout routing replay): not yet",
+    )
+
+
+@dataclass
 class ActorConfig:
     """The trained policy."""
 
@@ -268,6 +280,7 @@ class ActorConfig:
         1, "Ulysses SP size; mapped onto Megatron's context-parallel group", gt=0
     )
     megatron: MegatronParallelConfig = doc(MegatronParallelConfig, "Megatron parallel layout")
+    router_replay: RouterReplayConfig = doc(RouterReplayConfig, "MoE routing replay")
 
 
 @dataclass

@@ -81,12 +81,14 @@ class MoERouter:
     """The router's training settings, Megatron's names (`megatron.moe_*` keys):
     `aux_loss_coeff` of the load-balancing loss (Megatron's "aux_loss" type, per
     micro-batch), `z_loss_coeff` (None: off), token dropping at `capacity_factor` (None:
-    none) keeping tokens by `token_drop_policy`."""
+    none) keeping tokens by `token_drop_policy`; `replay`: the routers can record and
+    replay routes (`rlhf.trainer.route_replay`)."""
 
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float | None = None
     capacity_factor: float | None = None
     token_drop_policy: str = "probs"
+    replay: bool = False  # Megatron's RouterReplay in every router (routing replay)
 
     @classmethod
     def of(cls, megatron: Any) -> MoERouter:
@@ -105,6 +107,7 @@ class MoERouter:
             "moe_z_loss_coeff": self.z_loss_coeff,
             "moe_expert_capacity_factor": self.capacity_factor,
             "moe_token_drop_policy": self.token_drop_policy,
+            "moe_enable_routing_replay": self.replay,
         }
 
 

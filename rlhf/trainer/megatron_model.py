@@ -38,6 +38,7 @@ from rlhf.trainer.optimizer_shards import (
     optimizer_shards_writer,
     save_optimizer_shards,
 )
+from rlhf.trainer.route_replay import RouteReplay
 from rlhf.trainer.router_stats import RouterStats
 
 log = logging.getLogger(__name__)
@@ -70,18 +71,23 @@ def run_schedule(
     loss_scale: float,
     ctx: ParallelContext,
     moe: bool = False,
+    replay: RouteReplay | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Megatron's forward(-backward) over `micro_batches`; head outputs (last stage only).
 
     `runners`: the model chunks (or their DDP wrappers) in order; with several, Megatron's
     interleaved 1F1B runs them, every chunk reading the micro-batches from its own iterator
     (their count is a multiple of PP: `MicroBatchPlanner`). `moe`: the model has
-    mixture-of-experts layers (they are told which tokens are padding)."""
+    mixture-of-experts layers (they are told which tokens are padding); `replay`: its
+    routes are recorded or replayed (`rlhf.trainer.route_replay`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         routing = {"padding_mask": padding_for(chunk, mb.padding_mask, ctx)} if moe else {}
+        index = runners.index(chunk) if replay is not None else 0
+        if replay is not None:
+            replay.before_forward(index, mb.sample_ids)
         output = chunk(
             mb.tokens,
             mb.position_ids,
@@ -89,6 +95,8 @@ def run_schedule(
             packed_seq_params=mb.packed_seq_params,
             **routing,
         )
+        if replay is not None:
+            replay.after_forward(index, mb.sample_ids)
 
         def loss_func(output_tensor):
             loss, outputs = head(output_tensor, mb)
@@ -163,6 +171,7 @@ class MegatronModel:
         self.runners: list = list(self.module)  # what the schedule calls, chunk by chunk
         self.ctx = ctx
         self.moe = self.module.config.num_moe_experts is not None
+        self.route_replay: RouteReplay | None = None  # set for routing replay (R2)
         self.offloader = ModelOffloader(self, ())
         if self.module.config.pipeline_model_parallel_size > 1:
             self.module.config.variable_seq_lengths = True  # packed rows differ in length
@@ -195,7 +204,9 @@ class MegatronModel:
     def forward(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
         self.module.eval()
         with self.on_device():
-            return run_schedule(self.runners, micro_batches, head, True, 1.0, self.ctx, self.moe)
+            return run_schedule(
+                self.runners, micro_batches, head, True, 1.0, self.ctx, self.moe, self.route_replay
+            )
 
 
 class TrainableMegatronModel(MegatronModel):
@@ -255,7 +266,9 @@ class TrainableMegatronModel(MegatronModel):
         # Megatron divides by the micro-batch count and multiplies by the CP (= SP) size in
         # the schedule, then averages gradients over DP x SP: undo all of it.
         scale = len(micro_batches) * self.ctx.dp_sp_size / self.ctx.sp_size
-        return run_schedule(self.runners, micro_batches, head, False, scale, self.ctx, self.moe)
+        return run_schedule(
+            self.runners, micro_batches, head, False, scale, self.ctx, self.moe, self.route_replay
+        )
 
     def train_mini_batch(self, micro_batches: list[MicroBatch], head: Head) -> MiniBatchUpdate:
         """One optimizer step over this rank's micro-batches of a mini-batch (identical on

@@ -340,11 +340,14 @@ class MicroBatchPlanner:
         head: Any,
         keys: Sequence[str],
         width: int | None = None,
+        mini_batch_size: int | None = None,
     ) -> list[Tensor]:
         """[B, width] tensors `keys` (width: the response width by default) from one
         forward-only pass of `model` with `head` over the whole batch, identical on every
-        rank (each rank computes its DP share of the samples)."""
-        (micro_batches,) = self.plan(batch, budget)
+        rank (each rank computes its DP share of the samples). `mini_batch_size`: plan the
+        micro-batches as an update of that many samples per step would (routing replay)."""
+        minis = self.plan(batch, budget, mini_batch_size)
+        micro_batches = [mb for mini in minis for mb in mini]
         outputs = model.forward(micro_batches, head)
         shape = (batch.size, batch.response_width if width is None else width)
         return [gather_per_sample(outputs, micro_batches, k, shape, self.ctx) for k in keys]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,9 +193,7 @@ def learn_from_batch(
         old = engine_logprobs(batch)
     else:
         with timer.stage("old_log_prob"):
-            old = compute_logprobs(
-                m.actor, batch, m.planner, m.budgets.old_log_prob, m.logprob_head
-            )
+            old = old_logprobs(m, batch)
     ref = values = None
     if m.ref is not None:
         with timer.stage("ref"):
@@ -250,6 +248,26 @@ def engine_logprobs(batch: RolloutBatch) -> tuple[Tensor, None]:
             "sampled tokens, and this batch has none"
         )
     return logprobs_bt, None
+
+
+def old_logprobs(m: PPOModels, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    """The actor's log-probs and entropies before the update; with routing replay (R2) on
+    the update's micro-batch plan, recording each micro-batch's routes for the update."""
+    replay = m.actor.route_replay
+    if replay is None:
+        return compute_logprobs(m.actor, batch, m.planner, m.budgets.old_log_prob, m.logprob_head)
+    update = m.actor_update
+    keys = ("logprobs", "entropy")
+    with replay.recording():
+        logp, entropy = m.planner.per_sample(
+            m.actor,
+            batch,
+            update.token_budget,
+            m.logprob_head,
+            keys,
+            mini_batch_size=update.mini_batch_samples,
+        )
+    return logp, entropy
 
 
 def compute_logprobs(
@@ -320,8 +338,9 @@ def run_updates(
     `<role>/lr` and `<role>/skipped_updates` (the means are over the updates taken), a
     mixture-of-experts model's routing as `<role>/moe/...` (`rlhf.trainer.router_stats`).
     """
-    with spec.model.on_device():  # one reload for all mini-batches of an offloaded model
-        return _run_updates(spec, exp, planner)
+    replay = spec.model.route_replay  # R2: the routes the old-log-prob pass recorded
+    with spec.model.on_device(), replay.replaying() if replay else nullcontext():
+        return _run_updates(spec, exp, planner)  # (one reload for all mini-batches)
 
 
 def _run_updates(

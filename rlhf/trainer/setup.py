@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from rlhf.trainer.heads import LogprobHead, Loss, PolicyLoss, ValueLoss
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
 from rlhf.trainer.micro_batch import MicroBatchPlanner
 from rlhf.trainer.reward_model import RewardModelScorer
+from rlhf.trainer.route_replay import RouteReplay
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     check_experts(arches["actor_rollout_ref.model.path"], cfg.actor_rollout_ref.actor.megatron, AR)
     if uses_critic(cfg):
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
+    check_router_replay(cfg, arches["actor_rollout_ref.model.path"])
     for key, path in model_dirs(cfg).items():
         check_trainable(arches[key], path, key)
     return arches["actor_rollout_ref.model.path"]
@@ -118,6 +121,34 @@ def check_experts(arch: ModelArch, megatron: MegatronParallelConfig, prefix: str
         raise ConfigError(
             f"{prefix}.megatron.moe_*: router settings for {arch.family}, a model without "
             "experts; leave them at their defaults"
+        )
+
+
+def check_router_replay(cfg: RLHFConfig, arch: ModelArch) -> None:
+    """`actor.router_replay.mode`: R2 needs experts, the old-log-prob pass it records from
+    and no activation recompute (`rlhf.trainer.route_replay`); R3 is not there yet."""
+    actor = cfg.actor_rollout_ref.actor
+    mode = actor.router_replay.mode
+    key = f"{AR}.actor.router_replay.mode={mode}"
+    if mode == "disabled":
+        return
+    if mode == "R3":
+        raise ConfigError(
+            f"{key}: rollout routing replay needs SGLang's routed experts: not yet (issue 30 "
+            "item 4); R2 replays the old-log-prob pass's routes"
+        )
+    if arch.moe is None:
+        raise ConfigError(f"{key}: {arch.family} has no experts to route")
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        raise ConfigError(
+            f"{key}: algorithm.rollout_correction.bypass_mode skips the old-log-prob pass "
+            "whose routes R2 replays"
+        )
+    if actor.megatron.recompute_granularity is not None:
+        raise ConfigError(
+            f"{key} with {AR}.actor.megatron.recompute_granularity="
+            f"{actor.megatron.recompute_granularity}: Megatron's recompute routes again in "
+            "the backward; not yet"
         )
 
 
@@ -251,6 +282,7 @@ def build_ppo_models(
     vp_size = virtual_pipeline_size(aro.actor.megatron)
     overrides = aro.actor.megatron.override_transformer_config
     router = MoERouter.of(aro.actor.megatron)  # the reference's too (same token dropping)
+    replays = aro.actor.router_replay.mode == "R2"
     actor_module = build_policy(
         arch,
         aro.model.path,
@@ -259,9 +291,11 @@ def build_ppo_models(
         Recompute.of(aro.actor.megatron),
         vp_size,
         overrides,
-        router,
+        dataclasses.replace(router, replay=replays),
     )
     actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
+    if replays:  # R2: the update replays the old-log-prob pass's routes
+        actor.route_replay = RouteReplay(actor.module)
     ref = None
     if uses_reference(cfg):
         ref_module = build_policy(

@@ -188,3 +188,32 @@ def test_token_dropping_drops_and_changes_the_update_alike_at_every_layout(resul
         got = run["dropping"]["metrics"]["actor/moe/tokens_dropped_fraction"]
         assert got == pytest.approx(dropped, rel=1e-9), layout
         assert max_diff(run["dropping"]["logprobs_after"], one["logprobs_after"]) < 1e-4, layout
+
+
+def test_routing_replay_r2_replays_the_old_routes_alike_at_every_layout(results):
+    """router_replay.mode=R2, two PPO epochs: the old-log-prob pass on the update's plan
+    gives the plain old log-probs (the routes are the model's own there); after the update
+    some routes move when routing anew, and replaying the recorded ones gives other
+    log-probs; every layout's R2 update equals one rank's."""
+    one = results["1rank"]["r2"]
+    before = results["1rank"]["plain"]["logprobs_before"]
+    torch.testing.assert_close(one["old_logprobs"], before, atol=1e-5, rtol=0)
+    print(f"1rank R2: {one['moved']} token-layer routes moved by the update")
+    assert one["moved"] > 0
+    assert max_diff(one["logprobs_replayed"], one["logprobs_after"]) > 1e-3
+    anew = one["metrics_routing_anew"]["actor/pg_loss"]
+    print(
+        f"1rank pg_loss over the two epochs: R2 {one['metrics']['actor/pg_loss']!r}, anew {anew!r}"
+    )
+    assert abs(one["metrics"]["actor/pg_loss"] - anew) > 1e-6  # the second epoch replayed
+    for layout, run in results.items():
+        r2 = run["r2"]
+        # (rows split over ranks are padded, and padding tokens have routes too)
+        assert r2["moved"] == one["moved"] if layout not in SPLIT_ROWS else r2["moved"] > 0
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            print(f"{layout} R2 {key}: {r2['metrics'][key]!r} vs {one['metrics'][key]!r}")
+            assert r2["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+        for key in ("logprobs_after", "logprobs_replayed"):
+            diff = max_diff(r2[key], one[key])
+            print(f"{layout} R2 {key}: max |diff| {diff:.2e}")
+            assert diff < 1e-4, (layout, key)

@@ -296,3 +296,47 @@ def test_router_settings_and_expert_sizes_need_a_model_with_experts(tiny_qwen2_d
     ):
         with pytest.raises(ConfigError, match=said):
             load_policy_arch(load_config(None, [model, "trainer.n_gpus_per_node=2", key]))
+
+
+def test_routing_replay_is_refused_where_it_cannot_work(tiny_qwen2_dir, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf.trainer.setup import load_policy_arch
+
+    moe_dir = tmp_path / "moe"
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(moe_dir)
+    mode = "actor_rollout_ref.actor.router_replay.mode"
+    for model, keys, said in (
+        (moe_dir, [f"{mode}=R3"], "needs SGLang's routed experts: not yet"),
+        (tiny_qwen2_dir, [f"{mode}=R2"], "qwen2 has no experts to route"),
+        (
+            moe_dir,
+            [f"{mode}=R2", "actor_rollout_ref.actor.megatron.recompute_granularity=full"],
+            "recompute routes again in the backward",
+        ),
+        (
+            moe_dir,
+            [f"{mode}=R2", "algorithm.rollout_correction.bypass_mode=true"],
+            "skips the old-log-prob pass",
+        ),
+    ):
+        cfg = load_config(None, [f"actor_rollout_ref.model.path={model}", *keys])
+        with pytest.raises(ConfigError, match=said):
+            load_policy_arch(cfg)
+    with pytest.raises(ConfigError, match="issue 30 item 3"):  # R2 itself passes its checks
+        load_policy_arch(
+            load_config(None, [f"actor_rollout_ref.model.path={moe_dir}", f"{mode}=R2"])
+        )

@@ -28,6 +28,11 @@ from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 from tests.distributed.workers.ppo_stages import synthetic_batch
 
 BUDGET = 40  # tokens per micro-batch: several packed micro-batches per rank
+R2 = (  # two mini-batches of 4 samples, two epochs
+    "actor_rollout_ref.actor.router_replay.mode=R2",
+    "actor_rollout_ref.actor.ppo_epochs=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+)
 
 
 def main() -> None:
@@ -62,7 +67,7 @@ def main() -> None:
         teardown()
 
 
-def config(args, aux: float, z: float | None, capacity: float | None = None):
+def config(args, aux: float, z: float | None, capacity: float | None = None, *extra: str):
     etp = "null" if args.etp is None else args.etp
     factor = "null" if capacity is None else capacity
     actor = "actor_rollout_ref.actor"
@@ -86,6 +91,7 @@ def config(args, aux: float, z: float | None, capacity: float | None = None):
             f"{actor}.megatron.moe_aux_loss_coeff={aux}",
             f"{actor}.megatron.moe_z_loss_coeff={'null' if z is None else z}",
             f"{actor}.megatron.moe_expert_capacity_factor={factor}",
+            *extra,
         ],
     )
 
@@ -141,11 +147,71 @@ def run(args, cfg, ctx) -> None:
     _, dropping = build(config(args, 0.0, None, capacity=0.5), ctx)
     drop_metrics, drop_after = update_once(dropping, exp, padded, one_each)
     dropped = {"metrics": drop_metrics, "logprobs_after": drop_after}
+    replayed = replay_r2(args, ctx, exp, planner)
     if ctx.rank == 0:
         result = {"plain": plain, "router_loss": router_loss, "advantages": advantages}
         result["dropping"] = dropped
+        result["r2"] = replayed
         result["batch"] = batch.to_objects()
         torch.save(result, Path(args.out))
+
+
+def replay_r2(args, ctx, exp, planner) -> dict:
+    """router_replay.mode=R2 with two mini-batches and two PPO epochs: the old-log-prob
+    pass (on the update's plan) records the routes, every forward of the update replays
+    them. Returns the old log-probs, the update's metrics (and those of the same update
+    routing anew) and the log-probs after it (own routing); at the updated weights, how
+    many token-layer routes differ from the recorded ones when routing anew (`moved`), and
+    the log-probs with the recorded routes replayed (`logprobs_replayed`)."""
+    from rlhf.trainer import ppo_step as stages
+
+    _, models = build(config(args, 0.0, None, None, *R2), ctx)
+    replay = models.actor.route_replay
+    old, _ = stages.old_logprobs(models, exp.batch)
+    recorded = dict(replay.routes)
+    exp = dataclasses.replace(exp, old_logprobs_bt=old)
+    metrics, _ = stages.run_updates(models.actor_update, exp, planner)
+    update = models.actor_update
+    head, keys = models.logprob_head, ("logprobs",)
+    with replay.recording():  # the updated weights' own routes
+        (after,) = planner.per_sample(
+            models.actor,
+            exp.batch,
+            update.token_budget,
+            head,
+            keys,
+            None,
+            update.mini_batch_samples,
+        )
+    moved = sum(
+        int((own.sort(-1).values != rec.sort(-1).values).any(-1).sum())
+        for key, rec_layers in recorded.items()
+        for own, rec in zip(replay.routes[key], rec_layers)
+    )
+    moved_all = torch.tensor([moved])
+    torch.distributed.all_reduce(moved_all)
+    replay.routes = recorded
+    with replay.replaying():
+        (replayed,) = planner.per_sample(
+            models.actor,
+            exp.batch,
+            update.token_budget,
+            head,
+            keys,
+            None,
+            update.mini_batch_samples,
+        )
+    # the same two epochs routing anew
+    _, own = build(config(args, 0.0, None, None, *R2[1:]), ctx)
+    own_metrics, _ = stages.run_updates(own.actor_update, exp, planner)
+    return {
+        "old_logprobs": old,
+        "metrics": metrics,
+        "metrics_routing_anew": own_metrics,
+        "logprobs_after": after,
+        "logprobs_replayed": replayed,
+        "moved": int(moved_all),
+    }
 
 
 if __name__ == "__main__":
