@@ -35,12 +35,18 @@ whole) and the backward of one layer: its recomputed tensors and, on the local s
 Ulysses, the a'.T^2 gradients of the softmax output, the scores and the scaled scores (12
 bytes per score in fp32, 8 in bf16) alive at once while the layer's MLP and second norm
 tensors are already freed.
+
+Mixture-of-experts layers (`rlhf.memory.moe`) save their router's, experts' and shared
+expert's tensors instead of the dense MLP's, and the one MoE layer being run (forward, or
+backward) adds its dispatcher's buffers in flight. A stage's recompute counts its largest
+layer for the one being recomputed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlhf.memory.moe import MoEShape
 from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute
 from rlhf.models.logprobs import default_chunk_tokens
 
@@ -61,6 +67,8 @@ class ActivationShape:
     layers: int  # on this pipeline stage
     element: int  # bytes of the model dtype
     seq_split: int = 1  # Megatron's sequence parallelism: TP (norms hold T / TP tokens)
+    moe: MoEShape | None = None  # the MoE layers' share (mixture-of-experts models)
+    moe_layers: int = 0  # of `layers`, how many have experts
 
     @property
     def masked_row(self) -> bool:
@@ -80,6 +88,8 @@ class ActivationShape:
         sp: int,
         element: int,
         sequence_parallel: bool = False,
+        moe: MoEShape | None = None,
+        moe_layers: int = 0,
     ) -> ActivationShape:
         return cls(
             tokens=tokens,
@@ -94,6 +104,8 @@ class ActivationShape:
             layers=arch.num_layers // pp,
             element=element,
             seq_split=tp if sequence_parallel else 1,
+            moe=moe,
+            moe_layers=moe_layers,
         )
 
 
@@ -121,8 +133,8 @@ def core_attention_bytes(s: ActivationShape, flash: bool) -> int:
     return expanded + _scores(s)
 
 
-def layer_bytes(s: ActivationShape, flash: bool) -> int:
-    """Everything one layer saves for its backward without recompute."""
+def layer_bytes(s: ActivationShape, flash: bool, moe: bool = False) -> int:
+    """Everything one layer (a MoE layer: `moe`) saves for its backward without recompute."""
     e, t = s.element, s.tokens
     inputs = t * (s.query + 2 * s.key_value) * e  # q, k, v as the core attention gets them
     rope = 4 * t * s.head_dim * e
@@ -133,12 +145,40 @@ def layer_bytes(s: ActivationShape, flash: bool) -> int:
         + inputs
         + core_attention_bytes(s, flash)
         + projection
-        + _mlp(s, flash)
+        + (_moe_mlp(s, flash) if moe else _mlp(s, flash))
     )
 
 
+def _mlp_factor(flash: bool) -> int:
+    """T x ffn tensors a dense MLP saves."""
+    return 3 if flash else 5
+
+
 def _mlp(s: ActivationShape, flash: bool) -> int:
-    return (3 if flash else 5) * s.tokens * s.ffn * s.element
+    return _mlp_factor(flash) * s.tokens * s.ffn * s.element
+
+
+def _moe_mlp(s: ActivationShape, flash: bool) -> int:
+    assert s.moe is not None
+    return s.moe.saved_bytes(s.tokens, s.hidden, s.element, _mlp_factor(flash))
+
+
+def _dispatcher(s: ActivationShape) -> int:
+    """The all-to-all dispatcher's buffers while a MoE layer runs (0 without MoE layers)."""
+    if s.moe is None or not s.moe_layers:
+        return 0
+    return s.moe.dispatcher_in_flight(s.hidden, s.element)
+
+
+def _stage_layers(s: ActivationShape, flash: bool) -> tuple[int, int, int]:
+    """(what all the stage's layers save, the largest layer's, the smallest layer's)."""
+    dense, moe = layer_bytes(s, flash), 0
+    sizes = [dense] if s.layers > s.moe_layers else []
+    if s.moe_layers:
+        moe = layer_bytes(s, flash, moe=True)
+        sizes.append(moe)
+    total = (s.layers - s.moe_layers) * dense + s.moe_layers * moe
+    return total, max(sizes), min(sizes)
 
 
 def _attention_backward(s: ActivationShape, flash: bool) -> int:
@@ -191,26 +231,27 @@ def training_peak(
     each through one of the stage's `chunks` virtual-pipeline chunks (1/`chunks` of its
     layers). `gradient_from_next`: the backward starts from the output's gradient received
     from the next pipeline stage ([T, h], alive through the backward)."""
-    full = layer_bytes(s, flash)
+    total, largest, smallest = _stage_layers(s, flash)
     final = _norms(s, flash) // 2 if last_stage else 0
     if recompute.granularity == "full":
         unit = recompute.num_layers or 1
         if (recompute.method or "uniform") == "uniform":
             kept = -(-s.layers // unit) * s.tokens * s.hidden * s.element
-            recomputing = unit * full
+            recomputing = unit * largest
         else:  # block: the first `unit` layers recompute, the rest keep everything
             recomputed = min(unit, s.layers)
-            kept = recomputed * s.tokens * s.hidden * s.element + (s.layers - recomputed) * full
-            recomputing = full
+            kept = recomputed * (s.tokens * s.hidden * s.element - smallest) + total
+            recomputing = largest
         saved = kept + final
         backward = recomputing + _attention_backward(s, flash)
     elif recompute.granularity == "selective":
         core = core_attention_bytes(s, flash)
-        saved = s.layers * (full - core) + final
+        saved = total - s.layers * core + final
         backward = core + _attention_backward(s, flash)
     else:
-        saved = s.layers * full + final
+        saved = total + final
         backward = _attention_backward(s, flash)
+    backward += _dispatcher(s)
     head = head_bytes(s, training=True) if last_stage and lm_head else 0
     embedding = embedding_backward_bytes(s, flash=flash) if first_stage else 0
     held, waiting = in_flight * saved // chunks, (in_flight - 1) * saved // chunks
@@ -233,4 +274,4 @@ def forward_peak(
     """Peak of a forward-only micro-batch (reference, old log-probs): nothing is kept, so the
     largest of one layer's working tensors and the head's."""
     head = head_bytes(s, training=False) if last_stage and lm_head else 0
-    return max(layer_bytes(s, flash), head)
+    return max(_stage_layers(s, flash)[1] + _dispatcher(s), head)

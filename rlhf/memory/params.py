@@ -9,6 +9,10 @@ bucket of its own; each bucket is split evenly over the DP ranks and a rank's op
 holds the parameter elements inside its split. With Transformer Engine the layer norms are
 fused into the linear layers, which changes only the order (and so the padding, by at most
 64 elements per parameter).
+
+Mixture-of-experts layers (`rlhf.memory.moe`) register the router, the local experts and
+the shared expert in place of the dense MLP; expert parameters (`Param.expert`) go to DDP's
+second buffer, laid out the same way over the expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rlhf.memory.moe import moe_layer_params
 from rlhf.models.families import ModelArch
 
 
@@ -23,12 +28,31 @@ from rlhf.models.families import ModelArch
 class Param:
     numel: int
     shared_embedding: bool = False  # tied embeddings split over the first and last stage
+    expert: bool = False  # a routed expert's: DDP's expert buffer, over expert-DP ranks
+
+
+def stage_layers(num_layers: int, pp: int, stage: int, vp: int = 1) -> list[int]:
+    """Global indexes of the layers pipeline stage `stage` holds: chunk v of it holds
+    L / (PP x VP) layers from (v x PP + stage) x L / (PP x VP) (one chunk without VP)."""
+    per_chunk = num_layers // (pp * vp)
+    first = [(v * pp + stage) * per_chunk for v in range(vp)]
+    return [start + i for start in first for i in range(per_chunk)]
 
 
 def stage_params(
-    arch: ModelArch, padded_vocab: int, *, tp: int, pp: int, stage: int, value_head: bool = False
+    arch: ModelArch,
+    padded_vocab: int,
+    *,
+    tp: int,
+    pp: int,
+    stage: int,
+    value_head: bool = False,
+    ep: int = 1,
+    etp: int | None = None,
+    vp: int = 1,
 ) -> list[Param]:
-    """The parameters of pipeline stage `stage` on one TP rank, in registration order."""
+    """The parameters of pipeline stage `stage` on one TP rank (and, in MoE layers, one EP
+    x expert-TP rank: `etp` None is TP), in registration order."""
     h, d = arch.hidden_size, arch.head_dim
     qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * d // tp
     query = arch.num_attention_heads * d // tp
@@ -37,7 +61,7 @@ def stage_params(
     params: list[Param] = []
     if stage == 0:
         params.append(Param(padded_vocab // tp * h, shared_embedding=tied_split))
-    for _ in range(arch.num_layers // pp):
+    for layer in stage_layers(arch.num_layers, pp, stage, vp):
         params.append(Param(h))  # input_layernorm
         params.append(Param(h * query))  # linear_proj
         params.append(Param(qkv * h))  # linear_qkv
@@ -46,8 +70,12 @@ def stage_params(
         if arch.qk_layernorm:
             params += [Param(d), Param(d)]
         params.append(Param(h))  # pre_mlp_layernorm
-        params.append(Param(2 * ffn * h))  # linear_fc1 (gate and up)
-        params.append(Param(h * ffn))  # linear_fc2
+        if arch.moe is not None and arch.is_moe_layer(layer):
+            for numel, expert in moe_layer_params(arch.moe, h, tp=tp, ep=ep, etp=etp or tp):
+                params.append(Param(numel, expert=expert))
+        else:
+            params.append(Param(2 * ffn * h))  # linear_fc1 (gate and up)
+            params.append(Param(h * ffn))  # linear_fc2
     if stage == pp - 1:
         params.append(Param(h))  # final_layernorm
         if value_head:

@@ -45,7 +45,8 @@ from rlhf.memory.activations import (
     training_peak,
 )
 from rlhf.memory.host import host_bytes_per_rank
-from rlhf.memory.params import GradBuffer, stage_params
+from rlhf.memory.moe import MoEShape, replicated_params
+from rlhf.memory.params import GradBuffer, stage_layers, stage_params
 from rlhf.models.families import ModelArch, Recompute, padded_vocab_size
 
 GIB = 1024**3
@@ -77,6 +78,7 @@ class RoleMemory:
     activations: int = 0
     communication: int = 0
     offloaded: frozenset[str] = field(default_factory=frozenset)
+    experts: int = 0  # of weights, gradients, master weights and Adam state: the routed experts'
 
     @property
     def static(self) -> int:
@@ -126,18 +128,88 @@ def _flash(device: str) -> bool:
     return device != "cpu"
 
 
+def expert_sizes(m: MegatronParallelConfig) -> tuple[int, int]:
+    """EP and expert-TP (null: TP) of a model's config."""
+    return m.expert_model_parallel_size, m.expert_tensor_parallel_size or (
+        m.tensor_model_parallel_size
+    )
+
+
+@dataclass(frozen=True)
+class StageCount:
+    """One rank's parameters on a stage and DDP's two buffers: the dense parameters' over
+    DP (x Ulysses SP), the routed experts' over expert-DP."""
+
+    numel: int
+    dense: GradBuffer
+    experts: GradBuffer
+
+    @property
+    def buffer_numel(self) -> int:
+        return self.dense.numel + self.experts.numel
+
+    def owned(self, dp_rank: int, expert_dp_rank: int) -> int:
+        return self.dense.owned[dp_rank] + self.experts.owned[expert_dp_rank]
+
+
 def stage_count(
     arch: ModelArch,
     padded: int,
     m: MegatronParallelConfig,
     stage: int,
-    dp: int,
+    groups: tuple[int, int],
     distributed: bool,
     value_head: bool,
-) -> tuple[int, GradBuffer]:
+) -> StageCount:
+    """`groups`: the distributed optimizer's DP x SP and expert-DP sizes."""
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    params = stage_params(arch, padded, tp=tp, pp=pp, stage=stage, value_head=value_head)
-    return sum(p.numel for p in params), GradBuffer.layout(params, dp, distributed)
+    ep, etp = expert_sizes(m)
+    params = stage_params(
+        arch,
+        padded,
+        tp=tp,
+        pp=pp,
+        stage=stage,
+        value_head=value_head,
+        ep=ep,
+        etp=etp,
+        vp=virtual_pipeline_size(m),
+    )
+    dense = GradBuffer.layout([p for p in params if not p.expert], groups[0], distributed)
+    experts = GradBuffer.layout([p for p in params if p.expert], groups[1], distributed)
+    return StageCount(sum(p.numel for p in params), dense, experts)
+
+
+def activation_shape(
+    arch: ModelArch, m: MegatronParallelConfig, tokens: int, *, sp: int, stage: int
+) -> ActivationShape:
+    """One rank's micro-batch of `tokens` on pipeline stage `stage`, MoE layers included."""
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    sequence_parallel = sequence_parallel_on(m.sequence_parallel, tp)
+    moe, moe_layers = None, 0
+    if arch.moe is not None:
+        moe = MoEShape.of(
+            arch.moe,
+            tokens,
+            tp=tp,
+            etp=expert_sizes(m)[1],
+            seq_split=tp if sequence_parallel else 1,
+            aux_loss=m.moe_aux_loss_coeff > 0,
+        )
+        layers = stage_layers(arch.num_layers, pp, stage, virtual_pipeline_size(m))
+        moe_layers = sum(arch.is_moe_layer(i) for i in layers)
+    return ActivationShape.of(
+        arch,
+        tokens,
+        padded_vocab_size(arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp),
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        element=DTYPE_BYTES[m.dtype],
+        sequence_parallel=sequence_parallel,
+        moe=moe,
+        moe_layers=moe_layers,
+    )
 
 
 def trained_memory(
@@ -149,34 +221,38 @@ def trained_memory(
     device: str,
     stage: int,
     dp_rank: int = 0,
+    expert_dp_rank: int = 0,
     train: bool = True,
 ) -> RoleMemory:
-    """One rank's bytes for `role` on pipeline stage `stage` (DP rank `dp_rank`)."""
+    """One rank's bytes for `role` on pipeline stage `stage` (DP rank `dp_rank`, and in
+    the expert grid expert-DP rank `expert_dp_rank`)."""
     m = role.megatron
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    ep, etp = expert_sizes(m)
     vp = virtual_pipeline_size(m)
     padded = padded_vocab_size(arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
     element = DTYPE_BYTES[m.dtype]
     group = dp * sp  # the distributed optimizer shards over DP x SP
+    if (group * tp) % (etp * ep):
+        raise ValueError(
+            f"expert-TP ({etp}) x EP ({ep}) x PP ({pp}) does not divide the world size "
+            f"({group * tp * pp})"
+        )
+    expert_dp = group * tp // (etp * ep)  # world / (expert-TP x EP x PP)
     distributed = train and distributed_optimizer_on(m, group)
-    numel, buffer = stage_count(arch, padded, m, stage, group, distributed, role.value_head)
-    shape = ActivationShape.of(
-        arch,
-        role.token_budget,
-        padded,
-        tp=tp,
-        pp=pp,
-        sp=sp,
-        element=element,
-        sequence_parallel=sequence_parallel_on(m.sequence_parallel, tp),
-    )
+    count = stage_count(arch, padded, m, stage, (group, expert_dp), distributed, role.value_head)
+    shape = activation_shape(arch, m, role.token_budget, sp=sp, stage=stage)
     last, lm_head = stage == pp - 1, not role.value_head
     flash = _flash(device)
     if not train:
-        activations = forward_peak(shape, flash=flash, last_stage=last, lm_head=lm_head)
-        return RoleMemory(role.name, weights=numel * element, activations=activations)
-    recompute = Recompute.of(m)
-    owned = buffer.owned[dp_rank]
+        return RoleMemory(
+            role.name,
+            weights=count.numel * element,
+            activations=forward_peak(shape, flash=flash, last_stage=last, lm_head=lm_head),
+            experts=count.experts.numel * element,
+        )
+    owned = count.owned(dp_rank, expert_dp_rank)
+    owned_experts = count.experts.owned[expert_dp_rank]
     switches = {
         "weights": m.param_offload,
         "gradients": m.grad_offload,
@@ -184,15 +260,16 @@ def trained_memory(
         "optimizer_state": m.optimizer_offload,
     }
     offloaded = {kind for kind, on in switches.items() if on}
+    master = 4 if element == 2 else 0  # fp32 master weights of 16-bit models
     return RoleMemory(
         role.name,
-        weights=(buffer.numel if distributed else numel) * element,
-        gradients=buffer.numel * 4,  # fp32 (bf16 models reduce gradients in fp32)
-        master_weights=owned * 4 if element == 2 else 0,
+        weights=(count.buffer_numel if distributed else count.numel) * element,
+        gradients=count.buffer_numel * 4,  # fp32 (bf16 models reduce gradients in fp32)
+        master_weights=owned * master,
         optimizer_state=2 * owned * 4,  # Adam's exp_avg and exp_avg_sq, fp32
         activations=training_peak(
             shape,
-            recompute,
+            Recompute.of(m),
             flash=flash,
             last_stage=last,
             lm_head=lm_head,
@@ -202,6 +279,7 @@ def trained_memory(
             chunks=vp,
         ),
         offloaded=frozenset(offloaded),
+        experts=count.experts.numel * (element + 4) + owned_experts * (master + 8),
     )
 
 
@@ -291,12 +369,38 @@ def _rank_rows(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> list[Ro
         offloaded = frozenset({"weights"}) if inputs.ref_offload else frozenset()
         rows.append(replace(ref, offloaded=offloaded))
     if inputs.colocated:
-        weights = (
-            hf_param_count(inputs.arch) * DTYPE_BYTES[inputs.rollout_dtype] // inputs.rollout_tp
-        )
-        share = int(inputs.rollout_fraction * gpu_bytes) if gpu_bytes else weights
-        rows.append(RoleMemory("rollout", weights=weights, activations=max(0, share - weights)))
+        rows.append(_rollout_row(inputs, gpu_bytes))
     return rows
+
+
+def _rollout_row(inputs: PlanInputs, gpu_bytes: int | None) -> RoleMemory:
+    """A colocated SGLang server's share of the GPU: its weights on one of its TP ranks,
+    the rest KV cache."""
+    arch, tp, element = inputs.arch, inputs.rollout_tp, DTYPE_BYTES[inputs.rollout_dtype]
+    weights = rollout_weight_bytes(arch, tp, element)
+    share = int(inputs.rollout_fraction * gpu_bytes) if gpu_bytes else weights
+    experts = expert_param_count(arch) * element // tp
+    return RoleMemory(
+        "rollout", weights=weights, activations=max(0, share - weights), experts=experts
+    )
+
+
+def expert_param_count(arch: ModelArch) -> int:
+    """Parameters of all the routed experts of the model."""
+    if arch.moe is None:
+        return 0
+    per_expert = 3 * arch.moe.ffn_hidden_size * arch.hidden_size  # gate, up, down
+    return sum(arch.moe.layers) * arch.moe.num_experts * per_expert
+
+
+def rollout_weight_bytes(arch: ModelArch, rollout_tp: int, element: int) -> int:
+    """SGLang's weights on one of its TP ranks: the model split over its TP ranks (the
+    routed experts too: over its TP, or over its EP with `engine_kwargs.sglang.ep_size`,
+    E x moe_ffn / TP per rank either way), except each MoE layer's router (and shared-expert
+    gate), which every rank holds whole."""
+    replicated = replicated_params(arch.moe, arch.hidden_size) if arch.moe else 0
+    split = hf_param_count(arch) - replicated
+    return split * element // rollout_tp + replicated * element
 
 
 def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from rlhf.memory.planner import GIB, KINDS, MemoryPlan, PlanInputs, plan_inputs
+from rlhf.memory.planner import GIB, KINDS, MemoryPlan, PlanInputs, expert_sizes, plan_inputs
 
 AR = "actor_rollout_ref"
 
@@ -111,8 +111,26 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
 
-def format_plan(plan: MemoryPlan, hints: list[Suggestion] | None = None) -> str:
-    """The table by role and kind (GiB per GPU), the phase peaks and the verdict."""
+def expert_text(inputs: PlanInputs, plan: MemoryPlan) -> str:
+    """For a mixture-of-experts model: the routed experts' part of the table's rows and
+    their layout per GPU; '' for a dense model."""
+    moe = inputs.arch.moe
+    if moe is None:
+        return ""
+    m = inputs.roles[0].megatron
+    ep, etp = expert_sizes(m)
+    expert_dp = inputs.world_size // (etp * ep * m.pipeline_model_parallel_size)
+    parts = ", ".join(f"{r.role} {_gib(r.experts)}" for r in plan.rows if r.experts)
+    return (
+        f"routed experts: {moe.num_experts // ep} of {moe.num_experts} per MoE layer per GPU "
+        f"(EP {ep} x expert-TP {etp}; their gradients reduced and optimizer state sharded "
+        f"over expert-DP {expert_dp}); their part of the rows above (GiB): {parts}"
+    )
+
+
+def format_plan(plan: MemoryPlan, hints: list[Suggestion] | None = None, experts: str = "") -> str:
+    """The table by role and kind (GiB per GPU), the routed experts' part (`experts`), the
+    phase peaks and the verdict."""
     header = ("role", "weights", "grads", "master", "optimizer", "activ/KV", "comm", "total")
     rows = [header] + [
         (r.role, *(_gib(getattr(r, k)) for k in KINDS), _gib(r.total)) for r in plan.rows
@@ -123,6 +141,8 @@ def format_plan(plan: MemoryPlan, hints: list[Suggestion] | None = None) -> str:
         for row in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
+    if experts:
+        lines.append(experts)
     phases = ", ".join(f"{name} {_gib(v)}" for name, v in plan.phases.items())
     lines.append(f"peak by phase (GiB, with the CUDA runtime on GPU): {phases}")
     lines.append(verdict(plan))
@@ -144,7 +164,7 @@ def describe(inputs: PlanInputs, gpu_bytes: int | None) -> tuple[MemoryPlan, str
     """The plan and its report (with suggestions when it does not fit)."""
     plan = plan_inputs(inputs, gpu_bytes)
     hints = suggestions(inputs, plan) if plan.fits is False else []
-    return plan, format_plan(plan, hints)
+    return plan, format_plan(plan, hints, expert_text(inputs, plan))
 
 
 def startup_report(cfg, arch, world_size: int, device: str) -> tuple[MemoryPlan, str]:

@@ -10,7 +10,14 @@ import json
 import pytest
 
 from rlhf.config import ConfigError, load_config, validate_config
-from rlhf.memory.planner import GIB, PlanInputs, plan_inputs
+from rlhf.memory.planner import (
+    DTYPE_BYTES,
+    GIB,
+    PlanInputs,
+    kv_cache_bytes_per_token,
+    plan_inputs,
+    rollout_weight_bytes,
+)
 from rlhf.models.families import arch_from_hf_config
 from tests.helpers import REPO
 
@@ -70,6 +77,8 @@ GPU_CONFIGS = {
     "gsm8k_grpo_8gpu": "Qwen2.5-7B",
     "gsm8k_2node": "Qwen2.5-14B",
     "gsm8k_72b_grpo_4node": "Qwen2.5-72B",
+    "qwen3_30b_a3b_grpo_8gpu": "Qwen3-30B-A3B",
+    "qwen3_235b_a22b_grpo_16node": "Qwen3-235B-A22B",
 }
 
 
@@ -82,15 +91,15 @@ PHASES = ("rollout", "reference", "critic", "actor", "weight_sync", "kv_cache_wa
 HEADROOM = 0.08
 
 
+def model_shape(name: str):
+    path = REPO / "configs" / "model_shapes" / f"{GPU_CONFIGS[name]}.json"
+    return arch_from_hf_config(json.loads(path.read_text()))
+
+
 def gpu_plan(name: str):
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
-    shape = json.loads(
-        (REPO / "configs" / "model_shapes" / f"{GPU_CONFIGS[name]}.json").read_text()
-    )
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    return plan_inputs(
-        PlanInputs.from_config(cfg, arch_from_hf_config(shape), world, "cuda"), 80 * GIB
-    )
+    return plan_inputs(PlanInputs.from_config(cfg, model_shape(name), world, "cuda"), 80 * GIB)
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
@@ -98,6 +107,27 @@ def test_gpu_config_fits_every_phase_with_headroom_by_the_planner(name):
     plan = gpu_plan(name)
     for phase, peak in plan.phases.items():
         assert peak <= (1 - HEADROOM) * 80 * GIB, (name, phase, peak / GIB)
+
+
+DISAGGREGATED = sorted(
+    n
+    for n in GPU_CONFIGS
+    if load_config(REPO / "configs" / f"{n}.yaml").actor_rollout_ref.rollout.server_urls
+)
+
+
+@pytest.mark.parametrize("name", DISAGGREGATED)
+def test_disaggregated_servers_hold_their_weights_and_a_group_of_rollouts(name):
+    """Servers on their own GPUs are outside the plan: at `gpu_memory_utilization` of an
+    80 GiB GPU, one TP rank's weights and the KV cache of one prompt's `n` full-length
+    samples must fit (SGLang refuses to start without room for a KV cache)."""
+    rollout = load_config(REPO / "configs" / f"{name}.yaml").actor_rollout_ref.rollout
+    data = load_config(REPO / "configs" / f"{name}.yaml").data
+    arch, tp = model_shape(name), rollout.tensor_model_parallel_size
+    weights = rollout_weight_bytes(arch, tp, DTYPE_BYTES[rollout.dtype])
+    group = rollout.n * (data.max_prompt_length + data.max_response_length)
+    kv = group * kv_cache_bytes_per_token(arch, tp, rollout.dtype)
+    assert weights + kv <= rollout.gpu_memory_utilization * 80 * GIB, (name, weights / GIB)
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
