@@ -123,6 +123,8 @@ def _context(device: torch.device) -> ParallelContext:
     pp_size = ps.get_pipeline_model_parallel_world_size()
     sp_size = ps.get_context_parallel_world_size()
     pp_group = ps.get_pipeline_model_parallel_group() if pp_size > 1 else None
+    ep_size = ps.get_expert_model_parallel_world_size()
+    etp_size = ps.get_expert_tensor_parallel_world_size()
     world = dist.get_world_size()
     return ParallelContext(
         rank=dist.get_rank(),
@@ -148,9 +150,13 @@ def _context(device: torch.device) -> ParallelContext:
         dp_group=ps.get_data_parallel_group(),
         dp_sp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
         ep_rank=ps.get_expert_model_parallel_rank(),
-        ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_size=ep_size,
         etp_rank=ps.get_expert_tensor_parallel_rank(),
-        etp_size=ps.get_expert_tensor_parallel_world_size(),
+        etp_size=etp_size,
+        ep_group=ps.get_expert_model_parallel_group() if ep_size > 1 else None,
+        etp_group=ps.get_expert_tensor_parallel_group() if etp_size > 1 else None,
+        edp_rank=ps.get_expert_data_parallel_rank(),
+        edp_size=ps.get_expert_data_parallel_world_size(),
     )
 
 

@@ -31,7 +31,9 @@ class ParallelContext:
     TP-split layers along the sequence over the TP group (Megatron's sequence parallelism).
     `ep_*` / `etp_*`: where the rank sits among the expert-parallel ranks and, within those,
     the expert tensor-parallel ranks (mixture-of-experts layers; both 1 for dense models
-    except that expert-TP follows TP by Megatron's default).
+    except that expert-TP follows TP by Megatron's default). `edp_*`: the expert
+    data-parallel replicas, expert-TP x EP groups that each hold every routed expert once
+    (per pipeline stage).
     """
 
     rank: int
@@ -59,6 +61,10 @@ class ParallelContext:
     ep_size: int = 1
     etp_rank: int = 0
     etp_size: int = 1
+    ep_group: ProcessGroup | None = None
+    etp_group: ProcessGroup | None = None
+    edp_rank: int = 0
+    edp_size: int = 1
 
     @property
     def is_main(self) -> bool:

@@ -4,12 +4,28 @@ Every rank of one data-parallel replica takes part: TP ranks all-gather each par
 shards, the TP-rank-0 "stage leader" of every pipeline stage converts them to HF names and
 layout (`rlhf.models.mapping.shards_to_hf`), packs them into buckets of at most
 `bucket_bytes`, and stage leaders of later stages send their buckets to global rank 0 over
-the pipeline group. Only global rank 0 talks to SGLang. Peak extra memory is one
-parameter's gathered shards plus about one bucket (two on rank 0 while receiving).
+the pipeline group. Only global rank 0 talks to SGLang.
+
+Routed experts (mixture-of-experts layers) are not split like the rest: each expert-parallel
+(EP) rank holds E / EP of them, each split over the expert-TP group, and the EP ranks are
+carved out of the DP x TP ranks, so the sync replica alone does not hold them all. The
+ranks of one expert-data-parallel replica (the expert-TP x EP group of the stage leader)
+gather each local expert weight to the leader instead: `dist.gather` over expert-TP to
+each expert-TP rank 0, then over EP to the leader, one local expert index at a time
+(expert i of every EP rank in one call), and the leader emits them under their global HF
+names (`model.layers.L.mlp.experts.E.gate_proj.weight`, ...): SGLang's MoE models load
+per-expert names into their fused expert parameters. Only the leader receives; nothing is
+all-gathered.
+
+Peak extra memory on a stage leader: one dense parameter's TP shards, or EP x (one routed
+expert's weight) received plus its HF copy (gate/up split), plus about one bucket (two on
+rank 0 while receiving another stage's); an expert-TP rank 0 holds one expert weight.
+For Qwen3-235B-A22B at EP 8 one expert's gate/up weight is 25 MB (bf16): 200 MB a gather.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,7 +36,14 @@ from torch.distributed import ProcessGroup
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.chunks import ModelChunks
 from rlhf.models.families import ModelArch
-from rlhf.models.mapping import Layout, Placement, resolve, shards_to_hf, skip_on_export
+from rlhf.models.mapping import (
+    Layout,
+    ParamRule,
+    Placement,
+    resolve,
+    shards_to_hf,
+    skip_on_export,
+)
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -33,6 +56,9 @@ class SyncTopology:
     weights for its servers: replica 0 of the job, or, when every node syncs its own
     colocated servers (`per_node`), the replica holding the node's local rank 0 (which needs
     whole replicas per node: PP = 1, TP x SP dividing the node's processes).
+    `in_sync_experts`: this rank belongs to the expert-data-parallel replica (expert-TP x EP
+    ranks of a stage) whose routed experts go to that replica's stage leader. The defaults
+    (no expert groups, experts local) describe a single rank.
     """
 
     placement: Placement
@@ -40,12 +66,34 @@ class SyncTopology:
     pp_group: ProcessGroup | None  # None when PP = 1
     pp_stage_ranks: tuple[int, ...]  # global ranks of my pipeline's stages, stage order
     in_sync_replica: bool
+    etp_group: ProcessGroup | None = None  # None when expert-TP = 1
+    ep_group: ProcessGroup | None = None  # None when EP = 1
+    in_sync_experts: bool = True
 
     @classmethod
     def of(cls, ctx: ParallelContext, per_node: bool = False) -> SyncTopology:
-        replicas_per_sync = ctx.dp_size // ctx.num_nodes if per_node else ctx.dp_size
+        num_syncs = ctx.num_nodes if per_node else 1
+        if per_node and ctx.local_world_size % (ctx.etp_size * ctx.ep_size):
+            raise ValueError(
+                f"every node syncs its own servers, so each node must hold whole expert-TP x EP "
+                f"groups: expert-TP {ctx.etp_size} x EP {ctx.ep_size} does not divide the "
+                f"{ctx.local_world_size} processes per node"
+            )
+        replicas_per_sync = ctx.dp_size // num_syncs
         in_replica = ctx.dp_rank % replicas_per_sync == 0 and ctx.sp_rank == 0
-        return cls(Placement.of(ctx), ctx.tp_group, ctx.pp_group, ctx.pp_stage_ranks, in_replica)
+        in_experts = ctx.edp_rank % (ctx.edp_size // num_syncs) == 0
+        if in_replica and ctx.tp_rank == 0:  # a stage leader receives the experts
+            assert in_experts and ctx.ep_rank == 0 and ctx.etp_rank == 0, ctx
+        return cls(
+            Placement.of(ctx),
+            ctx.tp_group,
+            ctx.pp_group,
+            ctx.pp_stage_ranks,
+            in_replica,
+            ctx.etp_group,
+            ctx.ep_group,
+            in_experts,
+        )
 
     @property
     def is_stage_leader(self) -> bool:
@@ -66,6 +114,52 @@ def _gather_tp(param: torch.Tensor, layout: Layout, topo: SyncTopology) -> list[
     return parts
 
 
+def _gather_to_first(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor | None:
+    """`tensor` of every rank of `group` stacked in group-rank order ([group size, *shape])
+    on the group's first rank, None on the others (no group: [1, *shape] at once)."""
+    if group is None:
+        return tensor.unsqueeze(0)
+    size = dist.get_world_size(group)
+    first = dist.get_rank(group) == 0
+    received = tensor.new_empty((size, *tensor.shape)) if first else None
+    parts = list(received.unbind(0)) if received is not None else None
+    dist.gather(tensor.contiguous(), parts, group=group, group_dst=0)
+    return received
+
+
+def _gather_expert(param: torch.Tensor, topo: SyncTopology) -> torch.Tensor | None:
+    """One local expert's weight of every EP rank, [EP, expert-TP, *shard shape] on the
+    stage leader (None elsewhere): expert-TP slices first, then EP ranks."""
+    slices = _gather_to_first(param.detach(), topo.etp_group)
+    if slices is None:
+        return None
+    return _gather_to_first(slices, topo.ep_group)
+
+
+def _expert_tensors(
+    gathered: torch.Tensor, name: str, placement: Placement, arch: ModelArch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of one local expert weight gathered from every EP rank: EP rank r's
+    local expert i is global expert r x E / EP + i (`resolve` at r's placement)."""
+    for ep_rank, slices in enumerate(gathered.unbind(0)):
+        rule, layer = resolve(arch, name, dataclasses.replace(placement, ep_rank=ep_rank))
+        yield from shards_to_hf(rule, layer, list(slices.unbind(0)), arch)
+
+
+def _stage_tensors_of(
+    rule: ParamRule, layer: int | None, name: str, param, placement: Placement, arch, topo
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of one parameter, on the stage leader; the gathers it needs elsewhere."""
+    if rule.expert:
+        if topo.in_sync_experts and (gathered := _gather_expert(param, topo)) is not None:
+            assert topo.is_stage_leader
+            yield from _expert_tensors(gathered, name, placement, arch)
+    elif topo.in_sync_replica:
+        shards = _gather_tp(param, rule.layout, topo)
+        if topo.is_stage_leader:
+            yield from shards_to_hf(rule, layer, shards, arch)
+
+
 def iter_stage_tensors(
     model, arch: ModelArch, topo: SyncTopology
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -73,11 +167,8 @@ def iter_stage_tensors(
     topology's placement); yielded on the stage leader, others only gather."""
     for placement, name, param in ModelChunks.of(model, topo.placement).placed_parameters():
         rule, layer = resolve(arch, name, placement)
-        if skip_on_export(arch, rule):
-            continue
-        shards = _gather_tp(param, rule.layout, topo)
-        if topo.is_stage_leader:
-            yield from shards_to_hf(rule, layer, shards, arch)
+        if not skip_on_export(arch, rule):
+            yield from _stage_tensors_of(rule, layer, name, param, placement, arch, topo)
 
 
 def bucketize(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
@@ -124,10 +215,10 @@ def _recv_bucket(src: int, group) -> Bucket | None:
 def iter_buckets(model, arch: ModelArch, topo: SyncTopology, bucket_bytes: int) -> Iterator[Bucket]:
     """All HF buckets of the model, yielded on the sender (global rank 0) only.
 
-    Every rank must exhaust this iterator: it drives the TP gathers and the sends of later
-    pipeline stages, one stage after the other.
+    Every rank must exhaust this iterator: it drives the TP and expert gathers and the sends
+    of later pipeline stages, one stage after the other.
     """
-    if not topo.in_sync_replica:
+    if not (topo.in_sync_replica or topo.in_sync_experts):
         return
     for stage, leader in enumerate(topo.pp_stage_ranks):
         if stage == topo.placement.pp_rank:
