@@ -1,15 +1,22 @@
-"""An SGLang general plugin: the torch.distributed stores SGLang's processes host listen on
-their given host only, not on every interface.
+"""An SGLang general plugin for the servers this project launches; two jobs.
 
-SGLang's scheduler joins its process group with `init_process_group("tcp://127.0.0.1:PORT")`,
-and torch's store for it listens on every interface whatever host it is given
-(`rlhf.distributed.stores.bound_store` says why): an unauthenticated port, next to the HTTP
-server that the API key guards. SGLang loads the general plugins registered under the
-`sglang.srt.plugins` entry point at the start of each of its processes (`load_plugins()`:
-the scheduler, the detokenizer, the engine). This one, registered in setup.py, acts only
-where the launcher set `RLHF_SGLANG_BOUND_STORES=1` (the servers `rlhf.rollout.sglang_server`
-starts): rank 0 of a tcp:// rendezvous then hosts its store on a socket bound to the URL's
-host and port (127.0.0.1 for a one-node server; the address SGLang is given otherwise).
+1. The torch.distributed stores SGLang's processes host listen on their given host only,
+   not on every interface. SGLang's scheduler joins its process group with
+   `init_process_group("tcp://127.0.0.1:PORT")`, and torch's store for it listens on every
+   interface whatever host it is given (`rlhf.distributed.stores.bound_store` says why): an
+   unauthenticated port, next to the HTTP server that the API key guards. Rank 0 of a
+   tcp:// rendezvous then hosts its store on a socket bound to the URL's host and port
+   (127.0.0.1 for a one-node server; the address SGLang is given otherwise).
+2. On the CPU engine (`SGLANG_USE_CPU_ENGINE=1`): torch versions of the Triton kernels that
+   SGLang 0.5.23 calls on the CPU without a CPU path of its own. Qwen2-MoE's shared-expert
+   gate (`sigmoid(x . w) * shared_output`, added to the routed experts' output) runs a
+   Triton kernel unless its layer uses Intel AMX, so on other CPUs every forward failed
+   with "0 active drivers". The replacement goes in through SGLang's own `HookRegistry`.
+
+SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
+the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the
+engine). This one, registered in setup.py, acts only where the launcher set
+`RLHF_SGLANG_BOUND_STORES=1` (the servers `rlhf.rollout.sglang_server` starts).
 """
 
 from __future__ import annotations
@@ -17,13 +24,25 @@ from __future__ import annotations
 import importlib
 import os
 
+import torch
+
 ENV = "RLHF_SGLANG_BOUND_STORES"
+GATE_KERNEL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
 
 
 def register() -> None:
-    """SGLang's hook: wrap torch's tcp:// store creation in this process (idempotent)."""
+    """SGLang's hook (idempotent)."""
     if os.environ.get(ENV) != "1":
         return
+    _bind_stores()
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(GATE_KERNEL, gate_sigmoid_mul, HookType.REPLACE)
+
+
+def _bind_stores() -> None:
+    """Wrap torch's tcp:// store creation in this process."""
     rendezvous = importlib.import_module("torch.distributed.rendezvous")
     create = rendezvous._create_c10d_store
     if getattr(create, "binds_its_host", False):
@@ -38,3 +57,20 @@ def register() -> None:
 
     create_store.binds_its_host = True  # type: ignore[attr-defined]
     setattr(rendezvous, "_create_c10d_store", create_store)  # noqa: B010 (a module global)
+
+
+def gate_sigmoid_mul(
+    hidden_states: torch.Tensor,
+    gate_weight: torch.Tensor,
+    shared_output: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    do_add: bool,
+) -> None:
+    """What SGLang's Triton kernel computes, in fp32 as it does: `output` = sigmoid(hidden
+    [tokens, h] . gate_weight [h]) x shared_output [tokens, h] (+ `output` when `do_add`)."""
+    gate_t1 = torch.sigmoid(hidden_states.float() @ gate_weight.float()).unsqueeze(1)
+    result = gate_t1 * shared_output.float()
+    if do_add:
+        result += output.float()
+    output.copy_(result)

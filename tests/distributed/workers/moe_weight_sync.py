@@ -3,7 +3,7 @@ running SGLang server once per transport, perturbing its weights before each syn
 
 After every sync it reports (rank 0, OUT_DIR/report.json) the probe's log-prob difference
 (the trainer's probe path against SGLang's), the server's weight version and SGLang's greedy
-tokens for PROMPTS, and writes the weights as the gather exported them
+tokens for PROMPTS with their log-probs, and writes the weights as the gather exported them
 (OUT_DIR/<transport>.safetensors): the test compares SGLang's greedy tokens with
 transformers' on those weights.
 """
@@ -44,12 +44,19 @@ def perturb(model, placement, version: int) -> None:
             param.add_(0.05 * noise.to(param.dtype))
 
 
-def sglang_greedy(url: str) -> list[list[int]]:
+def sglang_greedy(url: str) -> list[dict]:
+    """SGLang's greedy continuations of PROMPTS: tokens and their log-probs."""
     from rlhf import sglang_api
 
     params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-    out = sglang_api.generate(url, {"input_ids": PROMPTS, "sampling_params": params})
-    return [item["output_ids"] for item in out]
+    request = {"input_ids": PROMPTS, "sampling_params": params, "return_logprob": True}
+    return [
+        {
+            "tokens": item["output_ids"],
+            "logprobs": [lp for lp, *_ in item["meta_info"]["output_token_logprobs"]],
+        }
+        for item in sglang_api.generate(url, request)
+    ]
 
 
 def sync_once(ctx, topo, model, arch, args, transport: str, version: int) -> dict:
