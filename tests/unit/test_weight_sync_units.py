@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlhf.config.schema import RolloutConfig
+from rlhf.distributed.context import ParallelContext
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
 from rlhf.rollout.policy_servers import PolicyServers
@@ -63,3 +64,48 @@ def test_resync_without_snapshot_is_a_clear_error(tmp_path):
     syncer.version = 3
     with pytest.raises(RuntimeError, match="http://h:1 restarted with its initial weights"):
         syncer.reload("http://h:1")
+
+
+def expert_rank(rank: int, world: int, local_world: int, ep: int) -> ParallelContext:
+    """Rank `rank` of a TP1 PP1 job of `world` ranks at EP `ep` (expert-TP 1), as Megatron
+    numbers them: EP ranks consecutive, expert-DP replicas after one another."""
+    return ParallelContext(
+        rank=rank,
+        world_size=world,
+        local_rank=rank % local_world,
+        local_world_size=local_world,
+        backend="gloo",
+        device=torch.device("cpu"),
+        tp_rank=0,
+        tp_size=1,
+        tp_group=None,
+        pp_rank=0,
+        pp_size=1,
+        pp_group=None,
+        pp_stage_ranks=(rank,),
+        sp_rank=0,
+        sp_size=1,
+        sp_group=None,
+        dp_rank=rank,
+        dp_size=world,
+        dp_group=None,  # type: ignore[arg-type]  # unused here
+        dp_sp_size=world,
+        ep_rank=rank % ep,
+        ep_size=ep,
+        edp_rank=rank // ep,
+        edp_size=world // ep,
+    )
+
+
+@pytest.mark.parametrize(("per_node", "takes_part"), [(False, [0, 1]), (True, [0, 1, 4, 5])])
+def test_the_senders_expert_parallel_ranks_take_part(per_node, takes_part):
+    """8 ranks on 2 nodes at EP2: the sender of replica 0 (or of each node) gets the experts
+    of its own EP group, whose other rank is in another data-parallel replica."""
+    topologies = [SyncTopology.of(expert_rank(r, 8, 4, 2), per_node) for r in range(8)]
+    assert [r for r, t in enumerate(topologies) if t.in_sync_experts] == takes_part
+    assert [r for r, t in enumerate(topologies) if t.is_sender] == takes_part[::2]
+
+
+def test_a_node_without_whole_expert_groups_cannot_sync_its_own_servers():
+    with pytest.raises(ValueError, match="EP 4 does not divide the 2 processes per node"):
+        SyncTopology.of(expert_rank(0, 4, 2, 4), per_node=True)
