@@ -48,6 +48,7 @@ from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 from rlhf.rollout.generation import RolloutResult, generate_and_score, kv_cache_tokens
+from rlhf.rollout.sglang_server import check_servable
 from rlhf.sglang_api import ServerLost
 from rlhf.utils import empty_device_cache, split_evenly
 from rlhf.weight_sync.factory import build_weight_syncer
@@ -167,6 +168,7 @@ class PolicyServers:
     ) -> PolicyServers:
         """Start the servers (without waiting: the caller builds its models meanwhile and then
         calls `wait_ready`) and the weight syncer of this rank's node."""
+        check_servable(arch)
         rollout = cfg.actor_rollout_ref.rollout
         per_node = rollout.server_urls is None and ctx.num_nodes > 1
         owner = ctx.local_rank == 0 if per_node else ctx.is_main

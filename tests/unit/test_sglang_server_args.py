@@ -140,3 +140,21 @@ def test_cpu_thread_policy(monkeypatch):
     assert [cpu_threads(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads(1) == 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_moe_models_with_dense_layers_are_refused_before_serving(tmp_path, family):
+    """SGLang 0.5.23 would build the dense layers with experts (test_moe_weight_sync)."""
+    from transformers import AutoConfig
+
+    from rlhf.models.families import load_arch
+    from rlhf.rollout.sglang_server import check_servable
+    from tests.distributed.test_moe_parity import COMMON, MODELS
+
+    fields = {**COMMON, **MODELS[family]}  # with dense layers
+    AutoConfig.for_model(**fields).save_pretrained(tmp_path / "mixed")
+    with pytest.raises(ValueError, match=rf"the {family} model has dense layers \[\d"):
+        check_servable(load_arch(tmp_path / "mixed"))
+    sparse = {**fields, "mlp_only_layers": [], "decoder_sparse_step": 1}
+    AutoConfig.for_model(**sparse).save_pretrained(tmp_path / "sparse")
+    check_servable(load_arch(tmp_path / "sparse"))
