@@ -17,10 +17,11 @@ names (`model.layers.L.mlp.experts.E.gate_proj.weight`, ...): SGLang's MoE model
 per-expert names into their fused expert parameters. Only the leader receives; nothing is
 all-gathered.
 
-Peak extra memory on a stage leader: one dense parameter's TP shards, or EP x (one routed
-expert's weight) received plus its HF copy (gate/up split), plus about one bucket (two on
-rank 0 while receiving another stage's); an expert-TP rank 0 holds one expert weight.
-For Qwen3-235B-A22B at EP 8 one expert's gate/up weight is 25 MB (bf16): 200 MB a gather.
+Peak extra memory on a stage leader: one dense parameter's TP shards, or for a routed
+expert weight at most (2 x EP + 1) x that weight of one expert (its expert-TP slices, every
+EP rank's copy, and their HF tensors where the layout copies), plus about one bucket (two on
+rank 0 while receiving another stage's); another expert-TP rank 0 holds one expert's weight.
+For Qwen3-235B-A22B at EP 8, one expert's gate/up weight is 25 MB (bf16): 200 MB a gather.
 """
 
 from __future__ import annotations
@@ -147,7 +148,13 @@ def _expert_tensors(
 
 
 def _stage_tensors_of(
-    rule: ParamRule, layer: int | None, name: str, param, placement: Placement, arch, topo
+    rule: ParamRule,
+    layer: int | None,
+    name: str,
+    param: torch.Tensor,
+    placement: Placement,
+    arch: ModelArch,
+    topo: SyncTopology,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors of one parameter, on the stage leader; the gathers it needs elsewhere."""
     if rule.expert:
