@@ -354,7 +354,8 @@ def _rank_rows(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> list[Ro
     ]
     padded = padded_vocab_size(inputs.arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
     element = DTYPE_BYTES[actor_m.dtype]
-    sync = sync_bytes(inputs.arch, padded, tp, element, inputs.sync_bucket)
+    ep, _ = expert_sizes(actor_m)
+    sync = sync_bytes(inputs.arch, padded, tp, element, inputs.sync_bucket, ep)
     rows[0] = replace(rows[0], communication=sync)
     if inputs.reference is not None:
         ref = trained_memory(
@@ -429,19 +430,27 @@ def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:
     return {name: value + runtime for name, value in phases.items()}
 
 
-def sync_bytes(arch: ModelArch, padded_vocab: int, tp: int, element: int, bucket: int) -> int:
+def sync_bytes(
+    arch: ModelArch, padded_vocab: int, tp: int, element: int, bucket: int, ep: int = 1
+) -> int:
     """What a weight sync adds on a stage leader (`WeightSyncer.sync`), with B the bucket
     (a tensor larger than `bucket` forms its own) and L the largest parameter. The tensor
     transport delivers a packed bucket while the next ones are gathered and packed
     (`Deliveries`): while a bucket is gathered the previous one waits to be packed and the
-    one before is being delivered (3 B), next to the current parameter's all-gathered TP
-    shards and their HF-layout copy (2 L, TP > 1 only); while a bucket is packed, it, its
+    one before is being delivered (3 B), next to the current parameter's gathered copies:
+    its all-gathered TP shards and their HF-layout copy (2 L, TP > 1 only), or for a routed
+    expert's gate/up weight G its expert-TP slices, every EP rank's copy and their HF
+    tensors ((2 EP + 1) G, `rlhf.weight_sync.gather`); while a bucket is packed, it, its
     flat copy, the next bucket and the delivered one are alive (4 B)."""
     h = arch.hidden_size
     qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim
     largest = max(padded_vocab, 2 * arch.ffn_hidden_size, qkv) * h * element
     full = max(bucket, largest)
-    return max(3 * full + (2 * largest if tp > 1 else 0), 4 * full)
+    gathered = 2 * largest if tp > 1 else 0
+    if arch.moe is not None:
+        expert_gate_up = 2 * arch.moe.ffn_hidden_size * h * element
+        gathered = max(gathered, (2 * ep + 1) * expert_gate_up)
+    return max(3 * full + gathered, 4 * full)
 
 
 def plan_stage(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> MemoryPlan:

@@ -22,6 +22,7 @@ from rlhf.memory.planner import (
     plan_inputs,
     plan_memory,
     planned_kv_cache_tokens,
+    sync_bytes,
     trained_memory,
 )
 from rlhf.models.families import NO_RECOMPUTE, Recompute, arch_from_hf_config
@@ -199,3 +200,14 @@ def test_doctor_shows_the_expert_part_and_plans_a_moe_model_dir(tmp_path, capsys
     experts = next(line for line in out.splitlines() if line.startswith("routed experts"))
     assert "16 of 128 per MoE layer per GPU (EP 8 x expert-TP 1" in experts
     assert "expert-DP 1" in experts and "actor " in experts and "rollout " in experts
+
+
+def test_the_weight_sync_counts_the_expert_gather_by_hand():
+    """Qwen3-235B-A22B, TP1, bf16, 512 MiB buckets: the largest tensor is the embedding
+    (151,936 x 4096 x 2 bytes), a bucket no larger; one expert's gate/up weight G is
+    2 x 1536 x 4096 x 2 bytes. At EP 1 the four buckets of packing are the peak; at EP 64
+    the leader's 129 G of one expert gather next to three buckets."""
+    arch = arch_from_hf_config(json.loads((SHAPES / "Qwen3-235B-A22B.json").read_text()))
+    full, expert_gate_up = 151_936 * 4096 * 2, 2 * 1536 * 4096 * 2
+    assert sync_bytes(arch, 151_936, 1, 2, 512 << 20, ep=1) == 4 * full
+    assert sync_bytes(arch, 151_936, 1, 2, 512 << 20, ep=64) == 3 * full + 129 * expert_gate_up
