@@ -39,8 +39,7 @@ quickstart-assets: setup
 	$(VENV)/bin/rlhf-preprocess quickstart --local_dir runs/quickstart/data
 
 # GRPO on a tiny mixture-of-experts model (Qwen3-MoE, 8 experts, top-2) warm-started like the
-# dense one, on the same data. The trainer refuses it in one line until issue 30 item 3 is in
-# (SGLang serving the experts and their weight sync).
+# dense one, on the same data; SGLang serves it and gets its experts after every step.
 quickstart-moe: quickstart-moe-assets
 	$(VENV)/bin/rlhf-train --config configs/quickstart_moe_cpu.yaml
 	$(VENV)/bin/rlhf-plot runs/quickstart_moe

@@ -86,16 +86,18 @@ def run_worker_layouts(
 
 
 def rlhf_train(
-    config: str | Path, args: list[str], log_dir: Path, timeout_s: float = 900
+    config: str | Path, args: list[str], log_dir: Path, timeout_s: float = 900, nproc: int = 1
 ) -> subprocess.CompletedProcess:
-    """`rlhf-train --config config ARGS` from the repository; its exit code and output.
+    """`rlhf-train --config config ARGS` from the repository (under torchrun with `nproc`
+    processes when more than one); its exit code and output.
 
     stdout and stderr go to files in `log_dir` (train.out, train.err), not to pipes: a run
     that fed an SGLang server through the tensor transport leaves torch's shared-memory
     manager behind for as long as that server lives (the session's shared server outlives
     the run), and the manager holds the run's stdout and stderr open.
     """
-    cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", str(config), *args]
+    launcher = torchrun_command(nproc, free_port()) if nproc > 1 else [sys.executable]
+    cmd = [*launcher, "-m", "rlhf.cli.train", "--config", str(config), *args]
     log_dir.mkdir(parents=True, exist_ok=True)
     out, err = log_dir / "train.out", log_dir / "train.err"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

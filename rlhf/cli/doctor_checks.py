@@ -25,7 +25,7 @@ from rlhf.cli.check_env import lock_problems, read_pins
 from rlhf.config import RLHFConfig, validate
 from rlhf.data.files import resolve_files
 from rlhf.models.families import load_arch
-from rlhf.models.model_dir import check_model_dir, check_trainable
+from rlhf.models.model_dir import check_model_dir, check_servable_policy
 
 PASS, WARN, SKIP, FAIL = "PASS", "WARN", "SKIP", "FAIL"
 CORE_PACKAGES = ("torch", "megatron-core", "sglang", "sglang-router", "transformers")
@@ -274,7 +274,9 @@ def _model_problems(cfg: RLHFConfig) -> list[str]:
             problems.append(f"{key}: no config.json in {path!r}")
             continue
         try:
-            check_trainable(check_model_dir(path, key), path, key)
+            arch = check_model_dir(path, key)
+            if key == "actor_rollout_ref.model.path":  # the model SGLang serves
+                check_servable_policy(arch, path, key)
         except (OSError, ValueError) as e:
             problems.append(str(e))
     return problems

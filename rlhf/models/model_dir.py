@@ -17,6 +17,7 @@ from rlhf.config import ConfigError
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.hf_io import CheckpointFileError, HFCheckpointReader
 from rlhf.models.mapping import expected_hf_shape
+from rlhf.models.moe_arch import sglang_serving_problem
 
 
 def _where(model_dir: str | Path, key: str | None) -> str:
@@ -75,16 +76,12 @@ def _shape_mismatch(reader: HFCheckpointReader, arch: ModelArch) -> str | None:
     return None
 
 
-def check_trainable(arch: ModelArch, model_dir: str | Path, key: str) -> None:
-    """The trainer runs dense models only: a mixture-of-experts model converts and verifies
-    (`rlhf-convert`) and its training stages run at any expert-parallel layout, but the
-    weight sync of experts into SGLang is not there yet, so a run would stop at step 1."""
-    if arch.moe is not None:
-        raise ConfigError(
-            f"{_where(model_dir, key)}: {arch.family} is a mixture-of-experts model; rollouts "
-            "and the weight sync of experts to SGLang: not yet (issue 30 item 3); "
-            "rlhf-convert converts and verifies it"
-        )
+def check_servable_policy(arch: ModelArch, model_dir: str | Path, key: str) -> None:
+    """The policy is served by SGLang for rollouts: refuse, before any server starts, a
+    model SGLang would serve wrongly (`sglang_serving_problem`)."""
+    problem = sglang_serving_problem(arch.moe, arch.family)
+    if problem is not None:
+        raise ConfigError(f"{_where(model_dir, key)}: {problem}")
 
 
 def check_tokenizer_fits(tokenizer, arch: ModelArch, model_dir: str | Path, key: str) -> None:

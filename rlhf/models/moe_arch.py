@@ -138,3 +138,17 @@ def expert_split_problem(
             f"the tensor parallel size ({tp})"
         )
     return None
+
+
+def sglang_serving_problem(moe: MoEArch | None, family: str) -> str | None:
+    """Why SGLang 0.5.23 would serve this model wrongly, or None: its `qwen2_moe` and
+    `qwen3_moe` build every layer as a mixture-of-experts layer, whatever `mlp_only_layers`
+    or `decoder_sparse_step` say, and leave a dense layer's MLP weights unloaded."""
+    if moe is None or all(moe.layers):
+        return None
+    dense = [i for i, has_experts in enumerate(moe.layers) if not has_experts]
+    return (
+        f"the {family} model has dense layers {dense} among its mixture-of-experts layers "
+        "(mlp_only_layers / decoder_sparse_step in its config.json): SGLang 0.5.23 builds every "
+        f"{family} layer with experts and cannot serve it"
+    )

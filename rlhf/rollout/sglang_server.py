@@ -27,6 +27,7 @@ from rlhf import sglang_api
 from rlhf.config.engine_args import server_argv
 from rlhf.config.schema import RolloutConfig
 from rlhf.models.families import ModelArch
+from rlhf.models.moe_arch import sglang_serving_problem
 from rlhf.rollout.sglang_plugin import ENV as ENV_BOUND_STORES
 
 log = logging.getLogger(__name__)
@@ -45,17 +46,10 @@ class ServerLaunch:
 
 
 def check_servable(arch: ModelArch) -> None:
-    """Raise ValueError for a model SGLang 0.5.23 would serve wrongly: its `qwen2_moe` and
-    `qwen3_moe` build every layer as a mixture-of-experts layer, whatever `mlp_only_layers`
-    or `decoder_sparse_step` say, and leave a dense layer's MLP weights unloaded."""
-    if arch.moe is None or all(arch.moe.layers):
-        return
-    dense = [i for i, has_experts in enumerate(arch.moe.layers) if not has_experts]
-    raise ValueError(
-        f"the {arch.family} model has dense layers {dense} among its mixture-of-experts layers "
-        "(mlp_only_layers / decoder_sparse_step in its config.json): SGLang 0.5.23 builds every "
-        f"{arch.family} layer with experts and cannot serve it"
-    )
+    """Raise ValueError for a model SGLang would serve wrongly (`sglang_serving_problem`)."""
+    problem = sglang_serving_problem(arch.moe, arch.family)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def build_server_args(

@@ -26,7 +26,7 @@ from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
 from rlhf.models.mapping import Placement
-from rlhf.models.model_dir import check_model_dir, check_trainable, read_model_arch
+from rlhf.models.model_dir import check_model_dir, check_servable_policy, read_model_arch
 from rlhf.models.moe_arch import MoERouter, expert_split_problem
 from rlhf.trainer.heads import LogprobHead, Loss, PolicyLoss, ValueLoss
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
@@ -102,10 +102,10 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     check_experts(arches["actor_rollout_ref.model.path"], cfg.actor_rollout_ref.actor.megatron, AR)
     if uses_critic(cfg):
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
-    check_router_replay(cfg, arches["actor_rollout_ref.model.path"])
-    for key, path in model_dirs(cfg).items():
-        check_trainable(arches[key], path, key)
-    return arches["actor_rollout_ref.model.path"]
+    policy = "actor_rollout_ref.model.path"
+    check_router_replay(cfg, arches[policy])
+    check_servable_policy(arches[policy], cfg.actor_rollout_ref.model.path, policy)
+    return arches[policy]
 
 
 def check_experts(arch: ModelArch, megatron: MegatronParallelConfig, prefix: str) -> None:

@@ -169,23 +169,27 @@ def test_config_for_the_world_size_and_inputs(tmp_path, tiny_qwen2_dir):
     assert check_inputs(cfg).status == PASS
 
 
-def test_a_mixture_of_experts_policy_is_refused_for_training(tmp_path, tiny_qwen2_dir):
-    """rlhf-convert handles Qwen2/3-MoE; the trainer (and so the doctor) says it cannot
-    serve one yet."""
+def test_a_mixture_of_experts_policy_with_dense_layers_is_refused(tmp_path, tiny_qwen2_dir):
+    """SGLang builds every qwen3_moe layer with experts: a policy with dense layers among
+    them is refused up front; an all-MoE one passes."""
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    moe_dir = tmp_path / "moe"
-    shutil.copytree(tiny_qwen2_dir, moe_dir)
     shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     vocab = json.loads((tiny_qwen2_dir / "config.json").read_text())["vocab_size"]
     experts = dict(num_experts=3, moe_intermediate_size=8)
-    config = AutoConfig.for_model("qwen3_moe", vocab_size=vocab, **shape, **experts)
-    AutoModelForCausalLM.from_config(config).save_pretrained(moe_dir)
-    inputs = check_inputs(load_config(QUICKSTART, _overrides(tmp_path, moe_dir)))
-    assert inputs.status == FAIL
-    assert "weight sync of experts to SGLang: not yet (issue 30 item 3)" in inputs.detail
+    for name, dense, status in (("mixed", [1], FAIL), ("sparse", [], PASS)):
+        moe_dir = tmp_path / name
+        shutil.copytree(tiny_qwen2_dir, moe_dir)
+        config = AutoConfig.for_model(
+            "qwen3_moe", vocab_size=vocab, mlp_only_layers=dense, **shape, **experts
+        )
+        AutoModelForCausalLM.from_config(config).save_pretrained(moe_dir)
+        inputs = check_inputs(load_config(QUICKSTART, _overrides(tmp_path, moe_dir)))
+        assert inputs.status == status, inputs.detail
+        if status == FAIL:
+            assert "dense layers [1] among its mixture-of-experts layers" in inputs.detail
 
 
 def _overrides(tmp_path: Path, model_dir: Path) -> list[str]:
