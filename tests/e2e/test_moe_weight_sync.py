@@ -29,6 +29,7 @@ from tests.distributed.test_moe_parity import MODELS, save_moe_model
 from tests.distributed.workers.moe_weight_sync import PROMPTS
 from tests.helpers import run_torchrun
 
+pytestmark = pytest.mark.slow(reason="an SGLang server per MoE family, 6 layouts x 3 transports")
 ALL_SPARSE = {"mlp_only_layers": [], "decoder_sparse_step": 1}
 TRANSPORTS = ("tensor", "distributed", "disk")
 LAYOUTS = {  # name -> (ranks, worker arguments); every one at EP2

@@ -62,3 +62,15 @@ def test_an_expert_parallel_run_syncs_every_step(moe_model, tmp_path):  # noqa: 
     assert len(trained) == 3
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in trained)
     assert all(0.125 <= r["actor/moe/max_expert_share"] < 0.5 for r in trained)
+
+
+def test_routing_replay_r2_runs_end_to_end(moe_model, tmp_path):  # noqa: F811
+    """router_replay.mode=R2 in a whole run: two mini-batches a step (16 prompts x 4 samples,
+    8 prompts each), so the second one's forward replays the routes the old-log-prob pass
+    recorded (a micro-batch without recorded routes would stop the run)."""
+    r2 = "actor_rollout_ref.actor.router_replay.mode=R2"
+    rows = train(moe_model, tmp_path, 3, r2)
+    trained = [r for r in rows if r["step"] > 0]
+    assert len(trained) == 3
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in trained)
+    assert all(abs(r["actor/pg_loss"]) > 0 for r in trained)
