@@ -245,32 +245,32 @@ def hf_routes(model_dir, batch, choices: tuple[int, int]) -> list[torch.Tensor]:
 
 def replay_r3(args, ctx, exp, planner) -> dict:
     """router_replay.mode=R3 with transformers' routes as the engine's: the old log-probs
-    with the model's own routes (`own`) and with every token sent to its 2nd and 3rd
-    choices (`moved`), the reference's and (outside the replay, as the weight-sync probe
-    runs) the actor's plain log-probs of the moved batch; one update on the moved routes
-    (`metrics`) and the log-probs after it, replaying them."""
+    with the model's own routes (`old_own`) and, outside the replay as the weight-sync probe
+    runs, the plain log-probs of a batch whose routes send every token to its 2nd and 3rd
+    choices (`not_replayed`); then a whole trainer step on that batch
+    (`learn_from_batch`): its old and reference log-probs, its update's `metrics` and the
+    log-probs after it, replaying the routes."""
+    from rlhf.algo import build_kl_controller
+    from rlhf.logging import Timer
     from rlhf.trainer import ppo_step as stages
 
-    _, models = build(config(args, 0.0, None, None, R3), ctx)
+    cfg = config(args, 0.0, None, None, R3)
+    _, models = build(cfg, ctx)
     own = dataclasses.replace(exp.batch, routed_experts=hf_routes(args.model, exp.batch, (0, 1)))
     moved = dataclasses.replace(exp.batch, routed_experts=hf_routes(args.model, exp.batch, (1, 2)))
     head = models.logprob_head
     old_own, _ = stages.old_logprobs(models, own)
-    old_moved, _ = stages.old_logprobs(models, moved)
-    with stages.rollout_routes(models.ref):
-        ref_moved, _ = stages.compute_logprobs(models.ref, moved, planner, BUDGET, head)
     not_replayed, _ = stages.compute_logprobs(models.actor, moved, planner, BUDGET, head)
-    moved_exp = dataclasses.replace(exp, batch=moved, old_logprobs_bt=old_moved)
-    update = dataclasses.replace(models.actor_update, token_budget=BUDGET)
-    metrics, _ = stages.run_updates(update, moved_exp, planner)
+    kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
+    learned = stages.learn_from_batch(models, moved, cfg, kl_ctrl, Timer())
     with stages.rollout_routes(models.actor):
         after, _ = stages.compute_logprobs(models.actor, moved, planner, BUDGET, head)
     return {
         "old_own": old_own,
-        "old_moved": old_moved,
-        "ref_moved": ref_moved,
         "not_replayed": not_replayed,
-        "metrics": metrics,
+        "old_moved": learned.experience.old_logprobs_bt,
+        "ref_moved": learned.experience.ref_logprobs_bt,
+        "metrics": learned.metrics,
         "logprobs_after": after,
     }
 
