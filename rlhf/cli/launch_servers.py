@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from rlhf.config.engine_args import server_argv
+from rlhf.config.engine_args import launched_rollout, server_argv
 from rlhf.config.loader import ConfigError, build, load_config
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.server_group import KEY, ServerGroup
@@ -89,9 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The run config's `engine_kwargs.sglang`, updated by --engine-kwarg NAME=VALUE."""
+    """The run config's `engine_kwargs.sglang` (as the trainer launches it), updated by
+    --engine-kwarg NAME=VALUE."""
     kwargs = (
-        dict(load_config(args.config).actor_rollout_ref.rollout.engine_kwargs.sglang)
+        dict(launched_rollout(load_config(args.config)).engine_kwargs.sglang)
         if (args.config)
         else {}
     )

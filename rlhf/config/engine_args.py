@@ -6,16 +6,20 @@ A mapping of SGLang `ServerArgs` names to values (`chunked_prefill_size: 4096`,
 wrong type fails before any server starts. Arguments this project sets from its own keys
 are refused with the key to use instead. `server_argv` turns the mapping into command-line
 options, appended after ours; `true` switches a flag on, `false` leaves it off.
+`launched_rollout` adds what the run itself needs of the servers (rollout routing replay:
+`enable_return_routed_experts`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import functools
 from typing import Any
 
 from rlhf.config.loader import ConfigError
+from rlhf.config.schema import RLHFConfig, RolloutConfig
 
 KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang"
 AR = "actor_rollout_ref"
@@ -35,6 +39,22 @@ OWNED = {
     "admin_api_key": "the RLHF_SGLANG_API_KEY environment variable (the servers get it as "
     "--api-key, which SGLang then requires on the admin routes too)",
 }
+
+
+ROUTES_FLAG = "enable_return_routed_experts"  # SGLang's: each token's experts in meta_info
+
+
+def launched_rollout(cfg: RLHFConfig) -> RolloutConfig:
+    """The rollout section the launched servers get: with rollout routing replay
+    (`actor.router_replay.mode=R3`) SGLang returns the experts it routed each token to."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if cfg.actor_rollout_ref.actor.router_replay.mode != "R3":
+        return rollout
+    if rollout.engine_kwargs.sglang.get(ROUTES_FLAG) is False:
+        raise ConfigError(f"{KEY}.{ROUTES_FLAG}=false: {AR}.actor.router_replay.mode=R3 needs it")
+    sglang = {**rollout.engine_kwargs.sglang, ROUTES_FLAG: True}
+    kwargs = dataclasses.replace(rollout.engine_kwargs, sglang=sglang)
+    return dataclasses.replace(rollout, engine_kwargs=kwargs)
 
 
 @functools.cache

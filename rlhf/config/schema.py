@@ -234,7 +234,8 @@ class RouterReplayConfig:
     mode: RouterReplayMode = doc(
         "disabled",
         "R2: the update's forwards take the experts the old-log-prob pass chose for each "
-        "token instead of routing anew; R3 (rollout routing replay): not yet",
+        "token instead of routing anew; R3 (rollout routing replay): the old-log-prob, "
+        "reference and update forwards take the experts SGLang routed each token to",
     )
 
 

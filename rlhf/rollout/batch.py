@@ -22,7 +22,10 @@ class RolloutBatch:
     functions; data_sources, uids: per sample (uid identifies the prompt, for GRPO/RLOO);
     rollout_logprobs: the engine's log-prob of each response token as it sampled it (None
     when the batch did not come from an engine); reward_styles: each sample's
-    `reward_model.style` ('rule' or 'model'; None: all rule).
+    `reward_model.style` ('rule' or 'model'; None: all rule); routed_experts: per sample
+    [prompt + response - 1, layers x top-k] int16, the experts the engine routed each
+    token to (every token but the last, which the engine never fed through the model;
+    rollout routing replay, `router_replay.mode=R3`), or None.
     """
 
     prompt_ids: list[list[int]]
@@ -32,11 +35,12 @@ class RolloutBatch:
     uids: list[str]
     rollout_logprobs: list[list[float]] | None = None
     reward_styles: list[str] | None = None
+    routed_experts: list[Tensor] | None = None
 
     def __post_init__(self) -> None:
         sizes = {len(self.prompt_ids), len(self.response_ids), len(self.data_sources)}
         sizes |= {len(self.uids), int(self.scores_b.numel())}
-        for optional in (self.rollout_logprobs, self.reward_styles):
+        for optional in (self.rollout_logprobs, self.reward_styles, self.routed_experts):
             if optional is not None:
                 sizes.add(len(optional))
         if len(sizes) != 1:
@@ -45,6 +49,13 @@ class RolloutBatch:
         bad = [i for i, lp in enumerate(logprobs) if len(lp) != len(self.response_ids[i])]
         if bad:
             raise ValueError(f"samples {bad[:10]} have a log-prob count unlike their tokens")
+        routes = self.routed_experts or []
+        lengths = self.sequence_lengths
+        bad = [i for i, r in enumerate(routes) if r.dim() != 2 or len(r) != lengths[i] - 1]
+        if bad:
+            raise ValueError(
+                f"samples {bad[:10]} have routed experts for other than all tokens but the last"
+            )
 
     @property
     def size(self) -> int:
@@ -76,7 +87,7 @@ class RolloutBatch:
 
     def select(self, indices: list[int]) -> RolloutBatch:
         """The samples at `indices`, in that order."""
-        logprobs, styles = self.rollout_logprobs, self.reward_styles
+        logprobs, styles, routes = self.rollout_logprobs, self.reward_styles, self.routed_experts
         return RolloutBatch(
             prompt_ids=[self.prompt_ids[i] for i in indices],
             response_ids=[self.response_ids[i] for i in indices],
@@ -85,6 +96,7 @@ class RolloutBatch:
             uids=[self.uids[i] for i in indices],
             rollout_logprobs=None if logprobs is None else [logprobs[i] for i in indices],
             reward_styles=None if styles is None else [styles[i] for i in indices],
+            routed_experts=None if routes is None else [routes[i] for i in indices],
         )
 
     def styles(self) -> list[str]:
@@ -110,12 +122,15 @@ class RolloutBatch:
             "uids": self.uids,
             "rollout_logprobs": self.rollout_logprobs,
             "reward_styles": self.reward_styles,
+            "routed_experts": self.routed_experts,
         }
 
     @classmethod
     def concat(cls, parts: list[RolloutBatch]) -> RolloutBatch:
-        """The samples of `parts`, in order (engine log-probs kept when every part has them)."""
+        """The samples of `parts`, in order (engine log-probs and routed experts kept when
+        every part has them)."""
         logprobs = [b.rollout_logprobs for b in parts]
+        routes = [b.routed_experts for b in parts]
         styled = any(b.reward_styles is not None for b in parts)
         return cls(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
@@ -127,6 +142,9 @@ class RolloutBatch:
             if any(lp is None for lp in logprobs)
             else [x for lp in logprobs if lp is not None for x in lp],
             reward_styles=[s for b in parts for s in b.styles()] if styled else None,
+            routed_experts=None
+            if any(r is None for r in routes)
+            else [x for r in routes if r is not None for x in r],
         )
 
     @classmethod
@@ -139,4 +157,5 @@ class RolloutBatch:
             uids=obj["uids"],
             rollout_logprobs=obj.get("rollout_logprobs"),
             reward_styles=obj.get("reward_styles"),
+            routed_experts=obj.get("routed_experts"),
         )

@@ -10,6 +10,9 @@ healthy one. The last failure raises `GenerateError` naming the URL and the atte
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -17,7 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
+import torch
 
+from rlhf.config.engine_args import ROUTES_FLAG
 from rlhf.config.schema import RolloutConfig
 from rlhf.sglang_api import API_KEY_ENV, auth_headers
 
@@ -65,6 +71,9 @@ class Generation:
     logprobs: list[float]
     finish_reason: str
     engine_latency_s: float | None = None  # SGLang's meta_info.e2e_latency
+    # [prompt + output - 1, layers x top-k] int16: the experts each token was routed to
+    # (asked for with `return_routed_experts`; `decode_routed_experts`), else None
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -79,13 +88,32 @@ class RequestResult:
     tried_urls: list[str] = field(default_factory=list)
 
 
-def generate_payload(prompt_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
-    """The /generate body for one prompt (its `n` samples come back as a list)."""
-    return {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
+def generate_payload(
+    prompt_ids: list[int], sampling_params: dict[str, Any], routed_experts: bool = False
+) -> dict[str, Any]:
+    """The /generate body for one prompt (its `n` samples come back as a list);
+    `routed_experts`: each token's experts come back too (mixture-of-experts policies,
+    rollout routing replay; the server must run with --enable-return-routed-experts)."""
+    payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
+    if routed_experts:
+        payload["return_routed_experts"] = True
+    return payload
 
 
-def parse_response(body: Any, expected: int, url: str) -> list[Generation]:
-    """SGLang's /generate answer -> `expected` generations; raise on any other shape."""
+def decode_routed_experts(encoded: str, num_tokens: int) -> torch.Tensor:
+    """SGLang's `meta_info.routed_experts` (base64 of int32 [tokens, layers, top-k], in
+    descending router probability) -> [num_tokens, layers x top-k] int16 (expert ids)."""
+    flat = np.frombuffer(base64.b64decode(encoded, validate=True), dtype=np.int32)
+    if num_tokens <= 0 or flat.size == 0 or flat.size % num_tokens:
+        raise ValueError(f"{flat.size} expert ids do not split into {num_tokens} tokens")
+    return torch.from_numpy(flat.reshape(num_tokens, -1).astype(np.int16))
+
+
+def parse_response(
+    body: Any, expected: int, url: str, routed_prompt_len: int | None = None
+) -> list[Generation]:
+    """SGLang's /generate answer -> `expected` generations; raise on any other shape.
+    `routed_prompt_len`: the routed experts were asked for, for a prompt of that length."""
     items = body if isinstance(body, list) else [body]
     aborted = [_abort_message(item) for item in items if _abort_message(item) is not None]
     if aborted:
@@ -94,7 +122,27 @@ def parse_response(body: Any, expected: int, url: str) -> list[Generation]:
         raise GenerateError(
             f"SGLang at {url} returned {len(items)} samples for a request with n={expected}"
         )
-    return [_parse_item(item, url) for item in items]
+    generations = [_parse_item(item, url) for item in items]
+    if routed_prompt_len is None:
+        return generations
+    return [
+        dataclasses.replace(g, routed_experts=_routes(item, routed_prompt_len, g, url))
+        for item, g in zip(items, generations)
+    ]
+
+
+def _routes(item: dict, prompt_len: int, generation: Generation, url: str) -> torch.Tensor:
+    """The routed experts of one sample: every token the model saw (all but the last)."""
+    encoded = item["meta_info"].get("routed_experts")
+    if not isinstance(encoded, str):
+        raise GenerateError(
+            f"SGLang at {url} returned no meta_info.routed_experts (rollout routing replay, "
+            f"router_replay.mode=R3): start the server with --{ROUTES_FLAG.replace('_', '-')}"
+        )
+    try:
+        return decode_routed_experts(encoded, prompt_len + len(generation.output_ids) - 1)
+    except (binascii.Error, ValueError) as e:
+        raise GenerateError(f"SGLang at {url}: bad meta_info.routed_experts: {e}") from e
 
 
 def _abort_message(item: Any) -> str | None:
@@ -231,7 +279,8 @@ class GenerateClient:
             raise _Retryable(f"no answer within {self.timeout_s:g} s") from e
         elapsed = time.perf_counter() - start
         expected = int(payload.get("sampling_params", {}).get("n", 1))
-        generations = parse_response(body, expected, url)
+        routed = len(payload["input_ids"]) if payload.get("return_routed_experts") else None
+        generations = parse_response(body, expected, url, routed)
         latencies = [g.engine_latency_s for g in generations if g.engine_latency_s is not None]
         return RequestResult(
             generations=generations,

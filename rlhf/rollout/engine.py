@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from rlhf import sglang_api
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.client import GenerateClient, RequestResult, RetryPolicy, generate_payload
@@ -38,6 +40,7 @@ class SamplingParams:
     max_new_tokens: int = 32
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    routed_experts: bool = False  # ask for each token's experts (rollout routing replay, R3)
 
     def __post_init__(self) -> None:
         checks = [
@@ -89,6 +92,9 @@ class RolloutSample:
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    routed_experts: torch.Tensor | None = (
+        None  # [prompt + response - 1, layers x top-k] int16 when asked for
+    )
 
 
 @dataclass(frozen=True)
@@ -154,12 +160,13 @@ def request_payloads(
     """
     if params.seed is None:
         sampling = params.to_sglang()
-        return [(i, generate_payload(p, sampling)) for i, p in enumerate(prompts)]
+        routed = params.routed_experts
+        return [(i, generate_payload(p, sampling, routed)) for i, p in enumerate(prompts)]
     payloads = []
     for i, prompt in enumerate(prompts):
         for j in range(params.n):
             one = dataclasses.replace(params, n=1, seed=params.seed + i * params.n + j)
-            payloads.append((i, generate_payload(prompt, one.to_sglang())))
+            payloads.append((i, generate_payload(prompt, one.to_sglang(), params.routed_experts)))
     return payloads
 
 
@@ -232,7 +239,7 @@ class SGLangEngine:
         results = self.client.generate([payload for _, payload in requests]) if requests else []
         self.last_stats = RolloutStats.of(results, time.perf_counter() - start)
         return [
-            RolloutSample(index, g.output_ids, g.logprobs, g.finish_reason)
+            RolloutSample(index, g.output_ids, g.logprobs, g.finish_reason, g.routed_experts)
             for (index, _), result in zip(requests, results)
             for g in result.generations
         ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -13,7 +14,7 @@ from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.reward.scorer import RewardInput, RewardScorer
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.engine import RolloutEngine, SamplingParams
+from rlhf.rollout.engine import RolloutEngine, RolloutSample, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,11 @@ def write_records(records: list[RolloutRecord], path: Path) -> None:
 
 
 def sampling_params(cfg: RLHFConfig) -> SamplingParams:
-    """Training sampling: `actor_rollout_ref.rollout` and `data.max_response_length`."""
-    return SamplingParams.from_config(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length)
+    """Training sampling: `actor_rollout_ref.rollout` and `data.max_response_length`; the
+    routed experts come back with rollout routing replay (`router_replay.mode=R3`)."""
+    aro = cfg.actor_rollout_ref
+    params = SamplingParams.from_config(aro.rollout, cfg.data.max_response_length)
+    return dataclasses.replace(params, routed_experts=aro.actor.router_replay.mode == "R3")
 
 
 def val_sampling_params(cfg: RLHFConfig) -> SamplingParams:
@@ -125,8 +129,15 @@ def generate_and_score(
         uids=[r.uid for r in records],
         rollout_logprobs=[r.response_logprobs for r in records],
         reward_styles=[item.style for item in inputs],
+        routed_experts=_routed_experts(samples),
     )
     return RolloutResult(batch, records, time.perf_counter() - start, policy_version)
+
+
+def _routed_experts(samples: list[RolloutSample]) -> list[torch.Tensor] | None:
+    """Each sample's routed experts when the engine returned them (not in the records)."""
+    routes = [s.routed_experts for s in samples]
+    return None if any(r is None for r in routes) else [r for r in routes if r is not None]
 
 
 def _reward_input(prompt: EncodedPrompt, response_text: str, tokenizer) -> RewardInput:

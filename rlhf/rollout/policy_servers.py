@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlhf import sglang_api
+from rlhf.config.engine_args import launched_rollout
 from rlhf.config.schema import RLHFConfig, RolloutConfig
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
@@ -179,7 +180,7 @@ class PolicyServers:
         if owner:
             scorer = RewardScorer.from_config(cfg.reward)
             engine = SGLangEngine(
-                rollout,
+                launched_rollout(cfg),
                 cfg.actor_rollout_ref.model.path,
                 log_dir=node_dir / "logs",
                 device=ctx.device.type,

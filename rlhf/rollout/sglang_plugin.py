@@ -1,4 +1,4 @@
-"""An SGLang general plugin for the servers this project launches; two jobs.
+"""An SGLang general plugin for the servers this project launches; three jobs.
 
 1. The torch.distributed stores SGLang's processes host listen on their given host only,
    not on every interface. SGLang's scheduler joins its process group with
@@ -12,6 +12,11 @@
    gate (`sigmoid(x . w) * shared_output`, added to the routed experts' output) runs a
    Triton kernel unless its layer uses Intel AMX, so on other CPUs every forward failed
    with "0 active drivers". The replacement goes in through SGLang's own `HookRegistry`.
+3. Without CUDA: SGLang's host buffer for the routed experts
+   (`--enable-return-routed-experts`, rollout routing replay) is allocated by
+   `ALLOC_MEMORY_FUNCS[device]`, which has no "cpu" entry and falls back to registering
+   the memory with CUDA ("Found no NVIDIA driver" at startup); "cpu" gets an unpinned
+   allocation here (`cpu_host_alloc`).
 
 SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
 the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the
@@ -39,6 +44,16 @@ def register() -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register(GATE_KERNEL, gate_sigmoid_mul, HookType.REPLACE)
+    if not torch.cuda.is_available():
+        from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
+
+        ALLOC_MEMORY_FUNCS["cpu"] = cpu_host_alloc
+
+
+def cpu_host_alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    """SGLang's host-buffer allocation (`ALLOC_MEMORY_FUNCS` signature) without pinning or
+    CUDA registration: there is no GPU to copy to."""
+    return allocator.allocate(dims, dtype=dtype, device=device)
 
 
 def _bind_stores() -> None:

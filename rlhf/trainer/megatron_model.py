@@ -87,7 +87,7 @@ def run_schedule(
         routing = {"padding_mask": padding_for(chunk, mb.padding_mask, ctx)} if moe else {}
         index = runners.index(chunk) if replay is not None else 0
         if replay is not None:
-            replay.before_forward(index, mb.sample_ids)
+            replay.before_forward(index, mb)
         output = chunk(
             mb.tokens,
             mb.position_ids,
@@ -96,7 +96,7 @@ def run_schedule(
             **routing,
         )
         if replay is not None:
-            replay.after_forward(index, mb.sample_ids)
+            replay.after_forward(index, mb)
 
         def loss_func(output_tensor):
             loss, outputs = head(output_tensor, mb)
@@ -171,7 +171,7 @@ class MegatronModel:
         self.runners: list = list(self.module)  # what the schedule calls, chunk by chunk
         self.ctx = ctx
         self.moe = self.module.config.num_moe_experts is not None
-        self.route_replay: RouteReplay | None = None  # set for routing replay (R2)
+        self.route_replay: RouteReplay | None = None  # set for routing replay (R2, R3)
         self.offloader = ModelOffloader(self, ())
         if self.module.config.pipeline_model_parallel_size > 1:
             self.module.config.variable_seq_lengths = True  # packed rows differ in length

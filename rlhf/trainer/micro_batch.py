@@ -56,7 +56,9 @@ class MicroBatch:
     bounds); labels: [1, T] the next token of each position (meaningless at sample ends,
     which are never gathered); gather_index: [n, R] row positions of each sample's response
     tokens (0 where masked); mask: [n, R]; sample_ids: the n samples, indices into the
-    step's batch.
+    step's batch; routes: [T, layers x top-k] int16, the experts the rollout engine routed
+    each position's token to (-1: none, i.e. padding and each sample's last token), when
+    the batch has them (rollout routing replay, `rlhf.trainer.route_replay`).
     """
 
     tokens: Tensor
@@ -71,6 +73,7 @@ class MicroBatch:
     padding_mask: Tensor | None = None  # [1, T] True = padding: no sample's token (MoE routing)
     local_positions: Tensor | None = None  # Ulysses: the row positions this SP rank holds
     sp_group: ProcessGroup | None = None
+    routes: Tensor | None = None  # (host memory; Ulysses: this SP rank's positions only)
 
     @property
     def num_tokens(self) -> int:
@@ -243,6 +246,7 @@ def build_micro_batch(
         sample_ids=list(sample_ids),
         row_len=row_len,
         padding_mask=padding_mask[None] if sample_ids else None,  # a filler: no tokens at all
+        routes=row_routes(batch.routed_experts, sample_ids, starts, row_len),
     )
     if not ulysses:
         return mb
@@ -250,10 +254,26 @@ def build_micro_batch(
     return _slice_for_rank(mb, sp, cu_padded)
 
 
+def row_routes(
+    routed_experts: list[Tensor] | None, sample_ids: list[int], starts: list[int], row_len: int
+) -> Tensor | None:
+    """[row_len, layers x top-k] int16: each sample's routed experts from its start in the
+    row on (all its tokens but the last), -1 elsewhere; None without routes or samples."""
+    if routed_experts is None or not sample_ids:
+        return None
+    widths = {int(routed_experts[i].shape[1]) for i in sample_ids}
+    assert len(widths) == 1, f"samples {sample_ids} have routes of widths {widths}"
+    routes = torch.full((row_len, widths.pop()), -1, dtype=torch.int16)
+    for i, start in zip(sample_ids, starts):
+        routes[start : start + len(routed_experts[i])] = routed_experts[i]
+    return routes
+
+
 def _slice_for_rank(mb: MicroBatch, sp: SequenceShard, cu_padded: Tensor | None) -> MicroBatch:
     local = held_positions(mb.row_len, sp.size, sp.rank, cu_padded)
     return dataclasses.replace(
         mb,
+        routes=None if mb.routes is None else mb.routes[local],
         tokens=mb.tokens[:, local],
         position_ids=mb.position_ids[:, local],
         labels=mb.labels[:, local],

@@ -196,7 +196,7 @@ def learn_from_batch(
             old = old_logprobs(m, batch)
     ref = values = None
     if m.ref is not None:
-        with timer.stage("ref"):
+        with timer.stage("ref"), rollout_routes(m.ref):  # R3: routed as the engine did
             ref, _ = compute_logprobs(m.ref, batch, m.planner, m.budgets.ref, m.logprob_head)
     if m.critic is not None:
         with timer.stage("values"):
@@ -250,12 +250,23 @@ def engine_logprobs(batch: RolloutBatch) -> tuple[Tensor, None]:
     return logprobs_bt, None
 
 
+def rollout_routes(model: MegatronModel) -> AbstractContextManager[None]:
+    """Inside: with rollout routing replay (R3) `model`'s forwards take the experts the
+    engine routed each token to (`rlhf.trainer.route_replay`); otherwise nothing."""
+    replay = model.route_replay
+    return replay.replaying() if replay is not None and replay.rollout_routes else nullcontext()
+
+
 def old_logprobs(m: PPOModels, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-    """The actor's log-probs and entropies before the update; with routing replay (R2) on
-    the update's micro-batch plan, recording each micro-batch's routes for the update."""
+    """The actor's log-probs and entropies before the update (R3: on the engine's routes);
+    with routing replay R2 on the update's micro-batch plan, recording each micro-batch's
+    routes for the update."""
     replay = m.actor.route_replay
-    if replay is None:
-        return compute_logprobs(m.actor, batch, m.planner, m.budgets.old_log_prob, m.logprob_head)
+    if replay is None or replay.rollout_routes:
+        with rollout_routes(m.actor):
+            return compute_logprobs(
+                m.actor, batch, m.planner, m.budgets.old_log_prob, m.logprob_head
+            )
     update = m.actor_update
     keys = ("logprobs", "entropy")
     with replay.recording():
@@ -338,7 +349,7 @@ def run_updates(
     `<role>/lr` and `<role>/skipped_updates` (the means are over the updates taken), a
     mixture-of-experts model's routing as `<role>/moe/...` (`rlhf.trainer.router_stats`).
     """
-    replay = spec.model.route_replay  # R2: the routes the old-log-prob pass recorded
+    replay = spec.model.route_replay  # R2: the old-log-prob pass's routes; R3: the engine's
     with spec.model.on_device(), replay.replaying() if replay else nullcontext():
         return _run_updates(spec, exp, planner)  # (one reload for all mini-batches)
 

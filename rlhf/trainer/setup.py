@@ -32,7 +32,7 @@ from rlhf.trainer.heads import LogprobHead, Loss, PolicyLoss, ValueLoss
 from rlhf.trainer.megatron_model import MegatronModel, OptimizerSettings, TrainableMegatronModel
 from rlhf.trainer.micro_batch import MicroBatchPlanner
 from rlhf.trainer.reward_model import RewardModelScorer
-from rlhf.trainer.route_replay import RouteReplay
+from rlhf.trainer.route_replay import RolloutRouteReplay, RouteReplay
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
@@ -125,21 +125,17 @@ def check_experts(arch: ModelArch, megatron: MegatronParallelConfig, prefix: str
 
 
 def check_router_replay(cfg: RLHFConfig, arch: ModelArch) -> None:
-    """`actor.router_replay.mode`: R2 needs experts, the old-log-prob pass it records from
-    and no activation recompute (`rlhf.trainer.route_replay`); R3 is not there yet."""
+    """`actor.router_replay.mode`: R2 and R3 need experts and no activation recompute
+    (`rlhf.trainer.route_replay`); R2 the old-log-prob pass it records from. R3 works with
+    `bypass_mode` (the engine's log-probs, computed on the routes the updates replay)."""
     actor = cfg.actor_rollout_ref.actor
     mode = actor.router_replay.mode
     key = f"{AR}.actor.router_replay.mode={mode}"
     if mode == "disabled":
         return
-    if mode == "R3":
-        raise ConfigError(
-            f"{key}: rollout routing replay needs SGLang's routed experts: not yet (issue 30 "
-            "item 4); R2 replays the old-log-prob pass's routes"
-        )
     if arch.moe is None:
         raise ConfigError(f"{key}: {arch.family} has no experts to route")
-    if cfg.algorithm.rollout_correction.bypass_mode:
+    if mode == "R2" and cfg.algorithm.rollout_correction.bypass_mode:
         raise ConfigError(
             f"{key}: algorithm.rollout_correction.bypass_mode skips the old-log-prob pass "
             "whose routes R2 replays"
@@ -282,7 +278,8 @@ def build_ppo_models(
     vp_size = virtual_pipeline_size(aro.actor.megatron)
     overrides = aro.actor.megatron.override_transformer_config
     router = MoERouter.of(aro.actor.megatron)  # the reference's too (same token dropping)
-    replays = aro.actor.router_replay.mode == "R2"
+    mode = aro.actor.router_replay.mode
+    replays = mode in ("R2", "R3")
     actor_module = build_policy(
         arch,
         aro.model.path,
@@ -294,8 +291,10 @@ def build_ppo_models(
         dataclasses.replace(router, replay=replays),
     )
     actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
-    if replays:  # R2: the update replays the old-log-prob pass's routes
+    if mode == "R2":  # the update replays the old-log-prob pass's routes
         actor.route_replay = RouteReplay(actor.module)
+    elif mode == "R3":  # every pass replays the engine's routes
+        actor.route_replay = RolloutRouteReplay(actor.module, ctx)
     ref = None
     if uses_reference(cfg):
         ref_module = build_policy(
@@ -305,12 +304,14 @@ def build_ppo_models(
             policy_dtype,
             vp_size=vp_size,
             overrides=overrides,
-            router=router,
+            router=dataclasses.replace(router, replay=mode == "R3"),
         )
         offload = aro.ref.param_offload and ctx.device.type == "cuda"
         if aro.ref.param_offload and not offload and ctx.is_main:
             log.info("ref.param_offload: no effect on CPU (the model is in host memory)")
         ref = MegatronModel.frozen(ref_module, ctx, offload=offload)
+        if mode == "R3":
+            ref.route_replay = RolloutRouteReplay(ref.module, ctx)
     budgets = token_budgets(cfg)
     critic, critic_update = _critic(cfg, ctx, total_steps, budgets.critic)
     vocab = VocabShard.of(ctx, actor_module.padded_vocab_size, arch.vocab_size)

@@ -11,6 +11,9 @@ layer among 3 MoE layers), laid out by the config's `megatron.expert_*` keys:
   policy-gradient loss of test_ppo_stages plus Megatron's load-balancing loss and z-loss
   written out here from transformers' router logits, and autograd; every layout gives it
   (padding tokens are left out of the router's statistics), and EP2 the same update.
+- Routing replay R2 replays the old-log-prob pass's routes, R3 the rollout engine's
+  (here transformers' routes, per sample) in the old-log-prob, reference and update passes,
+  alike at every layout.
 """
 
 from __future__ import annotations
@@ -217,3 +220,30 @@ def test_routing_replay_r2_replays_the_old_routes_alike_at_every_layout(results)
             diff = max_diff(r2[key], one[key])
             print(f"{layout} R2 {key}: max |diff| {diff:.2e}")
             assert diff < 1e-4, (layout, key)
+
+
+def test_rollout_routing_replay_r3_takes_the_given_routes_alike_at_every_layout(results):
+    """router_replay.mode=R3 with routes transformers computed per sample: the model's own
+    routes give the plain log-probs; sending every token to its 2nd and 3rd choices changes
+    them, and the reference and the update take those routes too. Outside the replay (the
+    weight-sync probe) the actor routes anew. Every layout equals one rank."""
+    one, plain = results["1rank"]["r3"], results["1rank"]["plain"]
+    moved_by = max_diff(one["old_moved"], plain["logprobs_before"])
+    print(f"1rank R3: 2nd/3rd-choice routes move the log-probs by {moved_by:.2e}")
+    assert moved_by > 1e-2
+    torch.testing.assert_close(one["ref_moved"], one["old_moved"], atol=1e-6, rtol=0)
+    for layout, run in results.items():
+        r3 = run["r3"]
+        for key, expected in (
+            ("old_own", plain["logprobs_before"]),
+            ("not_replayed", plain["logprobs_before"]),
+            ("old_moved", one["old_moved"]),
+            ("ref_moved", one["old_moved"]),
+            ("logprobs_after", one["logprobs_after"]),
+        ):
+            diff = max_diff(r3[key], expected)
+            print(f"{layout} R3 {key}: max |diff| {diff:.2e}")
+            assert diff < (1e-4 if key == "logprobs_after" else 1e-5), (layout, key)
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            print(f"{layout} R3 {key}: {r3['metrics'][key]!r} vs {one['metrics'][key]!r}")
+            assert r3["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key

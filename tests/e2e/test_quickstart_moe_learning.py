@@ -74,3 +74,18 @@ def test_routing_replay_r2_runs_end_to_end(moe_model, tmp_path):  # noqa: F811
     assert len(trained) == 3
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in trained)
     assert all(abs(r["actor/pg_loss"]) > 0 for r in trained)
+
+
+def test_rollout_routing_replay_trains_on_the_engines_routes(moe_model, tmp_path):  # noqa: F811
+    """router_replay.mode=R3: the launched SGLang CPU server returns each token's experts
+    (`--enable-return-routed-experts`, allocated by the plugin's CPU shim) and the trainer's
+    old-log-prob, reference and update passes replay them: three steps run, the old
+    log-probs stay as close to SGLang's as the weights allow and the probe after each sync
+    (which routes anew) agrees."""
+    rows = train(moe_model, tmp_path, 3, "actor_rollout_ref.actor.router_replay.mode=R3")
+    trained = [r for r in rows if r["step"] > 0]
+    assert len(trained) == 3
+    server_log = (tmp_path / "run" / "logs" / "sglang_server_0.log").read_text()
+    assert "'enable_return_routed_experts': True" in server_log
+    assert all(abs(r["rollout_corr/kl"]) < 1e-5 for r in trained)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in trained)

@@ -320,8 +320,13 @@ def test_routing_replay_is_refused_where_it_cannot_work(tiny_qwen2_dir, tmp_path
     AutoModelForCausalLM.from_config(config).save_pretrained(moe_dir)
     mode = "actor_rollout_ref.actor.router_replay.mode"
     for model, keys, said in (
-        (moe_dir, [f"{mode}=R3"], "needs SGLang's routed experts: not yet"),
+        (tiny_qwen2_dir, [f"{mode}=R3"], "qwen2 has no experts to route"),
         (tiny_qwen2_dir, [f"{mode}=R2"], "qwen2 has no experts to route"),
+        (
+            moe_dir,
+            [f"{mode}=R3", "actor_rollout_ref.actor.megatron.recompute_granularity=full"],
+            "recompute routes again in the backward",
+        ),
         (
             moe_dir,
             [f"{mode}=R2", "actor_rollout_ref.actor.megatron.recompute_granularity=full"],
@@ -337,3 +342,28 @@ def test_routing_replay_is_refused_where_it_cannot_work(tiny_qwen2_dir, tmp_path
         with pytest.raises(ConfigError, match=said):
             load_policy_arch(cfg)
     load_policy_arch(load_config(None, [f"actor_rollout_ref.model.path={moe_dir}", f"{mode}=R2"]))
+    # R3 with bypass_mode: the engine's log-probs are on the routes the updates replay
+    bypass = "algorithm.rollout_correction.bypass_mode=true"
+    r3 = load_config(None, [f"actor_rollout_ref.model.path={moe_dir}", f"{mode}=R3", bypass])
+    load_policy_arch(r3)
+
+
+def test_rollout_routing_replay_asks_the_launched_servers_for_routes():
+    """R3: the launched servers get --enable-return-routed-experts (SGLang's), every training
+    request asks for the routes; a user's explicit `false` is refused."""
+    from rlhf.config.engine_args import launched_rollout, server_argv
+    from rlhf.rollout.generation import sampling_params
+
+    mode = "actor_rollout_ref.actor.router_replay.mode"
+    kwargs = "actor_rollout_ref.rollout.engine_kwargs.sglang"
+    plain = load_config(None, [])
+    assert launched_rollout(plain) == plain.actor_rollout_ref.rollout
+    assert not sampling_params(plain).routed_experts
+    r3 = load_config(None, [f"{mode}=R3", f"{kwargs}.chunked_prefill_size=64"])
+    argv = server_argv(launched_rollout(r3).engine_kwargs.sglang)
+    assert argv == ["--chunked-prefill-size", "64", "--enable-return-routed-experts"]
+    assert r3.actor_rollout_ref.rollout.engine_kwargs.sglang == {"chunked_prefill_size": 64}
+    assert sampling_params(r3).routed_experts
+    off = load_config(None, [f"{mode}=R3", f"{kwargs}.enable_return_routed_experts=false"])
+    with pytest.raises(ConfigError, match="mode=R3 needs it"):
+        launched_rollout(off)

@@ -130,6 +130,12 @@ def test_launch_servers_takes_engine_kwargs_from_a_config_and_flags(tmp_path):
     rollout = launch_servers.rollout_config(args)
     assert rollout.engine_kwargs.sglang == {"chunked_prefill_size": 4096, "max_running_requests": 7}
     assert launch_servers.main(["--model", "m", "--engine-kwarg", "no_such_arg=1"]) == 2
+    # a run with rollout routing replay: its servers return the routed experts
+    r3 = tmp_path / "r3.yaml"
+    r3.write_text("actor_rollout_ref:\n  actor:\n    router_replay:\n      mode: R3\n")
+    args = launch_servers.parse_args(["--model", "m", "--config", str(r3)])
+    rollout = launch_servers.rollout_config(args)
+    assert rollout.engine_kwargs.sglang == {"enable_return_routed_experts": True}
 
 
 def test_cpu_thread_policy(monkeypatch):

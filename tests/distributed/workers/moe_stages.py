@@ -11,7 +11,9 @@ own setup; on the fixed synthetic batch of `ppo_stages.py` rank 0 writes to OUT:
   micro-batch, so the micro-batches must hold the same samples at every layout for the
   loss to be the same): the update's `metrics` and `logprobs_after`;
 - `dropping`: the same with megatron.moe_expert_capacity_factor 0.5 instead (tokens over
-  an expert's capacity are dropped).
+  an expert's capacity are dropped);
+- `r2`: routing replay R2 (`replay_r2`); `r3`: rollout routing replay (`replay_r3`) with
+  routes transformers computed (`hf_routes`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ R2 = (  # two mini-batches of 4 samples, two epochs
     "actor_rollout_ref.actor.ppo_epochs=2",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",
 )
+
+
+R3 = "actor_rollout_ref.actor.router_replay.mode=R3"
 
 
 def main() -> None:
@@ -148,10 +153,12 @@ def run(args, cfg, ctx) -> None:
     drop_metrics, drop_after = update_once(dropping, exp, padded, one_each)
     dropped = {"metrics": drop_metrics, "logprobs_after": drop_after}
     replayed = replay_r2(args, ctx, exp, planner)
+    rollout_routes = replay_r3(args, ctx, exp, planner)
     if ctx.rank == 0:
         result = {"plain": plain, "router_loss": router_loss, "advantages": advantages}
         result["dropping"] = dropped
         result["r2"] = replayed
+        result["r3"] = rollout_routes
         result["batch"] = batch.to_objects()
         torch.save(result, Path(args.out))
 
@@ -211,6 +218,60 @@ def replay_r2(args, ctx, exp, planner) -> dict:
         "logprobs_after": after,
         "logprobs_replayed": replayed,
         "moved": int(moved_all),
+    }
+
+
+def hf_routes(model_dir, batch, choices: tuple[int, int]) -> list[torch.Tensor]:
+    """Each sample's routes as SGLang returns them ([tokens - 1, layers x top-k] int16),
+    computed by transformers: per token and MoE layer the experts ranked `choices` by the
+    router (0: the first choice); experts 0..top-k-1 for the dense layer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    c = model.config
+    sparse = [i for i in range(c.num_hidden_layers) if i not in c.mlp_only_layers]
+    routes = []
+    with torch.no_grad():
+        for prompt, response in zip(batch.prompt_ids, batch.response_ids):
+            ids = (prompt + response)[:-1]  # the last token is never fed through the model
+            out = model(torch.tensor([ids]), output_router_logits=True)
+            r = torch.arange(c.num_experts_per_tok).repeat(len(ids), c.num_hidden_layers, 1)
+            for layer, logits in zip(sparse, out.router_logits):
+                ranked = logits.topk(max(choices) + 1, dim=-1).indices
+                r[:, layer] = ranked[:, list(choices)]
+            routes.append(r.reshape(len(ids), -1).to(torch.int16))
+    return routes
+
+
+def replay_r3(args, ctx, exp, planner) -> dict:
+    """router_replay.mode=R3 with transformers' routes as the engine's: the old log-probs
+    with the model's own routes (`old_own`) and, outside the replay as the weight-sync probe
+    runs, the plain log-probs of a batch whose routes send every token to its 2nd and 3rd
+    choices (`not_replayed`); then a whole trainer step on that batch
+    (`learn_from_batch`): its old and reference log-probs, its update's `metrics` and the
+    log-probs after it, replaying the routes."""
+    from rlhf.algo import build_kl_controller
+    from rlhf.logging import Timer
+    from rlhf.trainer import ppo_step as stages
+
+    cfg = config(args, 0.0, None, None, R3)
+    _, models = build(cfg, ctx)
+    own = dataclasses.replace(exp.batch, routed_experts=hf_routes(args.model, exp.batch, (0, 1)))
+    moved = dataclasses.replace(exp.batch, routed_experts=hf_routes(args.model, exp.batch, (1, 2)))
+    head = models.logprob_head
+    old_own, _ = stages.old_logprobs(models, own)
+    not_replayed, _ = stages.compute_logprobs(models.actor, moved, planner, BUDGET, head)
+    kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
+    learned = stages.learn_from_batch(models, moved, cfg, kl_ctrl, Timer())
+    with stages.rollout_routes(models.actor):
+        after, _ = stages.compute_logprobs(models.actor, moved, planner, BUDGET, head)
+    return {
+        "old_own": old_own,
+        "not_replayed": not_replayed,
+        "old_moved": learned.experience.old_logprobs_bt,
+        "ref_moved": learned.experience.ref_logprobs_bt,
+        "metrics": learned.metrics,
+        "logprobs_after": after,
     }
 
 
