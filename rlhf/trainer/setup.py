@@ -261,6 +261,30 @@ def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: Mic
     return critic, update
 
 
+def _reference(
+    cfg: RLHFConfig, arch: ModelArch, ctx: ParallelContext, router: MoERouter
+) -> MegatronModel:
+    """The frozen reference, laid out and routed as the actor (R3: on the engine's routes)."""
+    aro = cfg.actor_rollout_ref
+    rollout_routes = aro.actor.router_replay.mode == "R3"
+    module = build_policy(
+        arch,
+        aro.model.path,
+        ctx,
+        DTYPES[aro.actor.megatron.dtype],
+        vp_size=virtual_pipeline_size(aro.actor.megatron),
+        overrides=aro.actor.megatron.override_transformer_config,
+        router=dataclasses.replace(router, replay=rollout_routes),
+    )
+    offload = aro.ref.param_offload and ctx.device.type == "cuda"
+    if aro.ref.param_offload and not offload and ctx.is_main:
+        log.info("ref.param_offload: no effect on CPU (the model is in host memory)")
+    ref = MegatronModel.frozen(module, ctx, offload=offload)
+    if rollout_routes:
+        ref.route_replay = RolloutRouteReplay(ref.module, ctx)
+    return ref
+
+
 def build_ppo_models(
     cfg: RLHFConfig, arch: ModelArch, ctx: ParallelContext, total_steps: int
 ) -> PPOModels:
@@ -295,23 +319,7 @@ def build_ppo_models(
         actor.route_replay = RouteReplay(actor.module)
     elif mode == "R3":  # every pass replays the engine's routes
         actor.route_replay = RolloutRouteReplay(actor.module, ctx)
-    ref = None
-    if uses_reference(cfg):
-        ref_module = build_policy(
-            arch,
-            aro.model.path,
-            ctx,
-            policy_dtype,
-            vp_size=vp_size,
-            overrides=overrides,
-            router=dataclasses.replace(router, replay=mode == "R3"),
-        )
-        offload = aro.ref.param_offload and ctx.device.type == "cuda"
-        if aro.ref.param_offload and not offload and ctx.is_main:
-            log.info("ref.param_offload: no effect on CPU (the model is in host memory)")
-        ref = MegatronModel.frozen(ref_module, ctx, offload=offload)
-        if mode == "R3":
-            ref.route_replay = RolloutRouteReplay(ref.module, ctx)
+    ref = _reference(cfg, arch, ctx, router) if uses_reference(cfg) else None
     budgets = token_budgets(cfg)
     critic, critic_update = _critic(cfg, ctx, total_steps, budgets.critic)
     vocab = VocabShard.of(ctx, actor_module.padded_vocab_size, arch.vocab_size)
