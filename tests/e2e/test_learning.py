@@ -65,12 +65,14 @@ def quickstart_assets(request, tmp_path_factory):
     return root / "model", data
 
 
-def train(config, assets, server, run_dir, steps: int, *extra: str) -> list[dict]:
-    """`rlhf-train --config config` on the quickstart assets and `server` (external), with
-    `extra` overrides; its metrics.jsonl rows."""
+def train(config, assets, server, run_dir, steps: int, *extra: str, nproc: int = 1) -> list[dict]:
+    """`rlhf-train --config config` (on `nproc` processes) on the quickstart assets (model,
+    (train, val)) and `server` (external; None: the run launches its own), with `extra`
+    overrides; its metrics.jsonl rows."""
     model, (train_file, val_file) = assets
+    external = [f"actor_rollout_ref.rollout.server_urls=[{server.url}]"] if server else []
     overrides = [
-        f"actor_rollout_ref.rollout.server_urls=[{server.url}]",
+        *external,
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={train_file}",
         f"data.val_files={val_file}",
@@ -81,7 +83,7 @@ def train(config, assets, server, run_dir, steps: int, *extra: str) -> list[dict
         "trainer.logger=[console]",
         *extra,
     ]
-    proc = rlhf_train(config, overrides, run_dir.parent / f"{run_dir.name}_logs")
+    proc = rlhf_train(config, overrides, run_dir.parent / f"{run_dir.name}_logs", nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

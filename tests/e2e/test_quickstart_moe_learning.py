@@ -8,13 +8,12 @@ test_quickstart_moe_start.py builds it). Validation samples 4 answers for each o
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from rlhf.quickstart.data import write_quickstart_data
+from tests.e2e.test_learning import train as train_quickstart
 from tests.e2e.test_quickstart_moe_start import moe_model  # noqa: F401 (a fixture)
-from tests.helpers import REPO, rlhf_train
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow(reason="learning shows only over tens of GRPO steps")
 CONFIG = REPO / "configs" / "quickstart_moe_cpu.yaml"
@@ -23,23 +22,10 @@ MIN_RISE = 0.2
 
 
 def train(model, tmp_path, steps: int, *extra: str, nproc: int = 1) -> list[dict]:
-    """`rlhf-train` on configs/quickstart_moe_cpu.yaml for `steps`; its metrics rows."""
-    train_file, val_file = write_quickstart_data(tmp_path / "data")
-    run_dir = tmp_path / "run"
-    overrides = [
-        f"actor_rollout_ref.model.path={model}",
-        f"data.train_files={train_file}",
-        f"data.val_files={val_file}",
-        f"trainer.default_local_dir={run_dir}",
-        f"trainer.total_training_steps={steps}",
-        f"trainer.test_freq={steps}",
-        f"trainer.save_freq={steps}",
-        "trainer.logger=[console]",
-        *extra,
-    ]
-    proc = rlhf_train(CONFIG, overrides, tmp_path / "logs", timeout_s=1500, nproc=nproc)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """`rlhf-train` on configs/quickstart_moe_cpu.yaml for `steps`, launching its own SGLang
+    server; its metrics rows."""
+    assets = model, write_quickstart_data(tmp_path / "data")
+    return train_quickstart(CONFIG, assets, None, tmp_path / "run", steps, *extra, nproc=nproc)
 
 
 def test_grpo_on_the_tiny_moe_raises_validation_reward(moe_model, tmp_path):  # noqa: F811
@@ -53,15 +39,23 @@ def test_grpo_on_the_tiny_moe_raises_validation_reward(moe_model, tmp_path):  # 
 
 
 def test_an_expert_parallel_run_syncs_every_step(moe_model, tmp_path):  # noqa: F811
-    """Two processes at EP 2 (each holds 4 of the 8 experts): the weight sync gathers both
-    halves for SGLang every step (the probe agrees; measured 2e-6 to 1e-5) and the router
-    metrics cover both ranks' tokens."""
-    ep2 = "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"
-    rows = train(moe_model, tmp_path, 3, "trainer.n_gpus_per_node=2", ep2, nproc=2)
+    """Two processes at EP 2 (each holds 4 of the 8 experts) with GAE, so a critic built from
+    the MoE checkpoint trains at EP 2 too: the weight sync gathers both halves of the
+    actor's experts for SGLang every step (the probe agrees; measured 2e-6 to 1e-5) and the
+    router metrics of both models cover both ranks' tokens."""
+    ep2 = [
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+        "critic.megatron.expert_model_parallel_size=2",
+        "algorithm.adv_estimator=gae",
+    ]
+    rows = train(moe_model, tmp_path, 3, *ep2, nproc=2)
     trained = [r for r in rows if r["step"] > 0]
     assert len(trained) == 3
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in trained)
-    assert all(0.125 <= r["actor/moe/max_expert_share"] < 0.5 for r in trained)
+    for role in ("actor", "critic"):
+        assert all(0.125 <= r[f"{role}/moe/max_expert_share"] < 0.5 for r in trained), role
+    assert all(r["critic/vf_loss"] > 0 for r in trained)
 
 
 def test_routing_replay_r2_runs_end_to_end(moe_model, tmp_path):  # noqa: F811

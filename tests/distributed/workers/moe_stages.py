@@ -163,6 +163,20 @@ def run(args, cfg, ctx) -> None:
         torch.save(result, Path(args.out))
 
 
+def on_update_plan(models, batch, planner) -> torch.Tensor:
+    """The actor's log-probs over the actor update's micro-batch plan (as R2 records)."""
+    update = models.actor_update
+    (logprobs,) = planner.per_sample(
+        models.actor,
+        batch,
+        update.token_budget,
+        models.logprob_head,
+        ("logprobs",),
+        mini_batch_size=update.mini_batch_samples,
+    )
+    return logprobs
+
+
 def replay_r2(args, ctx, exp, planner) -> dict:
     """router_replay.mode=R2 with two mini-batches and two PPO epochs: the old-log-prob
     pass (on the update's plan) records the routes, every forward of the update replays
@@ -178,18 +192,8 @@ def replay_r2(args, ctx, exp, planner) -> dict:
     recorded = dict(replay.routes)
     exp = dataclasses.replace(exp, old_logprobs_bt=old)
     metrics, _ = stages.run_updates(models.actor_update, exp, planner)
-    update = models.actor_update
-    head, keys = models.logprob_head, ("logprobs",)
     with replay.recording():  # the updated weights' own routes
-        (after,) = planner.per_sample(
-            models.actor,
-            exp.batch,
-            update.token_budget,
-            head,
-            keys,
-            None,
-            update.mini_batch_samples,
-        )
+        after = on_update_plan(models, exp.batch, planner)
     moved = sum(
         int((own.sort(-1).values != rec.sort(-1).values).any(-1).sum())
         for key, rec_layers in recorded.items()
@@ -199,15 +203,7 @@ def replay_r2(args, ctx, exp, planner) -> dict:
     torch.distributed.all_reduce(moved_all)
     replay.routes = recorded
     with replay.replaying():
-        (replayed,) = planner.per_sample(
-            models.actor,
-            exp.batch,
-            update.token_budget,
-            head,
-            keys,
-            None,
-            update.mini_batch_samples,
-        )
+        replayed = on_update_plan(models, exp.batch, planner)
     # the same two epochs routing anew
     _, own = build(config(args, 0.0, None, None, *R2[1:]), ctx)
     own_metrics, _ = stages.run_updates(own.actor_update, exp, planner)
