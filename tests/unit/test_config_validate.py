@@ -299,25 +299,11 @@ def test_router_settings_and_expert_sizes_need_a_model_with_experts(tiny_qwen2_d
 
 
 def test_routing_replay_is_refused_where_it_cannot_work(tiny_qwen2_dir, tmp_path):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from rlhf.trainer.setup import load_policy_arch
+    from tests.distributed.test_moe_parity import MODELS, save_moe_model
 
-    moe_dir = tmp_path / "moe"
-    config = AutoConfig.for_model(
-        "qwen3_moe",
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(moe_dir)
+    all_sparse = {**MODELS["qwen3_moe"], "mlp_only_layers": []}  # SGLang serves it
+    moe_dir = save_moe_model(tmp_path / "moe", all_sparse, seed=0)
     mode = "actor_rollout_ref.actor.router_replay.mode"
     for model, keys, said in (
         (tiny_qwen2_dir, [f"{mode}=R3"], "qwen2 has no experts to route"),
