@@ -162,13 +162,18 @@ def build_router_args(
 
 
 def _api_key_args() -> list[str]:
-    """`--api-key KEY` when the run has a key (`sglang_api.API_KEY_ENV`), else nothing.
+    """`--api-key=KEY` when the run has a key (`sglang_api.API_KEY_ENV`), else nothing (one
+    argument: a random key may start with '-', which argparse would take for an option).
 
     SGLang's server and sglang-router take the same flag: each then answers 401 to every
     request without `Authorization: Bearer KEY` except /health; the router also sends it to
     its workers. The key is visible in the process list to users of the same machine."""
     key = sglang_api.api_key()
-    return ["--api-key", key] if key else []
+    return [f"--api-key={key}"] if key else []
+
+
+def _has_api_key(argv: list[str]) -> bool:
+    return any(a == "--api-key" or a.startswith("--api-key=") for a in argv)
 
 
 def _open_log(path: Path, private: bool) -> BinaryIO:
@@ -200,7 +205,7 @@ class SGLangServer:
     def start(self) -> SGLangServer:
         self.shm_before = sglang_shm_files()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with _open_log(self.log_path, private="--api-key" in self.launch.argv) as log_file:
+        with _open_log(self.log_path, private=_has_api_key(self.launch.argv)) as log_file:
             self.proc = subprocess.Popen(
                 self.launch.argv,
                 stdout=log_file,

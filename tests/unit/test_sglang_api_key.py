@@ -163,7 +163,7 @@ def test_launched_servers_and_router_get_the_key(monkeypatch):
     server = build_server_args(RolloutConfig(), "/m", port=1, device="cpu").argv
     router = build_router_args(["http://127.0.0.1:1"], port=2, metrics_port=3).argv
     for argv in (server, router):
-        assert argv[argv.index("--api-key") + 1] == KEY
+        assert f"--api-key={KEY}" in argv
     monkeypatch.delenv(sglang_api.API_KEY_ENV)
     assert "--api-key" not in build_server_args(RolloutConfig(), "/m", port=1, device="cpu").argv
     assert "--api-key" not in build_router_args(["http://h:1"], port=2, metrics_port=3).argv
@@ -206,6 +206,22 @@ def test_reachable_host_without_a_key_is_refused(monkeypatch, capsys):
     launch_servers.check_exposure("0.0.0.0")
 
 
+def test_a_key_starting_with_a_dash_reaches_sglang_and_the_router(monkeypatch):
+    """A random key (`ensure_api_key`) starts with '-' about once in 64 runs: SGLang's and
+    the router's own parsers read it back whole (as two arguments argparse refused it)."""
+    from sglang_router.launch_router import parse_router_args
+
+    from rlhf.config.engine_args import _sglang_parser
+
+    key = "-dash-first-" + KEY
+    monkeypatch.setenv(sglang_api.API_KEY_ENV, key)
+    server = build_server_args(RolloutConfig(), "/m", port=1, device="cpu").argv
+    parsed, _ = _sglang_parser().parse_known_args(server[server.index("--model-path") :])
+    assert parsed.api_key == key
+    router = build_router_args(["http://127.0.0.1:1"], port=2, metrics_port=3).argv
+    assert parse_router_args(router[3:]).api_key == key
+
+
 def test_the_key_cannot_be_set_as_an_engine_kwarg():
     for name in ("api_key", "admin_api_key"):
         with pytest.raises(ConfigError, match=f"sglang.{name}: set by the RLHF_SGLANG_API_KEY"):
@@ -215,7 +231,7 @@ def test_the_key_cannot_be_set_as_an_engine_kwarg():
 def test_a_keyed_server_log_is_private(tmp_path):
     """SGLang logs its arguments, the key among them: only the run's user may read it."""
     sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
-    for argv, mode in ((sleep, 0o644), ([*sleep, "--api-key", KEY], 0o600)):
+    for argv, mode in ((sleep, 0o644), ([*sleep, f"--api-key={KEY}"], 0o600)):
         log = tmp_path / f"{mode:o}.log"
         log.write_text("an earlier start\n")
         log.chmod(0o644)
