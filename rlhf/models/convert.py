@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf.models.builder import ValueHead, attach_value_head, build_model, load_hf_weights
-from rlhf.models.dist_ckpt import load_distributed
+from rlhf.models.dist_ckpt import load_distributed, save_distributed
 from rlhf.models.families import ModelArch, check_parallel_sizes, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
@@ -142,8 +142,6 @@ def _check_split(arch: ModelArch, hf_dir: Path, placement: Placement) -> None:
 
 def hf_to_mcore(hf_dir: Path, out_dir: Path, placement: Placement) -> None:
     """Convert on every rank of the current TP x PP world (call on all ranks)."""
-    from megatron.core import dist_checkpointing
-
     arch = check_hf_to_mcore(hf_dir, out_dir, placement)
     reader = HFCheckpointReader(hf_dir)
     dtype = checkpoint_dtype(reader)
@@ -154,7 +152,7 @@ def hf_to_mcore(hf_dir: Path, out_dir: Path, placement: Placement) -> None:
         shutil.rmtree(partial, ignore_errors=True)
         (partial / "model").mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(partial / "model"))
+    save_distributed(model.sharded_state_dict(), partial / "model")
     if _is_main():
         copy_hf_side_files(hf_dir, partial / "hf")
         write_meta(partial, arch, model.padded_vocab_size, dtype, placement)

@@ -26,7 +26,11 @@ from rlhf.config.schema import OptimConfig
 from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.chunks import ModelChunks
-from rlhf.models.dist_ckpt import load_distributed, save_distributed_in_background
+from rlhf.models.dist_ckpt import (
+    load_distributed,
+    save_distributed,
+    save_distributed_in_background,
+)
 from rlhf.models.mapping import Placement
 from rlhf.trainer.micro_batch import MicroBatch
 from rlhf.trainer.nonfinite import tensors_finite
@@ -344,10 +348,8 @@ class TrainableMegatronModel(MegatronModel):
             self._load(Path(directory))
 
     def _save(self, directory: Path) -> None:
-        from megatron.core import dist_checkpointing
-
         (directory / "model").mkdir(exist_ok=True)
-        dist_checkpointing.save(self.sharded_state_dict(), str(directory / "model"))
+        save_distributed(self.sharded_state_dict(), directory / "model")
         if not self.distributed_optimizer:
             return
         where = self.optimizer_coordinate()

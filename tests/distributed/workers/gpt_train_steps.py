@@ -142,11 +142,11 @@ def main() -> None:
     env = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp)
     seed_everything(1234)
     if args.save_init:
-        from megatron.core import dist_checkpointing
+        from rlhf.models.dist_ckpt import save_distributed
 
         model, _, _ = build(args.tp, args.pp)
         Path(args.save_init).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(model.sharded_state_dict(), args.save_init)
+        save_distributed(model.sharded_state_dict(), Path(args.save_init))
         results = []
     else:
         results = train(args)
