@@ -55,7 +55,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "rlhf-train=rlhf.cli.train:main",
+            "rlhf-train=rlhf.cli.train:entry",
             "rlhf-convert=rlhf.cli.convert:main",
             "rlhf-eval=rlhf.cli.eval:main",
             "rlhf-preprocess=rlhf.cli.preprocess:main",

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 
@@ -159,3 +159,26 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(final.parent)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with `code` the way Python would, minus its final teardown.
+
+    Python joins the non-daemon threads, runs the atexit handlers (trackers, logging, child
+    processes, SGLang servers), flushes stdout and stderr, and then frees every module and
+    object one by one: 3.6 s for a finished CPU trainer here (torch, Megatron-Core), which
+    every run and every rank paid. That last part is skipped; nothing of a run is in it.
+    """
+    import atexit
+    import contextlib
+    import sys
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or a broken pipe
+            stream.flush()
+    os._exit(code)

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from rlhf.checkpoint.background import CheckpointWriterError
 from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock, RunDirUnusable
@@ -170,5 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> NoReturn:
+    """The `rlhf-train` command: `main`, then the process ends without Python's teardown
+    (`rlhf.utils.exit_process`)."""
+    from rlhf.utils import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
