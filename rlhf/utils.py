@@ -182,3 +182,17 @@ def exit_process(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):  # closed, or a broken pipe
             stream.flush()
     os._exit(code)
+
+
+def die_with_parent(parent: int) -> None:
+    """In a forked child: ask the kernel for SIGKILL when the parent dies (Linux; the thread
+    that forked, in fact: fork from the main thread), and exit if it already has."""
+    import contextlib
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(AttributeError, OSError):  # not Linux: the child may outlive it
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)

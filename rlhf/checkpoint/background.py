@@ -21,8 +21,6 @@ node's share of the trained models and their optimizer state (the memory plan's 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import gc
 import json
@@ -38,9 +36,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlhf.utils import die_with_parent
+
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 ERROR_FILE = ".write_error_rank{rank}.json"
 
 
@@ -61,18 +60,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _die_with_parent(parent: int) -> None:
-    """Ask the kernel for SIGKILL when the trainer dies (Linux); exit if it already did."""
-    # not on Linux, the writer outlives a killed trainer
-    with contextlib.suppress(AttributeError, OSError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _run_writes(writes: list[PendingWrite], error_file: Path, parent: int) -> None:
     """The writer process: every `write`, or the first failure recorded in `error_file`."""
-    _die_with_parent(parent)
+    die_with_parent(parent)  # not on Linux: the writer outlives a killed trainer
     # the trainer's handlers are not the writer's: a SIGTERM for the job lets it finish
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -18,11 +18,13 @@ gives Megatron a manager queue started by *fork* instead (0.02 s): the same prox
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from rlhf.models.hf_io import CheckpointFileError
+from rlhf.utils import die_with_parent
 
 
 def innermost(error: BaseException) -> BaseException:
@@ -55,13 +57,24 @@ def load_distributed(sharded_state_dict: dict, directory: Path) -> dict:
 
 
 def _forked_results_queue() -> None:
-    """Megatron's writer-results queue of this process, started by fork (see the module)."""
+    """Megatron's writer-results queue of this process, its manager started by fork (see the
+    module). The manager dies with this process (a forked child holds this process's open
+    files, the run directory's lock among them, so it must not outlive a killed trainer);
+    the kernel ties that to the forking thread, hence only from the main thread (elsewhere
+    Megatron starts its own)."""
     import multiprocessing
+    import threading
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    if filesystem_async._results_queue is not None:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 
 def save_distributed(sharded_state_dict: dict, directory: Path, **kwargs):

@@ -80,3 +80,60 @@ def test_a_background_save_written_by_a_forked_process_loads_back(one_rank, fres
     assert spawned_children() - before == set()
     loaded = load_distributed(state(torch.zeros(5, 7)), tmp_path)
     torch.testing.assert_close(loaded["weight"], values, rtol=0, atol=0)
+
+
+KILLED_SAVER = """
+import sys, time
+from pathlib import Path
+import torch
+from megatron.core.dist_checkpointing import ShardedTensor
+from rlhf.checkpoint.run_lock import RunDirLock
+from rlhf.distributed.bootstrap import init_parallel
+from rlhf.models.dist_ckpt import save_distributed
+
+run_dir = Path(sys.argv[1])
+RunDirLock(run_dir).acquire()
+init_parallel("cpu")
+(run_dir / "ckpt").mkdir()
+save_distributed({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, run_dir / "ckpt")
+print("saved", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_saver_leaves_no_process_holding_its_run_directory(tmp_path):
+    """The forked manager holds the saver's open files (the run directory's lock among
+    them): killed with the saver, it lets a resumed run take the directory at once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "saved"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children  # the manager
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    psutil.wait_procs(children, timeout=30)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    try:
+        RunDirLock(tmp_path).acquire().release()
+    except RunDirBusy as e:
+        pytest.fail(f"the run directory is still locked after the saver was killed: {e}")
+
+
+def _free_port() -> int:
+    from rlhf.utils import free_port
+
+    return free_port()
