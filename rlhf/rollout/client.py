@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 RETRIES_KEY = "actor_rollout_ref.rollout.request_retries"
 
 _AUTH_HINT = f"; the server wants an API key: set {API_KEY_ENV} to the key it was started with"
+
+T = TypeVar("T")
+# One /generate within a `GenerateClient.session`: (request index, payload) -> its result
+Request = Callable[[int, dict[str, Any]], Awaitable["RequestResult"]]
 
 # Given the URL a request just failed on, return the URL to retry it on (may block while a
 # dead server is restarted; raises when there is none to retry on).
@@ -204,23 +209,25 @@ class GenerateClient:
 
     async def generate_async(self, payloads: list[dict[str, Any]]) -> list[RequestResult]:
         """One result per payload, in payload order; raises if any request fails for good."""
+        async with self.session() as request:
+            return await gather_or_cancel([request(i, p) for i, p in enumerate(payloads)])
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[Request]:
+        """`request(index, payload)` within one HTTP session and concurrency limit: requests
+        issued one after another (the turns of a conversation) share the connections.
+        `index` picks the server (round-robin) and names the request in logs."""
         limit = asyncio.Semaphore(self.max_concurrent)
         connector = aiohttp.TCPConnector(limit=self.max_concurrent)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, headers=auth_headers()
         ) as session:
-            tasks = [
-                asyncio.create_task(self._request(session, limit, i, payload))
-                for i, payload in enumerate(payloads)
-            ]
-            try:
-                return list(await asyncio.gather(*tasks))
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+
+            async def request(index: int, payload: dict[str, Any]) -> RequestResult:
+                return await self._request(session, limit, index, payload)
+
+            yield request
 
     async def _request(
         self, session: aiohttp.ClientSession, limit: asyncio.Semaphore, index: int, payload: dict
@@ -290,6 +297,19 @@ class GenerateClient:
             engine_s=max(latencies) if latencies else None,
             tried_urls=list(tried),
         )
+
+
+async def gather_or_cancel(coroutines: list[Awaitable[T]]) -> list[T]:
+    """The results of `coroutines`, run concurrently; if one raises, the others are
+    cancelled (and awaited) before the error propagates."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def generate(

@@ -1,0 +1,1 @@
+"""Tools the policy calls during multi-turn rollouts (rlhf.rollout.multi_turn)."""
