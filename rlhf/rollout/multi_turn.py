@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.rollout.client import Generation
-from rlhf.tools.base import Tool, ToolResult
+from rlhf.tools.base import TIMEOUT, Tool, ToolResult
 from rlhf.tools.parser import ToolCall, parse_tool_calls
 
 # one /generate for a conversation: (input ids, sampling params without n) -> one Generation
@@ -40,6 +40,7 @@ class MultiTurnSettings:
     max_user_turns: int = 5
     max_parallel_calls: int = 1
     max_tool_response_length: int = 256  # characters of one tool result, as in verl
+    tool_timeout_s: float = 60.0  # one call, then a timeout error (async tools; sync ones block)
     tool_response_truncate_side: str = "middle"
     format: str = "hermes"
 
@@ -217,8 +218,12 @@ class MultiTurnRollout:
         problem = tool.check_arguments(call.arguments)
         if problem is not None:
             return ToolResult.failed(problem)
+        timeout_s = self.settings.tool_timeout_s
         try:
-            result = await tool.execute(states[tool.name], call.arguments or {})
+            execution = tool.execute(states[tool.name], call.arguments or {})
+            result = await asyncio.wait_for(execution, timeout_s)
+        except TimeoutError:
+            return ToolResult.failed(f"{tool.name} did not answer within {timeout_s:g} s", TIMEOUT)
         except Exception as e:  # a tool's bug must not end the run: the policy reads it
             return ToolResult.failed(f"{tool.name} failed: {type(e).__name__}: {e}"[:500])
         if not isinstance(result, ToolResult) or not isinstance(result.text, str):

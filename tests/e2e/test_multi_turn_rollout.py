@@ -31,13 +31,16 @@ ANSWER = r"The answer is [0-9]+\."
 GARBAGE = r"<tool_call>\{oops\}</tool_call>"
 
 
-def converse(server, tokenizer, turns: list[str], max_response_length=256, temperature=1.0):
+def converse(
+    server, tokenizer, turns: list[str], max_response_length=256, temperature=1.0, tool=None
+):
     """One conversation whose i-th turn is constrained to the regex `turns[i]`; returns
     (conversation, [(input ids, generation)] of each request)."""
-    settings = MultiTurnSettings(max_response_length=max_response_length, max_assistant_turns=4)
-    rollout = MultiTurnRollout(
-        {"calculator": Calculator(CALCULATOR_SCHEMA, {})}, tokenizer, settings
+    settings = MultiTurnSettings(
+        max_response_length=max_response_length, max_assistant_turns=4, tool_timeout_s=2
     )
+    tool = tool or Calculator(CALCULATOR_SCHEMA, {})
+    rollout = MultiTurnRollout({"calculator": tool}, tokenizer, settings)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 3 + 4? Use the calculator."}],
         add_generation_prompt=True,
@@ -121,3 +124,40 @@ def test_the_budget_counts_the_tool_tokens(sglang_server, tokenizer):
     assert sent[0][1].output_ids == full.response_ids[:first_len]
     assert len(sent) == 1 and cut.finish_reason == "length"
     assert len(cut.response_ids) == len(sent[0][1].output_ids) and set(cut.response_mask) == {1}
+
+
+class Hanging(Calculator):
+    async def execute(self, state, arguments):
+        await asyncio.sleep(3600)
+
+
+class Raising(Calculator):
+    async def execute(self, state, arguments):
+        raise RuntimeError("the tool's own bug")
+
+
+class Garbage(Calculator):
+    async def execute(self, state, arguments):
+        return {"not": "a ToolResult"}
+
+
+@pytest.mark.parametrize(
+    ("tool", "kind", "message"),
+    [
+        (Hanging, "timeout", "did not answer within 2 s"),
+        (Raising, "error", "RuntimeError: the tool's own bug"),
+        (Garbage, "error", "returned dict, not text"),
+    ],
+)
+def test_a_tool_that_hangs_raises_or_returns_garbage_is_an_error_the_policy_reads(
+    sglang_server, tokenizer, tool, kind, message
+):
+    _, conv, sent = converse(
+        sglang_server, tokenizer, [CALL, ANSWER], tool=tool(CALCULATOR_SCHEMA, {})
+    )
+    (record,) = conv.tool_calls
+    assert record.error == kind and message in record.result
+    assert len(sent) == 2 and conv.finish_reason == "stop"  # the conversation went on
+    tool_ids = tool_message_ids(tokenizer, record.result)
+    start = len(sent[0][1].output_ids)
+    assert conv.response_ids[start : start + len(tool_ids)] == tool_ids
