@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -184,15 +185,15 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def die_with_parent(parent: int) -> None:
-    """In a forked child: ask the kernel for SIGKILL when the parent dies (Linux; the thread
-    that forked, in fact: fork from the main thread), and exit if it already has."""
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """In a forked child: ask the kernel for signal `sig` (default SIGKILL) when the parent
+    dies (Linux; the thread that forked, in fact: fork from the main thread), and exit if it
+    already has."""
     import contextlib
     import ctypes
-    import signal
 
     pr_set_pdeathsig = 1
     with contextlib.suppress(AttributeError, OSError):  # not Linux: the child may outlive it
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig)
     if os.getppid() != parent:
         os._exit(1)

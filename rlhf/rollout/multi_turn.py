@@ -70,10 +70,6 @@ class Conversation:
     finish_reason: str = ""  # stop, length, max_turns
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
 
-    @property
-    def tool_reward(self) -> float:
-        return sum(c.reward for c in self.tool_calls)
-
     def append(self, ids: list[int], policy: bool, logprobs: list[float] | None = None) -> None:
         self.response_ids += ids
         self.response_mask += [1 if policy else 0] * len(ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
+import functools
 import importlib.util
 import logging
 import os
@@ -29,6 +29,7 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.models.families import ModelArch
 from rlhf.models.moe_arch import sglang_serving_problem
 from rlhf.rollout.sglang_plugin import ENV as ENV_BOUND_STORES
+from rlhf.utils import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -186,12 +187,6 @@ def _open_log(path: Path, private: bool) -> BinaryIO:
     return os.fdopen(fd, "ab")
 
 
-def _die_with_parent() -> None:
-    """In the child: receive SIGTERM if the launching process dies (Linux prctl)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class SGLangServer:
     """One SGLang server process group; use as a context manager or call `stop()`."""
 
@@ -213,7 +208,8 @@ class SGLangServer:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.launch.env},
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                # SIGTERM if the launching process dies: the server then stops cleanly
+                preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
             )
         _RUNNING.add(self)
         log.info(

@@ -63,11 +63,13 @@ class Tool(ABC):
     """A tool: `schema` is its OpenAI function schema, `settings` its config mapping."""
 
     def __init__(self, schema: dict[str, Any], settings: dict[str, Any]):
-        self.schema, self.settings = schema, settings
+        """`settings` are read by the subclass (each refuses unknown ones)."""
+        self.schema = schema
         self.name: str = schema["function"]["name"]
 
     async def create(self, tools_kwargs: dict[str, Any]) -> Any:
-        """Per-sample state from the row's `extra_info.tools_kwargs[name]` (default: none)."""
+        """Per-sample state from the row's `extra_info.tools_kwargs[name]` (default: a copy
+        of those arguments)."""
         return dict(tools_kwargs)
 
     @abstractmethod

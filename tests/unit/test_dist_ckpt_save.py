@@ -10,16 +10,22 @@ must still give back what was saved.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 
 import psutil
 import pytest
 import torch
 
+from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock
 from rlhf.models.dist_ckpt import (
     load_distributed,
     save_distributed,
     save_distributed_in_background,
 )
+from rlhf.utils import free_port
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +110,7 @@ time.sleep(600)
 def test_a_killed_saver_leaves_no_process_holding_its_run_directory(tmp_path):
     """The forked manager holds the saver's open files (the run directory's lock among
     them): killed with the saver, it lets a resumed run take the directory at once."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock
-
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.Popen(
         [sys.executable, "-c", KILLED_SAVER, str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -131,9 +130,3 @@ def test_a_killed_saver_leaves_no_process_holding_its_run_directory(tmp_path):
         RunDirLock(tmp_path).acquire().release()
     except RunDirBusy as e:
         pytest.fail(f"the run directory is still locked after the saver was killed: {e}")
-
-
-def _free_port() -> int:
-    from rlhf.utils import free_port
-
-    return free_port()
