@@ -2,8 +2,15 @@
 
 Rank 0 (or each node's engine owner) generates and scores them; `rlhf.rollout.policy_servers`
 broadcasts the batch, so every rank holds all B samples. Per-token tensors derived from it
-are [B, R]: R = the longest response of the step, right-padded and masked by `mask_bt`.
-Which rank processes which sample is decided later by the micro-batch plan.
+are [B, R] over the *policy's tokens*: column j of row i is the j-th token sample i's policy
+generated, R = the most any sample has, right-padded and masked by `mask_bt`. In a
+single-turn batch those are all the response tokens; in a multi-turn one (`response_masks`)
+the tool messages between assistant turns are left out, so that every per-token quantity
+(log-probs, entropies, values, KL, token rewards, advantages, GAE's recursion, importance
+weights, losses) sees the policy's tokens only, in order, and the code computing them is the
+same for both. The models still process the whole sequence; `rlhf.trainer.micro_batch` reads
+each policy token's output at its position. Which rank processes which sample is decided
+later by the micro-batch plan.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ class RolloutBatch:
     `reward_model.style` ('rule' or 'model'; None: all rule); routed_experts: per sample
     [prompt + response - 1, layers x top-k] int16, the experts the engine routed each
     token to (every token but the last, which the engine never fed through the model;
-    rollout routing replay, `router_replay.mode=R3`), or None.
+    rollout routing replay, `router_replay.mode=R3`), or None; response_masks: per sample
+    and response token, 1 where the policy generated it and 0 on tokens appended for it
+    (tool messages of a multi-turn rollout), or None (every response token is the policy's).
     """
 
     prompt_ids: list[list[int]]
@@ -36,11 +45,13 @@ class RolloutBatch:
     rollout_logprobs: list[list[float]] | None = None
     reward_styles: list[str] | None = None
     routed_experts: list[Tensor] | None = None
+    response_masks: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         sizes = {len(self.prompt_ids), len(self.response_ids), len(self.data_sources)}
         sizes |= {len(self.uids), int(self.scores_b.numel())}
-        for optional in (self.rollout_logprobs, self.reward_styles, self.routed_experts):
+        optionals = (self.rollout_logprobs, self.reward_styles, self.routed_experts)
+        for optional in (*optionals, self.response_masks):
             if optional is not None:
                 sizes.add(len(optional))
         if len(sizes) != 1:
@@ -49,6 +60,11 @@ class RolloutBatch:
         bad = [i for i, lp in enumerate(logprobs) if len(lp) != len(self.response_ids[i])]
         if bad:
             raise ValueError(f"samples {bad[:10]} have a log-prob count unlike their tokens")
+        masks = self.response_masks or []
+        bad = [i for i, m in enumerate(masks) if len(m) != len(self.response_ids[i])]
+        bad += [i for i, m in enumerate(masks) if not set(m) <= {0, 1}]
+        if bad:
+            raise ValueError(f"samples {bad[:10]} have a response mask unlike their tokens")
         routes = self.routed_experts or []
         lengths = self.sequence_lengths
         bad = [i for i, r in enumerate(routes) if r.dim() != 2 or len(r) != lengths[i] - 1]
@@ -61,10 +77,23 @@ class RolloutBatch:
     def size(self) -> int:
         return len(self.prompt_ids)
 
+    def policy_positions(self, i: int) -> list[int]:
+        """Where in sample `i`'s response the policy's tokens are (all of it by default)."""
+        if self.response_masks is None:
+            return list(range(len(self.response_ids[i])))
+        return [t for t, m in enumerate(self.response_masks[i]) if m]
+
+    @property
+    def policy_lengths(self) -> list[int]:
+        """The policy's tokens per sample (the response length without tool messages)."""
+        if self.response_masks is None:
+            return [len(r) for r in self.response_ids]
+        return [sum(m) for m in self.response_masks]
+
     @property
     def response_width(self) -> int:
-        """R: the longest response (at least 1 so that tensors are never empty)."""
-        return max(1, max(len(r) for r in self.response_ids))
+        """R: the most policy tokens of a sample (at least 1 so that tensors are never empty)."""
+        return max(1, max(self.policy_lengths))
 
     @property
     def sequence_lengths(self) -> list[int]:
@@ -72,22 +101,24 @@ class RolloutBatch:
         return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
 
     def mask_bt(self) -> Tensor:
-        """[B, R] bool: True on response tokens."""
-        lengths = torch.tensor([len(r) for r in self.response_ids])
+        """[B, R] bool: True on each sample's policy tokens (left-aligned, see above)."""
+        lengths = torch.tensor(self.policy_lengths)
         return torch.arange(self.response_width)[None, :] < lengths[:, None]
 
     def rollout_logprobs_bt(self) -> Tensor | None:
-        """[B, R] fp32: the engine's log-prob of each response token (0 beyond), or None."""
+        """[B, R] fp32: the engine's log-prob of each policy token (0 beyond), or None."""
         if self.rollout_logprobs is None:
             return None
         out = torch.zeros(self.size, self.response_width)
         for i, logprobs in enumerate(self.rollout_logprobs):
-            out[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+            picked = [logprobs[t] for t in self.policy_positions(i)]
+            out[i, : len(picked)] = torch.tensor(picked, dtype=torch.float32)
         return out
 
     def select(self, indices: list[int]) -> RolloutBatch:
         """The samples at `indices`, in that order."""
         logprobs, styles, routes = self.rollout_logprobs, self.reward_styles, self.routed_experts
+        masks = self.response_masks
         return RolloutBatch(
             prompt_ids=[self.prompt_ids[i] for i in indices],
             response_ids=[self.response_ids[i] for i in indices],
@@ -97,20 +128,28 @@ class RolloutBatch:
             rollout_logprobs=None if logprobs is None else [logprobs[i] for i in indices],
             reward_styles=None if styles is None else [styles[i] for i in indices],
             routed_experts=None if routes is None else [routes[i] for i in indices],
+            response_masks=None if masks is None else [masks[i] for i in indices],
         )
+
+    def full_response_masks(self) -> list[list[int]]:
+        """Each sample's response mask (all 1 in a single-turn batch)."""
+        return self.response_masks or [[1] * len(r) for r in self.response_ids]
 
     def styles(self) -> list[str]:
         """Each sample's reward style."""
         return self.reward_styles or ["rule"] * self.size
 
     def num_response_tokens(self, indices: list[int] | None = None) -> int:
+        """The policy's tokens among `indices` (what token-level losses count)."""
         rows = range(self.size) if indices is None else indices
-        return sum(len(self.response_ids[i]) for i in rows)
+        lengths = self.policy_lengths
+        return sum(lengths[i] for i in rows)
 
     def num_responses(self, indices: list[int] | None = None) -> int:
-        """Non-empty responses among `indices` (what sequence-level losses count)."""
+        """Responses with a policy token among `indices` (what sequence-level losses count)."""
         rows = range(self.size) if indices is None else indices
-        return sum(1 for i in rows if self.response_ids[i])
+        lengths = self.policy_lengths
+        return sum(1 for i in rows if lengths[i])
 
     def to_objects(self) -> dict:
         """Plain objects for `broadcast_object_list`."""
@@ -123,6 +162,7 @@ class RolloutBatch:
             "rollout_logprobs": self.rollout_logprobs,
             "reward_styles": self.reward_styles,
             "routed_experts": self.routed_experts,
+            "response_masks": self.response_masks,
         }
 
     @classmethod
@@ -132,6 +172,7 @@ class RolloutBatch:
         logprobs = [b.rollout_logprobs for b in parts]
         routes = [b.routed_experts for b in parts]
         styled = any(b.reward_styles is not None for b in parts)
+        masked = any(b.response_masks is not None for b in parts)
         return cls(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
@@ -145,6 +186,7 @@ class RolloutBatch:
             routed_experts=None
             if any(r is None for r in routes)
             else [x for r in routes if r is not None for x in r],
+            response_masks=[m for b in parts for m in b.full_response_masks()] if masked else None,
         )
 
     @classmethod
@@ -158,4 +200,5 @@ class RolloutBatch:
             rollout_logprobs=obj.get("rollout_logprobs"),
             reward_styles=obj.get("reward_styles"),
             routed_experts=obj.get("routed_experts"),
+            response_masks=obj.get("response_masks"),
         )

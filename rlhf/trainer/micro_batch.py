@@ -54,8 +54,9 @@ class MicroBatch:
     tokens, position_ids: [1, T]; attention_mask: [1, 1, T, T] bool, True = masked (local
     spec under Ulysses SP) or None (`packed_seq_params` set: THD, or "sbhd" sample
     bounds); labels: [1, T] the next token of each position (meaningless at sample ends,
-    which are never gathered); gather_index: [n, R] row positions of each sample's response
-    tokens (0 where masked); mask: [n, R]; sample_ids: the n samples, indices into the
+    which are never gathered); gather_index: [n, R] row positions of each sample's policy
+    tokens (its response tokens but tool messages; 0 where masked, see
+    `rlhf.rollout.batch`); mask: [n, R]; sample_ids: the n samples, indices into the
     step's batch; routes: [T, layers x top-k] int16, the experts the rollout engine routed
     each position's token to (-1: none, i.e. padding and each sample's last token), when
     the batch has them (rollout routing replay, `rlhf.trainer.route_replay`).
@@ -211,11 +212,10 @@ def build_micro_batch(
     mask = torch.zeros(len(sample_ids), width, dtype=torch.bool)
     for row, (i, start) in enumerate(zip(sample_ids, starts)):
         tokens[start : start + lengths[row]] = torch.tensor(sequences[row])
-        prompt, response = len(batch.prompt_ids[i]), len(batch.response_ids[i])
-        gather_index[row, :response] = torch.arange(
-            start + prompt - 1, start + prompt - 1 + response
-        )
-        mask[row, :response] = True
+        first = start + len(batch.prompt_ids[i]) - 1  # predicts the first response token
+        policy = torch.tensor(batch.policy_positions(i), dtype=torch.long)
+        gather_index[row, : len(policy)] = first + policy
+        mask[row, : len(policy)] = True
     labels = torch.roll(tokens, -1)
     params, mask_4d, cu_padded = None, None, None
     if thd:
