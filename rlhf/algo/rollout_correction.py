@@ -29,7 +29,8 @@ def mismatch_metrics(old_bt: Tensor, rollout_bt: Tensor, mask_bt: Tensor) -> dic
     samples being drawn from pi_rollout); k3_kl: mean of exp(d) - d - 1 with d = old -
     rollout (non-negative, lower variance); log_ppl_diff / log_ppl_abs_diff: mean over
     responses of (mean token NLL under the trainer - under the rollout) and of its absolute
-    value; training_ppl / rollout_ppl: mean over responses of exp(mean token NLL).
+    value; training_ppl / rollout_ppl: mean over responses of exp(mean token NLL);
+    max_abs_diff: the largest |old - rollout| of a token.
     """
     m = _as_bool(mask_bt)
     d = torch.where(m, old_bt - rollout_bt, 0).double()
@@ -47,6 +48,7 @@ def mismatch_metrics(old_bt: Tensor, rollout_bt: Tensor, mask_bt: Tensor) -> dic
         "log_ppl_abs_diff": float(gap.abs().mean()) if gap.numel() else 0.0,
         "training_ppl": float(torch.exp(train_nll[rows]).mean()) if gap.numel() else 0.0,
         "rollout_ppl": float(torch.exp(rollout_nll[rows]).mean()) if gap.numel() else 0.0,
+        "max_abs_diff": float(d.abs().max()) if d.numel() else 0.0,
     }
 
 

@@ -10,6 +10,7 @@ part of it: `rlhf.weight_sync` sends them to `server_urls`, and a handler regist
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -22,6 +23,12 @@ import torch
 from rlhf import sglang_api
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.client import GenerateClient, RequestResult, RetryPolicy, generate_payload
+from rlhf.rollout.multi_turn import (
+    Conversation,
+    ConversationRequest,
+    MultiTurnRollout,
+    run_conversations,
+)
 from rlhf.rollout.server_group import ServerGroup
 
 
@@ -243,6 +250,34 @@ class SGLangEngine:
             for (index, _), result in zip(requests, results)
             for g in result.generations
         ]
+
+    def converse(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        rollout: MultiTurnRollout,
+        tools_kwargs: list[dict[str, Any]],
+    ) -> list[Conversation]:
+        """`params.n` multi-turn conversations per prompt (adjacent, in prompt order), with
+        the tools of `rollout` created from each prompt's `tools_kwargs`; `max_new_tokens`
+        is the budget of a whole conversation (rollout.settings.max_response_length)."""
+        self.wait_ready()
+        assert self.client is not None
+        if params.routed_experts:
+            raise ValueError("multi-turn rollouts cannot return routed experts (R3)")
+        sampling = dataclasses.replace(params, n=1, seed=None).to_sglang()
+        specs = [
+            ConversationRequest(
+                prompt, kwargs, None if params.seed is None else params.seed + i * params.n + j
+            )
+            for i, (prompt, kwargs) in enumerate(zip(prompts, tools_kwargs, strict=True))
+            for j in range(params.n)
+        ]
+        start = time.perf_counter()
+        run = run_conversations(self.client, rollout, specs, sampling)
+        conversations, results = asyncio.run(run)
+        self.last_stats = RolloutStats.of(results, time.perf_counter() - start)
+        return conversations
 
     def recover(self, url: str) -> str:
         """`url` stopped answering: restart it if it died; the URL to use now."""

@@ -14,7 +14,8 @@ from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.reward.scorer import RewardInput, RewardScorer
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.engine import RolloutEngine, RolloutSample, SamplingParams
+from rlhf.rollout.engine import RolloutEngine, RolloutSample, SamplingParams, SGLangEngine
+from rlhf.rollout.multi_turn import Conversation, MultiTurnRollout, ToolStats
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class RolloutRecord:
     response_text: str
     score: float
     policy_version: int | None = None  # the weight version the servers held (RolloutResult)
+    turns: int | None = None  # multi-turn: assistant turns
+    response_mask: list[int] | None = None  # multi-turn: 1 on the policy's tokens
+    tool_calls: list[dict] | None = None  # multi-turn: each call, its result and error
 
 
 @dataclass(frozen=True)
@@ -41,13 +45,15 @@ class RolloutResult:
     in the reward function (the slowest engine's, when several engines generated);
     policy_version: the weight version the servers held while generating (None: unknown,
     external servers before the first weight load). This is where a sample's policy
-    version is recorded (docs/architecture.md).
+    version is recorded (docs/architecture.md). tool_stats: what the conversations of a
+    multi-turn round did (on every rank; None for single-turn rounds).
     """
 
     batch: RolloutBatch
     records: list[RolloutRecord]
     reward_s: float
     policy_version: int | None = None
+    tool_stats: ToolStats | None = None  # multi-turn rounds: turns and tool calls
 
 
 def write_records(records: list[RolloutRecord], path: Path) -> None:
@@ -92,6 +98,7 @@ def generate_and_score(
     indices: list[int],
     params: SamplingParams,
     policy_version: int | None = None,
+    multi_turn: MultiTurnRollout | None = None,
 ) -> RolloutResult:
     """Generate `params.n` responses per prompt on `engine` and score them with `scorer`
     (rule rows, and model rows when a reward endpoint is set; other model rows stay NaN for
@@ -99,14 +106,32 @@ def generate_and_score(
 
     `uids` and `indices` (the prompts' positions in their dataset) go with each prompt;
     `policy_version` (the weights the engine serves) with the result and every record.
+    With `multi_turn`, each sample is a conversation with its tools (created from the
+    row's `extra_info.tools_kwargs`); its reward is the rule reward of the whole response
+    text (tool messages included: the answer is read from the last turn) plus the tools'
+    step rewards, and the batch carries which tokens the policy generated.
     """
-    samples = engine.generate([p.input_ids for p in prompts], params)
+    if multi_turn is None:
+        samples = engine.generate([p.input_ids for p in prompts], params)
+        conversations = None
+    else:
+        assert isinstance(engine, SGLangEngine), "multi-turn rollouts run on SGLang servers"
+        kwargs = [p.row.extra_info.get("tools_kwargs") or {} for p in prompts]
+        conversations = engine.converse([p.input_ids for p in prompts], params, multi_turn, kwargs)
+        samples = [
+            RolloutSample(k // params.n, c.response_ids, c.logprobs, c.finish_reason)
+            for k, c in enumerate(conversations)
+        ]
     start = time.perf_counter()
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     inputs = [
         _reward_input(prompts[s.prompt_index], text, tokenizer) for s, text in zip(samples, texts)
     ]
     scores = scorer(inputs)
+    if conversations is not None:
+        scores = [
+            s + sum(c.reward for c in conv.tool_calls) for s, conv in zip(scores, conversations)
+        ]
     records = [
         RolloutRecord(
             prompt_index=indices[sample.prompt_index],
@@ -121,6 +146,8 @@ def generate_and_score(
         )
         for sample, text, score in zip(samples, texts, scores)
     ]
+    if conversations is not None:
+        records = [with_conversation(r, c) for r, c in zip(records, conversations)]
     batch = RolloutBatch(
         prompt_ids=[r.prompt_ids for r in records],
         response_ids=[r.response_ids for r in records],
@@ -130,8 +157,18 @@ def generate_and_score(
         rollout_logprobs=[r.response_logprobs for r in records],
         reward_styles=[item.style for item in inputs],
         routed_experts=_routed_experts(samples),
+        response_masks=None if conversations is None else [c.response_mask for c in conversations],
     )
-    return RolloutResult(batch, records, time.perf_counter() - start, policy_version)
+    stats = None if conversations is None else ToolStats.of(conversations)
+    return RolloutResult(batch, records, time.perf_counter() - start, policy_version, stats)
+
+
+def with_conversation(record: RolloutRecord, conv: Conversation) -> RolloutRecord:
+    """`record` with what its conversation did: turns, policy-token mask, tool calls."""
+    calls = [dataclasses.asdict(c) for c in conv.tool_calls]
+    return dataclasses.replace(
+        record, turns=conv.turns, response_mask=conv.response_mask, tool_calls=calls
+    )
 
 
 def _routed_experts(samples: list[RolloutSample]) -> list[torch.Tensor] | None:

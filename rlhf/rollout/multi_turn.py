@@ -17,18 +17,27 @@ and its engine log-prob (0.0 on tool tokens): the trainer learns on the policy's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.rollout.client import Generation
-from rlhf.tools.base import TIMEOUT, Tool, ToolResult
+from rlhf.rollout.client import (
+    GenerateClient,
+    Generation,
+    Request,
+    RequestResult,
+    gather_or_cancel,
+    generate_payload,
+)
+from rlhf.tools.base import ERROR, TIMEOUT, Tool, ToolResult
 from rlhf.tools.parser import ToolCall, parse_tool_calls
 
 # one /generate for a conversation: (input ids, sampling params without n) -> one Generation
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[Generation]]
 TRUNCATE_SIDES = ("left", "right", "middle")
+TURN_SEED_STRIDE = 1 << 20  # seeds of a conversation's later turns stay clear of other samples'
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,51 @@ class Conversation:
         self.response_ids += ids
         self.response_mask += [1 if policy else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+@dataclass(frozen=True)
+class ToolStats:
+    """Totals of a set of conversations, for the metrics `multi_turn/turns` (assistant
+    turns per conversation), `tool_calls/count`, `tool_calls/errors` (calls that failed:
+    the tool raised, returned garbage, or was called wrongly), `tool_calls/timeouts` and
+    `tool_calls/latency_s` (mean seconds per call); `multi_turn/tool_use_rate`: the share
+    of conversations with a call that did not fail."""
+
+    conversations: int = 0
+    used_tools: int = 0  # conversations with a call that did not fail
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    latency_s: float = 0.0  # summed over the calls
+
+    @classmethod
+    def of(cls, conversations: list[Conversation]) -> ToolStats:
+        calls = [c for conv in conversations for c in conv.tool_calls]
+        return cls(
+            conversations=len(conversations),
+            used_tools=sum(any(c.error is None for c in conv.tool_calls) for conv in conversations),
+            turns=sum(conv.turns for conv in conversations),
+            calls=len(calls),
+            errors=sum(c.error == ERROR for c in calls),
+            timeouts=sum(c.error == TIMEOUT for c in calls),
+            latency_s=sum(c.latency_s for c in calls),
+        )
+
+    def __add__(self, other: ToolStats) -> ToolStats:
+        return ToolStats(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "multi_turn/turns": self.turns / max(1, self.conversations),
+            "multi_turn/tool_use_rate": self.used_tools / max(1, self.conversations),
+            "tool_calls/count": float(self.calls),
+            "tool_calls/errors": float(self.errors),
+            "tool_calls/timeouts": float(self.timeouts),
+            "tool_calls/latency_s": self.latency_s / max(1, self.calls),
+        }
 
 
 class ToolMessages:
@@ -225,3 +279,52 @@ class MultiTurnRollout:
         if not isinstance(result, ToolResult) or not isinstance(result.text, str):
             return ToolResult.failed(f"{tool.name} returned {type(result).__name__}, not text")
         return result
+
+
+@dataclass(frozen=True)
+class ConversationRequest:
+    """One conversation to run: its prompt, the tools' per-sample arguments, its seed."""
+
+    prompt_ids: list[int]
+    tools_kwargs: dict[str, Any]
+    seed: int | None = None  # SGLang's sampling_seed of turn 0; turn t: + t x TURN_SEED_STRIDE
+
+
+async def run_conversations(
+    client: GenerateClient,
+    rollout: MultiTurnRollout,
+    conversations: list[ConversationRequest],
+    sampling: dict[str, Any],
+) -> tuple[list[Conversation], list[RequestResult]]:
+    """Every conversation concurrently in one session of `client` (whose concurrency limit
+    bounds the requests in flight, whose retries cover each turn); each /generate asks for
+    one sample. Returns the conversations in order and every /generate's result."""
+    async with client.session() as request:
+        return await _run(request, rollout, conversations, sampling)
+
+
+async def _run(
+    request: Request,
+    rollout: MultiTurnRollout,
+    conversations: list[ConversationRequest],
+    sampling: dict[str, Any],
+) -> tuple[list[Conversation], list[RequestResult]]:
+    results: list[RequestResult] = []
+
+    async def one(index: int, spec: ConversationRequest) -> Conversation:
+        turn = 0
+
+        async def generate(ids: list[int], params: dict[str, Any]) -> Generation:
+            nonlocal turn
+            params = {**params, "n": 1}
+            if spec.seed is not None:
+                params["sampling_seed"] = spec.seed + turn * TURN_SEED_STRIDE
+            turn += 1
+            result = await request(index, generate_payload(ids, params))
+            results.append(result)
+            return result.generations[0]
+
+        return await rollout.converse(generate, spec.prompt_ids, sampling, spec.tools_kwargs)
+
+    done = await gather_or_cancel([one(i, c) for i, c in enumerate(conversations)])
+    return list(done), results

@@ -49,6 +49,7 @@ from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 from rlhf.rollout.generation import RolloutResult, generate_and_score, kv_cache_tokens
+from rlhf.rollout.multi_turn import MultiTurnRollout, ToolStats
 from rlhf.rollout.sglang_server import check_servable
 from rlhf.sglang_api import ServerLost
 from rlhf.utils import empty_device_cache, split_evenly
@@ -136,10 +137,13 @@ class PolicyServers:
         scorer: RewardScorer | None = None,
         per_node: bool = False,
         sleeps: bool = False,
+        multi_turn: MultiTurnRollout | None = None,
     ):
         """`engine` on the ranks that own servers (None elsewhere); `syncer` on every rank;
-        `sleeps`: colocated GPU servers release their memory between generations."""
+        `sleeps`: colocated GPU servers release their memory between generations;
+        `multi_turn` (on the engine ranks): every sample is a conversation with tools."""
         self.ctx, self.engine, self.syncer = ctx, engine, syncer
+        self.multi_turn = multi_turn
         self.tokenizer, self.scorer = tokenizer, scorer
         self.per_node, self.sleeps = per_node, sleeps
         self.asleep: set[str] = set()
@@ -273,7 +277,15 @@ class PolicyServers:
     ) -> RolloutResult:
         assert self.engine is not None and self.scorer is not None
         return generate_and_score(
-            self.engine, self.tokenizer, self.scorer, prompts, uids, indices, params, self.version
+            self.engine,
+            self.tokenizer,
+            self.scorer,
+            prompts,
+            uids,
+            indices,
+            params,
+            self.version,
+            self.multi_turn,
         )
 
     # ---- weights ------------------------------------------------------------------------
@@ -406,17 +418,20 @@ def _concat(parts: list[RolloutResult | None] | None) -> RolloutResult | None:
     batch = RolloutBatch.concat([r.batch for r in results])
     records = [record for r in results for record in r.records]
     reward_s = max(r.reward_s for r in results)
-    return RolloutResult(batch, records, reward_s, results[0].policy_version)
+    stats = [r.tool_stats for r in results if r.tool_stats is not None]
+    tool_stats = sum(stats, ToolStats()) if stats else None
+    return RolloutResult(batch, records, reward_s, results[0].policy_version, tool_stats)
 
 
 def _share(result: RolloutResult | None) -> RolloutResult:
     """Rank 0's result on every rank (records stay on rank 0)."""
     sent = None
     if result is not None:
-        sent = (result.batch.to_objects(), result.reward_s, result.policy_version)
+        batch = result.batch.to_objects()
+        sent = (batch, result.reward_s, result.policy_version, result.tool_stats)
     received = broadcast_object(sent)
     if result is not None:
         return result
     assert received is not None, "rank 0 generated"
-    objects, reward_s, version = received
-    return RolloutResult(RolloutBatch.from_objects(objects), [], reward_s, version)
+    objects, reward_s, version, tool_stats = received
+    return RolloutResult(RolloutBatch.from_objects(objects), [], reward_s, version, tool_stats)

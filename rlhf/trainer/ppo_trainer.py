@@ -178,7 +178,10 @@ class PPOTrainer:
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         scores = batch.scores_b.tolist()
         samples = val_samples(batch.data_sources, batch.uids, scores, texts, self.cfg.reward)
-        return Validation(sum(scores) / len(scores), validation_metrics(samples))
+        metrics = validation_metrics(samples)
+        if result.tool_stats is not None:
+            metrics |= {f"val/{k}": v for k, v in result.tool_stats.metrics().items()}
+        return Validation(sum(scores) / len(scores), metrics)
 
     # ---- checkpoints ------------------------------------------------------------------
 

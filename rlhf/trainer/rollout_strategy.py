@@ -35,6 +35,7 @@ from rlhf.data.prompts import PromptDataset
 from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult, sampling_params
+from rlhf.rollout.multi_turn import ToolStats
 from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.trainer.metrics import reward_style_metrics
 from rlhf.trainer.reward_model import RewardModelScorer, score_model_rows
@@ -145,6 +146,9 @@ def collect_step_batch(
     batch = RolloutBatch.concat([r.batch for r in results])
     batch = batch.select([i for g in kept[:wanted] for i in g])
     metrics = reward_style_metrics(batch)
+    tool_stats = [r.tool_stats for r in results if r.tool_stats is not None]
+    if tool_stats:  # every round's conversations, dropped groups' included
+        metrics |= sum(tool_stats, ToolStats()).metrics()
     if filtering.enable:
         metrics |= {
             "dynamic_sampling/gen_rounds": float(len(results)),

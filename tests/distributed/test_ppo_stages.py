@@ -1,4 +1,5 @@
-"""The trainer's Megatron stages against independent references.
+"""The trainer's Megatron stages against independent references, on a batch in which some
+samples are multi-turn (a tool message between two turns: trained on the policy's tokens only).
 
 - Old log-probs from packed micro-batches (block-diagonal masks, several per rank) equal
   per-sample HF transformers log-probs (fp32, 1e-5).
@@ -38,21 +39,32 @@ def results(tiny_qwen2_dir, tmp_path_factory):
     return run_worker_layouts("ppo_stages.py", LAYOUTS, tiny_qwen2_dir, out)
 
 
+def policy_tokens(batch: dict, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions predicting them, ids) of sample i's policy tokens: its response tokens
+    where its response mask is 1, each predicted by the position before it."""
+    prompt, response = batch["prompt_ids"][i], batch["response_ids"][i]
+    kept = [t for t, m in enumerate(batch["response_masks"][i]) if m]
+    return torch.tensor([len(prompt) - 1 + t for t in kept]), torch.tensor(
+        [response[t] for t in kept]
+    )
+
+
 def hf_response_logprobs(model_dir, batch: dict) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    width = max(len(r) for r in batch["response_ids"])
+    width = max(sum(m) for m in batch["response_masks"])
     out = torch.zeros(len(batch["prompt_ids"]), width)
     with torch.no_grad():
         for i, (prompt, response) in enumerate(zip(batch["prompt_ids"], batch["response_ids"])):
             tokens = torch.tensor([prompt + response])
             logp = torch.log_softmax(model(tokens).logits[0].float(), dim=-1)
-            positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
-            out[i, : len(response)] = logp[positions, torch.tensor(response)]
+            positions, ids = policy_tokens(batch, i)
+            out[i, : len(ids)] = logp[positions, ids]
     return out
 
 
 def test_packed_logprobs_match_hf(results, tiny_qwen2_dir):
     one = results["1rank"]
+    assert sum(0 in m for m in one["batch"]["response_masks"]) >= 2  # multi-turn samples
     reference = hf_response_logprobs(tiny_qwen2_dir, one["batch"])
     torch.testing.assert_close(one["logprobs_before"], reference, atol=1e-5, rtol=0)
 
@@ -125,14 +137,14 @@ def hf_policy_gradient(model_dir, batch: dict, advantages: torch.Tensor) -> dict
     """d/dtheta of -sum_t A_t * pi_t / sg[pi_t] / N_tok: PPO's token-mean loss where the
     ratio is 1 (the first update), computed with HF transformers and autograd."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    num_tokens = sum(len(r) for r in batch["response_ids"])
+    num_tokens = sum(sum(m) for m in batch["response_masks"])
     loss = torch.zeros(())
     for i, (prompt, response) in enumerate(zip(batch["prompt_ids"], batch["response_ids"])):
         logits = model(torch.tensor([prompt + response])).logits[0].float()
-        positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
-        logp = torch.log_softmax(logits, dim=-1)[positions, torch.tensor(response)]
+        positions, ids = policy_tokens(batch, i)
+        logp = torch.log_softmax(logits, dim=-1)[positions, ids]
         ratio = torch.exp(logp - logp.detach())
-        loss = loss - (advantages[i, : len(response)] * ratio).sum() / num_tokens
+        loss = loss - (advantages[i, : len(ids)] * ratio).sum() / num_tokens
     loss.backward()
     params = dict(model.named_parameters())
     return {name: params[hf].grad for name, hf in SAME_LAYOUT.items()}, params

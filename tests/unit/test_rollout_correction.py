@@ -26,6 +26,7 @@ def test_mismatch_metrics():
     assert got["log_ppl_abs_diff"] == pytest.approx((abs(gaps[0]) + abs(gaps[1])) / 2)
     assert got["training_ppl"] == pytest.approx(math.exp(1.5))
     assert got["rollout_ppl"] == pytest.approx((math.exp(1.25) + math.exp(5 / 3)) / 2)
+    assert got["max_abs_diff"] == pytest.approx(1.0)  # not 9 or 7: masked tokens differ more
 
 
 def test_token_weights_are_capped_ratios():

@@ -45,7 +45,17 @@ def synthetic_batch(vocab_size: int):
         scores_b=torch.rand(NUM_SAMPLES, generator=gen),
         data_sources=["synthetic"] * NUM_SAMPLES,
         uids=[str(i // 2) for i in range(NUM_SAMPLES)],
+        response_masks=[multi_turn_mask(i, len(r)) for i, r in enumerate(responses)],
     )
+
+
+def multi_turn_mask(index: int, length: int) -> list[int]:
+    """Odd samples of 5+ tokens are two turns with a 2-token tool message between them
+    (tokens 1 and 2): the layouts must train on the policy's tokens only."""
+    mask = [1] * length
+    if index % 2 and length >= 5:
+        mask[1:3] = [0, 0]
+    return mask
 
 
 def main() -> None:
