@@ -26,6 +26,7 @@ from rlhf.config import RLHFConfig, validate
 from rlhf.data.files import resolve_files
 from rlhf.models.families import load_arch
 from rlhf.models.model_dir import check_model_dir, check_servable_policy
+from rlhf.rollout.multi_turn_config import load_configured_tools
 
 PASS, WARN, SKIP, FAIL = "PASS", "WARN", "SKIP", "FAIL"
 CORE_PACKAGES = ("torch", "megatron-core", "sglang", "sglang-router", "transformers")
@@ -244,11 +245,12 @@ def check_weight_sync_address(urls: list[str] | None, transport: str, address: s
 
 def check_config(cfg: RLHFConfig, world_size: int | None) -> Check:
     """Every cross-field rule for this world size (validate_config), with the model's
-    shape (heads, layers) when its config.json is there."""
+    shape (heads, layers) when its config.json is there; the multi-turn tools load."""
     model_dir = Path(cfg.actor_rollout_ref.model.path or ".")
     try:
         shape = load_arch(model_dir) if (model_dir / "config.json").is_file() else None
         layout = validate.validate_config(cfg, world_size, shape)
+        load_configured_tools(cfg)
     except ValueError as e:  # ConfigError, or a model config this project cannot read
         return Check("config", FAIL, str(e), "fix the keys named, or launch that many processes")
     detail = f"world size {layout.world_size}: {layout.describe()}"

@@ -26,6 +26,7 @@ from rlhf.models.hf_io import CheckpointFileError
 from rlhf.reward.remote import RemoteRewardError
 from rlhf.reward.workers import RewardFunctionError
 from rlhf.rollout.client import GenerateError
+from rlhf.rollout.multi_turn_config import load_configured_tools
 from rlhf.sglang_api import ServerLost, SGLangAPIError
 from rlhf.trainer.preemption import Preempted
 
@@ -59,11 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve(args: argparse.Namespace) -> RLHFConfig:
-    """Load + validate; the world size comes from torchrun when launched by it."""
+    """Load + validate (and load the multi-turn tools, which the config layer cannot); the
+    world size comes from torchrun when launched by it."""
     from rlhf.distributed.bootstrap import launched_world_size
 
     cfg = load_config(args.config, args.overrides)
     validate_config(cfg, launched_world_size())
+    load_configured_tools(cfg)
     return cfg
 
 

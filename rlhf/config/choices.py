@@ -37,6 +37,8 @@ GSM8KMethod = Literal["strict", "flexible"]
 Device = Literal["auto", "cuda", "cpu"]
 Logger = Literal["console", "tensorboard", "wandb", "mlflow", "swanlab"]
 OnNonFinite = Literal["stop", "skip"]
+ToolCallFormat = Literal["hermes"]  # how a turn writes tool calls (rlhf/tools/parser.py)
+TruncateSide = Literal["left", "right", "middle"]  # where an overlong tool result is cut
 
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
 CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)  # the estimators that need a value model
@@ -47,3 +49,5 @@ KL_LOSS_TYPES: tuple[str, ...] = get_args(KLLossType)
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 WEIGHT_SYNC_TRANSPORTS: tuple[str, ...] = get_args(WeightSyncTransport)
 LOGGERS: tuple[str, ...] = get_args(Logger)
+TOOL_CALL_FORMATS: tuple[str, ...] = get_args(ToolCallFormat)
+TRUNCATE_SIDES: tuple[str, ...] = get_args(TruncateSide)

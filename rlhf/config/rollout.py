@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.config.choices import RolloutDtype, RolloutName, WeightSyncTransport
+from rlhf.config.choices import (
+    RolloutDtype,
+    RolloutName,
+    ToolCallFormat,
+    TruncateSide,
+    WeightSyncTransport,
+)
 from rlhf.config.fields import doc
 
 
@@ -29,6 +35,44 @@ class EngineKwargs:
         dict,
         "extra SGLang server arguments by their ServerArgs name (chunked_prefill_size: 4096); "
         "checked against SGLang's parser",
+    )
+
+
+@dataclass
+class MultiTurnConfig:
+    """Conversations with tool calls (verl's `rollout.multi_turn`; rlhf/rollout/multi_turn.py)."""
+
+    enable: bool = doc(
+        False,
+        "each response is a conversation: the policy's tool calls run and their results are "
+        "appended as tool messages before it goes on (needs tool_config_path)",
+    )
+    tool_config_path: str | None = doc(
+        None,
+        "YAML file listing the tools in verl's layout (tools: [{class_name, config, "
+        "tool_schema}], rlhf/tools/base.py); their schemas are shown in the prompt",
+    )
+    format: ToolCallFormat = doc(
+        "hermes", "how a turn writes tool calls: <tool_call>{JSON}</tool_call> (Qwen2.5, Qwen3)"
+    )
+    max_assistant_turns: int = doc(5, "most policy turns in one conversation", gt=0)
+    max_user_turns: int = doc(5, "most rounds of tool messages in one conversation", gt=0)
+    max_parallel_calls: int = doc(
+        1, "most tool calls run per turn (concurrently); further calls answer an error", gt=0
+    )
+    max_tool_response_length: int = doc(
+        256, "characters of one tool result the policy reads; longer ones are cut", gt=0
+    )
+    tool_response_truncate_side: TruncateSide = doc(
+        "middle",
+        "where an overlong tool result is cut: left keeps its end, right its start, middle "
+        "both ends",
+    )
+    tool_timeout_s: float = doc(
+        60.0,
+        "seconds one tool call may take; then the policy reads a timeout error (this "
+        "system's key, verl has none)",
+        gt=0,
     )
 
 
@@ -103,3 +147,4 @@ class RolloutConfig:
     )
     val_kwargs: ValKwargs = doc(ValKwargs, "validation sampling")
     engine_kwargs: EngineKwargs = doc(EngineKwargs, "arguments for the engine itself")
+    multi_turn: MultiTurnConfig = doc(MultiTurnConfig, "multi-turn rollouts with tool calls")

@@ -1,11 +1,12 @@
 """Every cross-field rule of a run config, in one place.
 
 `validate_config` applies them all: parallel sizes against the world size, batch-size
-divisibility, shared layouts, colocated multi-node placement, server URLs, and, when the
-model's architecture is given, its attention and KV heads against the TP and Ulysses sizes
-and its layers against the PP size and the recompute settings. Single
-keys (types, allowed values, ranges) are checked earlier by the loader. Each violation is a
-`ConfigError` naming every key involved and the numbers it saw.
+divisibility, shared layouts, colocated multi-node placement, server URLs, the multi-turn
+tool settings (`rlhf.config.multi_turn_rules`), and, when the model's architecture is
+given, its attention and KV heads against the TP and Ulysses sizes and its layers against
+the PP size and the recompute settings. Single keys (types, allowed values, ranges) are
+checked earlier by the loader. Each violation is a `ConfigError` naming every key involved
+and the numbers it saw.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from rlhf.config.algorithm_rules import (
 from rlhf.config.budgets import check_micro_batching
 from rlhf.config.choices import CRITIC_ESTIMATORS
 from rlhf.config.loader import ConfigError
+from rlhf.config.multi_turn_rules import MULTI_TURN, check_multi_turn
+from rlhf.config.rollout import MultiTurnConfig
 from rlhf.config.schema import (
     ActorConfig,
     CriticConfig,
@@ -334,6 +337,10 @@ def config_notes(cfg: RLHFConfig) -> list[str]:
     ref_keys = _changed(cfg.actor_rollout_ref.ref, RefConfig(), f"{AR}.ref")
     if not uses_reference(cfg) and ref_keys:
         notes.append(f"{', '.join(ref_keys)} ignored: no reference model (no KL in reward or loss)")
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    tool_keys = _changed(multi_turn, MultiTurnConfig(), MULTI_TURN)
+    if not multi_turn.enable and tool_keys:
+        notes.append(f"{', '.join(tool_keys)} ignored: {MULTI_TURN}.enable=false")
     return notes + algorithm_notes(cfg)
 
 
@@ -379,6 +386,7 @@ def _check_misc(cfg: RLHFConfig) -> None:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
     _check_reward(cfg)
     _check_engine_kwargs(cfg)
+    check_multi_turn(cfg)
     check_micro_batching(cfg)
     if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
         raise ConfigError(

@@ -39,6 +39,7 @@ from rlhf.config.verl_sections import (
 
 ACTOR, REF, CRITIC = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"
 ROLLOUT, MODEL = "actor_rollout_ref.rollout", "actor_rollout_ref.model"
+MULTI_TURN = f"{ROLLOUT}.multi_turn"
 VERL_SECTIONS = ("custom_reward_function.", "reward_model.")  # read whole: verl_sections
 
 
@@ -160,6 +161,35 @@ def _role_keys() -> dict[str, Any]:
     return keys
 
 
+def _multi_turn_keys() -> dict[str, Fixed]:
+    """verl's `rollout.multi_turn` keys this system has no such setting for: their off
+    position is accepted (verl's default), anything else refused."""
+    drop = "; drop the key"
+    return {
+        "function_tool_path": Fixed(
+            (None,),
+            "tools are classes listed in multi_turn.tool_config_path here (rlhf.tools.base."
+            "Tool); verl's @function_tool files are not read" + drop,
+        ),
+        "interaction_config_path": Fixed(
+            (None,),
+            "a conversation here is the policy and its tools; verl's interactions (a "
+            "simulated user answering turns) do not exist" + drop,
+        ),
+        "use_inference_chat_template": Fixed(
+            (False,),
+            "a conversation is kept as the token ids the engine produced and was fed and is "
+            "never rendered again, so no second template applies" + drop,
+        ),
+        "tokenization_sanity_check_mode": Fixed(
+            ("disable",),
+            "a conversation is never tokenized again (token in, token out): the ids trained "
+            "on are the engine's, and there is no second tokenization to compare" + drop,
+        ),
+        "num_repeat_rollouts": Fixed((None,), "responses per prompt are rollout.n here" + drop),
+    }
+
+
 VERL_KEYS: dict[str, Alias | Divided | Fixed | Implies | SameAs | Refused] = {
     **_role_keys(),
     f"{ROLLOUT}.name": Fixed(("sglang",), SGLANG_ONLY, keep=True),
@@ -174,6 +204,7 @@ VERL_KEYS: dict[str, Alias | Divided | Fixed | Implies | SameAs | Refused] = {
         "(rlhf/models/logprobs.py): it never holds the full logits",
     ),
     f"{MODEL}.use_remove_padding": Alias("data.use_sequence_packing"),
+    **{f"{MULTI_TURN}.{leaf}": rule for leaf, rule in _multi_turn_keys().items()},
     "data.return_raw_chat": Fixed(
         (True,),
         "prompts stay chat messages until the trainer applies the chat template with its "

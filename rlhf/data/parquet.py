@@ -13,6 +13,13 @@ same checks back `rlhf-preprocess check`. Schema (one row per prompt):
 | `extra_info` | struct, passed to reward functions | no ({} when absent) |
 | `images` | anything; carried through untouched | no |
 
+Multi-turn rows (`actor_rollout_ref.rollout.multi_turn`) may carry, in `extra_info`,
+`tools_kwargs`: {tool name: mapping}, each mapping handed as it is to that tool's `create`
+(`rlhf.tools.base.Tool`) for the sample's state, e.g. {"calculator": {"create_kwargs":
+{...}}} in verl's layout; a null entry means none (Parquet fills the names other rows use
+with null). `need_tools_kwargs: true` says the row cannot go without them: such a row with
+no `tools_kwargs` is a problem, as is a `tools_kwargs` that is not such a mapping.
+
 Row numbers count from 0, as in pyarrow and pandas. File-level problems (not Parquet, empty,
 a missing or wrongly typed column) are always errors; `bad_rows="skip"` skips only bad rows.
 
@@ -94,6 +101,11 @@ class PromptRow:
     @property
     def ground_truth(self) -> Any:
         return self.reward_model.get("ground_truth")
+
+    @property
+    def tools_kwargs(self) -> dict[str, dict[str, Any]]:
+        """`extra_info.tools_kwargs` by tool name, null entries left out ({} when none)."""
+        return _tools_kwargs(self.extra_info.get("tools_kwargs"))
 
     @property
     def origin(self) -> str:
@@ -179,6 +191,39 @@ def _prompt_problem(prompt: Any) -> str | None:
     return None
 
 
+def _mapping(value: Any) -> Any:
+    """A Parquet map arrives as (key, value) pairs: as a dict; anything else as it is."""
+    if isinstance(value, list) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        return dict(value)
+    return value
+
+
+def _tools_kwargs(value: Any) -> dict[str, dict[str, Any]]:
+    """`extra_info.tools_kwargs` (checked by `_tools_kwargs_problem`) without null entries."""
+    entries = _mapping(value) or {}
+    return {name: _mapping(kw) for name, kw in entries.items() if kw is not None}
+
+
+def _tools_kwargs_problem(extra: Any) -> str | None:
+    """What is wrong with a row's `extra_info.tools_kwargs` / `need_tools_kwargs`, if any."""
+    extra = _mapping(extra)
+    if not isinstance(extra, dict):
+        return None
+    need, value = extra.get("need_tools_kwargs"), extra.get("tools_kwargs")
+    if need not in (None, True, False):
+        return f"need_tools_kwargs must be true or false, got {need!r}"
+    entries = _mapping(value)
+    if entries is not None and not (
+        isinstance(entries, dict)
+        and all(v is None or isinstance(_mapping(v), dict) for v in entries.values())
+    ):
+        shown = repr(value)[:100]
+        return f"tools_kwargs must map each tool's name to a mapping of its arguments, got {shown}"
+    if need and not _tools_kwargs(entries):
+        return "need_tools_kwargs is true but the row has no tools_kwargs (tool name -> arguments)"
+    return None
+
+
 def _row_problems(
     values: dict[str, Any], prompt_key: str, check: GroundTruthCheck | None = None
 ) -> list[tuple[str, str]]:
@@ -201,6 +246,9 @@ def _row_problems(
     elif reward["style"] == "rule" and check is not None and source and source.strip():
         found = check(source, reward["ground_truth"])
         problems += [found] if found else []
+    tools = _tools_kwargs_problem(values.get("extra_info"))
+    if tools:
+        problems.append(("extra_info", tools))
     return problems
 
 

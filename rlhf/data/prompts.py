@@ -79,14 +79,20 @@ def _messages(prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:
 
 
 def prompt_text(
-    prompt: str | list[dict[str, str]], tokenizer: Any, apply_chat_template: bool
+    prompt: str | list[dict[str, str]],
+    tokenizer: Any,
+    apply_chat_template: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The text the model sees: chat template + generation prompt, or the raw text.
 
     Raw mode uses a string prompt as is and joins the contents of a message list with
-    newlines; the tokenizer then adds its usual special tokens (e.g. BOS).
+    newlines; the tokenizer then adds its usual special tokens (e.g. BOS). `tools` (OpenAI
+    function schemas; multi-turn rollouts) go to the chat template, which lists them.
     """
     if not apply_chat_template:
+        if tools:
+            raise ValueError("tools are listed by the chat template: it must be applied")
         return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -94,15 +100,31 @@ def prompt_text(
             "set data.apply_chat_template=false to use the raw prompt text"
         )
     return tokenizer.apply_chat_template(
-        _messages(prompt), add_generation_prompt=True, tokenize=False
+        _messages(prompt), tools=tools, add_generation_prompt=True, tokenize=False
     )
 
 
+def check_template_lists_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> None:
+    """A chat template that renders the same with and without `tools` would hide them from
+    the policy: refused."""
+    probe = [{"role": "user", "content": "?"}]
+    if prompt_text(probe, tokenizer, True, tools) == prompt_text(probe, tokenizer, True):
+        raise ConfigError(
+            "actor_rollout_ref.rollout.multi_turn: the tokenizer's chat template ignores "
+            "`tools` (it renders the same without them), so the policy would not see its "
+            "tools; use a model whose template lists tools (Qwen2.5, Qwen3, ...)"
+        )
+
+
 def encode_prompts(
-    prompts: Sequence[str | list[dict[str, str]]], tokenizer: Any, apply_chat_template: bool
+    prompts: Sequence[str | list[dict[str, str]]],
+    tokenizer: Any,
+    apply_chat_template: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[list[int]]:
-    """Token ids of each prompt (templated text is tokenized without extra special tokens)."""
-    texts = [prompt_text(p, tokenizer, apply_chat_template) for p in prompts]
+    """Token ids of each prompt (templated text is tokenized without extra special tokens);
+    `tools` as `prompt_text` takes them."""
+    texts = [prompt_text(p, tokenizer, apply_chat_template, tools) for p in prompts]
     if not texts:
         return []
     encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)
@@ -143,13 +165,17 @@ def build_prompt_dataset(
     filter_overlong_prompts: bool = False,
     truncation: Truncation = "error",
     prompt_key: str = "prompt",
+    tools: list[dict[str, Any]] | None = None,
 ) -> PromptDataset:
     """Encode `rows` and apply the length policy (filtering first, then truncation); length
-    problems are `ConfigError`s: data.max_prompt_length does not suit the data."""
+    problems are `ConfigError`s: data.max_prompt_length does not suit the data. `tools`: the
+    tool schemas every prompt lists (`rlhf.rollout.multi_turn_config.tool_schemas`)."""
     if not rows:
         raise ValueError("no prompt rows to encode")
+    if tools:
+        check_template_lists_tools(tokenizer, tools)
     dataset = PromptDataset(prompts=[])
-    encoded = encode_prompts([r.prompt for r in rows], tokenizer, apply_chat_template)
+    encoded = encode_prompts([r.prompt for r in rows], tokenizer, apply_chat_template, tools)
     lengths = [len(ids) for ids in encoded]
     cut = truncation in ("left", "right") and not filter_overlong_prompts
     if not cut and min(lengths) > max_prompt_length:
@@ -184,12 +210,15 @@ def prompt_dataset_from_config(
     split: Literal["train", "val"],
     *,
     check_ground_truth: GroundTruthCheck | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> PromptDataset:
     """The `PromptDataset` of `data.train_files` or `data.val_files`, per the `data.*` keys.
 
     `check_ground_truth` is `rlhf.reward.ground_truth_checker(cfg.reward)` (the reward layer
     sits above data, so the caller passes it): an unscorable rule row then fails here, at
     startup, as a `DataError` naming file, row and column, not mid-run at reward time.
+    `tools` are the tool schemas the chat template lists in every prompt (multi-turn:
+    `rlhf.rollout.multi_turn_config.tool_schemas`; None: none listed).
     """
     key = f"data.{split}_files"
     rows = read_prompt_rows(
@@ -207,4 +236,5 @@ def prompt_dataset_from_config(
         filter_overlong_prompts=data_cfg.filter_overlong_prompts,
         truncation=data_cfg.truncation,
         prompt_key=data_cfg.prompt_key,
+        tools=tools,
     )

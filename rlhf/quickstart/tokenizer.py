@@ -24,9 +24,20 @@ QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# ChatML. With `tools` (multi-turn rollouts) a system turn lists their schemas, one JSON
+# object a line, after the prompt's own system message if it has one; a tool result is a
+# `tool` turn like any other. Without `tools` it renders as it always has.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\nCall a tool by writing "
+    '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>. The tools:\n<tools>\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
     "{% for message in messages %}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -14,7 +14,8 @@ The config file (`actor_rollout_ref.rollout.multi_turn.tool_config_path`) uses v
 
     tools:
       - class_name: rlhf.tools.calculator.Calculator
-        config: {max_length: 200}          # the tool's own settings
+        config: {max_length: 200}          # the tool's own settings (verl's type: native
+                                           # is accepted and means this; mcp is refused)
         tool_schema:                       # OpenAI function schema, shown to the policy
           type: function
           function:
@@ -68,8 +69,9 @@ class Tool(ABC):
         self.name: str = schema["function"]["name"]
 
     async def create(self, tools_kwargs: dict[str, Any]) -> Any:
-        """Per-sample state from the row's `extra_info.tools_kwargs[name]` (default: a copy
-        of those arguments)."""
+        """Per-sample state from the row's `extra_info.tools_kwargs[name]`, the mapping under
+        this tool's name as it is ({} when the row has none; verl's layout
+        {"create_kwargs": {...}} arrives as that mapping). Default: a copy of it."""
         return dict(tools_kwargs)
 
     @abstractmethod
@@ -147,6 +149,13 @@ def _build_tool(entry: Any, where: str) -> Tool:
     settings = entry.get("config") or {}
     if not isinstance(settings, dict):
         raise ValueError(f"{where}: config must be a mapping, got {settings!r}")
+    kind = settings.get("type", "native")  # verl's tool kind: a Python class, or MCP
+    if kind != "native":
+        raise ValueError(
+            f"{where}: config.type={kind!r}: only native tools (classes of "
+            "rlhf.tools.base.Tool) run here, not verl's MCP tools"
+        )
+    settings = {k: v for k, v in settings.items() if k != "type"}
     try:
         return cls(schema, settings)
     except (TypeError, ValueError) as e:

@@ -16,7 +16,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-FORMATS = ("hermes",)
+from rlhf.config.choices import TOOL_CALL_FORMATS
+
+FORMATS = TOOL_CALL_FORMATS  # multi_turn.format's choices
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 

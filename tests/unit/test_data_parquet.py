@@ -61,6 +61,26 @@ def test_optional_columns_may_be_absent(tmp_path):
     assert only.ability == "" and only.extra_info == {}
 
 
+def test_tools_kwargs_reach_the_row_by_tool_name(tmp_path):
+    """Parquet gives every row each tool name some row uses (null where the row has none):
+    a row's `tools_kwargs` are its own; one that needs them and has only nulls is refused."""
+    rows = [
+        row(extra_info={"need_tools_kwargs": True, "tools_kwargs": {"calculator": {"x": 1}}}),
+        row(extra_info={"need_tools_kwargs": True, "tools_kwargs": {"sandbox": {"y": 2}}}),
+        row(extra_info={"need_tools_kwargs": False}),
+        row(extra_info={"need_tools_kwargs": True, "tools_kwargs": {}}),
+    ]
+    path = write(tmp_path / "tools.parquet", rows[:3])
+    first, second, third = read_prompt_rows(path)
+    assert first.extra_info["tools_kwargs"] == {"calculator": {"x": 1}, "sandbox": None}
+    assert first.tools_kwargs == {"calculator": {"x": 1}}
+    assert (second.tools_kwargs, third.tools_kwargs) == ({"sandbox": {"y": 2}}, {})
+    path = write(tmp_path / "tools.parquet", [rows[0], rows[3]])  # row 1: all names null
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(path)
+    assert [(p.row, p.column) for p in err.value.problems] == [(1, "extra_info")]
+
+
 def test_list_glob_and_file_uri_keep_order(tmp_path):
     for name in ("b", "a", "c"):
         write(tmp_path / f"{name}.parquet", [row(data_source=name)])
@@ -153,6 +173,19 @@ CASES = {
     "null reward_model": (
         [row(), row(reward_model=None)],
         "row 1, column 'reward_model': null reward_model",
+    ),
+    "tools needed, none given": (
+        [row(), row(extra_info={"index": 1, "need_tools_kwargs": True})],
+        "row 1, column 'extra_info': need_tools_kwargs is true but the row has no tools_kwargs",
+    ),
+    "tools_kwargs not by tool name": (
+        [row(extra_info={"need_tools_kwargs": True, "tools_kwargs": {"calculator": "4"}})],
+        "row 0, column 'extra_info': tools_kwargs must map each tool's name to a mapping of "
+        "its arguments, got {'calculator': '4'}",
+    ),
+    "need_tools_kwargs not a boolean": (
+        [row(extra_info={"need_tools_kwargs": "yes"})],
+        "row 0, column 'extra_info': need_tools_kwargs must be true or false, got 'yes'",
     ),
 }
 

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
 
-from rlhf.config import load_config
+from rlhf.config import ConfigError, load_config
 from rlhf.data.parquet import PromptRow
 from rlhf.data.prompts import (
     build_prompt_dataset,
     load_tokenizer,
     prompt_dataset_from_config,
+    prompt_text,
 )
 from rlhf.quickstart.data import write_quickstart_data
 from rlhf.quickstart.tokenizer import build_tiny_tokenizer
+from rlhf.rollout.multi_turn_config import load_configured_tools, tool_schemas
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +149,94 @@ def test_dataset_from_config_reads_files_and_tokenizer_dir(tmp_path):
     assert train_set[0].input_ids == ids_of(tokenizer, templated(content))
     with pytest.raises(FileNotFoundError, match="tokenizer directory not found"):
         load_tokenizer(tmp_path / "nope")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate <arithmetic> & say the value",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "clock", "description": "Das Datum – heute"}},
+]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "2 + 2?"},
+    {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
+    {"role": "tool", "content": "4"},
+]
+
+
+def test_without_tools_the_template_renders_chatml_as_it_always_has(tokenizer):
+    by_hand = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CHAT)
+    for tools in (None, []):
+        text = tokenizer.apply_chat_template(
+            CHAT, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        assert text == by_hand + "<|im_start|>assistant\n"
+        assert prompt_text(CHAT, tokenizer, True, tools) == text
+
+
+def test_the_prompt_lists_each_tool_as_transformers_renders_it(tokenizer):
+    text = prompt_text(CHAT[:2], tokenizer, True, TOOLS)
+    reference = tokenizer.apply_chat_template(
+        CHAT[:2], tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert text == reference
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert text.endswith("<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    for tool in TOOLS:
+        assert f'"name": "{tool["function"]["name"]}"' in text
+        assert f"\n{json.dumps(tool, ensure_ascii=False)}\n" in text  # not HTML-escaped
+    user_only = prompt_text("2 + 2?", tokenizer, True, TOOLS)
+    assert user_only.startswith("<|im_start|>system\n# Tools\n") and user_only.count("system") == 1
+    with pytest.raises(ValueError, match="tools are listed by the chat template"):
+        prompt_text("2 + 2?", tokenizer, False, TOOLS)
+
+
+def test_a_chat_template_that_ignores_tools_is_refused(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    build_prompt_dataset([prompt_row("hi")], plain, max_prompt_length=64)  # fine without tools
+    with pytest.raises(ConfigError, match=r"chat template ignores `tools`"):
+        build_prompt_dataset([prompt_row("hi")], plain, max_prompt_length=64, tools=TOOLS)
+
+
+def test_dataset_from_config_lists_the_configured_tools(tmp_path):
+    train, _ = write_quickstart_data(tmp_path / "data", num_train=4, num_val=2, seed=1)
+    build_tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    tokenizer = load_tokenizer(tmp_path / "tok")  # the template as saved and read back
+    tool_config = tmp_path / "tools.yaml"
+    calculator = {"class_name": "rlhf.tools.calculator.Calculator", "tool_schema": TOOLS[0]}
+    tool_config.write_text(json.dumps({"tools": [calculator]}))  # JSON is YAML
+    multi_turn = "actor_rollout_ref.rollout.multi_turn"
+    cfg = load_config(
+        "configs/quickstart_cpu.yaml",
+        [
+            f"data.train_files={train}",
+            "data.max_prompt_length=1024",
+            f"{multi_turn}.enable=true",
+            f"{multi_turn}.tool_config_path={tool_config}",
+        ],
+    )
+    schemas = tool_schemas(load_configured_tools(cfg))
+    assert schemas == TOOLS[:1]
+    with_tools = prompt_dataset_from_config(cfg.data, tokenizer, "train", tools=schemas)
+    without = prompt_dataset_from_config(cfg.data, tokenizer, "train")
+    for listed, plain in zip(with_tools, without, strict=True):
+        messages = plain.row.prompt
+        reference = tokenizer.apply_chat_template(
+            messages, tools=TOOLS[:1], add_generation_prompt=True, tokenize=False
+        )
+        assert listed.input_ids == ids_of(tokenizer, reference)
+        assert plain.input_ids == ids_of(tokenizer, templated(messages[0]["content"]))

@@ -1,0 +1,56 @@
+"""`actor_rollout_ref.rollout.multi_turn` read into what multi-turn rollouts use: the
+conversation settings (`MultiTurnSettings`), the configured tools, and their schemas for the
+prompt's chat template (`rlhf.data.prompts`, `tools=`).
+
+The config's own rules (`rlhf.config.multi_turn_rules`) cannot load the tool config file:
+the config layer sits below the tools. `load_configured_tools` does, and turns any mistake
+in the file into a `ConfigError` naming the key, the file and the entry; `rlhf-train` and
+`rlhf-doctor` call it right after `validate_config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf.config import ConfigError, RLHFConfig
+from rlhf.config.multi_turn_rules import MULTI_TURN
+from rlhf.rollout.multi_turn import MultiTurnSettings
+from rlhf.tools.base import Tool, load_tools
+
+
+def multi_turn_settings(cfg: RLHFConfig) -> MultiTurnSettings | None:
+    """The conversation settings of `rollout.multi_turn`, with `data.max_response_length` as
+    the budget of every appended token; None when multi-turn is off."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return None
+    return MultiTurnSettings(
+        max_response_length=cfg.data.max_response_length,
+        max_assistant_turns=multi_turn.max_assistant_turns,
+        max_user_turns=multi_turn.max_user_turns,
+        max_parallel_calls=multi_turn.max_parallel_calls,
+        max_tool_response_length=multi_turn.max_tool_response_length,
+        tool_timeout_s=multi_turn.tool_timeout_s,
+        tool_response_truncate_side=multi_turn.tool_response_truncate_side,
+        format=multi_turn.format,
+    )
+
+
+def load_configured_tools(cfg: RLHFConfig) -> dict[str, Tool]:
+    """The tools of `multi_turn.tool_config_path` by name, in the file's order ({} when
+    multi-turn is off); a file that does not load is a one-line `ConfigError`."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return {}
+    if not multi_turn.tool_config_path:
+        raise ConfigError(f"{MULTI_TURN}.enable=true needs {MULTI_TURN}.tool_config_path")
+    try:
+        return load_tools(multi_turn.tool_config_path)
+    except (OSError, ValueError) as e:  # load_tools names the file and the entry
+        raise ConfigError(f"{MULTI_TURN}.tool_config_path: {' '.join(str(e).split())}") from None
+
+
+def tool_schemas(tools: dict[str, Tool]) -> list[dict[str, Any]] | None:
+    """The tools' OpenAI function schemas, as the chat template lists them in the prompt
+    (`tools=`); None without tools (the prompt renders as it does without multi-turn)."""
+    return [tool.schema for tool in tools.values()] or None
