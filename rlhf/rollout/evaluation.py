@@ -29,6 +29,8 @@ from rlhf.rollout.generation import (
     kv_cache_tokens,
     val_sampling_params,
 )
+from rlhf.rollout.multi_turn import ToolStats
+from rlhf.rollout.multi_turn_config import load_configured_tools, multi_turn_rollout, tool_schemas
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ def eval_prompts(cfg: RLHFConfig, data_files: list[str], tokenizer) -> PromptDat
         filter_overlong_prompts=data.filter_overlong_prompts,
         truncation=data.truncation,
         prompt_key=data.prompt_key,
+        tools=tool_schemas(load_configured_tools(cfg)),
     )
 
 
@@ -89,6 +92,7 @@ def evaluate(
     prompts = eval_prompts(cfg, data_files, tokenizer).prompts
     params = val_sampling_params(cfg)
     scorer = RewardScorer.from_config(cfg.reward)
+    multi_turn = multi_turn_rollout(cfg, tokenizer)  # conversations with the run's tools
     cpu_tokens = kv_cache_tokens(cfg, batch_size) if device == "cpu" else None
     engine = None
     try:
@@ -102,13 +106,17 @@ def evaluate(
         )
         records: list[RolloutRecord] = []
         sources: list[str] = []
+        tool_stats = ToolStats()
         bar = tqdm(total=len(prompts), desc="rlhf-eval", unit="prompt", disable=not show_progress)
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             indices = list(range(start, start + len(chunk)))
             uids = [f"eval-{i}" for i in indices]
-            result = generate_and_score(engine, tokenizer, scorer, chunk, uids, indices, params)
+            result = generate_and_score(
+                engine, tokenizer, scorer, chunk, uids, indices, params, None, multi_turn
+            )
             records += result.records
+            tool_stats = tool_stats + (result.tool_stats or ToolStats())
             sources += result.batch.data_sources
             bar.update(len(chunk))
         bar.close()
@@ -124,4 +132,7 @@ def evaluate(
         cfg.reward,
     )
     counts = dict(Counter(p.row.data_source for p in prompts))
-    return EvalResult(validation_metrics(samples), counts, records)
+    metrics = validation_metrics(samples)
+    if multi_turn is not None:
+        metrics |= {f"val/{k}": v for k, v in tool_stats.metrics().items()}
+    return EvalResult(metrics, counts, records)

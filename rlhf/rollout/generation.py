@@ -116,7 +116,7 @@ def generate_and_score(
         conversations = None
     else:
         assert isinstance(engine, SGLangEngine), "multi-turn rollouts run on SGLang servers"
-        kwargs = [p.row.extra_info.get("tools_kwargs") or {} for p in prompts]
+        kwargs = [p.row.tools_kwargs for p in prompts]
         conversations = engine.converse([p.input_ids for p in prompts], params, multi_turn, kwargs)
         samples = [
             RolloutSample(k // params.n, c.response_ids, c.logprobs, c.finish_reason)

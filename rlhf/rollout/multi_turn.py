@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf.config.choices import TRUNCATE_SIDES
 from rlhf.rollout.client import (
     GenerateClient,
     Generation,
@@ -36,7 +37,6 @@ from rlhf.tools.parser import ToolCall, parse_tool_calls
 
 # one /generate for a conversation: (input ids, sampling params without n) -> one Generation
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[Generation]]
-TRUNCATE_SIDES = ("left", "right", "middle")
 TURN_SEED_STRIDE = 1 << 20  # seeds of a conversation's later turns stay clear of other samples'
 
 

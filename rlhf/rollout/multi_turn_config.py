@@ -14,7 +14,7 @@ from typing import Any
 
 from rlhf.config import ConfigError, RLHFConfig
 from rlhf.config.multi_turn_rules import MULTI_TURN
-from rlhf.rollout.multi_turn import MultiTurnSettings
+from rlhf.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
 from rlhf.tools.base import Tool, load_tools
 
 
@@ -54,3 +54,11 @@ def tool_schemas(tools: dict[str, Tool]) -> list[dict[str, Any]] | None:
     """The tools' OpenAI function schemas, as the chat template lists them in the prompt
     (`tools=`); None without tools (the prompt renders as it does without multi-turn)."""
     return [tool.schema for tool in tools.values()] or None
+
+
+def multi_turn_rollout(cfg: RLHFConfig, tokenizer) -> MultiTurnRollout | None:
+    """The conversations of `rollout.multi_turn` with its tools (None when off)."""
+    settings = multi_turn_settings(cfg)
+    if settings is None:
+        return None
+    return MultiTurnRollout(load_configured_tools(cfg), tokenizer, settings)

@@ -50,6 +50,7 @@ from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 from rlhf.rollout.generation import RolloutResult, generate_and_score, kv_cache_tokens
 from rlhf.rollout.multi_turn import MultiTurnRollout, ToolStats
+from rlhf.rollout.multi_turn_config import multi_turn_rollout
 from rlhf.rollout.sglang_server import check_servable
 from rlhf.sglang_api import ServerLost
 from rlhf.utils import empty_device_cache, split_evenly
@@ -178,11 +179,12 @@ class PolicyServers:
         per_node = rollout.server_urls is None and ctx.num_nodes > 1
         owner = ctx.local_rank == 0 if per_node else ctx.is_main
         node_dir = run_dir / f"node{ctx.node_rank}" if per_node else run_dir
-        engine = scorer = None
+        engine = scorer = multi_turn = None
         launched = rollout.server_urls is None
         sleeps = launched and rollout.free_cache_engine and ctx.device.type != "cpu"
         if owner:
             scorer = RewardScorer.from_config(cfg.reward)
+            multi_turn = multi_turn_rollout(cfg, tokenizer)
             engine = SGLangEngine(
                 launched_rollout(cfg),
                 cfg.actor_rollout_ref.model.path,
@@ -223,6 +225,7 @@ class PolicyServers:
             scorer=scorer,
             per_node=per_node,
             sleeps=sleeps,
+            multi_turn=multi_turn,
         )
 
     @property

@@ -35,6 +35,7 @@ from rlhf.reward import ground_truth_checker
 from rlhf.reward.scorer import probe_reward_function
 from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.generation import val_sampling_params
+from rlhf.rollout.multi_turn_config import load_configured_tools, tool_schemas
 from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
 from rlhf.trainer.early_stop import Decision, EarlyStopper
@@ -158,10 +159,12 @@ class PPOTrainer:
 
     def prompts(self, split: Literal["train", "val"]) -> PromptDataset:
         """`data.{split}_files`, their rule rows checked scorable (they fail here, not mid-run),
-        every row the reward model's under `reward.model_scores_every_row`."""
+        every row the reward model's under `reward.model_scores_every_row`; with multi-turn
+        rollouts each prompt lists the tools (`rollout.multi_turn.tool_config_path`)."""
         scorable = ground_truth_checker(self.cfg.reward)
+        tools = tool_schemas(load_configured_tools(self.cfg))
         data = prompt_dataset_from_config(
-            self.cfg.data, self.tokenizer, split, check_ground_truth=scorable
+            self.cfg.data, self.tokenizer, split, check_ground_truth=scorable, tools=tools
         )
         return data.scored_by_model() if self.cfg.reward.model_scores_every_row else data
 
