@@ -24,7 +24,9 @@ SCHEMA = {"type": "function", "function": {"name": "python", "parameters": {}}}
 
 @pytest.fixture(scope="module")
 def sandbox() -> PythonSandbox:
-    return PythonSandbox(SCHEMA, {"timeout_s": 3, "cpu_s": 2, "max_output_bytes": 2048})
+    """A wall clock far beyond the CPU limit: on a loaded machine a CPU-bound child takes
+    longer than its CPU seconds, and the limit under test must be the one that stops it."""
+    return PythonSandbox(SCHEMA, {"timeout_s": 30, "cpu_s": 2, "max_output_bytes": 2048})
 
 
 def run(sandbox: PythonSandbox, code: str):
@@ -94,7 +96,8 @@ def test_a_fork_bomb_is_refused(sandbox):
 def test_an_infinite_loop_times_out(sandbox):
     result = run(sandbox, "while True:\n    pass")
     assert result.error == TIMEOUT and "used its 2 s of CPU time" in result.text
-    result = run(sandbox, "import time\ntime.sleep(60)")
+    sleepy = PythonSandbox(SCHEMA, {"timeout_s": 3, "cpu_s": 2})
+    result = run(sleepy, "import time\ntime.sleep(60)")
     assert result.error == TIMEOUT and "did not finish within 3 s" in result.text
 
 
