@@ -7,6 +7,7 @@ write the quickstart data.
     rlhf-preprocess dapo-math --input dapo-math-17k.parquet --local_dir OUT  # -> train.parquet
     rlhf-preprocess aime --input FILE... --local_dir OUT [--data_source aime24]  # -> test
     rlhf-preprocess quickstart --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
+    rlhf-preprocess quickstart-tools --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
 
 `check` runs the loader's validation: for each file it prints the rows and data sources and
 exits 0, or prints every problem (file, row, column, what is wrong) and exits 1. FILE may be
@@ -16,6 +17,8 @@ run's `reward.custom_fn`, is imported and then accepts any data source and groun
 `gsm8k`, `math500`, `dapo-math` and `aime` work offline on the public releases' files (jsonl
 or Parquet; rlhf/data/gsm8k.py and rlhf/data/math_sets.py name the formats). Errors in the
 inputs of a conversion, or a `--custom_fn` that does not load, print one line and exit 2.
+`quickstart-tools` writes the tool-use quickstart's multiplication problems and, next to them,
+the tool config file listing the calculator (rlhf/quickstart/calculator_task.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import sys
 from rlhf.data.gsm8k import preprocess_gsm8k
 from rlhf.data.math_sets import MATH_SETS, preprocess_math
 from rlhf.data.parquet import FileReport, GroundTruthCheck, Problem, check_files
-from rlhf.quickstart.data import write_quickstart_data
+from rlhf.quickstart.data import write_quickstart_data, write_tools_quickstart_data
 from rlhf.reward import check_ground_truth, load_custom_fn
 from rlhf.reward.math import last_boxed
 
@@ -63,10 +66,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "validation metric each)",
             )
     quick = sub.add_parser("quickstart", help="write the arithmetic train/val Parquet files")
-    quick.add_argument("--local_dir", required=True, help="output directory")
-    quick.add_argument("--num_train", type=int, default=256)
-    quick.add_argument("--num_val", type=int, default=64)
-    quick.add_argument("--seed", type=int, default=0)
+    tools = sub.add_parser(
+        "quickstart-tools",
+        help="write the tool-use quickstart's train/val Parquet files and calculator config",
+    )
+    for quick_cmd in (quick, tools):
+        quick_cmd.add_argument("--local_dir", required=True, help="output directory")
+        quick_cmd.add_argument("--num_train", type=int, default=256)
+        quick_cmd.add_argument("--num_val", type=int, default=64)
+        quick_cmd.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -111,6 +119,14 @@ def _preprocess_math(args: argparse.Namespace) -> dict:
     return preprocess_math(args.command, args.input, args.local_dir, last_boxed, data_source)
 
 
+def _write_tools_quickstart(args: argparse.Namespace) -> dict:
+    train, val, tool_config = write_tools_quickstart_data(
+        args.local_dir, args.num_train, args.num_val, args.seed
+    )
+    print(f"wrote tool config: {tool_config}")
+    return {"train": (train, args.num_train), "val": (val, args.num_val)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "check":
@@ -120,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             written = preprocess_gsm8k(args.input, args.local_dir)
         elif args.command in MATH_SETS:
             written = _preprocess_math(args)
+        elif args.command == "quickstart-tools":
+            written = _write_tools_quickstart(args)
         else:
             paths = write_quickstart_data(args.local_dir, args.num_train, args.num_val, args.seed)
             written = {"train": (paths[0], args.num_train), "val": (paths[1], args.num_val)}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from rlhf.quickstart.tokenizer import build_tiny_tokenizer
 
@@ -112,14 +112,18 @@ def moe_fields(moe: TinyMoESpec) -> dict:
 
 
 def save_tiny_model(
-    out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), vocab_size: int | None = None
+    out_dir: str | Path,
+    spec: TinyModelSpec = TinyModelSpec(),
+    vocab_size: int | None = None,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> Path:
     """Write tokenizer + randomly initialised model (safetensors) for `spec` into `out_dir`.
 
-    `vocab_size` larger than the tokenizer's gives a bigger embedding (for benchmarks).
+    `vocab_size` larger than the tokenizer's gives a bigger embedding (for benchmarks);
+    `tokenizer` replaces the quickstart's (`build_tiny_tokenizer()`).
     """
     out = Path(out_dir)
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = tokenizer or build_tiny_tokenizer()
     tokenizer.save_pretrained(out)
     vocab = max(vocab_size or 0, len(tokenizer))
     config = tiny_hf_config(spec, vocab, tokenizer.pad_token_id, tokenizer.eos_token_id)

@@ -52,8 +52,14 @@ def training_corpus() -> list[str]:
     return texts
 
 
-def build_tiny_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """Train the byte-level BPE tokenizer and wrap it as an HF fast tokenizer."""
+def build_tiny_tokenizer(
+    vocab_size: int = VOCAB_SIZE,
+    corpus: list[str] | None = None,
+    added_tokens: tuple[str, ...] = (),
+) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer on `corpus` (default: `training_corpus()`) and wrap
+    it as an HF fast tokenizer; `added_tokens` are whole tokens that are not special (kept
+    when decoding), as Qwen2 has `<tool_call>`, with the ids after the trained vocabulary."""
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -68,9 +74,10 @@ def build_tiny_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFas
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    core.train_from_iterator(training_corpus(), trainer)
+    core.train_from_iterator(training_corpus() if corpus is None else corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD, eos_token=EOS, clean_up_tokenization_spaces=False
     )
+    tokenizer.add_tokens(list(added_tokens), special_tokens=False)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

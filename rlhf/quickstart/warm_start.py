@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -118,10 +120,13 @@ class SftExamples:
     tokens_nt: torch.Tensor
 
 
-def answer_distribution(truth: int, p_correct: float) -> list[float]:
-    """Probabilities of the answers 0..18: `p_correct` on `truth`, the rest spread evenly."""
-    wrong = (1.0 - p_correct) / MAX_ANSWER
-    return [p_correct if a == truth else wrong for a in range(MAX_ANSWER + 1)]
+def answer_distribution(
+    truth: int, p_correct: float, answers: Sequence[int] = range(MAX_ANSWER + 1)
+) -> list[float]:
+    """Probabilities of `answers` (default 0..18): `p_correct` on `truth`, the rest spread
+    evenly."""
+    wrong = (1.0 - p_correct) / (len(answers) - 1)
+    return [p_correct if a == truth else wrong for a in answers]
 
 
 def path_targets(
@@ -252,11 +257,17 @@ def response_loss(
     return loss, load_balancing_loss(out.router_logits, examples.tokens_nt[idx], top_k)
 
 
+# (model, examples, batch indices, mix weight) -> (loss, load-balancing loss or None)
+LossFn = Callable[[torch.nn.Module, Any, torch.Tensor, float], tuple[torch.Tensor, Any]]
+
+
 def train(
-    model: torch.nn.Module, examples: SftExamples, cfg: WarmStartConfig
+    model: torch.nn.Module, examples: Any, cfg: WarmStartConfig, loss_fn: LossFn = response_loss
 ) -> tuple[list[float], list[float]]:
-    """`cfg.num_steps` AdamW steps on shuffled batches; the response loss of every step and,
-    for a model with experts, its load-balancing loss (else an empty list)."""
+    """`cfg.num_steps` AdamW steps on shuffled batches of `examples` (anything with an
+    `input_ids_nt` of one row per example); the `loss_fn` loss of every step (default: the
+    response loss) and, for a model with experts, its load-balancing loss (else an empty
+    list)."""
     generator = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
@@ -268,7 +279,7 @@ def train(
             order, cursor = torch.randperm(num, generator=generator), 0
         idx = order[cursor : cursor + cfg.batch_size]
         cursor += cfg.batch_size
-        loss, balance = response_loss(model, examples, idx, mix_weight(step, cfg))
+        loss, balance = loss_fn(model, examples, idx, mix_weight(step, cfg))
         optimizer.zero_grad(set_to_none=True)
         if balance is None:
             loss.backward()
@@ -285,18 +296,37 @@ def train(
 
 def warm_start(model_dir: str | Path, cfg: WarmStartConfig = WarmStartConfig()) -> WarmStartResult:
     """Fine-tune the model in `model_dir` as described above and save it back in place."""
+    return fine_tune(
+        model_dir,
+        cfg,
+        lambda tokenizer, vocab_size: build_examples(tokenizer, cfg, vocab_size),
+        response_loss,
+        target_entropy,
+    )
+
+
+def fine_tune(
+    model_dir: str | Path,
+    cfg: WarmStartConfig,
+    build: Callable[[PreTrainedTokenizerBase, int], Any],
+    loss_fn: LossFn,
+    entropy: Callable[[Any], float],
+) -> WarmStartResult:
+    """Train the model in `model_dir` on the examples `build(tokenizer, vocab_size)` makes,
+    with `loss_fn` and the optimizer settings of `cfg`, and save it back in place;
+    `entropy(examples)` is the loss of a perfect fit."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no HF model in {model_dir} (build one with make_tiny_model.py)")
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    examples = build_examples(tokenizer, cfg, model.config.vocab_size)
+    examples = build(tokenizer, model.config.vocab_size)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.num_threads)
     try:
         start = time.perf_counter()
-        losses, balances = train(model, examples, cfg)
+        losses, balances = train(model, examples, cfg, loss_fn)
         seconds = time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)
@@ -304,7 +334,7 @@ def warm_start(model_dir: str | Path, cfg: WarmStartConfig = WarmStartConfig()) 
     return WarmStartResult(
         num_steps=len(losses),
         final_loss=tail_mean(losses),
-        target_entropy=target_entropy(examples),
+        target_entropy=entropy(examples),
         seconds=seconds,
         final_load_balancing_loss=tail_mean(balances) if balances else None,
     )
