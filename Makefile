@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
+.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets quickstart-tools quickstart-tools-assets test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
 
 setup: $(STAMP)
 
@@ -47,6 +47,16 @@ quickstart-moe: quickstart-moe-assets
 quickstart-moe-assets: setup
 	$(VENV)/bin/rlhf-make-tiny-model runs/quickstart_moe/model --family qwen3_moe --warm-start
 	$(VENV)/bin/rlhf-preprocess quickstart --local_dir runs/quickstart/data
+
+# Multi-turn GRPO with a calculator tool: a tiny model warm-started to call it sometimes
+# learns to call it (multiplication problems; the tool messages are not trained on).
+quickstart-tools: quickstart-tools-assets
+	$(VENV)/bin/rlhf-train --config configs/quickstart_tools_cpu.yaml
+	$(VENV)/bin/rlhf-plot runs/quickstart_tools
+
+quickstart-tools-assets: setup
+	$(VENV)/bin/rlhf-make-tiny-model runs/quickstart_tools/model --tools --warm-start
+	$(VENV)/bin/rlhf-preprocess quickstart-tools --local_dir runs/quickstart_tools/data
 
 # Everything but the slow whole runs (about 6 minutes on 2 cores); test-slow runs those
 # (about 20 minutes). Budget: CONTRIBUTING.md, "Test budget".

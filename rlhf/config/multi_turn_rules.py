@@ -1,8 +1,9 @@
 """Rules of `actor_rollout_ref.rollout.multi_turn`: the settings under which conversations
 with tool calls cannot run are refused before anything starts.
 
-- The tools come from `tool_config_path`, which must name a file. Whether it loads (its
-  classes import, their settings fit) is checked by
+- The tools come from `tool_config_path`, which must be set. Whether the file exists and
+  loads (its classes import, their settings fit) is checked, as data files are, when the
+  run starts: by
   `rlhf.rollout.multi_turn_config.load_configured_tools`, above the tools layer, which
   `rlhf-train` and `rlhf-doctor` call right after these rules.
 - The prompt lists the tools and the tool results become messages, both rendered by the
@@ -12,8 +13,6 @@ with tool calls cannot run are refused before anything starts.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from rlhf.config.loader import ConfigError
 from rlhf.config.schema import RLHFConfig
@@ -33,8 +32,6 @@ def check_multi_turn(cfg: RLHFConfig) -> None:
             f"{MULTI_TURN}.enable=true needs {MULTI_TURN}.tool_config_path: a YAML file "
             "listing the tools (tools: [{class_name, config, tool_schema}], rlhf/tools/base.py)"
         )
-    if not Path(path).is_file():
-        raise ConfigError(f"{MULTI_TURN}.tool_config_path: {path} is not a file")
     if not cfg.data.apply_chat_template:
         raise ConfigError(
             f"{MULTI_TURN}.enable=true needs data.apply_chat_template=true: the chat template "

@@ -68,3 +68,30 @@ def test_unreachable_server(tiny_qwen2_dir, tmp_path, val_file, capsys):
     assert main(args) == 1
     assert url in error_line(capsys)
     assert not (tmp_path / "out.json").exists()
+
+
+def test_multi_turn_evaluation_lists_the_runs_tools_in_every_prompt(tiny_qwen2_dir, tmp_path):
+    """With `rollout.multi_turn` on, rlhf-eval's prompts are the training prompts: rendered
+    by the chat template with the tool config's schemas (transformers' rendering, here)."""
+    from transformers import AutoTokenizer
+
+    from rlhf.config import load_config
+    from rlhf.quickstart.calculator_task import CALCULATOR_SCHEMA, write_tool_config
+    from rlhf.rollout.evaluation import eval_prompts
+
+    rows = make_problems(3, seed=0)
+    data = write_rows(rows, tmp_path / "val.parquet")
+    tool_config = write_tool_config(tmp_path)
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    cfg = load_config(
+        None,
+        [f"{mt}.enable=true", f"{mt}.tool_config_path={tool_config}", "data.max_prompt_length=512"],
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
+    prompts = eval_prompts(cfg, [str(data)], tokenizer).prompts
+    for row, prompt in zip(rows, prompts, strict=True):
+        text = tokenizer.apply_chat_template(
+            row["prompt"], tools=[CALCULATOR_SCHEMA], add_generation_prompt=True, tokenize=False
+        )
+        assert prompt.input_ids == tokenizer.encode(text, add_special_tokens=False)
+        assert "calculator" in text

@@ -118,12 +118,15 @@ def rule_error(overrides) -> str:
     return str(err.value)
 
 
-def test_enable_needs_a_tool_config_that_is_a_file(tmp_path):
+def test_enable_needs_a_tool_config_that_exists(tmp_path):
     said = rule_error([f"{MT}.enable=true"])
     assert said.startswith(f"{MT}.enable=true needs {MT}.tool_config_path: a YAML file")
     missing = tmp_path / "nowhere.yaml"
-    said = rule_error([f"{MT}.enable=true", f"{MT}.tool_config_path={missing}"])
-    assert said == f"{MT}.tool_config_path: {missing} is not a file"
+    cfg = load_config(QUICKSTART, [f"{MT}.enable=true", f"{MT}.tool_config_path={missing}"])
+    validate_config(cfg)  # like data files, checked when the run loads it
+    with pytest.raises(ConfigError) as err:
+        load_configured_tools(cfg)
+    assert str(err.value) == f"{MT}.tool_config_path: tool config {missing} does not exist"
 
 
 def test_enable_needs_the_chat_template(tool_config):
