@@ -27,7 +27,6 @@ from rlhf.config.choices import TRUNCATE_SIDES
 from rlhf.rollout.client import (
     GenerateClient,
     Generation,
-    Request,
     RequestResult,
     gather_or_cancel,
     generate_payload,
@@ -299,32 +298,24 @@ async def run_conversations(
     """Every conversation concurrently in one session of `client` (whose concurrency limit
     bounds the requests in flight, whose retries cover each turn); each /generate asks for
     one sample. Returns the conversations in order and every /generate's result."""
-    async with client.session() as request:
-        return await _run(request, rollout, conversations, sampling)
-
-
-async def _run(
-    request: Request,
-    rollout: MultiTurnRollout,
-    conversations: list[ConversationRequest],
-    sampling: dict[str, Any],
-) -> tuple[list[Conversation], list[RequestResult]]:
     results: list[RequestResult] = []
 
-    async def one(index: int, spec: ConversationRequest) -> Conversation:
-        turn = 0
+    async with client.session() as request:
 
-        async def generate(ids: list[int], params: dict[str, Any]) -> Generation:
-            nonlocal turn
-            params = {**params, "n": 1}
-            if spec.seed is not None:
-                params["sampling_seed"] = spec.seed + turn * TURN_SEED_STRIDE
-            turn += 1
-            result = await request(index, generate_payload(ids, params))
-            results.append(result)
-            return result.generations[0]
+        async def one(index: int, spec: ConversationRequest) -> Conversation:
+            turn = 0
 
-        return await rollout.converse(generate, spec.prompt_ids, sampling, spec.tools_kwargs)
+            async def generate(ids: list[int], params: dict[str, Any]) -> Generation:
+                nonlocal turn
+                params = {**params, "n": 1}
+                if spec.seed is not None:
+                    params["sampling_seed"] = spec.seed + turn * TURN_SEED_STRIDE
+                turn += 1
+                result = await request(index, generate_payload(ids, params))
+                results.append(result)
+                return result.generations[0]
 
-    done = await gather_or_cancel([one(i, c) for i, c in enumerate(conversations)])
-    return list(done), results
+            return await rollout.converse(generate, spec.prompt_ids, sampling, spec.tools_kwargs)
+
+        done = await gather_or_cancel([one(i, c) for i, c in enumerate(conversations)])
+        return list(done), results

@@ -29,7 +29,8 @@ from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 NUM_SAMPLES = 8
 
 
-def synthetic_batch(vocab_size: int):
+def synthetic_batch(vocab_size: int, multi_turn: bool = False):
+    """8 random samples; `multi_turn`: some with a tool message between two turns."""
     from rlhf.rollout.batch import RolloutBatch
 
     gen = torch.Generator().manual_seed(7)
@@ -45,7 +46,9 @@ def synthetic_batch(vocab_size: int):
         scores_b=torch.rand(NUM_SAMPLES, generator=gen),
         data_sources=["synthetic"] * NUM_SAMPLES,
         uids=[str(i // 2) for i in range(NUM_SAMPLES)],
-        response_masks=[multi_turn_mask(i, len(r)) for i, r in enumerate(responses)],
+        response_masks=[multi_turn_mask(i, len(r)) for i, r in enumerate(responses)]
+        if multi_turn
+        else None,
     )
 
 
@@ -102,7 +105,7 @@ def run(args, ctx) -> None:
     models = build_ppo_models(cfg, arch, ctx, total_steps=1)
     actor, head = models.actor, models.logprob_head  # rollout temperature 1
     planner = MicroBatchPlanner(ctx, thd=False)
-    batch = synthetic_batch(arch.vocab_size)
+    batch = synthetic_batch(arch.vocab_size, multi_turn=True)
     budget = 40  # a few samples per micro-batch: several packed micro-batches per rank
     before, entropy = stages.compute_logprobs(actor, batch, planner, budget, head)
     gen = torch.Generator().manual_seed(3)
