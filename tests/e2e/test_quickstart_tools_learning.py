@@ -34,7 +34,7 @@ from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow(reason="learning shows only over tens of GRPO steps")
 CONFIG = REPO / "configs" / "quickstart_tools_cpu.yaml"
-STEPS = 20
+STEPS = 12
 MIN_RISE = 0.2
 TOOLS_CODE = ("calculator_task.py", "tool_warm_start.py", "tools_tokenizer.py")
 
