@@ -163,6 +163,24 @@ def end_weight_update(url: str) -> None:
     _post(url, "end_weight_update")
 
 
+def pause_generation(url: str) -> None:
+    """Stop generating (SGLang's abort mode): every /generate in flight is answered with the
+    tokens it has, finish reason `abort`, before this returns; requests arriving meanwhile
+    wait for `continue_generation`. Weight updates are accepted while paused."""
+    _post(url, "pause_generation", {"mode": "abort"})
+
+
+def continue_generation(url: str) -> None:
+    """Resume after `pause_generation` (no CUDA cache emptying: the CPU server has none)."""
+    _post(url, "continue_generation", {"torch_empty_cache": False})
+
+
+def update_weight_version(url: str, version: str) -> None:
+    """Label the weights the server holds `version` from now on (requests in flight go on;
+    their later tokens carry it in meta_info.weight_versions)."""
+    _post(url, "update_weight_version", {"new_version": version, "abort_all_requests": False})
+
+
 def _version_fields(flush_cache: bool, version: int | None) -> dict[str, Any]:
     return {"flush_cache": flush_cache, "weight_version": None if version is None else str(version)}
 

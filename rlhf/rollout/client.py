@@ -79,6 +79,9 @@ class Generation:
     # [prompt + output - 1, layers x top-k] int16: the experts each token was routed to
     # (asked for with `return_routed_experts`; `decode_routed_experts`), else None
     routed_experts: torch.Tensor | None = None
+    # (version, start, end): the weight version that sampled output tokens [start, end)
+    # (SGLang's meta_info.weight_versions; empty when the server does not say)
+    weight_versions: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,13 +118,19 @@ def decode_routed_experts(encoded: str, num_tokens: int) -> torch.Tensor:
 
 
 def parse_response(
-    body: Any, expected: int, url: str, routed_prompt_len: int | None = None
+    body: Any,
+    expected: int,
+    url: str,
+    routed_prompt_len: int | None = None,
+    keep_aborted: bool = False,
 ) -> list[Generation]:
     """SGLang's /generate answer -> `expected` generations; raise on any other shape.
-    `routed_prompt_len`: the routed experts were asked for, for a prompt of that length."""
+    `routed_prompt_len`: the routed experts were asked for, for a prompt of that length.
+    A sample the server aborted (a pause, a weight update) is a retryable failure, or with
+    `keep_aborted` a generation with finish reason "abort" and the tokens it got."""
     items = body if isinstance(body, list) else [body]
     aborted = [_abort_message(item) for item in items if _abort_message(item) is not None]
-    if aborted:
+    if aborted and not keep_aborted:
         raise _Retryable(f"request aborted by the server: {aborted[0]}")
     if len(items) != expected:
         raise GenerateError(
@@ -180,11 +189,25 @@ def _parse_item(item: Any, url: str) -> Generation:
         logprobs=logprobs,
         finish_reason=reason,
         engine_latency_s=float(latency) if latency is not None else None,
+        weight_versions=_weight_versions(meta.get("weight_versions"), url),
     )
 
 
+def _weight_versions(spans: Any, url: str) -> tuple[tuple[str, int, int], ...]:
+    if spans is None:
+        return ()
+    try:
+        return tuple((str(s["version"]), int(s["start"]), int(s["end"])) for s in spans)
+    except (KeyError, TypeError, ValueError) as e:
+        raise GenerateError(f"SGLang at {url}: bad meta_info.weight_versions {spans!r}") from e
+
+
 class GenerateClient:
-    """Sends one /generate per payload over `urls` (round-robin) with bounded concurrency."""
+    """Sends one /generate per payload over `urls` (round-robin) with bounded concurrency.
+
+    `keep_aborted`: a sample the server cut off (`sglang_api.pause_generation`) comes back
+    as it is, finish reason "abort", for `rlhf.rollout.partial` to continue from its tokens,
+    instead of being generated again from the start."""
 
     def __init__(
         self,
@@ -194,6 +217,7 @@ class GenerateClient:
         timeout_s: float = 120.0,
         retry: RetryPolicy | None = None,
         recover: Recover | None = None,
+        keep_aborted: bool = False,
     ):
         if not urls:
             raise ValueError("GenerateClient needs at least one server URL")
@@ -202,6 +226,7 @@ class GenerateClient:
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self.recover = recover
+        self.keep_aborted = keep_aborted
 
     def generate(self, payloads: list[dict[str, Any]]) -> list[RequestResult]:
         """Blocking `generate_async` (one event loop per batch)."""
@@ -287,7 +312,7 @@ class GenerateClient:
         elapsed = time.perf_counter() - start
         expected = int(payload.get("sampling_params", {}).get("n", 1))
         routed = len(payload["input_ids"]) if payload.get("return_routed_experts") else None
-        generations = parse_response(body, expected, url, routed)
+        generations = parse_response(body, expected, url, routed, self.keep_aborted)
         latencies = [g.engine_latency_s for g in generations if g.engine_latency_s is not None]
         return RequestResult(
             generations=generations,

@@ -1,0 +1,79 @@
+"""Partial rollouts: a sample cut off by a pause goes on from where it stopped.
+
+Asynchronous training updates the servers' weights while they generate. The servers are
+paused first (`sglang_api.pause_generation`, SGLang's abort mode): every /generate in flight
+is answered at once with the tokens it has (finish reason "abort"), so when the pause
+returns, the client holds every cut sample's tokens and the server holds no request. The
+weights are synced and generation continued; each cut sample is then sent again as its
+prompt + the tokens it has, with the rest of its token budget, token in, token out: nothing
+is generated twice and nothing is lost. SGLang keeps one token sampled after the cut without
+checking it against the end of the sample, so that is done here: a cut sample whose last
+token ends it (an end-of-sequence or stop token) or whose budget is spent is finished.
+
+Each output token keeps the weight version that sampled it (`Generation.weight_versions`,
+SGLang's spans, offset into the whole sample), which is where staleness is read from.
+A connection error or timeout within a segment is retried by the client from the same
+state: a segment's tokens are kept only from an answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf.rollout.client import GenerateError, Generation, Request, RequestResult, generate_payload
+
+ABORT = "abort"
+SEGMENT_SEED_STRIDE = 1 << 24  # a continued segment's sampling seed stays clear of others'
+
+
+async def generate_through_pauses(
+    request: Request,
+    index: int,
+    prompt_ids: list[int],
+    sampling: dict[str, Any],
+    stop_ids: set[int],
+    max_segments: int = 16,
+) -> tuple[Generation, list[RequestResult]]:
+    """One sample of `sampling` (n=1) for `prompt_ids`, continued after every pause, and
+    every /generate answer it took. `request` must keep aborted answers
+    (`GenerateClient(keep_aborted=True)`); `stop_ids`: the tokens that end a sample."""
+    budget = int(sampling["max_new_tokens"])
+    ids: list[int] = []
+    logprobs: list[float] = []
+    spans: list[tuple[str, int, int]] = []
+    results: list[RequestResult] = []
+    for segment in range(max_segments):
+        params = {**sampling, "n": 1, "max_new_tokens": budget - len(ids)}
+        if "sampling_seed" in sampling:
+            params["sampling_seed"] = sampling["sampling_seed"] + segment * SEGMENT_SEED_STRIDE
+        result = await request(index, generate_payload(prompt_ids + ids, params))
+        results.append(result)
+        cut = result.generations[0]
+        offset = len(ids)
+        ids += cut.output_ids
+        logprobs += cut.logprobs
+        for version, start, end in cut.weight_versions:
+            if spans and spans[-1][0] == version and spans[-1][2] == offset + start:
+                spans[-1] = (version, spans[-1][1], offset + end)  # one span per version run
+            else:
+                spans.append((version, offset + start, offset + end))
+        reason = _finish(cut.finish_reason, ids, budget, stop_ids)
+        if reason is not None:
+            kept = min(len(ids), budget)
+            clipped = [(v, s, min(e, kept)) for v, s, e in spans if s < kept]
+            whole = Generation(ids[:kept], logprobs[:kept], reason, weight_versions=tuple(clipped))
+            return whole, results
+    raise GenerateError(
+        f"/generate request {index} was cut off by {max_segments} pauses without finishing"
+    )
+
+
+def _finish(reason: str, ids: list[int], budget: int, stop_ids: set[int]) -> str | None:
+    """Why the sample is finished after this segment, or None when it goes on."""
+    if reason != ABORT:
+        return reason
+    if len(ids) >= budget:
+        return "length"
+    if ids and ids[-1] in stop_ids:
+        return "stop"
+    return None
