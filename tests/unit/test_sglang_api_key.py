@@ -118,6 +118,9 @@ def call_every_route(url: str) -> set[str]:
         "update_weights_from_disk": lambda: sglang_api.update_weights_from_disk(url, "/m", 1),
         "release_memory_occupation": lambda: sglang_api.release_memory_occupation(url, ["w"]),
         "resume_memory_occupation": lambda: sglang_api.resume_memory_occupation(url, ["w"]),
+        "pause_generation": lambda: sglang_api.pause_generation(url),
+        "continue_generation": lambda: sglang_api.continue_generation(url),
+        "update_weight_version": lambda: sglang_api.update_weight_version(url, "4"),
     }
     for call in calls.values():
         call()
