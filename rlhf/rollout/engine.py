@@ -75,6 +75,10 @@ class SamplingParams:
             seed=seed,
         )
 
+    def sample_seed(self, prompt: int, sample: int) -> int | None:
+        """The seed of sample `sample` of prompt `prompt` (None without a base seed)."""
+        return None if self.seed is None else self.seed + prompt * self.n + sample
+
     def to_sglang(self) -> dict[str, Any]:
         """The `sampling_params` object of SGLang's /generate."""
         params: dict[str, Any] = {
@@ -172,7 +176,7 @@ def request_payloads(
     payloads = []
     for i, prompt in enumerate(prompts):
         for j in range(params.n):
-            one = dataclasses.replace(params, n=1, seed=params.seed + i * params.n + j)
+            one = dataclasses.replace(params, n=1, seed=params.sample_seed(i, j))
             payloads.append((i, generate_payload(prompt, one.to_sglang(), params.routed_experts)))
     return payloads
 
@@ -267,9 +271,7 @@ class SGLangEngine:
             raise ValueError("multi-turn rollouts cannot return routed experts (R3)")
         sampling = dataclasses.replace(params, n=1, seed=None).to_sglang()
         specs = [
-            ConversationRequest(
-                prompt, kwargs, None if params.seed is None else params.seed + i * params.n + j
-            )
+            ConversationRequest(prompt, kwargs, params.sample_seed(i, j))
             for i, (prompt, kwargs) in enumerate(zip(prompts, tools_kwargs, strict=True))
             for j in range(params.n)
         ]

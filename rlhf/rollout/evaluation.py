@@ -31,6 +31,7 @@ from rlhf.rollout.generation import (
 )
 from rlhf.rollout.multi_turn import ToolStats
 from rlhf.rollout.multi_turn_config import load_configured_tools, multi_turn_rollout, tool_schemas
+from rlhf.tools.base import Tool
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,9 @@ class EvalResult:
     records: list[RolloutRecord]
 
 
-def eval_prompts(cfg: RLHFConfig, data_files: list[str], tokenizer) -> PromptDataset:
+def eval_prompts(
+    cfg: RLHFConfig, data_files: list[str], tokenizer, tools: dict[str, Tool]
+) -> PromptDataset:
     """The prompts of `data_files` under the config's `data.*` length policy; rows whose
     reward is a model need `reward.url` (no reward model runs here)."""
     data = cfg.data
@@ -71,7 +74,7 @@ def eval_prompts(cfg: RLHFConfig, data_files: list[str], tokenizer) -> PromptDat
         filter_overlong_prompts=data.filter_overlong_prompts,
         truncation=data.truncation,
         prompt_key=data.prompt_key,
-        tools=tool_schemas(load_configured_tools(cfg)),
+        tools=tool_schemas(tools),
     )
 
 
@@ -89,10 +92,11 @@ def evaluate(
     `model_path` (its tokenizer encodes the prompts), `batch_size` prompts at a time, and
     score them (a progress bar on stderr once the server is up)."""
     tokenizer = load_tokenizer(model_path)
-    prompts = eval_prompts(cfg, data_files, tokenizer).prompts
+    tools = load_configured_tools(cfg)
+    prompts = eval_prompts(cfg, data_files, tokenizer, tools).prompts
     params = val_sampling_params(cfg)
     scorer = RewardScorer.from_config(cfg.reward)
-    multi_turn = multi_turn_rollout(cfg, tokenizer)  # conversations with the run's tools
+    multi_turn = multi_turn_rollout(cfg, tokenizer, tools)  # conversations with the tools
     cpu_tokens = kv_cache_tokens(cfg, batch_size) if device == "cpu" else None
     engine = None
     try:

@@ -56,9 +56,12 @@ def tool_schemas(tools: dict[str, Tool]) -> list[dict[str, Any]] | None:
     return [tool.schema for tool in tools.values()] or None
 
 
-def multi_turn_rollout(cfg: RLHFConfig, tokenizer) -> MultiTurnRollout | None:
-    """The conversations of `rollout.multi_turn` with its tools (None when off)."""
+def multi_turn_rollout(
+    cfg: RLHFConfig, tokenizer, tools: dict[str, Tool]
+) -> MultiTurnRollout | None:
+    """The conversations of `rollout.multi_turn` with `tools` (`load_configured_tools`;
+    None when multi-turn is off)."""
     settings = multi_turn_settings(cfg)
     if settings is None:
         return None
-    return MultiTurnRollout(load_configured_tools(cfg), tokenizer, settings)
+    return MultiTurnRollout(tools, tokenizer, settings)

@@ -53,6 +53,7 @@ from rlhf.rollout.multi_turn import MultiTurnRollout, ToolStats
 from rlhf.rollout.multi_turn_config import multi_turn_rollout
 from rlhf.rollout.sglang_server import check_servable
 from rlhf.sglang_api import ServerLost
+from rlhf.tools.base import Tool
 from rlhf.utils import empty_device_cache, split_evenly
 from rlhf.weight_sync.factory import build_weight_syncer
 from rlhf.weight_sync.gather import SyncTopology
@@ -171,9 +172,11 @@ class PolicyServers:
         tokenizer,
         max_prompts: int,
         arch: ModelArch,
+        tools: dict[str, Tool],
     ) -> PolicyServers:
         """Start the servers (without waiting: the caller builds its models meanwhile and then
-        calls `wait_ready`) and the weight syncer of this rank's node."""
+        calls `wait_ready`) and the weight syncer of this rank's node; `tools`: the configured
+        tools (`load_configured_tools`), which the owner ranks' conversations call."""
         check_servable(arch)
         rollout = cfg.actor_rollout_ref.rollout
         per_node = rollout.server_urls is None and ctx.num_nodes > 1
@@ -184,7 +187,7 @@ class PolicyServers:
         sleeps = launched and rollout.free_cache_engine and ctx.device.type != "cpu"
         if owner:
             scorer = RewardScorer.from_config(cfg.reward)
-            multi_turn = multi_turn_rollout(cfg, tokenizer)
+            multi_turn = multi_turn_rollout(cfg, tokenizer, tools)
             engine = SGLangEngine(
                 launched_rollout(cfg),
                 cfg.actor_rollout_ref.model.path,

@@ -75,6 +75,7 @@ class PPOTrainer:
         self.cfg, self.ctx, self.run_dir, self.arch = cfg, ctx, run_dir, arch
         self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
         check_tokenizer_fits(self.tokenizer, arch, cfg.actor_rollout_ref.model.path, MODEL_KEY)
+        self.tools = load_configured_tools(cfg)  # multi-turn rollouts' ({} without)
         self.train_data = self.prompts("train")
         self.val_data = self.prompts("val") if cfg.data.val_files else None
         datasets = {"data.train_files": self.train_data, "data.val_files": self.val_data}
@@ -109,7 +110,9 @@ class PPOTrainer:
         num_val = len(self.val_data) if self.val_data is not None else 0
         max_prompts = max(cfg.data.train_batch_size, num_val)
         # SGLang starts loading now; the models are built meanwhile, then wait_ready()
-        self.servers = PolicyServers.launch(cfg, ctx, run_dir, self.tokenizer, max_prompts, arch)
+        self.servers = PolicyServers.launch(
+            cfg, ctx, run_dir, self.tokenizer, max_prompts, arch, self.tools
+        )
         try:
             self.build_training_side()
             self.servers.wait_ready()
@@ -162,7 +165,7 @@ class PPOTrainer:
         every row the reward model's under `reward.model_scores_every_row`; with multi-turn
         rollouts each prompt lists the tools (`rollout.multi_turn.tool_config_path`)."""
         scorable = ground_truth_checker(self.cfg.reward)
-        tools = tool_schemas(load_configured_tools(self.cfg))
+        tools = tool_schemas(self.tools)
         data = prompt_dataset_from_config(
             self.cfg.data, self.tokenizer, split, check_ground_truth=scorable, tools=tools
         )

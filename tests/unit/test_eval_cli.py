@@ -78,6 +78,7 @@ def test_multi_turn_evaluation_lists_the_runs_tools_in_every_prompt(tiny_qwen2_d
     from rlhf.config import load_config
     from rlhf.quickstart.calculator_task import CALCULATOR_SCHEMA, write_tool_config
     from rlhf.rollout.evaluation import eval_prompts
+    from rlhf.rollout.multi_turn_config import load_configured_tools
 
     rows = make_problems(3, seed=0)
     data = write_rows(rows, tmp_path / "val.parquet")
@@ -88,7 +89,8 @@ def test_multi_turn_evaluation_lists_the_runs_tools_in_every_prompt(tiny_qwen2_d
         [f"{mt}.enable=true", f"{mt}.tool_config_path={tool_config}", "data.max_prompt_length=512"],
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
-    prompts = eval_prompts(cfg, [str(data)], tokenizer).prompts
+    tools = load_configured_tools(cfg)
+    prompts = eval_prompts(cfg, [str(data)], tokenizer, tools).prompts
     for row, prompt in zip(rows, prompts, strict=True):
         text = tokenizer.apply_chat_template(
             row["prompt"], tools=[CALCULATOR_SCHEMA], add_generation_prompt=True, tokenize=False
