@@ -148,3 +148,21 @@ class RolloutConfig:
     val_kwargs: ValKwargs = doc(ValKwargs, "validation sampling")
     engine_kwargs: EngineKwargs = doc(EngineKwargs, "arguments for the engine itself")
     multi_turn: MultiTurnConfig = doc(MultiTurnConfig, "multi-turn rollouts with tool calls")
+
+
+@dataclass
+class AsyncRolloutConfig:
+    """Asynchronous rollout (`trainer.rollout_mode=async`, rlhf/trainer/async_rollout.py)."""
+
+    max_staleness: int = doc(
+        1,
+        "how many policy versions older than the one being trained a sample's first token "
+        "may be; the servers run this many steps' batches ahead, and a sample older than "
+        "this is dropped (counted in async/dropped_stale)",
+        gt=0,
+    )
+    partial_rollout: bool = doc(
+        True,
+        "a sample cut by a weight update keeps its tokens and goes on under the new weights "
+        "(false: it starts again, wholly under the new weights)",
+    )

@@ -26,13 +26,14 @@ from rlhf.config.choices import (
     PolicyLossMode,
     RecomputeGranularity,
     RecomputeMethod,
+    RolloutMode,
     RouterReplayMode,
     TokenDropPolicy,
     TrainDtype,
     Truncation,
 )
 from rlhf.config.fields import doc
-from rlhf.config.rollout import RolloutConfig
+from rlhf.config.rollout import AsyncRolloutConfig, RolloutConfig
 
 
 @dataclass
@@ -427,6 +428,14 @@ class TrainerConfig:
         "with a checkpoint when one fits in what is left (0: never)",
         ge=0,
     )
+    rollout_mode: RolloutMode = doc(
+        "sync",
+        "sync: each step generates its batch, then trains; one_step_off: the servers generate "
+        "step N+1's batch while step N trains (weights synced between batches); async: they "
+        "keep trainer.async_rollout.max_staleness batches ahead, paused around each weight "
+        "sync (both need disaggregated servers, rollout.server_urls)",
+    )
+    async_rollout: AsyncRolloutConfig = doc(AsyncRolloutConfig, "rollout_mode=async settings")
     on_nonfinite: OnNonFinite = doc(
         "stop",
         "a NaN/inf in a step's log-probs, values, advantages, losses or gradients: stop the "

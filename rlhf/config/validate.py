@@ -22,6 +22,7 @@ from rlhf.config.algorithm_rules import (
     kl_in_reward,
     uses_reference,
 )
+from rlhf.config.async_rules import check_rollout_mode
 from rlhf.config.budgets import check_micro_batching
 from rlhf.config.choices import CRITIC_ESTIMATORS
 from rlhf.config.loader import ConfigError
@@ -387,6 +388,7 @@ def _check_misc(cfg: RLHFConfig) -> None:
     _check_reward(cfg)
     _check_engine_kwargs(cfg)
     check_multi_turn(cfg)
+    check_rollout_mode(cfg)
     check_micro_batching(cfg)
     if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
         raise ConfigError(

@@ -14,6 +14,7 @@ trainer scores them with the reward model of `reward.model_path`
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ class RewardScorer:
         """`rule_fn` scores in this process; `workers` (custom functions, or several
         processes) instead of it."""
         self.rule_fn, self.remote, self.workers = rule_fn, remote, workers
+        self.lock = threading.Lock()  # rounds generated ahead score from their own threads
 
     @classmethod
     def from_config(cls, reward_cfg: Any) -> RewardScorer:
@@ -74,6 +76,10 @@ class RewardScorer:
         return cls(build_reward_fn(reward_cfg), remote)
 
     def __call__(self, inputs: list[RewardInput]) -> list[float]:
+        with self.lock:
+            return self._score(inputs)
+
+    def _score(self, inputs: list[RewardInput]) -> list[float]:
         bad = sorted({item.style for item in inputs} - set(STYLES))
         if bad:
             raise ValueError(f"reward_model.style must be rule or model, got {bad}")

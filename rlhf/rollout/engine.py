@@ -29,6 +29,7 @@ from rlhf.rollout.multi_turn import (
     MultiTurnRollout,
     run_conversations,
 )
+from rlhf.rollout.partial import through_pauses
 from rlhf.rollout.server_group import ServerGroup
 
 
@@ -106,6 +107,8 @@ class RolloutSample:
     routed_experts: torch.Tensor | None = (
         None  # [prompt + response - 1, layers x top-k] int16 when asked for
     )
+    # (weight version, start, end) over the response tokens, when SGLang says
+    weight_versions: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,7 @@ class SGLangEngine:
         ).start(wait=False)
         self.rollout = rollout
         self.client: GenerateClient | None = None
+        self.pausable_client: GenerateClient | None = None  # keeps samples a pause cut
         self.last_stats: RolloutStats | None = None
         if wait:
             self.wait_ready()
@@ -221,12 +225,16 @@ class SGLangEngine:
         if self.client is not None:
             return
         self.group.wait_ready()
-        self.client = GenerateClient(
-            self.group.generate_urls,
-            max_concurrent=self.rollout.max_concurrent_requests,
-            timeout_s=self.rollout.request_timeout_s,
-            retry=RetryPolicy.from_config(self.rollout),
-            recover=self.group.recover,
+        self.client, self.pausable_client = (
+            GenerateClient(
+                self.group.generate_urls,
+                max_concurrent=self.rollout.max_concurrent_requests,
+                timeout_s=self.rollout.request_timeout_s,
+                retry=RetryPolicy.from_config(self.rollout),
+                recover=self.group.recover,
+                keep_aborted=keep,
+            )
+            for keep in (False, True)
         )
 
     @property
@@ -253,6 +261,37 @@ class SGLangEngine:
             RolloutSample(index, g.output_ids, g.logprobs, g.finish_reason, g.routed_experts)
             for (index, _), result in zip(requests, results)
             for g in result.generations
+        ]
+
+    def generate_through_pauses(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stop_ids: set[int],
+        keep_tokens: bool = True,
+    ) -> list[RolloutSample]:
+        """`generate`, one request per sample, where a sample cut by a pause
+        (`sglang_api.pause_generation`) goes on from its tokens (`keep_tokens`) or starts
+        again, under the weights the servers hold then (`rlhf.rollout.partial`). Each sample
+        carries the weight versions of its tokens. `stop_ids`: the tokens that end a sample
+        (`end_of_sample_ids`)."""
+        self.wait_ready()
+        assert self.pausable_client is not None
+        if params.routed_experts:
+            raise ValueError("samples continued across pauses cannot return routed experts (R3)")
+        sampling = dataclasses.replace(params, n=1, seed=None).to_sglang()
+        specs = [
+            (i, prompt, params.sample_seed(i, j))
+            for i, prompt in enumerate(prompts)
+            for j in range(params.n)
+        ]
+        start = time.perf_counter()
+        run = through_pauses(self.pausable_client, specs, sampling, stop_ids, keep_tokens)
+        generations, results = asyncio.run(run)
+        self.last_stats = RolloutStats.of(results, time.perf_counter() - start)
+        return [
+            RolloutSample(i, g.output_ids, g.logprobs, g.finish_reason, None, g.weight_versions)
+            for (i, _, _), g in zip(specs, generations)
         ]
 
     def converse(

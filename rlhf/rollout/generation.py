@@ -16,6 +16,7 @@ from rlhf.reward.scorer import RewardInput, RewardScorer
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import RolloutEngine, RolloutSample, SamplingParams, SGLangEngine
 from rlhf.rollout.multi_turn import Conversation, MultiTurnRollout, ToolStats
+from rlhf.rollout.partial import first_and_last_version
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class RolloutRecord:
     turns: int | None = None  # multi-turn: assistant turns
     response_mask: list[int] | None = None  # multi-turn: 1 on the policy's tokens
     tool_calls: list[dict] | None = None  # multi-turn: each call, its result and error
+    # continued across pauses (trainer.rollout_mode=async): (version, start, end) spans
+    weight_versions: list[tuple[str, int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,28 @@ class RolloutResult:
     reward_s: float
     policy_version: int | None = None
     tool_stats: ToolStats | None = None  # multi-turn rounds: turns and tool calls
+    # per sample (oldest, newest) weight version of its tokens, when they may differ
+    # (samples continued across pauses: trainer.rollout_mode=async); else None
+    sample_versions: list[tuple[int | None, int | None]] | None = None
+
+    def select(self, indices: list[int]) -> RolloutResult:
+        """The samples at `indices` (records too, on the rank that has them)."""
+        versions = self.sample_versions
+        return dataclasses.replace(
+            self,
+            batch=self.batch.select(indices),
+            records=[self.records[i] for i in indices] if self.records else [],
+            sample_versions=None if versions is None else [versions[i] for i in indices],
+        )
+
+
+@dataclass(frozen=True)
+class PauseHandling:
+    """How samples cut by a pause are finished (`SGLangEngine.generate_through_pauses`):
+    `stop_ids` end a sample; `keep_tokens`: go on from its tokens, else start again."""
+
+    stop_ids: frozenset[int]
+    keep_tokens: bool = True
 
 
 def write_records(records: list[RolloutRecord], path: Path) -> None:
@@ -99,6 +124,7 @@ def generate_and_score(
     params: SamplingParams,
     policy_version: int | None = None,
     multi_turn: MultiTurnRollout | None = None,
+    pauses: PauseHandling | None = None,
 ) -> RolloutResult:
     """Generate `params.n` responses per prompt on `engine` and score them with `scorer`
     (rule rows, and model rows when a reward endpoint is set; other model rows stay NaN for
@@ -109,19 +135,11 @@ def generate_and_score(
     With `multi_turn`, each sample is a conversation with its tools (created from the
     row's `extra_info.tools_kwargs`); its reward is the rule reward of the whole response
     text (tool messages included: the answer is read from the last turn) plus the tools'
-    step rewards, and the batch carries which tokens the policy generated.
+    step rewards, and the batch carries which tokens the policy generated. With `pauses`,
+    samples cut by a pause are finished under the weights that follow it, and each
+    records the versions of its tokens.
     """
-    if multi_turn is None:
-        samples = engine.generate([p.input_ids for p in prompts], params)
-        conversations = None
-    else:
-        assert isinstance(engine, SGLangEngine), "multi-turn rollouts run on SGLang servers"
-        kwargs = [p.row.tools_kwargs for p in prompts]
-        conversations = engine.converse([p.input_ids for p in prompts], params, multi_turn, kwargs)
-        samples = [
-            RolloutSample(k // params.n, c.response_ids, c.logprobs, c.finish_reason)
-            for k, c in enumerate(conversations)
-        ]
+    samples, conversations = generate_samples(engine, prompts, params, multi_turn, pauses)
     start = time.perf_counter()
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     inputs = [
@@ -148,6 +166,13 @@ def generate_and_score(
     ]
     if conversations is not None:
         records = [with_conversation(r, c) for r, c in zip(records, conversations)]
+    versions = None
+    if pauses is not None:
+        records = [
+            dataclasses.replace(r, weight_versions=list(s.weight_versions))
+            for r, s in zip(records, samples)
+        ]
+        versions = [first_and_last_version(s.weight_versions, policy_version) for s in samples]
     batch = RolloutBatch(
         prompt_ids=[r.prompt_ids for r in records],
         response_ids=[r.response_ids for r in records],
@@ -160,7 +185,33 @@ def generate_and_score(
         response_masks=None if conversations is None else [c.response_mask for c in conversations],
     )
     stats = None if conversations is None else ToolStats.of(conversations)
-    return RolloutResult(batch, records, time.perf_counter() - start, policy_version, stats)
+    reward_s = time.perf_counter() - start
+    return RolloutResult(batch, records, reward_s, policy_version, stats, versions)
+
+
+def generate_samples(
+    engine: RolloutEngine,
+    prompts: list[EncodedPrompt],
+    params: SamplingParams,
+    multi_turn: MultiTurnRollout | None,
+    pauses: PauseHandling | None,
+) -> tuple[list[RolloutSample], list[Conversation] | None]:
+    """The samples of `generate_and_score` (and the conversations of multi-turn ones)."""
+    ids = [p.input_ids for p in prompts]
+    if pauses is not None:
+        assert isinstance(engine, SGLangEngine), "only SGLang servers pause"
+        stop_ids = set(pauses.stop_ids)
+        return engine.generate_through_pauses(ids, params, stop_ids, pauses.keep_tokens), None
+    if multi_turn is None:
+        return engine.generate(ids, params), None
+    assert isinstance(engine, SGLangEngine), "multi-turn rollouts run on SGLang servers"
+    kwargs = [p.row.tools_kwargs for p in prompts]
+    conversations = engine.converse(ids, params, multi_turn, kwargs)
+    samples = [
+        RolloutSample(k // params.n, c.response_ids, c.logprobs, c.finish_reason)
+        for k, c in enumerate(conversations)
+    ]
+    return samples, conversations
 
 
 def with_conversation(record: RolloutRecord, conv: Conversation) -> RolloutRecord:

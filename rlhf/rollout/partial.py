@@ -18,9 +18,19 @@ state: a segment's tokens are kept only from an answer.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from rlhf.rollout.client import GenerateError, Generation, Request, RequestResult, generate_payload
+from rlhf.rollout.client import (
+    GenerateClient,
+    GenerateError,
+    Generation,
+    Request,
+    RequestResult,
+    gather_or_cancel,
+    generate_payload,
+)
 
 ABORT = "abort"
 SEGMENT_SEED_STRIDE = 1 << 24  # a continued segment's sampling seed stays clear of others'
@@ -33,16 +43,21 @@ async def generate_through_pauses(
     sampling: dict[str, Any],
     stop_ids: set[int],
     max_segments: int = 16,
+    keep_tokens: bool = True,
 ) -> tuple[Generation, list[RequestResult]]:
     """One sample of `sampling` (n=1) for `prompt_ids`, continued after every pause, and
     every /generate answer it took. `request` must keep aborted answers
-    (`GenerateClient(keep_aborted=True)`); `stop_ids`: the tokens that end a sample."""
+    (`GenerateClient(keep_aborted=True)`); `stop_ids`: the tokens that end a sample.
+    `keep_tokens=False`: a cut sample starts again from its prompt (its tokens dropped,
+    so every token of the result comes from one weight version)."""
     budget = int(sampling["max_new_tokens"])
     ids: list[int] = []
     logprobs: list[float] = []
     spans: list[tuple[str, int, int]] = []
     results: list[RequestResult] = []
     for segment in range(max_segments):
+        if not keep_tokens:
+            ids, logprobs, spans = [], [], []
         params = {**sampling, "n": 1, "max_new_tokens": budget - len(ids)}
         if "sampling_seed" in sampling:
             params["sampling_seed"] = sampling["sampling_seed"] + segment * SEGMENT_SEED_STRIDE
@@ -68,6 +83,30 @@ async def generate_through_pauses(
     )
 
 
+async def through_pauses(
+    client: GenerateClient,
+    specs: list[tuple[int, list[int], int | None]],
+    sampling: dict[str, Any],
+    stop_ids: set[int],
+    keep_tokens: bool,
+) -> tuple[list[Generation], list[RequestResult]]:
+    """`generate_through_pauses` for each (prompt index, prompt ids, seed) of `specs`,
+    concurrently in one client session: the samples in order, and every answer."""
+    results: list[RequestResult] = []
+    async with client.session() as request:
+
+        async def one(index: int, prompt: list[int], seed: int | None) -> Generation:
+            params = sampling if seed is None else {**sampling, "sampling_seed": seed}
+            generation, answers = await generate_through_pauses(
+                request, index, prompt, params, stop_ids, keep_tokens=keep_tokens
+            )
+            results.extend(answers)
+            return generation
+
+        done = await gather_or_cancel([one(k, p, seed) for k, (_, p, seed) in enumerate(specs)])
+        return done, results
+
+
 def _finish(reason: str, ids: list[int], budget: int, stop_ids: set[int]) -> str | None:
     """Why the sample is finished after this segment, or None when it goes on."""
     if reason != ABORT:
@@ -77,3 +116,24 @@ def _finish(reason: str, ids: list[int], budget: int, stop_ids: set[int]) -> str
     if ids and ids[-1] in stop_ids:
         return "stop"
     return None
+
+
+def end_of_sample_ids(model_path: str | Path, tokenizer) -> set[int]:
+    """The tokens SGLang ends a sample at: the tokenizer's end-of-sequence token and the
+    model's `generation_config.json` eos_token_id (an id or a list)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    config = Path(model_path) / "generation_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
+
+
+def first_and_last_version(
+    spans: tuple[tuple[str, int, int], ...], default: int | None
+) -> tuple[int | None, int | None]:
+    """The oldest and newest weight version among a sample's token spans (versions that are
+    not step numbers, and samples without spans, count as `default`)."""
+    versions = [int(v) if v.isdigit() else default for v, _, _ in spans] or [default]
+    known = [v for v in versions if v is not None]
+    return (min(known), max(known)) if known else (None, None)

@@ -27,6 +27,7 @@ outlives a server crash still samples from the current policy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -48,9 +49,15 @@ from rlhf.models.families import ModelArch
 from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
-from rlhf.rollout.generation import RolloutResult, generate_and_score, kv_cache_tokens
+from rlhf.rollout.generation import (
+    PauseHandling,
+    RolloutResult,
+    generate_and_score,
+    kv_cache_tokens,
+)
 from rlhf.rollout.multi_turn import MultiTurnRollout, ToolStats
 from rlhf.rollout.multi_turn_config import multi_turn_rollout
+from rlhf.rollout.partial import end_of_sample_ids
 from rlhf.rollout.sglang_server import check_servable
 from rlhf.sglang_api import ServerLost
 from rlhf.tools.base import Tool
@@ -140,12 +147,15 @@ class PolicyServers:
         per_node: bool = False,
         sleeps: bool = False,
         multi_turn: MultiTurnRollout | None = None,
+        pauses: PauseHandling | None = None,
     ):
         """`engine` on the ranks that own servers (None elsewhere); `syncer` on every rank;
         `sleeps`: colocated GPU servers release their memory between generations;
-        `multi_turn` (on the engine ranks): every sample is a conversation with tools."""
+        `multi_turn` (on the engine ranks): every sample is a conversation with tools;
+        `pauses`: weight loads may pause generation (`trainer.rollout_mode=async`), and
+        how the samples they cut are finished."""
         self.ctx, self.engine, self.syncer = ctx, engine, syncer
-        self.multi_turn = multi_turn
+        self.multi_turn, self.pauses = multi_turn, pauses
         self.tokenizer, self.scorer = tokenizer, scorer
         self.per_node, self.sleeps = per_node, sleeps
         self.asleep: set[str] = set()
@@ -182,12 +192,16 @@ class PolicyServers:
         per_node = rollout.server_urls is None and ctx.num_nodes > 1
         owner = ctx.local_rank == 0 if per_node else ctx.is_main
         node_dir = run_dir / f"node{ctx.node_rank}" if per_node else run_dir
-        engine = scorer = multi_turn = None
+        engine = scorer = multi_turn = pauses = None
         launched = rollout.server_urls is None
         sleeps = launched and rollout.free_cache_engine and ctx.device.type != "cpu"
         if owner:
             scorer = RewardScorer.from_config(cfg.reward)
             multi_turn = multi_turn_rollout(cfg, tokenizer, tools)
+            if cfg.trainer.rollout_mode == "async":
+                stop_ids = end_of_sample_ids(cfg.actor_rollout_ref.model.path, tokenizer)
+                keep = cfg.trainer.async_rollout.partial_rollout
+                pauses = PauseHandling(frozenset(stop_ids), keep)
             engine = SGLangEngine(
                 launched_rollout(cfg),
                 cfg.actor_rollout_ref.model.path,
@@ -229,6 +243,7 @@ class PolicyServers:
             per_node=per_node,
             sleeps=sleeps,
             multi_turn=multi_turn,
+            pauses=pauses,
         )
 
     @property
@@ -251,20 +266,33 @@ class PolicyServers:
         params: SamplingParams,
     ) -> RolloutResult:
         """`params.n` scored responses per prompt, in prompt order, on every rank."""
+        return self.share(self.generate_here(prompts, uids, indices, params))
+
+    def generate_here(
+        self,
+        prompts: list[EncodedPrompt],
+        uids: list[str],
+        indices: list[int],
+        params: SamplingParams,
+    ) -> RolloutResult | None:
+        """The first half of `generate`, without collectives (a background thread may run
+        it): this rank's engine generates its share of the prompts (None on other ranks)."""
         if not self.per_node:
-            mine = self._generate(prompts, uids, indices, params) if self.ctx.is_main else None
-        else:
-            share = None
-            if self.engine is not None:
-                nodes, node = self.ctx.num_nodes, self.ctx.node_rank
-                share = self._generate(
-                    split_evenly(prompts, nodes)[node],
-                    split_evenly(uids, nodes)[node],
-                    split_evenly(indices, nodes)[node],
-                    params,
-                )
-            mine = _concat(gather_objects(share))
-        return _share(mine)
+            return self._generate(prompts, uids, indices, params) if self.ctx.is_main else None
+        if self.engine is None:
+            return None
+        nodes, node = self.ctx.num_nodes, self.ctx.node_rank
+        return self._generate(
+            split_evenly(prompts, nodes)[node],
+            split_evenly(uids, nodes)[node],
+            split_evenly(indices, nodes)[node],
+            params,
+        )
+
+    def share(self, mine: RolloutResult | None) -> RolloutResult:
+        """The second half of `generate` (collective): the shares of `generate_here` as one
+        result, on every rank."""
+        return _share(_concat(gather_objects(mine)) if self.per_node else mine)
 
     def validate(self, prompts: list[EncodedPrompt], params: SamplingParams) -> RolloutResult:
         """Validation responses of every prompt (generated on rank 0's engine), on every rank."""
@@ -292,14 +320,21 @@ class PolicyServers:
             params,
             self.version,
             self.multi_turn,
+            self.pauses,
         )
 
     # ---- weights ------------------------------------------------------------------------
 
-    def load_weights(self, policy: PolicyWeights, version: int) -> WeightLoad:
+    def load_weights(self, policy: PolicyWeights, version: int, pause: bool = False) -> WeightLoad:
         """Every server serves `policy`'s weights as `version` (all ranks call): sync,
         recover a server lost on the way, then the log-prob probe (raises above
         `rollout.logprob_diff_threshold`).
+
+        `pause`: the servers are generating (`trainer.rollout_mode=async`). Their owner
+        pauses them first (SGLang's abort mode: every request in flight is answered with
+        the tokens it has, and `generate_through_pauses` sends it again, waiting until
+        generation continues) and continues them after the sync; the probe then runs
+        among the continued requests (a paused server would hold it too).
 
         Colocated GPU servers that slept while training wake in two steps, with only the
         policy's weights on the device (its gradients and optimizer state off it for the
@@ -310,12 +345,26 @@ class PolicyServers:
         near_servers = policy.weights_on_device() if self.sleeps else policy.on_device()
         with near_servers:
             self.wake(WEIGHT_TAGS)
-            stats = self.syncer.sync(policy.module, version)
-            for url in stats.lost:
-                self._recover(url)
+            paused = self._pause() if pause else contextlib.nullcontext()
+            with paused:
+                stats = self.syncer.sync(policy.module, version)
+                for url in stats.lost:
+                    self._recover(url)
             self.wake(CACHE_TAGS)
             diff = self.probe(policy)
         return WeightLoad(version, stats, diff)
+
+    @contextlib.contextmanager
+    def _pause(self):
+        """This rank's servers paused inside the context (on the engine's ranks)."""
+        urls = self.engine.server_urls if self.engine is not None else []
+        for url in urls:
+            sglang_api.pause_generation(url)
+        try:
+            yield
+        finally:
+            for url in urls:
+                sglang_api.continue_generation(url)
 
     def probe(self, policy: PolicyWeights) -> float:
         """rollout/logprob_diff_max: the largest |server - policy| log-prob of the probe
@@ -426,18 +475,21 @@ def _concat(parts: list[RolloutResult | None] | None) -> RolloutResult | None:
     reward_s = max(r.reward_s for r in results)
     stats = [r.tool_stats for r in results if r.tool_stats is not None]
     tool_stats = sum(stats, ToolStats()) if stats else None
-    return RolloutResult(batch, records, reward_s, results[0].policy_version, tool_stats)
+    versions = [r.sample_versions for r in results]
+    sample_versions = None if None in versions else [v for vs in versions if vs for v in vs]
+    version = results[0].policy_version
+    return RolloutResult(batch, records, reward_s, version, tool_stats, sample_versions)
 
 
 def _share(result: RolloutResult | None) -> RolloutResult:
     """Rank 0's result on every rank (records stay on rank 0)."""
     sent = None
-    if result is not None:
-        batch = result.batch.to_objects()
-        sent = (batch, result.reward_s, result.policy_version, result.tool_stats)
+    if result is not None:  # every field but the records, the batch as plain objects
+        fields = [f.name for f in dataclasses.fields(result) if f.name not in ("batch", "records")]
+        sent = (result.batch.to_objects(), {name: getattr(result, name) for name in fields})
     received = broadcast_object(sent)
     if result is not None:
         return result
     assert received is not None, "rank 0 generated"
-    objects, reward_s, version, tool_stats = received
-    return RolloutResult(RolloutBatch.from_objects(objects), [], reward_s, version, tool_stats)
+    objects, others = received
+    return RolloutResult(RolloutBatch.from_objects(objects), [], **others)

@@ -148,7 +148,7 @@ class PPOStep:
         learned = learn_from_batch(self.models, batch, self.cfg, self.kl_ctrl, timer, actor)
         # the servers serve the updated actor as version `step`
         with timer.stage("update_weights"):
-            weights = self.servers.load_weights(self.policy, step)
+            weights = self.rollout.publish(self.policy, step)
         step_s = time.perf_counter() - start
         exp = learned.experience
         metrics = learned.metrics | scored.metrics | weights.metrics()

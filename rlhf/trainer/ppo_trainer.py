@@ -37,6 +37,7 @@ from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.generation import val_sampling_params
 from rlhf.rollout.multi_turn_config import load_configured_tools, tool_schemas
 from rlhf.rollout.policy_servers import PolicyServers
+from rlhf.trainer.async_rollout import AheadRollout
 from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
 from rlhf.trainer.early_stop import Decision, EarlyStopper
 from rlhf.trainer.export import write_model_exports
@@ -48,7 +49,7 @@ from rlhf.trainer.ppo_step import PPOStep, StepResult
 from rlhf.trainer.preemption import PreemptionGuard
 from rlhf.trainer.resume_check import CHECKPOINT_CONFIG, check_resume
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer, score_model_rows
-from rlhf.trainer.rollout_strategy import SynchronousRollout
+from rlhf.trainer.rollout_strategy import RolloutStrategy, SynchronousRollout
 from rlhf.trainer.setup import build_ppo_models, check_megatron_overrides
 from rlhf.trainer.tracking import build_tracker, tracker_state
 from rlhf.utils import DTYPES
@@ -119,13 +120,14 @@ class PPOTrainer:
         except BaseException:
             self.servers.shutdown()
             raise
-        batches = SynchronousRollout(
+        strategy = SynchronousRollout if cfg.trainer.rollout_mode == "sync" else AheadRollout
+        self.batches: RolloutStrategy = strategy(
             self.servers, self.sampler, self.train_data, cfg, self.models.reward_model
         )
         meter = StepMeter(arch, ctx.world_size, self.peak_flops, model_passes(cfg))
         rollouts_dir = run_dir / "rollouts" if ctx.is_main else None
         self.ppo_step = PPOStep(
-            cfg, self.models, self.servers, batches, self.kl_ctrl, meter, rollouts_dir
+            cfg, self.models, self.servers, self.batches, self.kl_ctrl, meter, rollouts_dir
         )
 
     def build_training_side(self) -> None:
@@ -155,6 +157,7 @@ class PPOTrainer:
 
     def close(self) -> None:
         try:
+            self.batches.close()
             self.servers.shutdown()
         finally:
             if self.tracker is not None:
@@ -172,8 +175,9 @@ class PPOTrainer:
         return data.scored_by_model() if self.cfg.reward.model_scores_every_row else data
 
     def load_weights(self, version: int) -> None:
-        """The servers serve the actor's current weights as `version`."""
-        self.servers.load_weights(self.ppo_step.policy, version)
+        """The servers serve the actor's current weights as `version` (through the rollout
+        strategy: generating servers are waited for or paused)."""
+        self.batches.publish(self.ppo_step.policy, version)
 
     def validate(self) -> Validation:
         assert self.val_data is not None
@@ -206,7 +210,7 @@ class PPOTrainer:
     def state_dict(self, step: int) -> dict:
         return {
             "step": step,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.batches.sampler_state(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "early_stop": self.stopper.state_dict(),
             **tracker_state(self.tracker),

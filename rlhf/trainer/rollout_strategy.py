@@ -1,9 +1,10 @@
 """Where a step's scored batch comes from: the rollout strategy (docs/architecture.md).
 
 `SynchronousRollout` generates the batch at the start of the step with the weights the
-servers hold (the previous step's policy: no lag). This is the seam a one-step-off
-(asynchronous) or multi-turn strategy replaces: `next_batch(step)` returns a `StepBatch`
-whose rounds carry the policy version that generated them.
+servers hold (the previous step's policy: no lag). This is the seam the asynchronous
+strategies (`rlhf.trainer.async_rollout`, `trainer.rollout_mode`) replace: `next_batch(step)`
+returns a `StepBatch` whose rounds carry the policy version that generated them, and
+`publish(policy, version)` is how the step's new weights reach the servers.
 
 The synchronous batch includes DAPO's two changes to it:
 
@@ -25,6 +26,7 @@ takes the same decisions.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,9 +36,10 @@ from rlhf.config.schema import OverlongBufferConfig, RLHFConfig
 from rlhf.data.prompts import PromptDataset
 from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
+from rlhf.rollout.engine import SamplingParams
 from rlhf.rollout.generation import RolloutResult, sampling_params
 from rlhf.rollout.multi_turn import ToolStats
-from rlhf.rollout.policy_servers import PolicyServers
+from rlhf.rollout.policy_servers import PolicyServers, PolicyWeights, WeightLoad
 from rlhf.trainer.metrics import reward_style_metrics
 from rlhf.trainer.reward_model import RewardModelScorer, score_model_rows
 
@@ -58,9 +61,18 @@ class StepBatch:
 
 
 class RolloutStrategy(Protocol):
-    """How a step gets its scored batch (collective: every rank calls, every rank gets it)."""
+    """How a step gets its scored batch and how new weights reach the servers (collective:
+    every rank calls, every rank gets the same)."""
 
     def next_batch(self, step: int) -> StepBatch: ...
+
+    def publish(self, policy: PolicyWeights, version: int) -> WeightLoad: ...
+
+    def sampler_state(self) -> dict[str, int]:
+        """Where the prompts of the next step not yet generated begin (for checkpoints)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -74,9 +86,30 @@ class SynchronousRollout:
     reward_model: RewardModelScorer | None  # scores the reward_model.style=model rows
 
     def next_batch(self, step: int) -> StepBatch:
-        return collect_step_batch(
-            self.servers, self.sampler, self.data, self.cfg, self.reward_model
+        return collect_step_batch(self.generate_round, self.cfg)
+
+    def generate_round(self) -> RolloutResult:
+        """The next prompts of the sampler, generated and scored now."""
+        sampled = self.sampler.next_batch()  # every rank advances its sampler identically
+        prompts = [self.data[i] for i in sampled.prompt_indices]
+        generated = self.servers.generate(
+            prompts, sampled.uids, sampled.prompt_indices, self.params
         )
+        return score_model_rows(generated, self.reward_model)
+
+    @property
+    def params(self) -> SamplingParams:
+        return sampling_params(self.cfg)
+
+    def publish(self, policy: PolicyWeights, version: int) -> WeightLoad:
+        """The servers are idle between steps: load the weights."""
+        return self.servers.load_weights(policy, version)
+
+    def sampler_state(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def close(self) -> None:
+        pass
 
 
 def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
@@ -109,16 +142,10 @@ def overlong_penalties(batch: RolloutBatch, max_length: int, cfg: OverlongBuffer
     return ((start - lengths) / cfg.len).clamp(max=0) * cfg.penalty_factor
 
 
-def collect_step_batch(
-    servers: PolicyServers,
-    sampler: PromptSampler,
-    data: PromptDataset,
-    cfg: RLHFConfig,
-    reward_model: RewardModelScorer | None,
-) -> StepBatch:
-    """Generate rounds of prompts (rule rewards scored on the engine rank, model rewards by
-    `reward_model`) until the step has `data.train_batch_size` prompt groups."""
-    params, wanted = sampling_params(cfg), cfg.data.train_batch_size
+def collect_step_batch(next_round: Callable[[], RolloutResult], cfg: RLHFConfig) -> StepBatch:
+    """Take scored rounds of prompts from `next_round` until the step has
+    `data.train_batch_size` prompt groups."""
+    wanted = cfg.data.train_batch_size
     filtering = cfg.algorithm.filter_groups
     results: list[RolloutResult] = []
     kept: list[list[int]] = []  # groups, as indices into the concatenation of the rounds
@@ -131,10 +158,7 @@ def collect_step_batch(
                 "(algorithm.filter_groups.max_num_gen_batches): raise it, or disable "
                 "algorithm.filter_groups"
             )
-        sampled = sampler.next_batch()  # every rank advances its sampler identically
-        prompts = [data[i] for i in sampled.prompt_indices]
-        generated = servers.generate(prompts, sampled.uids, sampled.prompt_indices, params)
-        results.append(score_model_rows(generated, reward_model))
+        results.append(next_round())
         batch = results[-1].batch
         if filtering.enable:
             groups = informative_groups(batch, filter_metric(batch, cfg))

@@ -17,7 +17,7 @@ from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult
 from rlhf.trainer.rollout_strategy import (
-    collect_step_batch,
+    SynchronousRollout,
     informative_groups,
     overlong_penalties,
     prompt_groups,
@@ -59,7 +59,8 @@ def config(*overrides: str):
 def collect(fleet: ScriptedFleet, *overrides: str):
     cfg = config(*overrides)
     sampler = PromptSampler(8, cfg.data.train_batch_size, 2, seed=0)
-    got = collect_step_batch(fleet, sampler, list(range(8)), cfg, None)  # type: ignore[arg-type]
+    strategy = SynchronousRollout(fleet, sampler, list(range(8)), cfg, None)  # type: ignore[arg-type]
+    got = strategy.next_batch(1)
     return got.batch, got.rounds, got.metrics
 
 
