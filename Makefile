@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets quickstart-tools quickstart-tools-assets test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
+.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets quickstart-tools quickstart-tools-assets quickstart-async test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
 
 setup: $(STAMP)
 
@@ -53,6 +53,12 @@ quickstart-moe-assets: setup
 quickstart-tools: quickstart-tools-assets
 	$(VENV)/bin/rlhf-train --config configs/quickstart_tools_cpu.yaml
 	$(VENV)/bin/rlhf-plot runs/quickstart_tools
+
+# GRPO with generation overlapping training on a disaggregated CPU server (core 0) and the
+# trainer on core 1: trainer.rollout_mode=async (launch/quickstart_async.sh)
+quickstart-async: quickstart-assets
+	PYTHON=$(PY) bash launch/quickstart_async.sh
+	$(VENV)/bin/rlhf-plot runs/quickstart_async
 
 quickstart-tools-assets: setup
 	$(VENV)/bin/rlhf-make-tiny-model runs/quickstart_tools/model --tools --warm-start

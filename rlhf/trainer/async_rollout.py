@@ -1,9 +1,9 @@
 """Generation ahead of training: `trainer.rollout_mode` one_step_off and async.
 
 The sampler's prompts are cut into rounds (one step's prompts each, as the synchronous
-strategy draws them). A round is submitted to the servers from a background thread on the
-engine's rank (`PolicyServers.generate_here`: HTTP and rule scoring, no collectives), and
-consumed, in order, by the step that needs it: every rank waits for it, receives it
+strategy draws them). Rounds are generated one at a time, oldest first, by a background
+thread on the engine's rank (`PolicyServers.generate_here`: HTTP and rule scoring, no
+collectives), and consumed, in order, by the step that needs it: every rank waits for it, receives it
 (`PolicyServers.share`) and the step's batch is built from it exactly as the synchronous
 one is (dynamic sampling and overlong shaping included: a step that needs more rounds takes
 the next ones, submitting one when none is ahead). After each weight load the queue is
@@ -123,7 +123,9 @@ class AheadRollout:
         self.pause = mode == "async"
         self.ahead = cfg.trainer.async_rollout.max_staleness if self.pause else 1
         self.queue: deque[Round] = deque()
-        self.executor = ThreadPoolExecutor(self.ahead + 1, thread_name_prefix="rollout-ahead")
+        # one round at a time, oldest first: the round the next step waits for gets the
+        # whole server (rounds generated together would each take as long as all of them)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
         self.consumed_state = sampler.state_dict()
         self.busy: list[Interval] = []  # the trainer's time outside next_batch
         self.busy_since: float | None = None

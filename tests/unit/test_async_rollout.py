@@ -8,6 +8,7 @@ in flight) run the same strategy in tests/e2e/test_async_rollout.py.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,10 +42,16 @@ class ScriptedServers:
     versions: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    held_round: int | None = None  # this round answers only once `release` is set
+    release: threading.Event = field(default_factory=threading.Event)
+
     def generate_here(self, prompts, uids, indices, params) -> RolloutResult:
         with self.lock:
             number = sum(c[0] == "generate" for c in self.calls)
             self.calls.append(("generate", tuple(indices), self.version))
+        if number == self.held_round:
+            self.release.wait(timeout=30)
+            self.calls.append(("finished", number))
         size = len(uids) * N
         same = number in self.all_same_rounds
         batch = RolloutBatch(
@@ -160,13 +167,17 @@ def test_every_round_is_trained_once_in_draw_order(mode, ahead):
 
 
 def test_one_step_off_waits_for_the_rounds_ahead_before_loading():
-    servers = ScriptedServers()
+    servers = ScriptedServers(held_round=1)  # the round of step 2 generates until released
     rollout = strategy("one_step_off", servers)
     rollout.publish(None, 0)  # type: ignore[arg-type]
     rollout.next_batch(1)
-    assert not rollout.queue[0].future.done() or rollout.queue[0].future.result() is not None
-    rollout.publish(None, 1)  # type: ignore[arg-type]
-    assert all(r.future.done() for r in list(rollout.queue)[:-1])
+    load = threading.Thread(target=rollout.publish, args=(None, 1))
+    load.start()
+    load.join(timeout=0.5)
+    assert load.is_alive() and ("load", 1, False) not in servers.calls  # no sync under it
+    servers.release.set()
+    load.join(timeout=30)
+    assert servers.calls.index(("load", 1, False)) > servers.calls.index(("finished", 1))
     # the round of step 2 generated with version 0: staleness 1 when step 2 trains on v1
     assert rollout.next_batch(2).metrics["async/staleness_max"] == 1.0
     rollout.close()
@@ -229,3 +240,29 @@ def test_the_trained_account_matches_the_draws():
     drawn = Counter(uid for uids in sampler_draws(5) for uid in uids)
     assert trained == drawn
     rollout.close()
+
+
+def test_truncated_is_on_a_stale_partial_sample_by_hand():
+    """A sample of a round generated at version 3, cut by the load of version 4 after its
+    second token and finished by version 4, trained at version 4 (staleness 1): its first two
+    tokens are weighted by min(pi_4 / pi_3, C), the rest by exactly 1 (same policy)."""
+    from rlhf.config.algorithm import RolloutCorrectionConfig
+    from rlhf.trainer.experience import rollout_correction
+
+    v3 = [-0.2, -1.5]  # what version 3 gave its tokens (the engine's log-probs)
+    v4 = [-0.9, -0.1, -0.7, -2.0]  # what version 4 (the trainer's old log-probs) gives them
+    batch = RolloutBatch(
+        [[1, 2]],
+        [[5, 6, 7, 8]],
+        torch.zeros(1),
+        ["t"],
+        ["a"],
+        rollout_logprobs=[[*v3, *v4[2:]]],
+    )
+    settings = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+    weights, metrics = rollout_correction(batch, torch.tensor([v4]), settings)
+    expected = [min(math.exp(v4[0] - v3[0]), 2.0), min(math.exp(v4[1] - v3[1]), 2.0), 1.0, 1.0]
+    assert weights is not None
+    assert weights[0].tolist() == pytest.approx(expected)
+    assert metrics["rollout_corr/rollout_is_clip_frac"] == pytest.approx(1 / 4)  # e^1.4 > 2
+    assert metrics["rollout_corr/max_abs_diff"] == pytest.approx(1.4)
