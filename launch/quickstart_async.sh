@@ -11,21 +11,18 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 RUN_DIR=runs/quickstart_async
 
-pin() {  # pin CORE COMMAND...: run COMMAND on CORE when there are two cores to split
-    local core=$1
-    shift
-    if [[ $(nproc) -ge 2 ]] && command -v taskset >/dev/null 2>&1; then
-        taskset -c "$core" "$@"
-    else
-        "$@"
-    fi
-}
+server_core=() trainer_core=()  # taskset prefixes, when there are two cores to split
+if [[ $(nproc) -ge 2 ]] && command -v taskset >/dev/null 2>&1; then
+    server_core=(taskset -c 0) trainer_core=(taskset -c 1)
+fi
 
 mkdir -p "$RUN_DIR"
 announced="$RUN_DIR/servers.out"
 : >"$announced"
+# a simple command in the background: $! is the launcher itself (taskset and the script exec
+# it), which stops its server on SIGTERM
 MODEL=runs/quickstart/model DEVICE=cpu LOG_DIR="$RUN_DIR/sglang_logs" PYTHON="$PYTHON" \
-    pin 0 launch/sglang_servers.sh >"$announced" &
+    "${server_core[@]}" launch/sglang_servers.sh >"$announced" &
 server=$!
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true' EXIT
 until grep -q '^actor_rollout_ref.rollout.server_urls=' "$announced"; do
@@ -35,4 +32,4 @@ until grep -q '^actor_rollout_ref.rollout.server_urls=' "$announced"; do
     fi
     sleep 1
 done
-pin 1 "$PYTHON" -m rlhf.cli.train --config configs/quickstart_async_cpu.yaml "$@"
+"${trainer_core[@]}" "$PYTHON" -m rlhf.cli.train --config configs/quickstart_async_cpu.yaml "$@"

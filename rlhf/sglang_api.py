@@ -170,6 +170,12 @@ def pause_generation(url: str) -> None:
     _post(url, "pause_generation", {"mode": "abort"})
 
 
+def abort_all_requests(url: str) -> None:
+    """Answer every /generate in flight now with the tokens it has (finish reason `abort`);
+    new requests are served as usual (`rlhf.rollout.partial.GenerationGate` holds ours)."""
+    _post(url, "abort_request", {"abort_all": True})
+
+
 def continue_generation(url: str) -> None:
     """Resume after `pause_generation` (no CUDA cache emptying: the CPU server has none)."""
     _post(url, "continue_generation", {"torch_empty_cache": False})

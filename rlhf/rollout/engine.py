@@ -11,9 +11,10 @@ part of it: `rlhf.weight_sync` sends them to `server_urls`, and a handler regist
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -29,7 +30,7 @@ from rlhf.rollout.multi_turn import (
     MultiTurnRollout,
     run_conversations,
 )
-from rlhf.rollout.partial import through_pauses
+from rlhf.rollout.partial import GenerationGate, through_pauses
 from rlhf.rollout.server_group import ServerGroup
 
 
@@ -216,6 +217,7 @@ class SGLangEngine:
         self.rollout = rollout
         self.client: GenerateClient | None = None
         self.pausable_client: GenerateClient | None = None  # keeps samples a pause cut
+        self.gate = GenerationGate()  # holds the pausable client's requests during a pause
         self.last_stats: RolloutStats | None = None
         if wait:
             self.wait_ready()
@@ -286,13 +288,26 @@ class SGLangEngine:
             for j in range(params.n)
         ]
         start = time.perf_counter()
-        run = through_pauses(self.pausable_client, specs, sampling, stop_ids, keep_tokens)
+        client = self.pausable_client
+        run = through_pauses(client, specs, sampling, stop_ids, keep_tokens, self.gate)
         generations, results = asyncio.run(run)
         self.last_stats = RolloutStats.of(results, time.perf_counter() - start)
         return [
             RolloutSample(i, g.output_ids, g.logprobs, g.finish_reason, None, g.weight_versions)
             for (i, _, _), g in zip(specs, generations)
         ]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No request of `generate_through_pauses` in flight inside (the servers abort the
+        ones in flight, which go on once the context exits)."""
+
+        def abort() -> None:
+            for url in self.server_urls:
+                sglang_api.abort_all_requests(url)
+
+        with self.gate.closed(abort, self.rollout.request_timeout_s):
+            yield
 
     def converse(
         self,

@@ -18,7 +18,12 @@ state: a segment's tokens are kept only from an answer.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,8 @@ from rlhf.rollout.client import (
 
 ABORT = "abort"
 SEGMENT_SEED_STRIDE = 1 << 24  # a continued segment's sampling seed stays clear of others'
+GATE_POLL_S = 0.005  # how often a request held by a closed gate looks again
+GATE_ABORT_WAIT_S = 0.05  # how long a pause waits for aborted requests before aborting again
 
 
 async def generate_through_pauses(
@@ -83,17 +90,76 @@ async def generate_through_pauses(
     )
 
 
+class GenerationGate:
+    """This process's own pause of its continued requests (`through_pauses`), cheaper than
+    SGLang's: `/pause_generation` in abort mode checks once a second whether its aborts are
+    done (1.0 s per pause measured on the CPU server, whatever the batch). Here the gate is
+    closed (requests about to be sent wait), the servers abort every request in flight
+    (`sglang_api.abort_all_requests`; each comes back with its tokens), and `pause` returns
+    once none of ours is in flight; opening the gate lets the cut samples go on. SGLang's
+    weight updates wait for requests in flight anyway, so one that slipped past the abort
+    only delays the update, never sees half-updated weights."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = True
+        self._in_flight = 0
+
+    async def enter(self) -> None:
+        """Wait until the gate is open, then count a request in flight."""
+        while True:
+            with self._cond:
+                if self._open:
+                    self._in_flight += 1
+                    return
+            await asyncio.sleep(GATE_POLL_S)
+
+    def leave(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def closed(self, abort: Callable[[], None], timeout_s: float) -> Iterator[None]:
+        """Inside: no request of ours is in flight or sent (`abort` cuts those in flight,
+        again until they have all come back)."""
+        with self._cond:
+            self._open = False
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                abort()
+                with self._cond:
+                    if self._cond.wait_for(lambda: self._in_flight == 0, GATE_ABORT_WAIT_S):
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"requests still in flight {timeout_s:.0f} s after abort")
+            yield
+        finally:
+            with self._cond:
+                self._open = True
+
+
 async def through_pauses(
     client: GenerateClient,
     specs: list[tuple[int, list[int], int | None]],
     sampling: dict[str, Any],
     stop_ids: set[int],
     keep_tokens: bool,
+    gate: GenerationGate,
 ) -> tuple[list[Generation], list[RequestResult]]:
     """`generate_through_pauses` for each (prompt index, prompt ids, seed) of `specs`,
-    concurrently in one client session: the samples in order, and every answer."""
+    concurrently in one client session, every request through `gate`: the samples in
+    order, and every answer."""
     results: list[RequestResult] = []
-    async with client.session() as request:
+    async with client.session() as send:
+
+        async def request(index: int, payload: dict[str, Any]) -> RequestResult:
+            await gate.enter()
+            try:
+                return await send(index, payload)
+            finally:
+                gate.leave()
 
         async def one(index: int, prompt: list[int], seed: int | None) -> Generation:
             params = sampling if seed is None else {**sampling, "sampling_seed": seed}

@@ -331,10 +331,9 @@ class PolicyServers:
         `rollout.logprob_diff_threshold`).
 
         `pause`: the servers are generating (`trainer.rollout_mode=async`). Their owner
-        pauses them first (SGLang's abort mode: every request in flight is answered with
-        the tokens it has, and `generate_through_pauses` sends it again, waiting until
-        generation continues) and continues them after the sync; the probe then runs
-        among the continued requests (a paused server would hold it too).
+        pauses its requests first (`SGLangEngine.paused`: every request in flight is
+        aborted and answered with the tokens it has; `generate_through_pauses` sends it
+        again once the sync is done) and the probe runs among the continued requests.
 
         Colocated GPU servers that slept while training wake in two steps, with only the
         policy's weights on the device (its gradients and optimizer state off it for the
@@ -354,17 +353,9 @@ class PolicyServers:
             diff = self.probe(policy)
         return WeightLoad(version, stats, diff)
 
-    @contextlib.contextmanager
-    def _pause(self):
-        """This rank's servers paused inside the context (on the engine's ranks)."""
-        urls = self.engine.server_urls if self.engine is not None else []
-        for url in urls:
-            sglang_api.pause_generation(url)
-        try:
-            yield
-        finally:
-            for url in urls:
-                sglang_api.continue_generation(url)
+    def _pause(self) -> AbstractContextManager[None]:
+        """This rank's servers generate nothing of ours inside (on the engine's ranks)."""
+        return self.engine.paused() if self.engine is not None else contextlib.nullcontext()
 
     def probe(self, policy: PolicyWeights) -> float:
         """rollout/logprob_diff_max: the largest |server - policy| log-prob of the probe

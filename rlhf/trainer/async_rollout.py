@@ -1,26 +1,28 @@
 """Generation ahead of training: `trainer.rollout_mode` one_step_off and async.
 
 The sampler's prompts are cut into rounds (one step's prompts each, as the synchronous
-strategy draws them). Rounds are generated one at a time, oldest first, by a background
-thread on the engine's rank (`PolicyServers.generate_here`: HTTP and rule scoring, no
-collectives), and consumed, in order, by the step that needs it: every rank waits for it, receives it
-(`PolicyServers.share`) and the step's batch is built from it exactly as the synchronous
-one is (dynamic sampling and overlong shaping included: a step that needs more rounds takes
-the next ones, submitting one when none is ahead). After each weight load the queue is
-topped up to 1 + `ahead` rounds:
+strategy draws them). Rounds are generated two at a time, oldest first, by background
+threads on the engine's rank (`PolicyServers.generate_here`: HTTP and rule scoring, no
+collectives), and consumed, in order, by the step that needs it: every rank waits for it,
+receives it (`PolicyServers.share`) and the step's batch is built from it exactly as the
+synchronous one is (dynamic sampling and overlong shaping included: a step that needs more
+rounds takes the next ones, submitting one when none is ahead). After each weight load the
+queue is topped up to 1 + `ahead` rounds:
 
 - one_step_off (`ahead` = 1, verl's one-step-off policy): the round of step N+1 generates
   while step N trains. No pause: the load waits until every round ahead is complete, then
   syncs, so each round comes wholly from one version, one older than the policy that
   trains on it.
 - async (`ahead` = `trainer.async_rollout.max_staleness` = K): K rounds generate while a
-  step trains, and the load pauses the servers around the sync
-  (`PolicyServers.load_weights(pause=True)`: SGLang's abort mode, chosen because it hands
-  the client every cut sample's tokens and holds no KV cache across the update, so the
-  cache flush succeeds and no token is computed from old-weight keys; retract would
-  recompute the KV and in_place keeps stale KV, and both spin a core while paused on CPU).
-  Cut samples go on from their tokens under the new weights (partial rollouts;
-  `partial_rollout=false`: they start again), and each records the versions of its tokens.
+  step trains, and the load pauses generation around the sync
+  (`PolicyServers.load_weights(pause=True)` -> `SGLangEngine.paused`): every request in
+  flight is aborted and answered with its tokens, so no KV cache computed by the old
+  weights survives the update and the cache flush succeeds, and the client holds its
+  requests until the sync is done. SGLang's own `/pause_generation` (abort mode) does the
+  same but polls once a second (1.0 s per pause here); its retract mode recomputes the KV
+  and in_place keeps stale KV, and both spin a core while paused on CPU. Cut samples go
+  on from their tokens under the new weights (partial rollouts; `partial_rollout=false`:
+  they start again), and each records the versions of its tokens.
 
 Staleness of a sample = the version being trained (the servers' version when its step
 starts) minus the version of its oldest token. A round submitted after the load of version v
@@ -115,17 +117,19 @@ class AheadRollout:
         data: PromptDataset,
         cfg: RLHFConfig,
         reward_model: RewardModelScorer | None,
+        last_step: int | None = None,
     ):
+        """`last_step`: the run's last step (no round is generated ahead for later ones)."""
         self.servers, self.sampler, self.data, self.cfg = servers, sampler, data, cfg
-        self.reward_model = reward_model
+        self.reward_model, self.last_step = reward_model, last_step
         mode = cfg.trainer.rollout_mode
         assert mode in ("one_step_off", "async"), mode
         self.pause = mode == "async"
         self.ahead = cfg.trainer.async_rollout.max_staleness if self.pause else 1
         self.queue: deque[Round] = deque()
-        # one round at a time, oldest first: the round the next step waits for gets the
-        # whole server (rounds generated together would each take as long as all of them)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
+        # two rounds at a time, oldest first: the one the next step waits for, and the next,
+        # whose samples fill the server while the first one's longest samples finish
+        self.executor = ThreadPoolExecutor(2, thread_name_prefix="rollout-ahead")
         self.consumed_state = sampler.state_dict()
         self.busy: list[Interval] = []  # the trainer's time outside next_batch
         self.busy_since: float | None = None
@@ -150,8 +154,13 @@ class AheadRollout:
         future = self.executor.submit(generate)
         self.queue.append(Round(self.sampler.state_dict(), future, interval))
 
-    def top_up(self) -> None:
-        while len(self.queue) < 1 + self.ahead:
+    def top_up(self, version: int | None = None) -> None:
+        """1 + `ahead` rounds ahead, fewer near the last step (the servers now hold
+        `version`; its step trains next)."""
+        wanted = 1 + self.ahead
+        if self.last_step is not None and version is not None:
+            wanted = min(wanted, self.last_step - version)
+        while len(self.queue) < wanted:
             self.submit()
 
     def next_round(self) -> RolloutResult:
@@ -197,7 +206,7 @@ class AheadRollout:
             for round_ in self.queue:
                 round_.future.result()
         loaded = self.servers.load_weights(policy, version, pause=self.pause)
-        self.top_up()
+        self.top_up(version)
         return loaded
 
     def sampler_state(self) -> dict[str, int]:

@@ -120,9 +120,11 @@ class PPOTrainer:
         except BaseException:
             self.servers.shutdown()
             raise
-        strategy = SynchronousRollout if cfg.trainer.rollout_mode == "sync" else AheadRollout
-        self.batches: RolloutStrategy = strategy(
-            self.servers, self.sampler, self.train_data, cfg, self.models.reward_model
+        source = (self.servers, self.sampler, self.train_data, cfg, self.models.reward_model)
+        self.batches: RolloutStrategy = (
+            SynchronousRollout(*source)
+            if cfg.trainer.rollout_mode == "sync"
+            else AheadRollout(*source, last_step=self.total_steps)
         )
         meter = StepMeter(arch, ctx.world_size, self.peak_flops, model_passes(cfg))
         rollouts_dir = run_dir / "rollouts" if ctx.is_main else None

@@ -29,7 +29,7 @@ from tests.e2e.test_ppo_training import run_train
 from tests.helpers import metrics_by_step, ppo_overrides
 
 BATCH, N, TRAIN_PROMPTS, SEED = 16, 4, 32, 1  # configs/quickstart_cpu.yaml's, data below
-LONG = "data.max_response_length=96"
+LONG = "data.max_response_length=256"
 QUIET = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
 TIS = "algorithm.rollout_correction.rollout_is=token"
 

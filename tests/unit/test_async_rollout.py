@@ -87,11 +87,11 @@ def config(mode: str, *overrides: str):
     )
 
 
-def strategy(mode: str, servers: ScriptedServers, *overrides: str, sampler=None):
+def strategy(mode: str, servers: ScriptedServers, *overrides: str, sampler=None, last_step=None):
     cfg = config(mode, *overrides)
     sampler = sampler or PromptSampler(PROMPTS, BATCH, N, seed=3)
     data = list(range(PROMPTS))
-    return AheadRollout(servers, sampler, data, cfg, None)  # type: ignore[arg-type]
+    return AheadRollout(servers, sampler, data, cfg, None, last_step)  # type: ignore[arg-type]
 
 
 def run_steps(rollout: AheadRollout, first: int, last: int) -> list[list[str]]:
@@ -266,3 +266,13 @@ def test_truncated_is_on_a_stale_partial_sample_by_hand():
     assert weights[0].tolist() == pytest.approx(expected)
     assert metrics["rollout_corr/rollout_is_clip_frac"] == pytest.approx(1 / 4)  # e^1.4 > 2
     assert metrics["rollout_corr/max_abs_diff"] == pytest.approx(1.4)
+
+
+def test_nothing_is_generated_ahead_for_steps_after_the_last():
+    servers = ScriptedServers()
+    rollout = strategy("async", servers, "trainer.async_rollout.max_staleness=3", last_step=4)
+    rollout.publish(None, 0)  # type: ignore[arg-type]
+    assert run_steps(rollout, 1, 4) == sampler_draws(4)
+    assert not rollout.queue  # the last step's load submits nothing
+    assert sum(c[0] == "generate" for c in servers.calls) == 4
+    rollout.close()

@@ -61,3 +61,46 @@ def test_the_token_kept_after_a_cut_can_end_the_sample():
 def test_a_sample_cut_without_end_fails_after_its_segments():
     with pytest.raises(GenerateError, match="cut off by 3 pauses"):
         run([cut([10], "3")] * 3, budget=100, max_segments=3)
+
+
+def test_a_closed_gate_holds_new_requests_and_waits_for_those_in_flight():
+    """The pause of `SGLangEngine.paused`: closing aborts what is in flight (again until all
+    of it has come back), requests sent meanwhile wait, opening lets them go."""
+    import threading
+
+    from rlhf.rollout.partial import GenerationGate
+
+    gate, order = GenerationGate(), []
+    answered = threading.Event()  # the server answers the request in flight once aborted
+
+    async def one(name: str, wait_for_answer: bool) -> None:
+        await gate.enter()
+        order.append(f"{name} sent")
+        while wait_for_answer and not answered.is_set():
+            await asyncio.sleep(0.001)
+        gate.leave()
+        order.append(f"{name} answered")
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    in_flight = asyncio.run_coroutine_threadsafe(one("cut", True), loop)
+    while "cut sent" not in order:
+        pass
+    aborts = []
+
+    def abort() -> None:
+        aborts.append(1)
+        if len(aborts) == 2:  # the first abort missed it: the gate aborts again
+            answered.set()
+
+    with gate.closed(abort, timeout_s=10):
+        assert order == ["cut sent", "cut answered"] and len(aborts) == 2
+        held = asyncio.run_coroutine_threadsafe(one("continued", False), loop)
+        with pytest.raises(TimeoutError):
+            held.result(timeout=0.1)  # waits at the closed gate
+        order.append("weights synced")
+    held.result(timeout=10)
+    in_flight.result(timeout=10)
+    assert order[2:] == ["weights synced", "continued sent", "continued answered"]
+    loop.call_soon_threadsafe(loop.stop)

@@ -121,6 +121,7 @@ def call_every_route(url: str) -> set[str]:
         "pause_generation": lambda: sglang_api.pause_generation(url),
         "continue_generation": lambda: sglang_api.continue_generation(url),
         "update_weight_version": lambda: sglang_api.update_weight_version(url, "4"),
+        "abort_all_requests": lambda: sglang_api.abort_all_requests(url),
     }
     for call in calls.values():
         call()
