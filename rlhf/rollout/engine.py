@@ -272,8 +272,8 @@ class SGLangEngine:
         stop_ids: set[int],
         keep_tokens: bool = True,
     ) -> list[RolloutSample]:
-        """`generate`, one request per sample, where a sample cut by a pause
-        (`sglang_api.pause_generation`) goes on from its tokens (`keep_tokens`) or starts
+        """`generate`, one request per sample, where a sample cut by a pause (`paused`, or
+        SGLang's own `/pause_generation`) goes on from its tokens (`keep_tokens`) or starts
         again, under the weights the servers hold then (`rlhf.rollout.partial`). Each sample
         carries the weight versions of its tokens. `stop_ids`: the tokens that end a sample
         (`end_of_sample_ids`)."""

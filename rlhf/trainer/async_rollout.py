@@ -27,8 +27,11 @@ queue is topped up to 1 + `ahead` rounds:
 Staleness of a sample = the version being trained (the servers' version when its step
 starts) minus the version of its oldest token. A round submitted after the load of version v
 is consumed at step v+1+K at the latest (each step consumes at least one round), so its
-staleness is at most K; a prompt group with a sample older than that (a rollback, a
-step that consumed less) is dropped and counted (`async/dropped_stale`), never trained.
+staleness is at most K. The bound is also checked, not only planned: a prompt group with a
+sample older than that would be dropped and counted (`async/dropped_stale`), never trained.
+A rollback (`trainer.early_stop`) loads the good checkpoint's weights as the next version;
+the rounds already ahead, sampled by the rolled-back policy, are still trained (within the
+bound, importance-weighted against their own log-probs).
 
 Exactly once: a round is popped by one step and each of its samples is then trained on or
 counted (dynamic sampling's and staleness drops). The sampler state a checkpoint stores is

@@ -167,9 +167,10 @@ def test_the_trainers_checkpoint_state_names_the_tracker_runs(tmp_path):
     from rlhf.trainer.ppo_trainer import PPOTrainer
 
     part = SimpleNamespace(state_dict=dict)
+    batches = SimpleNamespace(sampler_state=dict)
     with tracker(tmp_path, TrackerResume(2, {"wandb": "x1"}), loggers=[]) as metrics:
         trainer = SimpleNamespace(
-            sampler=part, kl_ctrl=part, stopper=part, trained=dict, tracker=metrics
+            batches=batches, kl_ctrl=part, stopper=part, trained=dict, tracker=metrics
         )
         assert PPOTrainer.state_dict(trainer, 3)[TRACKERS_KEY] == {"wandb": "x1"}
 
