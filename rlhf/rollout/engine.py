@@ -265,6 +265,14 @@ class SGLangEngine:
             for g in result.generations
         ]
 
+    def one_request_per_sample(self, params: SamplingParams, what: str) -> dict[str, Any]:
+        """SGLang's sampling parameters of one request per sample (n = 1; each request sets
+        its own seed), once the servers are ready; `what` cannot return routed experts."""
+        self.wait_ready()
+        if params.routed_experts:
+            raise ValueError(f"{what} cannot return routed experts (R3)")
+        return dataclasses.replace(params, n=1, seed=None).to_sglang()
+
     def generate_through_pauses(
         self,
         prompts: list[list[int]],
@@ -277,11 +285,8 @@ class SGLangEngine:
         again, under the weights the servers hold then (`rlhf.rollout.partial`). Each sample
         carries the weight versions of its tokens. `stop_ids`: the tokens that end a sample
         (`end_of_sample_ids`)."""
-        self.wait_ready()
+        sampling = self.one_request_per_sample(params, "samples continued across pauses")
         assert self.pausable_client is not None
-        if params.routed_experts:
-            raise ValueError("samples continued across pauses cannot return routed experts (R3)")
-        sampling = dataclasses.replace(params, n=1, seed=None).to_sglang()
         specs = [
             (i, prompt, params.sample_seed(i, j))
             for i, prompt in enumerate(prompts)
@@ -319,11 +324,8 @@ class SGLangEngine:
         """`params.n` multi-turn conversations per prompt (adjacent, in prompt order), with
         the tools of `rollout` created from each prompt's `tools_kwargs`; `max_new_tokens`
         is the budget of a whole conversation (rollout.settings.max_response_length)."""
-        self.wait_ready()
+        sampling = self.one_request_per_sample(params, "multi-turn rollouts")
         assert self.client is not None
-        if params.routed_experts:
-            raise ValueError("multi-turn rollouts cannot return routed experts (R3)")
-        sampling = dataclasses.replace(params, n=1, seed=None).to_sglang()
         specs = [
             ConversationRequest(prompt, kwargs, params.sample_seed(i, j))
             for i, (prompt, kwargs) in enumerate(zip(prompts, tools_kwargs, strict=True))
