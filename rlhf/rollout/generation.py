@@ -7,11 +7,13 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import EncodedPrompt
+from rlhf.data.rollout_files import StoredSample, write_rollout_file
 from rlhf.reward.scorer import RewardInput, RewardScorer
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.engine import RolloutEngine, RolloutSample, SamplingParams, SGLangEngine
@@ -37,6 +39,29 @@ class RolloutRecord:
     tool_calls: list[dict] | None = None  # multi-turn: each call, its result and error
     # continued across pauses (trainer.rollout_mode=async): (version, start, end) spans
     weight_versions: list[tuple[str, int, int]] | None = None
+    # what its reward function reads (the prompt row's), for stored rollouts
+    data_source: str = ""
+    reward_style: str = "rule"
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def stored(self, step: int | None = None) -> StoredSample:
+        """This sample as a stored rollout (`rlhf.data.rollout_files`) of `step`."""
+        return StoredSample(
+            uid=self.uid,
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            rollout_logprobs=self.response_logprobs,
+            data_source=self.data_source,
+            response_mask=self.response_mask,
+            reward_style=self.reward_style,
+            ground_truth=self.ground_truth,
+            extra_info=self.extra_info,
+            score=self.score,
+            policy_version=self.policy_version,
+            step=step,
+            prompt_index=self.prompt_index,
+        )
 
 
 @dataclass(frozen=True)
@@ -84,7 +109,14 @@ class PauseHandling:
 def write_records(records: list[RolloutRecord], path: Path) -> None:
     """One JSON object per sample, for reading (rollouts/step_N.jsonl)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
+    path.write_text("".join(json.dumps(asdict(r), default=str) + "\n" for r in records))
+
+
+def write_step_rollouts(records: list[RolloutRecord], rollouts_dir: Path, step: int) -> None:
+    """A step's samples, to read (`step_N.jsonl`) and to train from again (`step_N.parquet`,
+    the stored-rollout format of `rlhf.data.rollout_files`)."""
+    write_records(records, rollouts_dir / f"step_{step}.jsonl")
+    write_rollout_file([r.stored(step) for r in records], rollouts_dir / f"step_{step}.parquet")
 
 
 def sampling_params(cfg: RLHFConfig) -> SamplingParams:
@@ -161,8 +193,12 @@ def generate_and_score(
             response_text=text,
             score=score,
             policy_version=policy_version,
+            data_source=prompts[sample.prompt_index].row.data_source,
+            reward_style=item.style,
+            ground_truth=prompts[sample.prompt_index].row.ground_truth,
+            extra_info=prompts[sample.prompt_index].row.extra_info,
         )
-        for sample, text, score in zip(samples, texts, scores)
+        for sample, text, score, item in zip(samples, texts, scores, inputs)
     ]
     if conversations is not None:
         records = [with_conversation(r, c) for r, c in zip(records, conversations)]

@@ -35,7 +35,7 @@ from rlhf.config.budgets import MicroBatching
 from rlhf.config.schema import RLHFConfig
 from rlhf.logging import Timer
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.generation import write_records
+from rlhf.rollout.generation import write_step_rollouts
 from rlhf.rollout.policy_servers import PolicyServers, WeightLoad
 from rlhf.trainer.early_stop import should_stop_epochs
 from rlhf.trainer.experience import Experience, build_experience
@@ -142,7 +142,7 @@ class PPOStep:
         timer.seconds["reward"] = scored.reward_s
         if self.rollouts_dir is not None:
             records = [record for r in scored.rounds for record in r.records]
-            write_records(records, self.rollouts_dir / f"step_{step}.jsonl")
+            write_step_rollouts(records, self.rollouts_dir, step)
         # old/ref log-probs and values -> advantages -> critic update -> actor update
         actor = actor_trains(self.cfg, step)
         learned = learn_from_batch(self.models, batch, self.cfg, self.kl_ctrl, timer, actor)

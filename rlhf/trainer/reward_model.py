@@ -108,7 +108,9 @@ class RewardModelScorer:
             for i in rows:
                 records[i] = dataclasses.replace(records[i], score=float(scores[i]))
         batch = dataclasses.replace(result.batch, scores_b=scores)
-        return RolloutResult(batch, records, result.reward_s + time.perf_counter() - start)
+        reward_s = result.reward_s + time.perf_counter() - start
+        # the rest (policy version, tool stats, sample versions) stays the result's
+        return dataclasses.replace(result, batch=batch, records=records, reward_s=reward_s)
 
 
 def score_model_rows(result: RolloutResult, scorer: RewardModelScorer | None) -> RolloutResult:

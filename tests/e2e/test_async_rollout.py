@@ -11,7 +11,8 @@ Read back from the runs' records (`rollouts/step_N.jsonl`) and metrics:
 - versions: every sample's token spans cover its response, contiguous, and the first is no
   more than `max_staleness` versions behind the step's policy; samples cut by a sync carry
   two versions and the step's `async/partial_samples` counts them;
-- one_step_off never pauses: each round comes wholly from the version one behind.
+- one_step_off never pauses: each round comes wholly from the version one behind;
+- each step's samples are also stored for training again (`step_N.parquet`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.data.rollout_files import read_rollout_files
 from rlhf.data.sampler import PromptSampler
 from rlhf.quickstart.data import write_quickstart_data
 from tests.e2e.test_ppo_training import run_train
@@ -52,6 +54,18 @@ def drawn_uids(steps: int) -> list[list[str]]:
     return [sampler.next_batch().sample_uids for _ in range(steps)]
 
 
+def check_stored(run_dir: Path, step: int, got: list[dict]) -> None:
+    """The step's stored rollouts (step_N.parquet) hold the samples of its records."""
+    stored = read_rollout_files([run_dir / "rollouts" / f"step_{step}.parquet"])
+    assert [s.step for s in stored] == [step] * len(got)
+    for sample, record in zip(stored, got, strict=True):
+        assert sample.uid == record["uid"] and sample.prompt_ids == record["prompt_ids"]
+        assert sample.response_ids == record["response_ids"]
+        assert sample.rollout_logprobs == record["response_logprobs"]
+        assert sample.score == record["score"] and sample.data_source == "arithmetic"
+        assert sample.policy_version == record["policy_version"]
+
+
 def check_versions(record: dict, step: int, max_staleness: int) -> list[int]:
     """The record's spans cover its response contiguously; its versions, in order."""
     spans = record["weight_versions"]
@@ -77,6 +91,7 @@ def test_async_run_trains_every_prompt_once_with_partial_rollouts(
     for step in range(1, 5):
         got = records(run_dir, step)
         assert [r["uid"] for r in got] == draws[step - 1]
+        check_stored(run_dir, step, got)
         cut = sum(len(set(check_versions(r, step, 1))) > 1 for r in got)
         assert metrics[step]["async/partial_samples"] == cut
         assert metrics[step]["async/staleness_max"] <= 1
@@ -91,7 +106,7 @@ def test_async_run_trains_every_prompt_once_with_partial_rollouts(
     shutil.copytree(run_dir / "checkpoints" / "global_step_2", checkpoint)
     again = [*args, f"trainer.default_local_dir={resumed}", f"trainer.resume_mode={checkpoint}"]
     run_train(again, resumed)
-    assert sorted(p.name for p in (resumed / "rollouts").iterdir()) == [
+    assert sorted(p.name for p in (resumed / "rollouts").glob("*.jsonl")) == [
         "step_3.jsonl",
         "step_4.jsonl",
     ]
