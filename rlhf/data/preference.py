@@ -1,0 +1,140 @@
+"""Preference pairs from Parquet: what a reward model learns from (issue 33).
+
+Two layouts are read, the ones TRL's and OpenRLHF's preference sets use (column names can
+be changed with `prompt_key`, `chosen_key`, `rejected_key`):
+
+- **explicit prompt**: `prompt` (a string, or a list of {role, content} messages), `chosen`
+  and `rejected` (each the response: a string, or the assistant message(s) that follow the
+  prompt);
+- **implicit prompt** (no prompt column; Anthropic HH, TRL's "implicit prompt" sets):
+  `chosen` and `rejected` are whole conversations (message lists ending with the assistant
+  reply), or whole texts; the shared beginning is the prompt.
+
+An optional `margin` column (a number >= 0) is the pair's margin in the Bradley-Terry loss
+(`rlhf.algo.preference`). A pair is two token sequences, prompt + chosen and prompt +
+rejected, each scored at its last token. Every problem names file, row and column
+(`rlhf.data.parquet.Problem`): a missing column, a null or empty value, a value of the
+wrong type, a chosen response equal to the rejected one, a negative margin.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf.data.parquet import DataError, Problem
+
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One pair: the prompt (None: implicit, inside both), the two responses, the margin."""
+
+    prompt: str | Messages | None
+    chosen: str | Messages
+    rejected: str | Messages
+    margin: float = 0.0
+    file: str = ""
+    row: int = -1
+
+
+def read_preference_pairs(
+    paths: Sequence[str | os.PathLike],
+    prompt_key: str = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+) -> list[PreferencePair]:
+    """Every pair of `paths`, in order; raises `DataError` listing every problem."""
+    pairs: list[PreferencePair] = []
+    problems: list[Problem] = []
+    for path in paths:
+        file = str(path)
+        try:
+            table = pq.read_table(file)
+        except (OSError, pa.ArrowInvalid) as e:
+            problems.append(Problem(file, None, None, f"not a readable Parquet file ({e})"))
+            continue
+        missing = [k for k in (chosen_key, rejected_key) if k not in table.column_names]
+        if missing:
+            problems.append(Problem(file, None, None, f"missing columns {missing}"))
+            continue
+        explicit = prompt_key in table.column_names
+        for row, values in enumerate(table.to_pylist()):
+            prompt = values[prompt_key] if explicit else None
+            chosen, rejected = values[chosen_key], values[rejected_key]
+            found = [
+                (key, problem)
+                for key, value in (
+                    (prompt_key, prompt),
+                    (chosen_key, chosen),
+                    (rejected_key, rejected),
+                )
+                if (explicit or key != prompt_key) and (problem := text_problem(value))
+            ]
+            margin = values.get("margin")
+            if margin is not None and not (math.isfinite(margin) and margin >= 0):
+                found.append(("margin", f"is {margin}, not a number >= 0"))
+            if not found and chosen == rejected:
+                found.append((rejected_key, f"equals {chosen_key}: the pair prefers nothing"))
+            problems += [Problem(file, row, column, message) for column, message in found]
+            if not found:
+                pairs.append(PreferencePair(prompt, chosen, rejected, margin or 0.0, file, row))
+    if problems:
+        raise DataError(problems)
+    return pairs
+
+
+def text_problem(value: Any) -> str | None:
+    """What is wrong with a prompt or response value (a non-empty string or message list)."""
+    if value is None:
+        return "is null"
+    if isinstance(value, str):
+        return None if value.strip() else "is empty"
+    if not isinstance(value, list) or not value:
+        return "is neither a string nor a non-empty list of {role, content} messages"
+    for message in value:
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            return "has a message without a string 'content'"
+        if message.get("role") not in ("system", "user", "assistant", "tool"):
+            return f"has a message with role {message.get('role')!r}"
+    return None
+
+
+def pair_texts(pair: PreferencePair, tokenizer: Any, apply_chat_template: bool) -> tuple[str, str]:
+    """The two texts the reward model scores: prompt + chosen and prompt + rejected, through
+    the chat template (messages) or joined as they are (raw text), each ended by the
+    tokenizer's end-of-sequence token when the template does not end it."""
+    return (
+        conversation_text(pair.prompt, pair.chosen, tokenizer, apply_chat_template),
+        conversation_text(pair.prompt, pair.rejected, tokenizer, apply_chat_template),
+    )
+
+
+def conversation_text(
+    prompt: str | Messages | None, response: str | Messages, tokenizer: Any, templated: bool
+) -> str:
+    """One side of a pair as the text the reward model reads (a whole conversation given as
+    one string, the implicit-prompt text layout, is read as it is)."""
+    if not templated or (prompt is None and isinstance(response, str)):
+        parts = [as_text(prompt), as_text(response)] if prompt is not None else [as_text(response)]
+        text = "".join(parts)
+        return text + (tokenizer.eos_token or "")
+    messages = as_messages(prompt, "user") + as_messages(response, "assistant")
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def as_text(value: str | Messages) -> str:
+    return value if isinstance(value, str) else "\n".join(m["content"] for m in value)
+
+
+def as_messages(value: str | Messages | None, role: str) -> Messages:
+    if value is None:
+        return []
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)

@@ -1,0 +1,129 @@
+"""Preference pairs (`rlhf.data.preference`) and the Bradley-Terry loss
+(`rlhf.algo.preference`), against hand computations and hand-written rows."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rlhf.algo.preference import bradley_terry_loss
+from rlhf.data.parquet import DataError
+from rlhf.data.preference import PreferencePair, pair_texts, read_preference_pairs
+
+Q = [{"role": "user", "content": "2+2?"}]
+
+
+def write(tmp_path, name: str, rows: list[dict]) -> str:
+    path = tmp_path / name
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_loss_and_metrics_by_hand():
+    chosen, rejected = torch.tensor([2.0, 0.5, 1.0]), torch.tensor([1.0, 1.5, 1.0])
+    loss, metrics = bradley_terry_loss(chosen, rejected)
+    expected = [-math.log(1 / (1 + math.exp(-g))) for g in (1.0, -1.0, 0.0)]
+    assert float(loss) == pytest.approx(sum(expected) / 3)
+    assert metrics["rm/accuracy"] == pytest.approx(1 / 3)  # the tie counts as wrong
+    assert metrics["rm/gap_mean"] == pytest.approx(0.0)
+    with_margin, _ = bradley_terry_loss(chosen, rejected, torch.tensor([1.0, 0.0, 0.0]))
+    expected[0] = math.log(2)  # gap 1 - margin 1 = 0
+    assert float(with_margin) == pytest.approx(sum(expected) / 3)
+
+
+def test_loss_gradient_pushes_chosen_up_and_rejected_down():
+    chosen = torch.tensor([0.0], requires_grad=True)
+    rejected = torch.tensor([0.0], requires_grad=True)
+    loss, _ = bradley_terry_loss(chosen, rejected)
+    loss.backward()
+    assert chosen.grad is not None and rejected.grad is not None
+    assert float(chosen.grad) == pytest.approx(-0.5) and float(rejected.grad) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="two \\[P\\] score vectors"):
+        bradley_terry_loss(torch.zeros(2), torch.zeros(3))
+
+
+def test_both_layouts_read(tmp_path):
+    explicit = write(
+        tmp_path,
+        "trl.parquet",
+        [
+            {"prompt": "2+2?", "chosen": "4", "rejected": "5", "margin": 1.5},
+            {"prompt": "3+3?", "chosen": "6", "rejected": "7", "margin": None},
+        ],
+    )
+    implicit = write(
+        tmp_path,
+        "hh.parquet",
+        [
+            {
+                "chosen": [*Q, {"role": "assistant", "content": "4"}],
+                "rejected": [*Q, {"role": "assistant", "content": "5"}],
+            }
+        ],
+    )
+    pairs = read_preference_pairs([explicit, implicit])
+    assert pairs[0] == PreferencePair("2+2?", "4", "5", 1.5, explicit, 0)
+    assert pairs[1].margin == 0.0 and pairs[1].prompt == "3+3?"
+    assert pairs[2].prompt is None and pairs[2].chosen[-1]["content"] == "4"
+
+
+@pytest.mark.parametrize(
+    ("row", "column", "message"),
+    [
+        ({"prompt": "q", "chosen": None, "rejected": "b"}, "chosen", "is null"),
+        ({"prompt": "q", "chosen": "a", "rejected": "  "}, "rejected", "is empty"),
+        ({"prompt": "q", "chosen": "a", "rejected": "a"}, "rejected", "equals chosen"),
+        ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": -1.0}, "margin", ">= 0"),
+        (
+            {"prompt": [{"role": "robot", "content": "q"}], "chosen": "a", "rejected": "b"},
+            "prompt",
+            "role 'robot'",
+        ),
+    ],
+)
+def test_a_bad_pair_is_named_by_file_row_and_column(tmp_path, row, column, message):
+    good = {"prompt": "q", "chosen": "a", "rejected": "b"}
+    if "margin" in row:
+        good["margin"] = 0.0
+    if isinstance(row["prompt"], list):
+        good["prompt"] = [{"role": "user", "content": "q"}]
+    path = write(tmp_path, "pairs.parquet", [good, row])
+    with pytest.raises(DataError) as e:
+        read_preference_pairs([path])
+    assert f"{path}: row 1, column '{column}': " in str(e.value) and message in str(e.value)
+    assert len(e.value.problems) == 1
+
+
+def test_a_file_without_the_response_columns_is_named(tmp_path):
+    path = write(tmp_path, "pairs.parquet", [{"prompt": "q", "answer": "a"}])
+    with pytest.raises(DataError, match=r"missing columns \['chosen', 'rejected'\]"):
+        read_preference_pairs([path])
+
+
+class Tokenizer:
+    """A stand-in with a chat template that writes `<role>content</role>` per message."""
+
+    eos_token = "</s>"
+
+    def apply_chat_template(self, messages, tokenize=False):
+        assert tokenize is False
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+
+
+def test_pair_texts_follow_the_layout():
+    tok = Tokenizer()
+    explicit = PreferencePair(Q, "4", [{"role": "assistant", "content": "5"}])
+    assert pair_texts(explicit, tok, True) == (
+        "<user>2+2?</user><assistant>4</assistant>",
+        "<user>2+2?</user><assistant>5</assistant>",
+    )
+    assert pair_texts(explicit, tok, False) == ("2+2?4</s>", "2+2?5</s>")
+    hh_text = PreferencePair(None, "Human: hi Assistant: yo", "Human: hi Assistant: no")
+    assert pair_texts(hh_text, tok, True) == (
+        "Human: hi Assistant: yo</s>",
+        "Human: hi Assistant: no</s>",
+    )
