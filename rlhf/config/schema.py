@@ -48,6 +48,18 @@ class DataConfig:
         None, "training Parquet: a path, a list, a glob or a URI (hdfs://, s3://, ...)"
     )
     val_files: str | list[str] | None = doc(None, "validation Parquet (same forms as train_files)")
+    rollout_files: str | list[str] | None = doc(
+        None,
+        "stored rollouts to train from (Parquet in the format each step writes as "
+        "rollouts/step_N.parquet, rlhf/data/rollout_files.py; same forms as train_files)",
+    )
+    stored_fraction: float = doc(
+        1.0,
+        "with rollout_files: the share of each step's prompt groups taken from them (times "
+        "train_batch_size must be a whole number); the rest is generated from train_files",
+        gt=0,
+        le=1,
+    )
     prompt_key: str = doc("prompt", "column holding the prompt (chat messages or a string)")
     apply_chat_template: bool = doc(True, "format prompts with the tokenizer's chat template")
     use_sequence_packing: bool = doc(

@@ -36,6 +36,7 @@ from rlhf.config.schema import (
     RefConfig,
     RLHFConfig,
 )
+from rlhf.config.stored_rules import check_stored_rollouts
 
 AR = "actor_rollout_ref"
 
@@ -389,6 +390,7 @@ def _check_misc(cfg: RLHFConfig) -> None:
     _check_engine_kwargs(cfg)
     check_multi_turn(cfg)
     check_rollout_mode(cfg)
+    check_stored_rollouts(cfg)
     check_micro_batching(cfg)
     if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
         raise ConfigError(

@@ -40,6 +40,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf.data.files import DataFile
 from rlhf.data.parquet import DataError, Problem
 from rlhf.utils import atomic_output
 
@@ -101,15 +102,17 @@ def write_rollout_file(samples: Sequence[StoredSample], path: str | os.PathLike)
 
 
 def read_rollout_files(
-    paths: Sequence[str | os.PathLike], vocab_size: int | None = None
+    paths: Sequence[str | os.PathLike | DataFile], vocab_size: int | None = None
 ) -> list[StoredSample]:
-    """Every sample of `paths`, in order; raises `DataError` listing every problem."""
+    """Every sample of `paths` (local paths, or files `rlhf.data.files.resolve_files`
+    resolved: local or remote), in order; raises `DataError` listing every problem."""
     samples: list[StoredSample] = []
     problems: list[Problem] = []
     for path in paths:
-        file = str(path)
+        data_file = path if isinstance(path, DataFile) else DataFile(str(path), str(path))
+        file = data_file.name
         try:
-            table = pq.read_table(file)
+            table = pq.read_table(data_file.path, filesystem=data_file.filesystem)
         except (OSError, pa.ArrowInvalid) as e:
             problems.append(Problem(file, None, None, f"not a readable Parquet file ({e})"))
             continue

@@ -215,6 +215,12 @@ class AheadRollout:
     def sampler_state(self) -> dict[str, int]:
         return self.consumed_state
 
+    def load_sampler_state(self, state: dict[str, int]) -> None:
+        """Resume: the rounds that were ahead are drawn again (the queue is empty here)."""
+        assert not self.queue, "resumed before any round was drawn"
+        self.sampler.load_state_dict(state)
+        self.consumed_state = self.sampler.state_dict()
+
     def close(self) -> None:
         """Rounds not started are cancelled; those generating finish in their threads."""
         self.executor.shutdown(wait=False, cancel_futures=True)

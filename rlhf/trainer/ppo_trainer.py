@@ -22,6 +22,7 @@ from rlhf.checkpoint import load_trainer_state, save_trainer_state
 from rlhf.checkpoint.background import PendingWrite
 from rlhf.config.loader import dump_yaml
 from rlhf.config.schema import RLHFConfig
+from rlhf.config.stored_rules import prompt_sampler_batch, stored_groups_per_step
 from rlhf.data.prompts import PromptDataset, load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
@@ -51,6 +52,7 @@ from rlhf.trainer.resume_check import CHECKPOINT_CONFIG, check_resume
 from rlhf.trainer.reward_model import check_model_rows_have_a_scorer, score_model_rows
 from rlhf.trainer.rollout_strategy import RolloutStrategy, SynchronousRollout
 from rlhf.trainer.setup import build_ppo_models, check_megatron_overrides
+from rlhf.trainer.stored_rollout import MixedRollout, load_stored_groups
 from rlhf.trainer.tracking import build_tracker, tracker_state
 from rlhf.utils import DTYPES
 
@@ -86,11 +88,12 @@ class PPOTrainer:
         if (first_rule_row := next(rows, None)) is not None:
             probe_reward_function(cfg.reward, first_rule_row)
         rollout = cfg.actor_rollout_ref.rollout
+        self.stored = load_stored_groups(cfg, arch.vocab_size)  # data.rollout_files
         self.sampler = PromptSampler(
-            len(self.train_data), cfg.data.train_batch_size, rollout.n, cfg.data.seed
+            len(self.train_data), prompt_sampler_batch(cfg), rollout.n, cfg.data.seed
         )
         self.total_steps = cfg.trainer.total_training_steps or (
-            cfg.trainer.total_epochs * self.sampler.steps_per_epoch
+            cfg.trainer.total_epochs * self.steps_per_epoch()
         )
         self.log_memory_plan()
         # before any server starts: a read-only or too small checkpoint directory fails now
@@ -120,17 +123,30 @@ class PPOTrainer:
         except BaseException:
             self.servers.shutdown()
             raise
-        source = (self.servers, self.sampler, self.train_data, cfg, self.models.reward_model)
-        self.batches: RolloutStrategy = (
-            SynchronousRollout(*source)
-            if cfg.trainer.rollout_mode == "sync"
-            else AheadRollout(*source, last_step=self.total_steps)
-        )
+        self.batches = self.rollout_strategy()
         meter = StepMeter(arch, ctx.world_size, self.peak_flops, model_passes(cfg))
         rollouts_dir = run_dir / "rollouts" if ctx.is_main else None
         self.ppo_step = PPOStep(
             cfg, self.models, self.servers, self.batches, self.kl_ctrl, meter, rollouts_dir
         )
+
+    def steps_per_epoch(self) -> int:
+        """Steps in one pass over the prompts (over the stored groups when every group of a
+        step is stored)."""
+        stored = stored_groups_per_step(self.cfg)
+        if self.stored is not None and stored == self.cfg.data.train_batch_size:
+            return len(self.stored) // stored
+        return self.sampler.steps_per_epoch
+
+    def rollout_strategy(self) -> RolloutStrategy:
+        """Where each step's batch comes from (`trainer.rollout_mode`, `data.rollout_files`)."""
+        cfg = self.cfg
+        source = (self.servers, self.sampler, self.train_data, cfg, self.models.reward_model)
+        if self.stored is not None:
+            return MixedRollout(*source, self.stored, self.tokenizer, self.ctx.is_main)
+        if cfg.trainer.rollout_mode == "sync":
+            return SynchronousRollout(*source)
+        return AheadRollout(*source, last_step=self.total_steps)
 
     def build_training_side(self) -> None:
         """Models, controllers, profiler, the MFU yardstick and the tracker."""
@@ -284,7 +300,7 @@ class PPOTrainer:
                 log.info("loaded the actor's weights into the external SGLang servers")
             return 0
         state = self.load_models(path)
-        self.sampler.load_state_dict(state["sampler"])
+        self.batches.load_sampler_state(state["sampler"])
         self.stopper.load_state_dict(state["early_stop"])
         step = int(state["step"])
         self.load_weights(step)  # the servers started from the HF weights

@@ -27,6 +27,7 @@ from rlhf.checkpoint.manager import COMPLETE_MARKER
 from rlhf.checkpoint.state import TRAINER_STATE_FILE
 from rlhf.config.loader import ConfigError, all_keys, dump_yaml
 from rlhf.config.schema import RLHFConfig
+from rlhf.config.stored_rules import prompt_sampler_batch
 from rlhf.config.validate import distributed_optimizer_on, trained_megatron, uses_critic
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,11 @@ def _check_structure(cfg: RLHFConfig, checkpoint: Path, num_prompts: int) -> Non
     sampler = json.loads(state_file.read_text()).get("sampler", {})
     for key, mine, name in (
         ("num_prompts", num_prompts, "training prompts (data.train_files)"),
-        ("batch_size", cfg.data.train_batch_size, "prompts per step (data.train_batch_size)"),
+        (
+            "batch_size",
+            prompt_sampler_batch(cfg),
+            "prompts per step (data.train_batch_size, less data.rollout_files' groups)",
+        ),
     ):
         if key in sampler and sampler[key] != mine:
             raise ConfigError(

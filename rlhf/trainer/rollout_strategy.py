@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -68,8 +68,12 @@ class RolloutStrategy(Protocol):
 
     def publish(self, policy: PolicyWeights, version: int) -> WeightLoad: ...
 
-    def sampler_state(self) -> dict[str, int]:
+    def sampler_state(self) -> dict[str, Any]:
         """Where the prompts of the next step not yet generated begin (for checkpoints)."""
+        ...
+
+    def load_sampler_state(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `sampler_state`."""
         ...
 
     def close(self) -> None: ...
@@ -105,8 +109,11 @@ class SynchronousRollout:
         """The servers are idle between steps: load the weights."""
         return self.servers.load_weights(policy, version)
 
-    def sampler_state(self) -> dict[str, int]:
+    def sampler_state(self) -> dict[str, Any]:
         return self.sampler.state_dict()
+
+    def load_sampler_state(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
 
     def close(self) -> None:
         pass
