@@ -35,6 +35,18 @@ def uses_reference(cfg: RLHFConfig) -> bool:
     return kl_in_reward(cfg) or cfg.actor_rollout_ref.actor.use_kl_loss
 
 
+def require_off_policy_correction(cfg: RLHFConfig, setting: str, samples: str) -> None:
+    """`setting` trains on `samples` (of another policy than the one trained): refused
+    without truncated importance sampling or bypass mode."""
+    correction = cfg.algorithm.rollout_correction
+    if correction.rollout_is is None and not correction.bypass_mode:
+        raise ConfigError(
+            f"{setting} trains on {samples}: set algorithm.rollout_correction.rollout_is="
+            "token (truncated importance sampling against their log-probs) or "
+            "algorithm.rollout_correction.bypass_mode=true"
+        )
+
+
 def check_algorithm(cfg: RLHFConfig) -> None:
     """Refuse the settings under which training would do nothing or something else."""
     estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n

@@ -17,6 +17,7 @@ cannot overlap training are refused before anything starts.
 
 from __future__ import annotations
 
+from rlhf.config.algorithm_rules import require_off_policy_correction
 from rlhf.config.loader import ConfigError
 from rlhf.config.rollout import AsyncRolloutConfig
 from rlhf.config.schema import RLHFConfig
@@ -41,13 +42,9 @@ def check_rollout_mode(cfg: RLHFConfig) -> None:
             f"disaggregated servers ({AR}.rollout.server_urls, see launch/sglang_servers.sh); "
             "servers the job launches share the trainer's devices"
         )
-    correction = cfg.algorithm.rollout_correction
-    if correction.rollout_is is None and not correction.bypass_mode:
-        raise ConfigError(
-            f"trainer.rollout_mode={mode} trains on samples of older policy versions: set "
-            "algorithm.rollout_correction.rollout_is=token (truncated importance sampling) "
-            "or algorithm.rollout_correction.bypass_mode=true"
-        )
+    require_off_policy_correction(
+        cfg, f"trainer.rollout_mode={mode}", "samples of older policy versions"
+    )
     if mode != "async":
         return
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:

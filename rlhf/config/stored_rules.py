@@ -13,6 +13,7 @@ stored samples cannot be trained on are refused before anything starts.
 
 from __future__ import annotations
 
+from rlhf.config.algorithm_rules import require_off_policy_correction
 from rlhf.config.loader import ConfigError
 from rlhf.config.schema import RLHFConfig
 
@@ -47,13 +48,7 @@ def check_stored_rollouts(cfg: RLHFConfig) -> None:
             f"{data.train_batch_size} = {groups:g} stored prompt groups per step: it must be "
             "a whole number >= 1"
         )
-    correction = cfg.algorithm.rollout_correction
-    if correction.rollout_is is None and not correction.bypass_mode:
-        raise ConfigError(
-            "data.rollout_files trains on samples of another policy: set "
-            "algorithm.rollout_correction.rollout_is=token (truncated importance sampling "
-            "against their log-probs) or algorithm.rollout_correction.bypass_mode=true"
-        )
+    require_off_policy_correction(cfg, "data.rollout_files", "samples of another policy")
     refused = {
         "trainer.rollout_mode": cfg.trainer.rollout_mode != "sync",
         "algorithm.filter_groups.enable": cfg.algorithm.filter_groups.enable,
