@@ -37,10 +37,10 @@ def test_half_of_each_batch_comes_from_another_runs_rollouts(
     first = tmp_path / "first"
     run_train(ppo_overrides(tiny_qwen2_dir, data, first, 2, *QUIET, server=sglang_server), first)
     files = [first / "rollouts" / f"step_{s}.parquet" for s in (1, 2)]
-    written = {
-        (s.uid, tuple(s.prompt_ids), tuple(s.response_ids)): s.rollout_logprobs
-        for s in read_rollout_files(files)
-    }
+    written: dict[tuple, list[list[float]]] = {}  # greedy: a group's samples share their ids
+    for s in read_rollout_files(files):
+        key = (s.uid, tuple(s.prompt_ids), tuple(s.response_ids))
+        written.setdefault(key, []).append(s.rollout_logprobs)
     second = tmp_path / "second"
     stored = [
         f"data.rollout_files=[{','.join(map(str, files))}]",
@@ -61,6 +61,6 @@ def test_half_of_each_batch_comes_from_another_runs_rollouts(
                 tuple(r["prompt_ids"]),
                 tuple(r["response_ids"]),
             )
-            assert written[key] == r["response_logprobs"]
+            assert r["response_logprobs"] in written[key]
         assert metrics[step]["stored/groups"] == 8 and metrics[step]["stored/samples"] == 32
         assert "rollout_corr/rollout_is_mean" in metrics[step]
