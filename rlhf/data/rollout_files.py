@@ -102,10 +102,13 @@ def write_rollout_file(samples: Sequence[StoredSample], path: str | os.PathLike)
 
 
 def read_rollout_files(
-    paths: Sequence[str | os.PathLike | DataFile], vocab_size: int | None = None
+    paths: Sequence[str | os.PathLike | DataFile],
+    vocab_size: int | None = None,
+    max_lengths: tuple[int, int] | None = None,
 ) -> list[StoredSample]:
     """Every sample of `paths` (local paths, or files `rlhf.data.files.resolve_files`
-    resolved: local or remote), in order; raises `DataError` listing every problem."""
+    resolved: local or remote), in order; raises `DataError` listing every problem.
+    `max_lengths`: (prompt, response) token limits the samples must keep to."""
     samples: list[StoredSample] = []
     problems: list[Problem] = []
     for path in paths:
@@ -121,7 +124,7 @@ def read_rollout_files(
             problems.append(Problem(file, None, None, f"missing columns {missing}"))
             continue
         for row, values in enumerate(table.to_pylist()):
-            found = row_problems(values, vocab_size)
+            found = row_problems(values, vocab_size, max_lengths)
             problems += [Problem(file, row, column, message) for column, message in found]
             if not found:
                 samples.append(stored_sample(values))
@@ -150,7 +153,9 @@ def stored_sample(values: dict[str, Any]) -> StoredSample:
     )
 
 
-def row_problems(values: dict[str, Any], vocab_size: int | None) -> list[tuple[str, str]]:
+def row_problems(
+    values: dict[str, Any], vocab_size: int | None, max_lengths: tuple[int, int] | None = None
+) -> list[tuple[str, str]]:
     """(column, what is wrong) for one row."""
     found = [(c, "is null") for c in REQUIRED if values.get(c) is None]
     if found:
@@ -162,6 +167,10 @@ def row_problems(values: dict[str, Any], vocab_size: int | None) -> list[tuple[s
         ids = values[column]
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
             found.append((column, f"has token ids outside the vocabulary [0, {vocab_size})"))
+    names = (("prompt_ids", "max_prompt_length"), ("response_ids", "max_response_length"))
+    for (column, key), limit in zip(names, max_lengths or ()):
+        if len(values[column]) > limit:
+            found.append((column, f"{len(values[column])} tokens, over data.{key}={limit}"))
     logprobs = values["rollout_logprobs"]
     if len(logprobs) != len(response):
         found.append(

@@ -47,7 +47,8 @@ def load_stored_groups(cfg: RLHFConfig, vocab_size: int) -> list[list[StoredSamp
         return None
     files = resolve_files(cfg.data.rollout_files, "data.rollout_files")
     groups: dict[str, list[StoredSample]] = {}
-    for sample in read_rollout_files(files, vocab_size):
+    lengths = (cfg.data.max_prompt_length, cfg.data.max_response_length)
+    for sample in read_rollout_files(files, vocab_size, lengths):
         groups.setdefault(sample.uid, []).append(sample)
     k = stored_groups_per_step(cfg)
     if len(groups) < k:

@@ -96,6 +96,16 @@ def test_a_bad_row_is_named_by_file_row_and_column(tmp_path, changes, column, me
     assert message in str(e.value) and len(e.value.problems) == 1
 
 
+def test_samples_longer_than_the_runs_limits_are_named(tmp_path):
+    path = write_rollout_file(SAMPLES, tmp_path / "step_5.parquet")
+    with pytest.raises(DataError) as e:
+        read_rollout_files([path], max_lengths=(3, 2))
+    assert str(e.value).endswith(
+        f"{path}: row 1, column 'response_ids': 3 tokens, over data.max_response_length=2"
+    )
+    assert len(e.value.problems) == 1
+
+
 def test_missing_columns_and_unreadable_files_are_named(tmp_path):
     no_logprobs = tmp_path / "no_logprobs.parquet"
     pq.write_table(pa.Table.from_pylist([{"uid": "u", "prompt_ids": [1]}]), no_logprobs)
