@@ -190,15 +190,15 @@ def generate_and_score(
             response_ids=sample.response_ids,
             response_logprobs=sample.logprobs,
             finish_reason=sample.finish_reason,
-            response_text=text,
+            response_text=item.response_text,
             score=score,
             policy_version=policy_version,
-            data_source=prompts[sample.prompt_index].row.data_source,
+            data_source=item.data_source,
             reward_style=item.style,
-            ground_truth=prompts[sample.prompt_index].row.ground_truth,
-            extra_info=prompts[sample.prompt_index].row.extra_info,
+            ground_truth=item.ground_truth,
+            extra_info=item.extra_info,
         )
-        for sample, text, score, item in zip(samples, texts, scores, inputs)
+        for sample, score, item in zip(samples, scores, inputs)
     ]
     if conversations is not None:
         records = [with_conversation(r, c) for r, c in zip(records, conversations)]

@@ -36,7 +36,6 @@ from rlhf.config.schema import OverlongBufferConfig, RLHFConfig
 from rlhf.data.prompts import PromptDataset
 from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.engine import SamplingParams
 from rlhf.rollout.generation import RolloutResult, sampling_params
 from rlhf.rollout.multi_turn import ToolStats
 from rlhf.rollout.policy_servers import PolicyServers, PolicyWeights, WeightLoad
@@ -96,14 +95,9 @@ class SynchronousRollout:
         """The next prompts of the sampler, generated and scored now."""
         sampled = self.sampler.next_batch()  # every rank advances its sampler identically
         prompts = [self.data[i] for i in sampled.prompt_indices]
-        generated = self.servers.generate(
-            prompts, sampled.uids, sampled.prompt_indices, self.params
-        )
+        params = sampling_params(self.cfg)
+        generated = self.servers.generate(prompts, sampled.uids, sampled.prompt_indices, params)
         return score_model_rows(generated, self.reward_model)
-
-    @property
-    def params(self) -> SamplingParams:
-        return sampling_params(self.cfg)
 
     def publish(self, policy: PolicyWeights, version: int) -> WeightLoad:
         """The servers are idle between steps: load the weights."""

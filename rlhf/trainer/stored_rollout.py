@@ -31,7 +31,7 @@ from rlhf.data.files import resolve_files
 from rlhf.data.rollout_files import StoredSample, read_rollout_files
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.collectives import broadcast_object
-from rlhf.reward.scorer import RewardInput, RewardScorer
+from rlhf.reward.scorer import RewardInput
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutRecord, RolloutResult
 from rlhf.trainer.reward_model import score_model_rows
@@ -72,7 +72,6 @@ class MixedRollout(SynchronousRollout):
         self.per_step = stored_groups_per_step(self.cfg)
         self.generated = self.cfg.data.train_batch_size - self.per_step
         self.stored_sampler = PromptSampler(len(self.groups), self.per_step, 1, self.cfg.data.seed)
-        self.scorer = RewardScorer.from_config(self.cfg.reward) if self.is_main else None
 
     def next_batch(self, step: int) -> StepBatch:
         got = collect_step_batch(self.mixed_round, self.cfg)
@@ -123,16 +122,18 @@ class MixedRollout(SynchronousRollout):
     def texts(self, samples: list[StoredSample]) -> list[str]:
         return [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
 
-    def scores(self, samples: list[StoredSample], texts: list[str] | None) -> list[float]:
-        """The stored scores; rule rows without one scored by the reward function (model
-        rows without one stay NaN for the reward model)."""
-        assert self.scorer is not None and texts is not None
+    def scores(self, samples: list[StoredSample], texts: list[str]) -> list[float]:
+        """The stored scores; rule rows without one scored by the reward function (the
+        servers' scorer: the main rank always owns an engine; model rows without one stay
+        NaN for the reward model)."""
+        scorer = self.servers.scorer
+        assert scorer is not None, "the main rank owns the servers' reward scorer"
         todo = [i for i, s in enumerate(samples) if s.score is None and s.reward_style == "rule"]
         inputs = [
             RewardInput(s.data_source, texts[i], s.ground_truth, s.extra_info, s.reward_style)
             for i, s in ((i, samples[i]) for i in todo)
         ]
-        scored = dict(zip(todo, self.scorer(inputs) if inputs else []))
+        scored = dict(zip(todo, scorer(inputs) if inputs else []))
         return [
             scored.get(i, math.nan if s.score is None else s.score) for i, s in enumerate(samples)
         ]
@@ -143,10 +144,6 @@ class MixedRollout(SynchronousRollout):
     def load_sampler_state(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self.stored_sampler.load_state_dict(state["stored"])
-
-    def close(self) -> None:
-        if self.scorer is not None:
-            self.scorer.close()
 
 
 def stored_records(

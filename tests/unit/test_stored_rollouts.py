@@ -18,6 +18,7 @@ from rlhf.config.loader import ConfigError
 from rlhf.config.validate import validate_config
 from rlhf.data.rollout_files import StoredSample
 from rlhf.data.sampler import PromptSampler
+from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult
 from rlhf.trainer.stored_rollout import MixedRollout
@@ -32,6 +33,7 @@ class Fleet:
 
     def __init__(self):
         self.drawn: list[list[int]] = []
+        self.scorer = RewardScorer.from_config(load_config(None).reward)  # the engine rank's
 
     def generate(self, prompts, uids, indices, params) -> RolloutResult:
         self.drawn.append(list(indices))
