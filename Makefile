@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets quickstart-tools quickstart-tools-assets quickstart-async test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
+.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets quickstart-tools quickstart-tools-assets quickstart-async quickstart-rm test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
 
 setup: $(STAMP)
 
@@ -59,6 +59,14 @@ quickstart-tools: quickstart-tools-assets
 quickstart-async: quickstart-assets
 	PYTHON=$(PY) bash launch/quickstart_async.sh
 	$(VENV)/bin/rlhf-plot runs/quickstart_async
+
+# A reward model trained on locally generated preference pairs (rlhf-train-rm), then PPO
+# rewarded by it alone; validation keeps the rule, so it measures real correctness.
+quickstart-rm: quickstart-assets
+	$(VENV)/bin/rlhf-preprocess quickstart-rm --local_dir runs/quickstart_rm/data
+	$(VENV)/bin/rlhf-train-rm --config configs/quickstart_rm_cpu.yaml
+	$(VENV)/bin/rlhf-train --config configs/quickstart_rm_ppo_cpu.yaml
+	$(VENV)/bin/rlhf-plot runs/quickstart_rm/ppo
 
 quickstart-tools-assets: setup
 	$(VENV)/bin/rlhf-make-tiny-model runs/quickstart_tools/model --tools --warm-start

@@ -19,23 +19,33 @@ from torch import Tensor
 
 
 def bradley_terry_loss(
-    chosen: Tensor, rejected: Tensor, margin: Tensor | None = None
-) -> tuple[Tensor, dict[str, float]]:
-    """Loss (a scalar, differentiable) and metrics of [P] chosen and rejected scores."""
-    if chosen.shape != rejected.shape or chosen.dim() != 1 or not chosen.numel():
+    chosen: Tensor,
+    rejected: Tensor,
+    margin: Tensor | None = None,
+    num_pairs: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss (a scalar, differentiable) and metrics (detached scalars) of [P] chosen and
+    rejected scores.
+
+    `num_pairs`: what the sums are divided by (default P). A micro-batch of a larger batch
+    passes the batch's pair count, so that the losses and metrics of its micro-batches (and
+    data-parallel ranks) add up to the batch's means."""
+    if chosen.shape != rejected.shape or chosen.dim() != 1:
         raise ValueError(
-            f"expected two [P] score vectors, P > 0; got {tuple(chosen.shape)} and "
-            f"{tuple(rejected.shape)}"
+            f"expected two [P] score vectors; got {tuple(chosen.shape)} and {tuple(rejected.shape)}"
         )
+    count = chosen.numel() if num_pairs is None else num_pairs
+    if count < 1:
+        raise ValueError(f"the loss needs at least one pair (num_pairs={num_pairs})")
     gap = chosen.float() - rejected.float()
-    shifted = gap if margin is None else gap - margin.float()
-    loss = -F.logsigmoid(shifted).mean()
+    shifted = gap if margin is None else gap - margin.float().to(gap.device)
+    loss = -F.logsigmoid(shifted).sum() / count
     with torch.no_grad():
         metrics = {
-            "rm/loss": float(loss),
-            "rm/accuracy": float((gap > 0).float().mean()),
-            "rm/gap_mean": float(gap.mean()),
-            "rm/chosen_mean": float(chosen.float().mean()),
-            "rm/rejected_mean": float(rejected.float().mean()),
+            "rm/loss": loss.detach(),
+            "rm/accuracy": (gap > 0).float().sum() / count,
+            "rm/gap_mean": gap.sum() / count,
+            "rm/chosen_mean": chosen.detach().float().sum() / count,
+            "rm/rejected_mean": rejected.detach().float().sum() / count,
         }
     return loss, metrics

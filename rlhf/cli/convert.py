@@ -125,7 +125,7 @@ def verify(args: argparse.Namespace, ctx) -> int:
 
     model, arch = convert.load_mcore(args.mcore_dir, Placement.of(ctx))
     model = model.float().eval()
-    value_model = convert.read_meta(args.mcore_dir).get("head") == "value"  # [b, s, 1] values
+    value_model = convert.read_meta(args.mcore_dir).get("head") in convert.SCALAR_HEADS
     tokens = convert.random_tokens(arch.vocab_size, args.batch, args.seq, args.seed)
     logits = forward_logits(model, tokens, micro_batch_size=1)
     diff = torch.zeros((), device=ctx.device)

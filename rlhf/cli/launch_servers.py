@@ -38,7 +38,7 @@ import yaml
 
 from rlhf.config.engine_args import launched_rollout, server_argv
 from rlhf.config.loader import ConfigError, build, load_config
-from rlhf.config.schema import RolloutConfig
+from rlhf.config.schema import RLHFConfig, RolloutConfig
 from rlhf.rollout.server_group import KEY, ServerGroup
 from rlhf.sglang_api import API_KEY_ENV, api_key
 
@@ -117,7 +117,7 @@ def rollout_config(args: argparse.Namespace) -> RolloutConfig:
         "max_server_restarts": args.max_restarts,
         "engine_kwargs": {"sglang": engine_kwargs(args)},
     }
-    rollout = build(RolloutConfig, values, f"{KEY}.")
+    rollout = build(RolloutConfig, values, f"{KEY}.", RLHFConfig)
     server_argv(rollout.engine_kwargs.sglang)  # checked against SGLang's parser now
     return rollout
 

@@ -8,6 +8,7 @@ write the quickstart data.
     rlhf-preprocess aime --input FILE... --local_dir OUT [--data_source aime24]  # -> test
     rlhf-preprocess quickstart --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
     rlhf-preprocess quickstart-tools --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
+    rlhf-preprocess quickstart-rm --local_dir OUT [--num_pairs 2048] [--num_val_pairs 256]
 
 `check` runs the loader's validation: for each file it prints the rows and data sources and
 exits 0, or prints every problem (file, row, column, what is wrong) and exits 1. FILE may be
@@ -19,6 +20,8 @@ or Parquet; rlhf/data/gsm8k.py and rlhf/data/math_sets.py name the formats). Err
 inputs of a conversion, or a `--custom_fn` that does not load, print one line and exit 2.
 `quickstart-tools` writes the tool-use quickstart's multiplication problems and, next to them,
 the tool config file listing the calculator (rlhf/quickstart/calculator_task.py).
+`quickstart-rm` writes the reward-model quickstart's preference pairs and its PPO prompts
+(rlhf/quickstart/preferences.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from rlhf.data.gsm8k import preprocess_gsm8k
 from rlhf.data.math_sets import MATH_SETS, preprocess_math
 from rlhf.data.parquet import FileReport, GroundTruthCheck, Problem, check_files
 from rlhf.quickstart.data import write_quickstart_data, write_tools_quickstart_data
+from rlhf.quickstart.preferences import write_reward_quickstart_data
 from rlhf.reward import check_ground_truth, load_custom_fn
 from rlhf.reward.math import last_boxed
 
@@ -75,6 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         quick_cmd.add_argument("--num_train", type=int, default=256)
         quick_cmd.add_argument("--num_val", type=int, default=64)
         quick_cmd.add_argument("--seed", type=int, default=0)
+    rm = sub.add_parser(
+        "quickstart-rm",
+        help="write the reward-model quickstart's preference pairs and PPO prompts",
+    )
+    rm.add_argument("--local_dir", required=True, help="output directory")
+    rm.add_argument("--num_pairs", type=int, default=2048)
+    rm.add_argument("--num_val_pairs", type=int, default=256)
     return parser.parse_args(argv)
 
 
@@ -138,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             written = _preprocess_math(args)
         elif args.command == "quickstart-tools":
             written = _write_tools_quickstart(args)
+        elif args.command == "quickstart-rm":
+            written = write_reward_quickstart_data(
+                args.local_dir, args.num_pairs, args.num_val_pairs
+            )
         else:
             paths = write_quickstart_data(args.local_dir, args.num_train, args.num_val, args.seed)
             written = {"train": (paths[0], args.num_train), "val": (paths[1], args.num_val)}

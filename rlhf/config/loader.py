@@ -88,10 +88,11 @@ def _shared_prefix(a: list[str], b: list[str]) -> int:
     return n
 
 
-def nearest_key(key: str) -> str | None:
-    """The valid key a misspelt or misplaced `key` most likely means, if any: a key it is the
-    end of, else the keys whose leaf matches word by word, ranked by the path they share."""
-    keys = all_keys()
+def nearest_key(key: str, schema: type = RLHFConfig) -> str | None:
+    """The valid key of `schema` a misspelt or misplaced `key` most likely means, if any: a
+    key it is the end of, else the keys whose leaf matches word by word, ranked by the path
+    they share."""
+    keys = all_keys(schema)
     suffix = [k for k in keys if k.endswith("." + key)]
     if suffix:
         return suffix[0]
@@ -108,8 +109,8 @@ def nearest_key(key: str) -> str | None:
     return max(candidates, key=rank)
 
 
-def _unknown_key(path: str) -> ConfigError:
-    near = nearest_key(path)
+def _unknown_key(path: str, schema: type = RLHFConfig) -> ConfigError:
+    near = nearest_key(path, schema)
     hint = f"; did you mean '{near}'?" if near else ""
     return ConfigError(f"unknown config key '{path}'{hint}")
 
@@ -269,8 +270,11 @@ def _check_range(value: Any, meta: typing.Mapping, path: str) -> None:
             raise ConfigError(f"{path}: must be {sign} {meta[name]}, got {value!r}")
 
 
-def build(cls: type, data: Any, prefix: str = "") -> Any:
-    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
+def build(cls: type, data: Any, prefix: str = "", root: type | None = None) -> Any:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types;
+    `root`: the whole config's schema (`cls` itself at the top), where the nearest key of a
+    misspelt one is looked for."""
+    root = root or cls
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "the config"
         raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
@@ -278,12 +282,12 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
-            raise _unknown_key(f"{prefix}{key}")
+            raise _unknown_key(f"{prefix}{key}", root)
     kwargs = {}
     for name, value in data.items():
         path, tp = f"{prefix}{name}", hints[name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            kwargs[name] = build(tp, value, path + ".")
+            kwargs[name] = build(tp, value, path + ".", root)
         else:
             kwargs[name] = _coerce(value, tp, path)
             _check_range(kwargs[name], fields[name].metadata, path)
@@ -300,9 +304,9 @@ def _lookup(cfg: Any, dotted: str) -> Any:
     return node
 
 
-def _resolve_references(cfg: RLHFConfig) -> None:
+def _resolve_references(cfg: Any) -> None:
     """Replace `${a.b}` in string values by the referenced key's value (one level)."""
-    keys = set(all_keys())
+    keys = set(all_keys(type(cfg)))
     for key in keys:
         value = _lookup(cfg, key)
         if not isinstance(value, str) or "${" not in value:
@@ -318,8 +322,13 @@ def _resolve_references(cfg: RLHFConfig) -> None:
         setattr(_lookup(cfg, parent), leaf, _REF.sub(substitute, value))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RLHFConfig:
-    """Read YAML `path` (optional), apply `key=value` overrides, type-check and validate ranges."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, schema: type = RLHFConfig
+) -> Any:
+    """Read YAML `path` (optional), apply `key=value` overrides, type-check and validate ranges.
+
+    `schema`: the config tree (`RLHFConfig` for rlhf-train; rlhf-train-rm has its own,
+    `rlhf.config.reward_training`); verl's key names are translated for `RLHFConfig` only."""
     tree: dict = {}
     if path is not None:
         path = Path(path)
@@ -331,20 +340,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not valid YAML ({e})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
-    keys = set(all_keys())
-    mappings = mapping_keys()
+    keys = set(all_keys(schema))
+    mappings = mapping_keys(schema)
+    verl = schema is RLHFConfig
     for item in overrides or []:
         key, value = parse_override(item)
-        known = key in keys or key in VERL_KEYS or key.startswith(VERL_SECTIONS)
+        known = key in keys or (verl and (key in VERL_KEYS or key.startswith(VERL_SECTIONS)))
         if not known and not any(key.startswith(m + ".") for m in mappings):
-            raise _unknown_key(key)
+            raise _unknown_key(key, schema)
         _set_dotted(tree, key, value)
     tree = _expand_env(tree)
-    try:
-        translate(tree, _parse_as, default_of)
-    except VerlKeyError as e:
-        raise ConfigError(str(e)) from None
-    cfg = build(RLHFConfig, tree)
+    if verl:
+        try:
+            translate(tree, _parse_as, default_of)
+        except VerlKeyError as e:
+            raise ConfigError(str(e)) from None
+    cfg = build(schema, tree)
     _resolve_references(cfg)
     return cfg
 

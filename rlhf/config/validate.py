@@ -86,12 +86,14 @@ class ModelShape(Protocol):
     def num_query_groups(self) -> int: ...
 
 
-def _world_size(cfg: RLHFConfig, world_size: int | None) -> int:
-    planned = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+def checked_world_size(trainer: Any, world_size: int | None) -> int:
+    """The run's world size, `trainer.nnodes x trainer.n_gpus_per_node` of a config's trainer
+    section, checked against the launched one (`world_size`, when known)."""
+    planned = trainer.nnodes * trainer.n_gpus_per_node
     if world_size is not None and world_size != planned:
         raise ConfigError(
-            f"trainer.nnodes ({cfg.trainer.nnodes}) x trainer.n_gpus_per_node "
-            f"({cfg.trainer.n_gpus_per_node}) = {planned} does not match the {world_size} "
+            f"trainer.nnodes ({trainer.nnodes}) x trainer.n_gpus_per_node "
+            f"({trainer.n_gpus_per_node}) = {planned} does not match the {world_size} "
             "processes launched (WORLD_SIZE)"
         )
     return planned
@@ -107,6 +109,12 @@ def _role_section(role: str, cfg: RLHFConfig) -> tuple[ActorConfig | CriticConfi
 def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayout:
     """The parallel layout of `role` ('actor' or 'critic'), checked against the world size."""
     section, prefix = _role_section(role, cfg)
+    return section_layout(section, prefix, world_size)
+
+
+def section_layout(section: Any, prefix: str, world_size: int) -> ParallelLayout:
+    """The parallel layout of a trained model's section (its `megatron` and
+    `ulysses_sequence_parallel_size` keys, under `prefix`), checked against the world size."""
     tp = section.megatron.tensor_model_parallel_size
     pp = section.megatron.pipeline_model_parallel_size
     sp = section.ulysses_sequence_parallel_size
@@ -220,9 +228,13 @@ def _check_rollout_placement(cfg: RLHFConfig, layout: ParallelLayout) -> None:
 
 
 def _check_recompute(role: str, cfg: RLHFConfig, shape: ModelShape | None) -> None:
-    """Recompute keys that Megatron would ignore or reject are refused with their names."""
     section, prefix = _role_section(role, cfg)
-    m, key = section.megatron, f"{prefix}.megatron"
+    check_recompute(section.megatron, f"{prefix}.megatron", shape)
+
+
+def check_recompute(m: MegatronParallelConfig, key: str, shape: ModelShape | None) -> None:
+    """Recompute keys (of `m`, at dotted `key`) that Megatron would ignore or reject are
+    refused with their names."""
     if m.recompute_granularity != "full":
         given = [k for k in ("recompute_method", "recompute_num_layers") if getattr(m, k)]
         if given:
@@ -266,7 +278,9 @@ def model_split_problem(shape: ModelShape, tp: int, pp: int, vp: int = 1) -> tup
     return None
 
 
-def _check_model_split(layout: ParallelLayout, shape: ModelShape) -> None:
+def check_model_split(
+    layout: ParallelLayout, shape: ModelShape, prefix: str = f"{AR}.actor"
+) -> None:
     """A model that does not divide is refused here, before any server starts, rather than
     by Megatron after."""
     problem = model_split_problem(shape, layout.tp_size, layout.pp_size, layout.vp_size)
@@ -277,16 +291,16 @@ def _check_model_split(layout: ParallelLayout, shape: ModelShape) -> None:
             "pp": f"pipeline_model_parallel_size={layout.pp_size}",
             "vp": f"virtual_pipeline_model_parallel_size={layout.vp_size}",
         }[which]
-        raise ConfigError(f"{AR}.actor.megatron.{key}: the model's {what}")
+        raise ConfigError(f"{prefix}.megatron.{key}: the model's {what}")
 
 
-def _check_heads(layout: ParallelLayout, heads: ModelShape) -> None:
+def check_heads(layout: ParallelLayout, heads: ModelShape, prefix: str = f"{AR}.actor") -> None:
     """Ulysses splits each TP rank's query heads over the SP ranks."""
     per_tp_rank = heads.num_attention_heads // layout.tp_size
     if layout.sp_size > 1 and per_tp_rank % layout.sp_size:
         raise ConfigError(
-            f"{AR}.actor.ulysses_sequence_parallel_size={layout.sp_size} with "
-            f"{AR}.actor.megatron.tensor_model_parallel_size={layout.tp_size} and "
+            f"{prefix}.ulysses_sequence_parallel_size={layout.sp_size} with "
+            f"{prefix}.megatron.tensor_model_parallel_size={layout.tp_size} and "
             f"{heads.num_attention_heads} attention heads: {per_tp_rank} query heads per TP "
             f"rank cannot be split over {layout.sp_size} Ulysses ranks (query heads per TP rank "
             "must be a multiple of the SP size)"
@@ -410,7 +424,7 @@ def validate_config(
     architecture) enables the rules on attention heads and layers.
     """
     check_algorithm(cfg)
-    world = _world_size(cfg, world_size)
+    world = checked_world_size(cfg.trainer, world_size)
     actor = parallel_layout("actor", cfg, world)
     _check_batches("actor", cfg, actor)
     _check_recompute("actor", cfg, shape)
@@ -422,7 +436,7 @@ def validate_config(
         _check_critic_layout(actor, critic)
     _check_rollout_placement(cfg, actor)
     if shape is not None:
-        _check_model_split(actor, shape)
-        _check_heads(actor, shape)
+        check_model_split(actor, shape)
+        check_heads(actor, shape)
     _check_misc(cfg)
     return actor

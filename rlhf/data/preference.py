@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf.data.files import DataFile
 from rlhf.data.parquet import DataError, Problem
 
 Messages = list[dict[str, str]]
@@ -46,7 +47,7 @@ class PreferencePair:
 
 
 def read_preference_pairs(
-    paths: Sequence[str | os.PathLike],
+    paths: Sequence[str | os.PathLike | DataFile],
     prompt_key: str = "prompt",
     chosen_key: str = "chosen",
     rejected_key: str = "rejected",
@@ -55,9 +56,10 @@ def read_preference_pairs(
     pairs: list[PreferencePair] = []
     problems: list[Problem] = []
     for path in paths:
-        file = str(path)
+        data_file = path if isinstance(path, DataFile) else DataFile(str(path), str(path))
+        file = data_file.name
         try:
-            table = pq.read_table(file)
+            table = pq.read_table(data_file.path, filesystem=data_file.filesystem)
         except (OSError, pa.ArrowInvalid) as e:
             problems.append(Problem(file, None, None, f"not a readable Parquet file ({e})"))
             continue
@@ -110,7 +112,7 @@ def text_problem(value: Any) -> str | None:
 def pair_texts(pair: PreferencePair, tokenizer: Any, apply_chat_template: bool) -> tuple[str, str]:
     """The two texts the reward model scores: prompt + chosen and prompt + rejected, through
     the chat template (messages) or joined as they are (raw text), each ended by the
-    tokenizer's end-of-sequence token when the template does not end it."""
+    tokenizer's end-of-sequence token."""
     return (
         conversation_text(pair.prompt, pair.chosen, tokenizer, apply_chat_template),
         conversation_text(pair.prompt, pair.rejected, tokenizer, apply_chat_template),
@@ -121,13 +123,23 @@ def conversation_text(
     prompt: str | Messages | None, response: str | Messages, tokenizer: Any, templated: bool
 ) -> str:
     """One side of a pair as the text the reward model reads (a whole conversation given as
-    one string, the implicit-prompt text layout, is read as it is)."""
+    one string, the implicit-prompt text layout, is read as it is).
+
+    Through the chat template, a side ending in an assistant reply is written as a PPO
+    sample is scored: the template of the messages before it with the generation prompt,
+    then the reply's content and the end-of-sequence token, which is where the policy stops
+    (templates that add a newline after their end token would otherwise move the scored last
+    token off it)."""
+    eos = tokenizer.eos_token or ""
     if not templated or (prompt is None and isinstance(response, str)):
         parts = [as_text(prompt), as_text(response)] if prompt is not None else [as_text(response)]
-        text = "".join(parts)
-        return text + (tokenizer.eos_token or "")
+        return "".join(parts) + eos
     messages = as_messages(prompt, "user") + as_messages(response, "assistant")
-    return tokenizer.apply_chat_template(messages, tokenize=False)
+    *context, last = messages
+    if last["role"] != "assistant" or not context:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    opening = tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
+    return opening + last["content"] + eos
 
 
 def as_text(value: str | Messages) -> str:
@@ -138,3 +150,76 @@ def as_messages(value: str | Messages | None, role: str) -> Messages:
     if value is None:
         return []
     return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    """A pair as token ids: `shared`, the tokens both sides start with (at least one short of
+    either side), then each side's own tokens; the reward model scores each side at its last
+    token."""
+
+    shared: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    margin: float = 0.0
+
+    @property
+    def longest(self) -> int:
+        return len(self.shared) + max(len(self.chosen), len(self.rejected))
+
+
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a side's text; the tokenizer's special tokens (a BOS) are added unless
+    the text already starts with its BOS (a chat template writes it)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    add = not (bos and text.startswith(bos))
+    return list(tokenizer(text, add_special_tokens=add)["input_ids"])
+
+
+def split_shared(chosen: list[int], rejected: list[int]) -> int:
+    """How many leading tokens the two sides share, leaving each at least one of its own."""
+    limit = min(len(chosen), len(rejected)) - 1
+    n = 0
+    while n < limit and chosen[n] == rejected[n]:
+        n += 1
+    return n
+
+
+def tokenize_pairs(
+    pairs: Sequence[PreferencePair],
+    tokenizer: Any,
+    apply_chat_template: bool,
+    max_length: int,
+    drop_overlong: bool = False,
+    columns: tuple[str, str] = ("chosen", "rejected"),
+) -> tuple[list[TokenizedPair], int]:
+    """Every pair as token ids, and how many were dropped for a side longer than
+    `max_length` (`drop_overlong`; otherwise a `DataError` names each such side by file, row
+    and column, `columns` being the chosen and rejected column names)."""
+    out: list[TokenizedPair] = []
+    problems: list[Problem] = []
+    for pair in pairs:
+        texts = pair_texts(pair, tokenizer, apply_chat_template)
+        chosen, rejected = (text_ids(tokenizer, text) for text in texts)
+        long = [
+            (c, len(ids)) for c, ids in zip(columns, (chosen, rejected)) if len(ids) > max_length
+        ]
+        if long and not drop_overlong:
+            problems += [
+                Problem(
+                    pair.file, pair.row, column, f"{n} tokens, more than max_length {max_length}"
+                )
+                for column, n in long
+            ]
+        if long:
+            continue
+        if chosen == rejected:
+            problems.append(
+                Problem(pair.file, pair.row, columns[1], "tokenizes as the chosen side")
+            )
+            continue
+        n = split_shared(chosen, rejected)
+        out.append(TokenizedPair(chosen[:n], chosen[n:], rejected[n:], pair.margin))
+    if problems:
+        raise DataError(problems)
+    return out, len(pairs) - len(out)

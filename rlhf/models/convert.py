@@ -5,11 +5,14 @@ Layout of a Megatron checkpoint written here (a directory):
     model/                 Megatron-Core distributed checkpoint (torch_dist), any TP/PP on load
     hf/                    the HF config, generation config and tokenizer files, verbatim
     rlhf_checkpoint.json   family, true and padded vocabulary, dtype, the TP/PP it was saved at,
-                           head: "lm" (a policy) or "value" (a critic's scalar head)
+                           head: "lm" (a policy), "value" (a critic's scalar head) or
+                           "score" (a reward model's: the same head, read at the last token)
 
 A value model (a trainer checkpoint's critic) exports as an HF `*ForTokenClassification`
 model with one label: `score.weight` is the value head and `score.bias` is zero, so its
-per-token logits are the critic's values.
+per-token logits are the critic's values. A reward model (rlhf-train-rm) exports as the
+one-label `*ForSequenceClassification` of its family (`score.weight`, no bias), whose logit
+is the head's output at the last non-padding token: usable as `reward.model_path`.
 
 Each rank reads only its own slices of the HF safetensors. Output directories appear
 atomically: everything is written under `<out>.partial` and renamed when complete.
@@ -38,6 +41,7 @@ from rlhf.utils import DTYPES
 log = logging.getLogger(__name__)
 
 META_NAME = "rlhf_checkpoint.json"
+SCALAR_HEADS = ("value", "score")  # heads with one output per token (rlhf_checkpoint.json)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -73,7 +77,7 @@ def write_meta(
     head: str = "lm",
 ) -> None:
     """`rlhf_checkpoint.json`: what loading a Megatron checkpoint needs besides its tensors
-    (`head`: "lm" for a policy, "value" for a critic)."""
+    (`head`: "lm" for a policy, "value" for a critic, "score" for a reward model)."""
     meta = {
         "format": "megatron-core-dist",
         "family": arch.family,
@@ -171,7 +175,7 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
         params_dtype=params_dtype or DTYPES[meta["dtype"]],
         initialize=False,
     )
-    if meta.get("head", "lm") == "value":
+    if meta.get("head", "lm") in SCALAR_HEADS:
         model = attach_value_head(model, arch)
     wanted = model.sharded_state_dict()
     state = load_distributed(wanted, mcore_dir / "model")
@@ -180,14 +184,19 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
     return model, arch
 
 
-def export_hf_tensors(model, arch: ModelArch, placement: Placement, progress: bool = False):
-    """(HF name, tensor) pairs from an unsharded (TP = PP = EP = 1) Megatron model."""
+def export_hf_tensors(
+    model, arch: ModelArch, placement: Placement, progress: bool = False, bias: bool = True
+):
+    """(HF name, tensor) pairs from an unsharded (TP = PP = EP = 1) Megatron model; a value
+    head as `score.weight` and, with `bias`, a zero `score.bias` (token classifiers have one,
+    sequence classifiers not)."""
     assert placement.tp_size == placement.pp_size == placement.ep_size == placement.etp_size == 1
     params = list(model.named_parameters())
     for name, param in tqdm(params, desc="export HF tensors", disable=not progress, unit="tensor"):
         if name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
             yield "score.weight", param.detach()
-            yield "score.bias", torch.zeros(1, dtype=param.dtype)
+            if bias:
+                yield "score.bias", torch.zeros(1, dtype=param.dtype)
             continue
         rule, layer = resolve(arch, name, placement)
         if not skip_on_export(arch, rule):
@@ -200,24 +209,27 @@ def mcore_to_hf(mcore_dir: Path, out_dir: Path, max_shard_bytes: int) -> None:
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another OUT_DIR")
     placement = Placement()
     model, arch = load_mcore(mcore_dir, placement)
+    reward_model = read_meta(mcore_dir).get("head") == "score"
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    tensors = export_hf_tensors(model, arch, placement, progress=True)
+    tensors = export_hf_tensors(model, arch, placement, progress=True, bias=not reward_model)
     write_sharded_safetensors(tensors, partial, max_shard_bytes=max_shard_bytes)
     copy_hf_side_files(mcore_dir / "hf", partial)
     if isinstance(model.output_layer, ValueHead):
-        as_token_classifier(partial / "config.json")
+        kind = "ForSequenceClassification" if reward_model else "ForTokenClassification"
+        as_classifier(partial / "config.json", kind)
     _publish(partial, out_dir)
 
 
-def as_token_classifier(config_path: Path) -> None:
-    """Rewrite an HF config as the one-label `*ForTokenClassification` of its family."""
+def as_classifier(config_path: Path, kind: str) -> None:
+    """Rewrite an HF config as the one-label `*<kind>` of its family (kind:
+    "ForTokenClassification" or "ForSequenceClassification")."""
     config = json.loads(config_path.read_text())
     name = (config.get("architectures") or ["ForCausalLM"])[0]
     for suffix in ("ForCausalLM", "ForSequenceClassification", "ForTokenClassification"):
         name = name.removesuffix(suffix)
     config |= {
-        "architectures": [f"{name}ForTokenClassification"],
+        "architectures": [f"{name}{kind}"],
         "num_labels": 1,
         "id2label": {"0": "LABEL_0"},
         "label2id": {"LABEL_0": 0},
@@ -231,11 +243,22 @@ def random_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch
 
 def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     """Reference logits from HF transformers in fp32: [b, s, V] of a causal LM, or [b, s, 1]
-    (the values) of an exported critic (`*ForTokenClassification`)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    (the values) of an exported critic (`*ForTokenClassification`), or of an exported reward
+    model (`*ForSequenceClassification`: its score head on every position, of which HF pools
+    the last)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
-    token_classifier = any(a.endswith("ForTokenClassification") for a in config["architectures"])
+    kinds = config["architectures"]
+    if any(a.endswith("ForSequenceClassification") for a in kinds):
+        scorer = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32)
+        with torch.no_grad():
+            return scorer.eval().score(scorer.base_model(tokens).last_hidden_state)
+    token_classifier = any(a.endswith("ForTokenClassification") for a in kinds)
     auto = AutoModelForTokenClassification if token_classifier else AutoModelForCausalLM
     model = auto.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, TypedDict
 
+import torch
 from torch import Tensor
 
 from rlhf.algo import entropy_loss, gspo_policy_loss, kl_loss, policy_loss, value_loss
 from rlhf.algo.losses import BatchCounts, PolicyLossOutput
+from rlhf.algo.preference import bradley_terry_loss
 from rlhf.config.schema import ActorConfig, CriticConfig
 from rlhf.models.logprobs import VocabShard
 from rlhf.trainer.experience import Experience
@@ -63,16 +65,38 @@ class CriticValueHead:
         return None, {"values": mb.gather(values[..., 0].float()).detach()}
 
 
+def sequence_scores(values: Tensor, mb: MicroBatch) -> Tensor:
+    """[n] each sample's score (differentiable): the model's output at its last response
+    token (what HF's `*ForSequenceClassification` pools for a right-padded sequence)."""
+    per_token = mb.gather(values[..., 0].float(), shift=1)  # [n, R]
+    last = (mb.mask.sum(dim=1) - 1).clamp(min=0)
+    return per_token.gather(1, last[:, None].to(per_token.device))[:, 0]
+
+
 @dataclass(frozen=True)
 class SequenceScoreHead:
-    """A reward model's score of each sample: its output at the last response token (what
-    HF's `*ForSequenceClassification` pools for a right-padded sequence); [n, 1]."""
+    """A reward model's score of each sample (`sequence_scores`); [n, 1]."""
 
     def __call__(self, values: Tensor, mb: MicroBatch) -> HeadOutput:
-        per_token = mb.gather(values[..., 0].float(), shift=1)  # [n, R]
-        last = (mb.mask.sum(dim=1) - 1).clamp(min=0)
-        scores = per_token.gather(1, last[:, None].to(per_token.device))
-        return None, {"scores": scores.detach()}
+        return None, {"scores": sequence_scores(values, mb)[:, None].detach()}
+
+
+@dataclass(frozen=True)
+class PairLossHead:
+    """The Bradley-Terry loss of a micro-batch of preference pairs: samples 2p and 2p + 1 of
+    the batch are pair p's chosen and rejected sides, always in one micro-batch
+    (`MicroBatchPlanner.plan_units`); `margins` [P] of the batch, `num_pairs` the global
+    pair count of the mini-batch its losses and rm/* metrics are normalised by."""
+
+    margins: Tensor
+    num_pairs: int
+
+    def __call__(self, values: Tensor, mb: MicroBatch) -> HeadOutput:
+        scores = sequence_scores(values, mb)  # every rank gathers (a collective under SP)
+        pairs = torch.tensor(mb.sample_ids[0::2], dtype=torch.long) // 2
+        margin = self.margins[pairs] if len(pairs) else None
+        loss, metrics = bradley_terry_loss(scores[0::2], scores[1::2], margin, self.num_pairs)
+        return loss + values.sum() * 0.0, metrics  # an empty filler still reaches the output
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,6 @@ class MicroBatchPlanner:
         its micro-batch.
         """
         sp = SequenceShard.of(self.ctx)
-        tp_split = self._tp_split()
         count_multiple = self.ctx.pp_size if self.interleaved else 1
         lengths, dp, multiple = batch.sequence_lengths, self.ctx.dp_size, self.row_multiple
         if isinstance(budget, MicroBatching) and budget.samples is not None:
@@ -335,14 +334,33 @@ class MicroBatchPlanner:
                 count_multiple=count_multiple,
             )
         return [
-            [
-                build_micro_batch(batch, ids, self.thd, sp, tp_split, self.padded).to(
-                    self.ctx.device
-                )
-                for ids in mini
-            ]
+            [self.micro_batch(batch, ids) for ids in mini]
             for mini in micro.for_rank(self.ctx.dp_rank)
         ]
+
+    def micro_batch(self, batch: RolloutBatch, sample_ids: list[int]) -> MicroBatch:
+        """`sample_ids` of `batch` packed into one micro-batch on this rank's device."""
+        sp = SequenceShard.of(self.ctx)
+        mb = build_micro_batch(batch, sample_ids, self.thd, sp, self._tp_split(), self.padded)
+        return mb.to(self.ctx.device)
+
+    def plan_units(
+        self, batch: RolloutBatch, budget: int, units: list[list[int]]
+    ) -> list[MicroBatch]:
+        """This rank's micro-batches of one mini-batch whose `units` (lists of sample ids, e.g.
+        the two sides of a preference pair) are never split between micro-batches or ranks:
+        token-budget micro-batches of whole units, balanced over the DP ranks (their count a
+        multiple of the DP size)."""
+        multiple, lengths = self.row_multiple, batch.sequence_lengths
+        unit_lengths = [sum(round_up(lengths[i], multiple) for i in unit) for unit in units]
+        micro = plan_micro_batches(
+            unit_lengths,
+            max_tokens_per_micro_batch=budget * self.ctx.sp_size,
+            dp_size=self.ctx.dp_size,
+            count_multiple=self.ctx.pp_size if self.interleaved else 1,
+        )
+        (mini,) = micro.for_rank(self.ctx.dp_rank)
+        return [self.micro_batch(batch, [i for u in bin_ for i in units[u]]) for bin_ in mini]
 
     def _tp_split(self) -> int:
         return self.ctx.tp_size if self.ctx.sequence_parallel else 1

@@ -46,6 +46,20 @@ def test_loss_gradient_pushes_chosen_up_and_rejected_down():
         bradley_terry_loss(torch.zeros(2), torch.zeros(3))
 
 
+def test_a_micro_batch_divides_by_the_batch_pair_count():
+    """Two micro-batches of one batch of 3 pairs add up to the batch's loss and metrics."""
+    chosen, rejected = torch.tensor([2.0, 0.5, 1.0]), torch.tensor([1.0, 1.5, 0.0])
+    margin = torch.tensor([0.5, 0.0, 2.0])
+    whole, whole_metrics = bradley_terry_loss(chosen, rejected, margin)
+    first, first_metrics = bradley_terry_loss(chosen[:1], rejected[:1], margin[:1], num_pairs=3)
+    rest, rest_metrics = bradley_terry_loss(chosen[1:], rejected[1:], margin[1:], num_pairs=3)
+    assert float(first + rest) == pytest.approx(float(whole))
+    for key, value in whole_metrics.items():
+        assert float(first_metrics[key] + rest_metrics[key]) == pytest.approx(float(value))
+    expected = [math.log1p(math.exp(-g)) for g in (0.5, -1.0, -1.0)]
+    assert float(whole) == pytest.approx(sum(expected) / 3)
+
+
 def test_both_layouts_read(tmp_path):
     explicit = write(
         tmp_path,
@@ -109,17 +123,20 @@ class Tokenizer:
 
     eos_token = "</s>"
 
-    def apply_chat_template(self, messages, tokenize=False):
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
         assert tokenize is False
-        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+        text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
 
 
 def test_pair_texts_follow_the_layout():
     tok = Tokenizer()
     explicit = PreferencePair(Q, "4", [{"role": "assistant", "content": "5"}])
+    # as the policy's sample is scored: generation prompt, reply, EOS (not the template's
+    # closing tag and newline)
     assert pair_texts(explicit, tok, True) == (
-        "<user>2+2?</user><assistant>4</assistant>",
-        "<user>2+2?</user><assistant>5</assistant>",
+        "<user>2+2?</user>\n<assistant>4</s>",
+        "<user>2+2?</user>\n<assistant>5</s>",
     )
     assert pair_texts(explicit, tok, False) == ("2+2?4</s>", "2+2?5</s>")
     hh_text = PreferencePair(None, "Human: hi Assistant: yo", "Human: hi Assistant: no")

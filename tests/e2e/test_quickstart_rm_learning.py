@@ -1,0 +1,62 @@
+"""`make quickstart-rm` for real: a reward model trained by `rlhf-train-rm` on locally
+generated preference pairs learns them (held-out accuracy), and PPO rewarded by its export
+alone (`reward.model_path`, every training row `reward_model.style=model`) raises its score.
+
+Measured (the quickstart's warm-started model as the trunk, 2048 pairs, 128 steps): held-out
+accuracy 0.414 -> 0.906 and 0.438 -> 0.844 (two pair sets); PPO's mean reward-model score
+2.93 over the first 5 steps -> 5.28 over steps 21-30. The test asks +0.25 and +1.0.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from rlhf.quickstart.preferences import write_reward_quickstart_data
+from tests.e2e.test_learning import quickstart_assets, train  # noqa: F401 (a fixture)
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.slow(reason="a reward model and 30 PPO steps")
+RM_CONFIG = REPO / "configs" / "quickstart_rm_cpu.yaml"
+PPO_CONFIG = REPO / "configs" / "quickstart_rm_ppo_cpu.yaml"
+
+
+def test_reward_model_quickstart(quickstart_assets, sglang_server, tmp_path):  # noqa: F811
+    model, _ = quickstart_assets
+    data = tmp_path / "data"
+    write_reward_quickstart_data(data)
+    rm_run = tmp_path / "rm"
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf.cli.train_rm",
+        "--config",
+        str(RM_CONFIG),
+        f"model.path={model}",
+        f"data.train_files={data / 'pairs_train.parquet'}",
+        f"data.val_files={data / 'pairs_val.parquet'}",
+        f"trainer.default_local_dir={rm_run}",
+        "trainer.logger=[console]",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(x) for x in (rm_run / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["val/rm/accuracy"] for r in rows if "val/rm/accuracy" in r]
+    assert accuracy[-1] - accuracy[0] >= 0.25, accuracy
+
+    rows = train(
+        PPO_CONFIG,
+        (model, (data / "train.parquet", data / "val.parquet")),
+        sglang_server,
+        tmp_path / "ppo",
+        30,
+        f"reward.model_path={rm_run / 'reward_model_hf'}",
+    )
+    scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
+    assert len(scores) == 30
+    first, last = statistics.mean(scores[:5]), statistics.mean(scores[-10:])
+    assert last - first >= 1.0, scores
