@@ -59,6 +59,7 @@ setup(
             "rlhf-train-rm=rlhf.cli.train_rm:entry",
             "rlhf-convert=rlhf.cli.convert:main",
             "rlhf-eval=rlhf.cli.eval:main",
+            "rlhf-rollout=rlhf.cli.rollout:main",
             "rlhf-preprocess=rlhf.cli.preprocess:main",
             "rlhf-plot=rlhf.cli.plot:main",
             "rlhf-doctor=rlhf.cli.doctor:main",

@@ -85,6 +85,14 @@ class RolloutConfig:
     temperature: float = doc(1.0, "sampling temperature", ge=0)
     top_p: float = doc(1.0, "nucleus sampling threshold", gt=0, le=1)
     top_k: int = doc(-1, "top-k sampling; -1 disables", ge=-1)
+    sampling_seed: int | None = doc(
+        None,
+        "seed every sampled request: sample j of a prompt drawn as uid u (epoch:row) gets a "
+        "seed derived from (this, u, j), so a resumed run samples what the uninterrupted one "
+        "did (SGLang's sampling_seed; on CPU through rlhf's SGLang plugin, on GPU the servers "
+        "it launches run --enable-deterministic-inference); null: unseeded",
+        ge=0,
+    )
     tensor_model_parallel_size: int = doc(1, "TP size of each SGLang server", gt=0)
     gpu_memory_utilization: float = doc(
         0.6, "share of GPU memory SGLang may take (mem fraction)", gt=0, le=1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,8 +39,11 @@ from rlhf.rollout.server_group import ServerGroup
 class SamplingParams:
     """How to sample; `to_sglang()` gives SGLang's names.
 
-    `seed` is the base of per-sample seeds (sample j of prompt i uses seed + i*n + j);
-    SGLang honours `sampling_seed` only on servers run with deterministic inference.
+    `seed` is the base of per-sample seeds: with `prompt_keys` (what each prompt of the
+    call is, e.g. its uid) sample j of prompt i uses a hash of (seed, prompt_keys[i], j),
+    which no other prompt or draw shares; without, seed + i*n + j. SGLang honours
+    `sampling_seed` under deterministic inference, and on the CPU engine through
+    `rlhf.rollout.seeded_sampling`.
     """
 
     n: int = 1
@@ -50,6 +54,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     routed_experts: bool = False  # ask for each token's experts (rollout routing replay, R3)
+    prompt_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -79,7 +84,15 @@ class SamplingParams:
 
     def sample_seed(self, prompt: int, sample: int) -> int | None:
         """The seed of sample `sample` of prompt `prompt` (None without a base seed)."""
-        return None if self.seed is None else self.seed + prompt * self.n + sample
+        if self.seed is None:
+            return None
+        if self.prompt_keys:
+            return derived_seed(self.seed, self.prompt_keys[prompt], sample)
+        return self.seed + prompt * self.n + sample
+
+    def for_prompts(self, keys: list[str]) -> SamplingParams:
+        """These params for a call on prompts `keys` (seeded per prompt key when seeded)."""
+        return self if self.seed is None else dataclasses.replace(self, prompt_keys=tuple(keys))
 
     def to_sglang(self) -> dict[str, Any]:
         """The `sampling_params` object of SGLang's /generate."""
@@ -95,6 +108,14 @@ class SamplingParams:
         if self.seed is not None:
             params["sampling_seed"] = self.seed
         return params
+
+
+def derived_seed(seed: int, key: str, sample: int) -> int:
+    """A request seed in [0, 2^62) from (run seed, prompt key, sample index): a hash, so
+    that nearby inputs give unrelated seeds (headroom for the strides that later turns and
+    continued segments add)."""
+    digest = hashlib.blake2b(f"{seed}/{key}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,15 @@ class EvalResult:
 
 
 def eval_prompts(
-    cfg: RLHFConfig, data_files: list[str], tokenizer, tools: dict[str, Tool]
+    cfg: RLHFConfig,
+    data_files: list[str],
+    tokenizer,
+    tools: dict[str, Tool],
+    unscored_model_rows: bool = False,
 ) -> PromptDataset:
     """The prompts of `data_files` under the config's `data.*` length policy; rows whose
-    reward is a model need `reward.url` (no reward model runs here)."""
+    reward is a model need `reward.url` (no reward model runs here) unless
+    `unscored_model_rows` (their samples are then left unscored)."""
     data = cfg.data
     rows = read_prompt_rows(
         data_files,
@@ -59,7 +64,7 @@ def eval_prompts(
     if cfg.reward.model_scores_every_row:
         rows = [r.scored_by_model() for r in rows]
     model_rows = [r for r in rows if r.style == "model"]
-    if model_rows and not cfg.reward.url:
+    if model_rows and not cfg.reward.url and not unscored_model_rows:
         first = model_rows[0]
         raise ConfigError(
             f"{first.file}: {len(model_rows)} rows have reward_model.style=model (the first is "

@@ -123,19 +123,22 @@ def sampling_params(cfg: RLHFConfig) -> SamplingParams:
     """Training sampling: `actor_rollout_ref.rollout` and `data.max_response_length`; the
     routed experts come back with rollout routing replay (`router_replay.mode=R3`)."""
     aro = cfg.actor_rollout_ref
-    params = SamplingParams.from_config(aro.rollout, cfg.data.max_response_length)
+    max_tokens = cfg.data.max_response_length
+    params = SamplingParams.from_config(aro.rollout, max_tokens, aro.rollout.sampling_seed)
     return dataclasses.replace(params, routed_experts=aro.actor.router_replay.mode == "R3")
 
 
 def val_sampling_params(cfg: RLHFConfig) -> SamplingParams:
     """Validation sampling (`rollout.val_kwargs`); greedy unless do_sample."""
-    kw = cfg.actor_rollout_ref.rollout.val_kwargs
+    rollout = cfg.actor_rollout_ref.rollout
+    kw = rollout.val_kwargs
     return SamplingParams(
         n=kw.n,
         temperature=kw.temperature if kw.do_sample else 0.0,
         top_p=kw.top_p if kw.do_sample else 1.0,
         top_k=kw.top_k if kw.do_sample else -1,
         max_new_tokens=cfg.data.max_response_length,
+        seed=rollout.sampling_seed if kw.do_sample else None,
     )
 
 
@@ -171,6 +174,7 @@ def generate_and_score(
     samples cut by a pause are finished under the weights that follow it, and each
     records the versions of its tokens.
     """
+    params = params.for_prompts(uids)  # seeded requests: each prompt's seeds from its uid
     samples, conversations = generate_samples(engine, prompts, params, multi_turn, pauses)
     start = time.perf_counter()
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]

@@ -1,4 +1,4 @@
-"""An SGLang general plugin for the servers this project launches; three jobs.
+"""An SGLang general plugin for the servers this project launches; four jobs.
 
 1. The torch.distributed stores SGLang's processes host listen on their given host only,
    not on every interface. SGLang's scheduler joins its process group with
@@ -17,6 +17,9 @@
    `ALLOC_MEMORY_FUNCS[device]`, which has no "cpu" entry and falls back to registering
    the memory with CUDA ("Found no NVIDIA driver" at startup); "cpu" gets an unpinned
    allocation here (`cpu_host_alloc`).
+4. On the CPU engine: requests with a `sampling_seed` are sampled with it
+   (`rlhf.rollout.seeded_sampling`: SGLang's own seeded Gumbel-max sampler, which it runs
+   only under `--enable-deterministic-inference`, a mode that refuses the CPU backends).
 
 SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
 the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the
@@ -44,10 +47,30 @@ def register() -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register(GATE_KERNEL, gate_sigmoid_mul, HookType.REPLACE)
+        _seeded_sampling(HookRegistry, HookType)
     if not torch.cuda.is_available():
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 
         ALLOC_MEMORY_FUNCS["cpu"] = cpu_host_alloc
+
+
+SAMPLER = "sglang.srt.layers.sampler."
+BATCH_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo."
+
+
+def _seeded_sampling(registry, hook_type) -> None:
+    """Requests' `sampling_seed` honoured on the CPU engine (`rlhf.rollout.seeded_sampling`)."""
+    from rlhf.rollout import seeded_sampling as seeded
+
+    registry.register(SAMPLER + "multinomial_with_seed", seeded.seeded_argmax, hook_type.REPLACE)
+    registry.register(
+        SAMPLER + "top_k_top_p_min_p_sampling_from_probs_torch",
+        seeded.seeded_top_k_top_p,
+        hook_type.AROUND,
+    )
+    registry.register(
+        BATCH_INFO + "adjusted_from_schedule_batch", seeded.add_request_seeds, hook_type.REPLACE
+    )
 
 
 def cpu_host_alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):

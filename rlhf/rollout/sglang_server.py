@@ -112,6 +112,8 @@ def build_server_args(
             )
     elif rollout.free_cache_engine:  # GPU: weights and KV cache can be released (sleep/wake)
         argv += ["--enable-memory-saver"]
+    if device != "cpu" and rollout.sampling_seed is not None:  # GPU SGLang seeds only then
+        argv += ["--enable-deterministic-inference"]
     if max_total_tokens is not None:
         argv += ["--max-total-tokens", str(max_total_tokens)]
     if base_gpu_id is not None:

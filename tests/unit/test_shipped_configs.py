@@ -10,6 +10,7 @@ import json
 import pytest
 
 from rlhf.config import ConfigError, load_config, validate_config
+from rlhf.config.reward_training import RewardModelRunConfig, validate_reward_training
 from rlhf.memory.planner import (
     DTYPE_BYTES,
     GIB,
@@ -21,7 +22,11 @@ from rlhf.memory.planner import (
 from rlhf.models.families import arch_from_hf_config
 from tests.helpers import REPO
 
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+# rlhf-train-rm's configs (their own tree, rlhf.config.reward_training); the rest are rlhf-train's
+REWARD_MODEL_CONFIGS = ["quickstart_rm_cpu"]
+CONFIGS = [
+    p for p in sorted((REPO / "configs").glob("*.yaml")) if p.stem not in REWARD_MODEL_CONFIGS
+]
 
 
 def test_configs_exist():
@@ -35,6 +40,12 @@ def test_config_validates_for_its_world(path):
     cfg = load_config(path)
     layout = validate_config(cfg)
     assert layout.world_size == cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+@pytest.mark.parametrize("name", REWARD_MODEL_CONFIGS)
+def test_reward_model_config_validates(name):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml", schema=RewardModelRunConfig)
+    assert validate_reward_training(cfg).world_size == cfg.trainer.n_gpus_per_node
 
 
 @pytest.mark.parametrize("name", ["gsm8k_qwen2.5-0.5b_1gpu", "gsm8k_8gpu", "gsm8k_2node"])
