@@ -13,8 +13,9 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from rlhf.checkpoint.background import CheckpointWriterError
 from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock, RunDirUnusable
@@ -73,28 +74,30 @@ def resolve(args: argparse.Namespace) -> RLHFConfig:
 def run(cfg: RLHFConfig) -> Path:
     """Lock the run directory (main rank), check the config against the launched world and
     the model, bootstrap, then train."""
-    run_dir = Path(cfg.trainer.default_local_dir)
+    return locked(Path(cfg.trainer.default_local_dir), _run, cfg)
+
+
+def locked(run_dir: Path, body: Callable[[Any, Path], Path], cfg: Any) -> Path:
+    """`body(cfg, run_dir)` with the run directory locked by the main rank (one run at a
+    time writes into it: `rlhf.checkpoint.run_lock`)."""
     lock = RunDirLock(run_dir).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
     try:
-        return _run(cfg, run_dir)
+        return body(cfg, run_dir)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
+def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
+    """This rank's `ParallelContext` for a checked `ParallelLayout` (`device`: the config's
+    trainer.device); CPU ranks share the node's cores first (`rlhf.utils.cpu_threads`)."""
     from rlhf.distributed import bootstrap
-    from rlhf.trainer.ppo_trainer import PPOTrainer
-    from rlhf.trainer.setup import load_policy_arch
     from rlhf.utils import share_cpu_cores
 
-    world = bootstrap.launched_world_size() or 1
-    arch = load_policy_arch(cfg)  # every model directory checked, once
-    layout = validate_config(cfg, world, arch)
-    if bootstrap.pick_device(cfg.trainer.device).type == "cpu":  # rlhf.utils.cpu_threads
+    if bootstrap.pick_device(device).type == "cpu":
         share_cpu_cores(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    ctx = bootstrap.init_parallel(
-        cfg.trainer.device,
+    return bootstrap.init_parallel(
+        device,
         tp_size=layout.tp_size,
         pp_size=layout.pp_size,
         sp_size=layout.sp_size,
@@ -102,6 +105,17 @@ def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
         etp_size=layout.etp_size,
         sequence_parallel=layout.sequence_parallel,
     )
+
+
+def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
+    from rlhf.distributed import bootstrap
+    from rlhf.trainer.ppo_trainer import PPOTrainer
+    from rlhf.trainer.setup import load_policy_arch
+
+    world = bootstrap.launched_world_size() or 1
+    arch = load_policy_arch(cfg)  # every model directory checked, once
+    layout = validate_config(cfg, world, arch)
+    ctx = bootstrap_layout(cfg.trainer.device, layout, world)
     trainer = None
     try:
         bootstrap.seed_everything(cfg.actor_rollout_ref.actor.megatron.seed)

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-from rlhf.checkpoint.run_lock import RunDirLock
-from rlhf.cli.train import USER_ERRORS
+from rlhf.cli.train import USER_ERRORS, bootstrap_layout, locked
 from rlhf.config import ConfigError, dump_yaml, load_config
 from rlhf.config.reward_training import RewardModelRunConfig, validate_reward_training
 
@@ -27,13 +25,7 @@ log = logging.getLogger("rlhf.cli.train_rm")
 
 def run(cfg: RewardModelRunConfig) -> Path:
     """Lock the run directory (main rank), check the model, bootstrap, train, export."""
-    run_dir = Path(cfg.trainer.default_local_dir)
-    lock = RunDirLock(run_dir).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
-    try:
-        return _run(cfg, run_dir)
-    finally:
-        if lock is not None:
-            lock.release()
+    return locked(Path(cfg.trainer.default_local_dir), _run, cfg)
 
 
 def _run(cfg: RewardModelRunConfig, run_dir: Path) -> Path:
@@ -42,7 +34,6 @@ def _run(cfg: RewardModelRunConfig, run_dir: Path) -> Path:
     from rlhf.models.model_dir import check_model_dir
     from rlhf.trainer.reward_training import EXPORT_DIR, RewardModelTrainer
     from rlhf.trainer.setup import check_experts
-    from rlhf.utils import share_cpu_cores
 
     world = bootstrap.launched_world_size() or 1
     arch = check_model_dir(cfg.model.path, "model.path")
@@ -55,17 +46,7 @@ def _run(cfg: RewardModelRunConfig, run_dir: Path) -> Path:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     layout = validate_reward_training(cfg, world, arch)
-    if bootstrap.pick_device(cfg.trainer.device).type == "cpu":
-        share_cpu_cores(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    ctx = bootstrap.init_parallel(
-        cfg.trainer.device,
-        tp_size=layout.tp_size,
-        pp_size=layout.pp_size,
-        sp_size=layout.sp_size,
-        ep_size=layout.ep_size,
-        etp_size=layout.etp_size,
-        sequence_parallel=layout.sequence_parallel,
-    )
+    ctx = bootstrap_layout(cfg.trainer.device, layout, world)
     trainer = None
     try:
         bootstrap.seed_everything(cfg.model.megatron.seed)

@@ -349,8 +349,8 @@ class MicroBatchPlanner:
     ) -> list[MicroBatch]:
         """This rank's micro-batches of one mini-batch whose `units` (lists of sample ids, e.g.
         the two sides of a preference pair) are never split between micro-batches or ranks:
-        token-budget micro-batches of whole units, balanced over the DP ranks (their count a
-        multiple of the DP size)."""
+        token-budget micro-batches of whole units, balanced over the DP ranks (the number of
+        units a multiple of the DP size)."""
         multiple, lengths = self.row_multiple, batch.sequence_lengths
         unit_lengths = [sum(round_up(lengths[i], multiple) for i in unit) for unit in units]
         micro = plan_micro_batches(

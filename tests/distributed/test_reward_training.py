@@ -1,6 +1,6 @@
 """`rlhf-train-rm` end to end on gloo ranks: the exported reward model scores as transformers'
-`*ForSequenceClassification` does, DP2 and TP2 train the same model as one rank, and a run
-resumed from a checkpoint goes on exactly as the uninterrupted one."""
+`*ForSequenceClassification` does, DP2, TP2, PP2 and Ulysses SP2 train the same model as one
+rank, and a run resumed from a checkpoint goes on exactly as the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -96,21 +96,28 @@ def test_exported_reward_model_scores_as_transformers(one_rank, pairs_dir):
 
 @pytest.mark.parametrize(
     ("nproc", "layout"),
-    [(2, []), (2, ["model.megatron.tensor_model_parallel_size=2"])],
-    ids=["dp2", "tp2"],
+    [
+        (2, []),
+        (2, ["model.megatron.tensor_model_parallel_size=2"]),
+        (2, ["model.megatron.pipeline_model_parallel_size=2"]),
+        (2, ["model.ulysses_sequence_parallel_size=2"]),
+    ],
+    ids=["dp2", "tp2", "pp2", "sp2"],
 )
 def test_layouts_train_as_one_rank(one_rank, pairs_dir, tiny_qwen2_dir, tmp_path, nproc, layout):
     run = train_rm(pairs_dir, tiny_qwen2_dir, tmp_path / "run", nproc, *layout)
     expected, got = metrics_by_step(one_rank), metrics_by_step(run)
+    # Step 1 starts from the same weights: only the order of the sums differs. TP, PP and SP
+    # then split the matmuls' sums (float32 reassociation) and Adam's normalisation carries
+    # that into the weights: by step 4 the metrics differ by up to ~2e-4 relative (measured
+    # at TP2 and SP2); a lost pair or reduction moves them by 1e-1 from step 1 on
     for step in range(1, STEPS + 1):
+        rel, abs_ = (1e-5, 1e-6) if step == 1 else (1e-3, 1e-4)
         for key in COMPARED:
-            assert got[step][key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-5), (
+            assert got[step][key] == pytest.approx(expected[step][key], rel=rel, abs=abs_), (
                 step,
                 key,
             )
-    # TP splits the matmuls' sums (float32 reassociation) and Adam's normalisation carries
-    # that into the weights: after 4 steps the held-out scores differ by ~2e-4 relative
-    # (measured at TP2); a lost pair or reduction moves them by 1e-1
     for key in VALIDATION:
         assert got[STEPS][key] == pytest.approx(expected[STEPS][key], rel=1e-3, abs=1e-4), key
 

@@ -43,6 +43,10 @@ CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 ROLES = ("actor_rollout_ref.actor", "critic")
 # Timing and throughput differ between runs; everything else must not.
 VOLATILE = ("timing_s/", "perf/throughput", "perf/mfu")
+# Measured from the engine's log-probs, which SGLang computes in batched matrix products whose
+# float rounding depends on what shares the batch (up to ~5e-7 a token, measured; the
+# mismatch KL is a mean of such differences, ~1e-8): equal to 1e-7, not bit for bit.
+ENGINE_LOGPROB = ("rollout_corr/", "rollout/logprob_diff")
 REQUIRED = [
     "actor/pg_loss",
     "actor/pg_clipfrac",
@@ -197,7 +201,8 @@ def test_killed_run_keeps_its_rows_resumes_and_matches_uninterrupted(
         for key, value in reference_run[step].items():
             if key.startswith(VOLATILE):
                 continue
-            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, key)
+            tolerance = 1e-7 if key.startswith(ENGINE_LOGPROB) else 1e-9
+            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=tolerance), (step, key)
     assert (
         reference_run[4]["actor/reward_kl_penalty_coeff"]
         != reference_run[1]["actor/reward_kl_penalty_coeff"]

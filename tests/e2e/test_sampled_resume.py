@@ -1,5 +1,5 @@
 """Exact resume of a sampled run: temperature 1 with `rollout.sampling_seed`, killed as it
-publishes its step-2 checkpoint and resumed, logs the rollouts and metrics of the
+publishes its step-2 checkpoint and resumed, logs the step-3 rollouts and metrics of the
 uninterrupted run.
 
 Each request carries a seed derived from (sampling_seed, the prompt's uid epoch:row, sample
@@ -36,26 +36,24 @@ def test_sampled_run_resumed_after_a_kill_logs_the_uninterrupted_run(
 ):
     data = write_quickstart_data(tmp_path / "data", num_train=32, num_val=8)
     whole = tmp_path / "uninterrupted"
-    run_train(ppo_overrides(tiny_qwen2_dir, data, whole, 4, *SAMPLED, server=sglang_server), whole)
+    run_train(ppo_overrides(tiny_qwen2_dir, data, whole, 3, *SAMPLED, server=sglang_server), whole)
     resumed = tmp_path / "resumed"
-    args = ppo_overrides(tiny_qwen2_dir, data, resumed, 4, *SAMPLED, server=sglang_server)
+    args = ppo_overrides(tiny_qwen2_dir, data, resumed, 3, *SAMPLED, server=sglang_server)
     kill_after_publishing(args, resumed, step=2)
     assert "resumed from" in run_train(args, resumed)
 
-    for step in (3, 4):
-        expected, got = stored(whole, step), stored(resumed, step)
-        assert [s[:3] for s in got] == [s[:3] for s in expected]  # uids, tokens, scores
-        for (*_, lp_got), (*_, lp_expected) in zip(got, expected):
-            assert lp_got == pytest.approx(lp_expected, abs=1e-5)
+    expected, got = stored(whole, 3), stored(resumed, 3)
+    assert [s[:3] for s in got] == [s[:3] for s in expected]  # uids, tokens, scores
+    for (*_, lp_got), (*_, lp_expected) in zip(got, expected):
+        assert lp_got == pytest.approx(lp_expected, abs=1e-5)
     groups: dict[str, set] = {}
-    for uid, tokens, *_ in stored(whole, 3):
+    for uid, tokens, *_ in expected:
         groups.setdefault(uid, set()).add(tuple(tokens))
     assert max(len(g) for g in groups.values()) > 1  # sampled: a prompt's answers differ
 
     rows, reference = metrics_by_step(resumed), metrics_by_step(whole)
-    assert sorted(rows) == sorted(reference) == [0, 1, 2, 3, 4]
-    for step in (3, 4):
-        for key, value in reference[step].items():
-            if not key.startswith(VOLATILE):
-                assert rows[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
-    assert "val/test_score/all" in rows[4]  # sampled validation, seeded too
+    assert sorted(rows) == sorted(reference) == [0, 1, 2, 3]
+    for key, value in reference[3].items():
+        if not key.startswith(VOLATILE):
+            assert rows[3][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert "val/test_score/all" in rows[3]  # sampled validation (at the end), seeded too
