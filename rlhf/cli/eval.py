@@ -21,6 +21,7 @@ import json
 import logging
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from rlhf.checkpoint.manager import find_latest
@@ -160,19 +161,24 @@ def run(args: argparse.Namespace, cfg: RLHFConfig) -> dict:
     return report
 
 
+def exit_code(prog: str, body: Callable[[], object]) -> int:
+    """`body()` as a command that generates on SGLang (rlhf-eval, rlhf-rollout): 0; bad
+    inputs one line and 2; an unreachable server or reward endpoint one line and 1."""
+    try:
+        body()
+    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (GenerateError, TimeoutError, ConnectionError, RemoteRewardError, RuntimeError) as e:
+        print(f"{prog}: failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
-    try:
-        cfg = eval_config(args)
-        run(args, cfg)
-    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
-        print(f"rlhf-eval: error: {e}", file=sys.stderr)
-        return 2
-    except (GenerateError, TimeoutError, ConnectionError, RemoteRewardError, RuntimeError) as e:
-        print(f"rlhf-eval: failed: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_code("rlhf-eval", lambda: run(args, eval_config(args)))
 
 
 if __name__ == "__main__":

@@ -24,11 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlhf.cli.eval import policy_hf_dir
+from rlhf.cli.eval import exit_code, policy_hf_dir
 from rlhf.config import ConfigError, RLHFConfig, load_config
-from rlhf.data.parquet import DataError
-from rlhf.reward.remote import RemoteRewardError
-from rlhf.rollout.client import GenerateError
 
 AR = "actor_rollout_ref.rollout"
 
@@ -94,15 +91,7 @@ def run(args: argparse.Namespace, cfg: RLHFConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
-    try:
-        run(args, rollout_config(args))
-    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
-        print(f"rlhf-rollout: error: {e}", file=sys.stderr)
-        return 2
-    except (GenerateError, TimeoutError, ConnectionError, RemoteRewardError, RuntimeError) as e:
-        print(f"rlhf-rollout: failed: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_code("rlhf-rollout", lambda: run(args, rollout_config(args)))
 
 
 if __name__ == "__main__":
