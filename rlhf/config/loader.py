@@ -21,6 +21,7 @@ import yaml
 
 from rlhf.config.schema import RLHFConfig
 from rlhf.config.verl_keys import VERL_KEYS, VERL_SECTIONS, VerlKeyError, translate
+from rlhf.config.yaml_file import load_text, read_yaml
 
 
 class ConfigError(ValueError):
@@ -190,7 +191,7 @@ def _parse_text(text: str, tp: Any) -> Any:
     if text == "" and tp is not Any:
         return None
     try:
-        return yaml.safe_load(text)
+        return load_text(text)
     except yaml.YAMLError:
         return text
 
@@ -327,17 +328,18 @@ def load_config(
 ) -> Any:
     """Read YAML `path` (optional), apply `key=value` overrides, type-check and validate ranges.
 
+    The file is read strictly (`rlhf.config.yaml_file.read_yaml`): anchors, aliases and a
+    key given twice are refused, as are a directory and a file that is not UTF-8 text.
+
     `schema`: the config tree (`RLHFConfig` for rlhf-train; rlhf-train-rm has its own,
     `rlhf.config.reward_training`); verl's key names are translated for `RLHFConfig` only."""
     tree: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+            tree = read_yaml(path, "config file") or {}
+        except (OSError, ValueError) as e:  # one line each (rlhf.config.yaml_file)
+            raise ConfigError(str(e)) from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     keys = set(all_keys(schema))

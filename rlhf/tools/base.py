@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from rlhf.config.yaml_file import read_yaml
 
 ERROR, TIMEOUT = "error", "timeout"  # ToolResult.error kinds (metrics tool_calls/{errors,timeouts})
 JSON_TYPES = {
@@ -110,12 +110,7 @@ def load_tools(path: str | Path) -> dict[str, Tool]:
     """The tools of a tool config file by name; any mistake in it is a ValueError naming the
     file and the entry."""
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"tool config {path} does not exist") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"tool config {path}: not YAML ({e})") from None
+    doc = read_yaml(path, "tool config")  # no aliases, no key twice (rlhf.config.yaml_file)
     entries = doc.get("tools") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"tool config {path}: expected a non-empty list under 'tools'")

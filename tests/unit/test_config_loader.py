@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from rlhf.cli import train, train_rm
 from rlhf.config import ConfigError, dump_yaml, load_config
 from rlhf.config.loader import all_keys, nearest_key
+from rlhf.tools.base import load_tools
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
 
@@ -151,7 +155,7 @@ def test_out_of_range_values(override, message):
 def test_malformed_inputs(tmp_path):
     with pytest.raises(ConfigError, match="not of the form key=value"):
         load_config(None, ["data.seed"])
-    with pytest.raises(ConfigError, match="config file not found"):
+    with pytest.raises(ConfigError, match=r"missing\.yaml does not exist"):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("data: [1, 2\n")
@@ -186,3 +190,87 @@ def test_every_key_has_a_doc():
     walk(RLHFConfig)
     assert "algorithm.kl_ctrl.horizon" in all_keys()
     assert nearest_key("zzzzzz") is None
+
+
+def cli_error(capsys, path, main=train.main, prog="rlhf-train") -> str:
+    """The one line (after the prefix) the command prints for `--config path`; exit 2."""
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith(f"{prog}: config error: config file {path}"), err
+    return err[len(f"{prog}: config error: config file {path}") :].strip()
+
+
+def alias_bomb(levels: int) -> str:
+    """`levels` levels of nine aliases each: 9**levels strings once expanded. Issue 50 used
+    nine (120 s and 1.7 GB in the loader); six expand in well under a second, so a loader
+    that accepted aliases again fails this test quickly rather than swapping."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [alias_bomb(6), "trainer: &t\n  save_freq: 2\ndata:\n  seed: 3\n"],
+    ids=["alias-bomb", "one-anchor"],
+)
+def test_anchors_and_aliases_are_refused(capsys, tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    line = cli_error(capsys, path)
+    assert line.startswith(": line 1, column ") and "anchors and aliases (&" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (
+            "data:\n  seed: 1\ntrainer:\n  save_freq: 2\ndata:\n  seed: 3\n",
+            "'data' is given twice (lines 1 and 5)",
+        ),
+        (
+            "data:\n  seed: 1\n  max_prompt_length: 8\n  seed: 3\n",
+            "'seed' is given twice (lines 2 and 4)",
+        ),
+    ],
+    ids=["section", "nested-key"],
+)
+def test_a_key_given_twice_is_refused_naming_both_lines(capsys, tmp_path, text, where):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert where in cli_error(capsys, path, train_rm.main, "rlhf-train-rm")
+    assert where in cli_error(capsys, path)
+
+
+def test_a_binary_file_or_a_directory_is_one_line(capsys, tmp_path):
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\x08\x01\x00\x00" + bytes(range(256)))
+    assert cli_error(capsys, binary).startswith(": not a UTF-8 text file (byte 0x80 at offset 132)")
+    nul = tmp_path / "nul.yaml"
+    nul.write_bytes(b"data:\x00\n")
+    assert (
+        cli_error(capsys, nul, train_rm.main, "rlhf-train-rm")
+        == ": a binary file (NUL bytes), not YAML"
+    )
+    directory = tmp_path / "configs"
+    directory.mkdir()
+    assert cli_error(capsys, directory) == "is a directory, not a YAML file"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [1, 2\n")
+    assert cli_error(capsys, bad).startswith(": not valid YAML at line 2, column 1: ")
+
+
+def test_the_tool_config_is_read_as_strictly(tmp_path):
+    tool = "  - class_name: rlhf.tools.calculator.CalculatorTool\n    tool_schema: {}\n"
+    for text, message in [
+        ("tools:\n" + tool + "tools:\n" + tool, "'tools' is given twice (lines 1 and 4)"),
+        ("tools: &t\n" + tool + "again: *t\n", "anchors and aliases (&t)"),
+    ]:
+        path = tmp_path / "tools.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_tools(path)
+    with pytest.raises(ValueError, match="is a directory"):
+        load_tools(tmp_path)
