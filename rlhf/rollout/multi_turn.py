@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from rlhf.tools.parser import ToolCall, parse_tool_calls
 
 # one /generate for a conversation: (input ids, sampling params without n) -> one Generation
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[Generation]]
+log = logging.getLogger(__name__)
 TURN_SEED_STRIDE = 1 << 20  # seeds of a conversation's later turns stay clear of other samples'
 
 
@@ -60,7 +62,8 @@ class ToolCallRecord:
     turn: int
     name: str | None
     arguments: dict[str, Any] | None
-    result: str
+    result: str  # as the policy read it: cut to max_tool_response_length characters
+    result_chars: int  # the length of the tool's whole result
     error: str | None
     reward: float
     latency_s: float
@@ -160,6 +163,10 @@ class ToolMessages:
         return self.tokenizer.encode(text[len(self.prefix) :], add_special_tokens=False)
 
 
+def _described(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
+
+
 def truncate(text: str, limit: int, side: str) -> str:
     """`text` cut to `limit` characters on `side`, saying so."""
     if len(text) <= limit:
@@ -171,6 +178,13 @@ def truncate(text: str, limit: int, side: str) -> str:
         return text[:limit] + note
     half = limit // 2
     return text[:half] + note + text[len(text) - (limit - half) :]
+
+
+@dataclass(frozen=True)
+class NotStarted:
+    """A tool whose `create` failed for a sample: each of its calls answers `result`."""
+
+    result: ToolResult
 
 
 class MultiTurnRollout:
@@ -190,12 +204,34 @@ class MultiTurnRollout:
         tools_kwargs: dict[str, Any],
     ) -> Conversation:
         """One conversation from `prompt_ids`; the tools' states come from `tools_kwargs`."""
-        states = {n: await t.create(tools_kwargs.get(n) or {}) for n, t in self.tools.items()}
+        states = {
+            n: await self._create(t, tools_kwargs.get(n) or {}) for n, t in self.tools.items()
+        }
         try:
             return await self._turns(generate, prompt_ids, sampling, states)
         finally:
             for name, state in states.items():
-                await self.tools[name].release(state)
+                if not isinstance(state, NotStarted):
+                    await self._release(self.tools[name], state)
+
+    async def _create(self, tool: Tool, tools_kwargs: dict[str, Any]) -> Any:
+        """The tool's state for this sample, or NotStarted: a row's arguments that the tool
+        cannot take must not end the run."""
+        timeout_s = self.settings.tool_timeout_s
+        try:
+            return await asyncio.wait_for(tool.create(tools_kwargs), timeout_s)
+        except TimeoutError:
+            message = f"{tool.name} did not start within {timeout_s:g} s"
+            return NotStarted(ToolResult.failed(message, TIMEOUT))
+        except Exception as e:
+            return NotStarted(ToolResult.failed(f"{tool.name} could not start: {_described(e)}"))
+
+    @staticmethod
+    async def _release(tool: Tool, state: Any) -> None:
+        try:
+            await tool.release(state)
+        except Exception as e:  # the conversation is done; its samples stay good
+            log.warning("tool %s: release failed: %s", tool.name, _described(e))
 
     async def _turns(self, generate, prompt_ids, sampling, states) -> Conversation:
         s, conv = self.settings, Conversation(list(prompt_ids))
@@ -217,39 +253,43 @@ class MultiTurnRollout:
             if conv.turns >= s.max_assistant_turns or conv.turns > s.max_user_turns:
                 conv.finish_reason = "max_turns"
                 return conv
-            results = await self._call_tools(calls, states, conv)
-            texts = [
-                truncate(r.text, s.max_tool_response_length, s.tool_response_truncate_side)
-                for r in results
-            ]
+            texts = await self._call_tools(calls, states, conv)
             tool_ids = self.messages.ids(texts)
             if len(conv.response_ids) + len(tool_ids) >= s.max_response_length:
                 conv.finish_reason = "length"  # no room for the results and another turn
                 return conv
             conv.append(tool_ids, policy=False)
 
-    async def _call_tools(
-        self, calls: list[ToolCall], states, conv: Conversation
-    ) -> list[ToolResult]:
-        limit = self.settings.max_parallel_calls
+    async def _call_tools(self, calls: list[ToolCall], states, conv: Conversation) -> list[str]:
+        """Runs the turn's calls and records them; returns the texts the policy reads, each
+        cut to `max_tool_response_length` characters (the record keeps that text too)."""
+        s = self.settings
+        limit = s.max_parallel_calls
         ran = calls[:limit]
         results = list(await asyncio.gather(*(self._call(c, states) for c in ran)))
-        for call, (result, latency) in zip(ran, results):
-            conv.tool_calls.append(
-                ToolCallRecord(
-                    conv.turns,
-                    call.name,
-                    call.arguments,
-                    result.text,
-                    result.error,
-                    result.reward,
-                    latency,
-                )
-            )
         skipped = [
-            ToolResult.failed(f"at most {limit} tool calls run per turn") for _ in calls[limit:]
+            (ToolResult.failed(f"at most {limit} tool calls run per turn"), 0.0)
+            for _ in calls[limit:]
         ]
-        return [r for r, _ in results] + skipped
+        texts = []
+        for i, (result, latency) in enumerate(results + skipped):
+            text = truncate(result.text, s.max_tool_response_length, s.tool_response_truncate_side)
+            texts.append(text)
+            if i < len(ran):
+                call = ran[i]
+                conv.tool_calls.append(
+                    ToolCallRecord(
+                        conv.turns,
+                        call.name,
+                        call.arguments,
+                        text,
+                        len(result.text),
+                        result.error,
+                        result.reward,
+                        latency,
+                    )
+                )
+        return texts
 
     async def _call(self, call: ToolCall, states) -> tuple[ToolResult, float]:
         start = time.perf_counter()
@@ -267,14 +307,17 @@ class MultiTurnRollout:
         problem = tool.check_arguments(call.arguments)
         if problem is not None:
             return ToolResult.failed(problem)
+        state = states[tool.name]
+        if isinstance(state, NotStarted):
+            return state.result
         timeout_s = self.settings.tool_timeout_s
         try:
-            execution = tool.execute(states[tool.name], call.arguments or {})
+            execution = tool.execute(state, call.arguments or {})
             result = await asyncio.wait_for(execution, timeout_s)
         except TimeoutError:
             return ToolResult.failed(f"{tool.name} did not answer within {timeout_s:g} s", TIMEOUT)
         except Exception as e:  # a tool's bug must not end the run: the policy reads it
-            return ToolResult.failed(f"{tool.name} failed: {type(e).__name__}: {e}"[:500])
+            return ToolResult.failed(f"{tool.name} failed: {_described(e)}")
         if not isinstance(result, ToolResult) or not isinstance(result.text, str):
             return ToolResult.failed(f"{tool.name} returned {type(result).__name__}, not text")
         return result

@@ -8,7 +8,8 @@ policy to read (rendered as a tool message) and an optional step reward.
 
 A call never raises into the rollout: arguments that do not fit the schema, an exception in
 the tool, a timeout or a result that is not text become a `ToolResult` whose `error` says
-which (`error` / `timeout`) and whose text tells the policy what went wrong.
+which (`error` / `timeout`) and whose text tells the policy what went wrong. A `create` that
+raises or hangs makes every call of that tool in the sample answer with that error.
 
 The config file (`actor_rollout_ref.rollout.multi_turn.tool_config_path`) uses verl's layout:
 

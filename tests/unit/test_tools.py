@@ -163,6 +163,14 @@ def test_well_formed_calls_parse_as_sglang_parses_them(text):
         ('<tool_call>{"arguments": {}}</tool_call>', 'must be {"name"'),
         ('<tool_call>{"name": "c", "arguments": [1]}</tool_call>', "must be a JSON object"),
         ('<tool_call>{"name": "c", "arguments": {"expression": "1"', "cut off"),
+        # hostile output: json.loads raises RecursionError / ValueError, not JSONDecodeError
+        ("<tool_call>" + "[" * 3000 + "</tool_call>", "nested too deeply"),
+        ('<tool_call>{"name": "c", "arguments": "' + "[" * 3000 + '"}</tool_call>', "too deeply"),
+        ('<tool_call>{"name": "c", "arguments": {"x": ' + "9" * 5000 + "}}</tool_call>", "digits"),
+        (
+            '<tool_call>{"name": "c", "arguments": {"x": ' + "[" * 40 + "]" * 40 + "}}</tool_call>",
+            "nest deeper than 32",
+        ),
     ],
 )
 def test_malformed_calls_come_back_with_the_reason(text, error):
