@@ -15,6 +15,7 @@
 #                 this host's name; needs RLHF_SGLANG_API_KEY)
 #   RLHF_SGLANG_API_KEY  key the servers and the router require (Authorization: Bearer);
 #                 export the same value for the trainer. Required unless HOST is loopback.
+#                 They read it from the environment, never from their command line.
 #   DEVICE        cuda | cpu [cuda if nvidia-smi lists a GPU, else cpu]
 #   DTYPE         float32 | bfloat16 | float16 [bfloat16 on cuda, float32 on cpu]
 #   MEM_FRACTION  share of GPU memory SGLang may take [0.85]

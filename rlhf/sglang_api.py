@@ -7,11 +7,12 @@ sits below both `rlhf.rollout` (which owns the servers) and `rlhf.weight_sync` (
 weights into them).
 
 Authentication: a server bound to a reachable address would let anyone load weights into
-it (`update_weights_from_disk`, ...), so servers and the router are started with SGLang's
-`--api-key` whenever `RLHF_SGLANG_API_KEY` is set, and every request here and in
-`rlhf.rollout.client` sends it as `Authorization: Bearer <key>`. SGLang then refuses every
-route but /health*, /ready* and /metrics* without it (401). A run that launches its own
-servers sets a random key for itself when none is given (`ensure_api_key`).
+it (`update_weights_from_disk`, ...), so servers and the router are given SGLang's
+`--api-key` whenever `RLHF_SGLANG_API_KEY` is set (inside their process, from the
+environment: `rlhf.rollout.keyed_launch`; never on their command line), and every request
+here and in `rlhf.rollout.client` sends it as `Authorization: Bearer <key>`. SGLang then
+refuses every route but /health*, /ready* and /metrics* without it (401). A run that
+launches its own servers sets a random key for itself when none is given (`ensure_api_key`).
 """
 
 from __future__ import annotations

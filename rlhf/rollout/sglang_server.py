@@ -1,7 +1,9 @@
 """Launch, health-check and stop SGLang server (and sglang-router) processes.
 
 `build_server_args` is the one place that turns our config into SGLang's command line, and
-`build_router_args` the one place for sglang-router's.
+`build_router_args` the one place for sglang-router's. Both run through
+`rlhf.rollout.keyed_launch`, which gives them the API key from the environment, never on the
+command line (where any local user reads it).
 Each server runs in its own process group with its log in the run directory; stopping it
 kills the whole group (scheduler and detokenizer subprocesses included), and every server
 still running is stopped when this process exits.
@@ -34,6 +36,8 @@ from rlhf.utils import die_with_parent
 log = logging.getLogger(__name__)
 
 CPU_SHIM_DIR = Path(__file__).parent / "cpu_shims"
+# `python -m MODULE` with `--api-key` from RLHF_SGLANG_API_KEY added inside the process
+KEYED_LAUNCH = (sys.executable, "-m", "rlhf.rollout.keyed_launch")
 _RUNNING: set[SGLangServer] = set()
 
 
@@ -72,8 +76,7 @@ def build_server_args(
     `cpu_threads`: the server's OpenMP threads on CPU (`rlhf.utils.cpu_threads`).
     """
     argv = [
-        sys.executable,
-        "-m",
+        *KEYED_LAUNCH,
         "sglang.launch_server",
         "--model-path",
         str(model_path),
@@ -118,7 +121,6 @@ def build_server_args(
         argv += ["--max-total-tokens", str(max_total_tokens)]
     if base_gpu_id is not None:
         argv += ["--base-gpu-id", str(base_gpu_id)]
-    argv += _api_key_args()
     argv += server_argv(rollout.engine_kwargs.sglang)  # the user's, last
     return ServerLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
 
@@ -137,8 +139,7 @@ def build_router_args(
     router's circuit breaker is off since the server group restarts dead workers itself.
     """
     argv = [
-        sys.executable,
-        "-m",
+        *KEYED_LAUNCH,
         "sglang_router.launch_router",
         "--worker-urls",
         *worker_urls,
@@ -159,24 +160,16 @@ def build_router_args(
         "--disable-circuit-breaker",
         "--shutdown-grace-period-secs",
         "5",
-        *_api_key_args(),  # the router requires it from clients and sends it to workers
-    ]
+    ]  # with a key, the router requires it from clients and sends it to workers
     return ServerLaunch(argv=argv, env={}, url=f"http://{host}:{port}")
 
 
-def _api_key_args() -> list[str]:
-    """`--api-key=KEY` when the run has a key (`sglang_api.API_KEY_ENV`), else nothing (one
-    argument: a random key may start with '-', which argparse would take for an option).
-
-    SGLang's server and sglang-router take the same flag: each then answers 401 to every
-    request without `Authorization: Bearer KEY` except /health; the router also sends it to
-    its workers. The key is visible in the process list to users of the same machine."""
-    key = sglang_api.api_key()
-    return [f"--api-key={key}"] if key else []
-
-
-def _has_api_key(argv: list[str]) -> bool:
-    return any(a == "--api-key" or a.startswith("--api-key=") for a in argv)
+def _has_api_key(launch: ServerLaunch) -> bool:
+    """Whether the process gets an API key: from the environment it inherits
+    (`keyed_launch`), or on its command line (a launch built elsewhere)."""
+    env = {**os.environ, **launch.env}
+    on_command_line = any(a == "--api-key" or a.startswith("--api-key=") for a in launch.argv)
+    return bool(env.get(sglang_api.API_KEY_ENV)) or on_command_line
 
 
 def _open_log(path: Path, private: bool) -> BinaryIO:
@@ -202,7 +195,7 @@ class SGLangServer:
     def start(self) -> SGLangServer:
         self.shm_before = sglang_shm_files()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with _open_log(self.log_path, private=_has_api_key(self.launch.argv)) as log_file:
+        with _open_log(self.log_path, private=_has_api_key(self.launch)) as log_file:
             self.proc = subprocess.Popen(
                 self.launch.argv,
                 stdout=log_file,

@@ -1,10 +1,11 @@
 """Disaggregated servers, as a user runs them: `launch/sglang_servers.sh` starts a real SGLang
-CPU server behind an sglang-router with the run's API key, announces them on stdout once
-healthy, refuses requests without the key (server and router, generation and weight
-updates), serves the project's clients, which send it, and a whole `rlhf-train` run given
-the announced `rollout.server_urls` syncs its weights into the server through the
-distributed transport with the probe in tolerance; SIGTERM then stops everything the script
-started. (A server that cannot start: tests/e2e/test_launch_servers.py.)"""
+CPU server behind an sglang-router with the run's API key (from the environment, on no
+command line), announces them on stdout once healthy, refuses requests without the key
+(server and router, generation and weight updates), serves the project's clients, which
+send it, and a whole `rlhf-train` run given the announced `rollout.server_urls` syncs its
+weights into the server through the distributed transport with the probe in tolerance;
+SIGTERM then stops everything the script started. (A server that cannot start:
+tests/e2e/test_launch_servers.py.)"""
 
 from __future__ import annotations
 
@@ -122,6 +123,10 @@ def test_keyed_servers_from_the_launch_script_serve_a_run(tiny_qwen2_dir, tmp_pa
         assert (tmp_path / "logs" / "sglang_server_0.log").is_file()
         tree = [psutil.Process(script.pid), *psutil.Process(script.pid).children(recursive=True)]
         assert any("sglang.launch_server" in " ".join(p.cmdline()) for p in tree)
+        # the key reaches them by environment (rlhf.rollout.keyed_launch), not on a command
+        # line any local user reads; their logs, where SGLang writes it, are private
+        assert [p.cmdline() for p in tree if KEY in " ".join(p.cmdline())] == []
+        assert (tmp_path / "logs" / "sglang_server_0.log").stat().st_mode & 0o777 == 0o600
         check_keyed_servers(url, router)
         run_dir = train_on(override, tiny_qwen2_dir, tmp_path)
 

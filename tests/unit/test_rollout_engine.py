@@ -96,7 +96,7 @@ def test_router_command_line():
     urls = ["http://127.0.0.1:4001", "http://127.0.0.1:4002"]
     launch = build_router_args(urls, port=5000, metrics_port=5001, startup_timeout_s=60)
     argv = launch.argv
-    assert argv[1:3] == ["-m", "sglang_router.launch_router"]
+    assert argv[1:4] == ["-m", "rlhf.rollout.keyed_launch", "sglang_router.launch_router"]
     i = argv.index("--worker-urls")
     assert argv[i + 1 : i + 3] == urls
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
@@ -111,6 +111,6 @@ def test_router_flags_exist_in_installed_router():
     from sglang_router.launch_router import parse_router_args
 
     launch = build_router_args(["http://127.0.0.1:4001"], port=5000, metrics_port=5001)
-    args = parse_router_args(launch.argv[3:])
+    args = parse_router_args(launch.argv[4:])
     assert args.worker_urls == ["http://127.0.0.1:4001"]
     assert (args.port, args.prometheus_port, args.policy) == (5000, 5001, "round_robin")

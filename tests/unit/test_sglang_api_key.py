@@ -1,4 +1,6 @@
-"""Every request to SGLang carries the run's API key, and launched servers require it.
+"""Every request to SGLang carries the run's API key, and launched servers require it, given
+by environment and never on their command line (a real keyed SGLang server and router:
+tests/e2e/test_disaggregated_servers.py).
 
 A real HTTP server on 127.0.0.1 stands in for SGLang: like SGLang started with `--api-key`,
 it answers 401 to any route but /health without `Authorization: Bearer <key>`, and it
@@ -10,6 +12,8 @@ from __future__ import annotations
 import http.server
 import inspect
 import json
+import os
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -22,7 +26,7 @@ from rlhf.cli import launch_servers
 from rlhf.config.engine_args import server_argv
 from rlhf.config.loader import ConfigError
 from rlhf.config.schema import RolloutConfig
-from rlhf.rollout import engine
+from rlhf.rollout import engine, keyed_launch
 from rlhf.rollout.client import GenerateClient, GenerateError, generate, generate_payload
 from rlhf.rollout.sglang_server import (
     ServerLaunch,
@@ -30,6 +34,7 @@ from rlhf.rollout.sglang_server import (
     build_router_args,
     build_server_args,
 )
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.reliability
 
@@ -162,15 +167,39 @@ def test_a_wrong_key_is_refused(keyed_server, monkeypatch):
         sglang_api.weight_version(keyed_server)
 
 
-def test_launched_servers_and_router_get_the_key(monkeypatch):
+def test_launched_command_lines_hold_no_key(monkeypatch):
+    """Servers and the router get the key from the environment: `keyed_launch` adds
+    `--api-key=KEY` inside their process; their command lines (`ps`) never hold it."""
     monkeypatch.setenv(sglang_api.API_KEY_ENV, KEY)
     server = build_server_args(RolloutConfig(), "/m", port=1, device="cpu").argv
     router = build_router_args(["http://127.0.0.1:1"], port=2, metrics_port=3).argv
     for argv in (server, router):
-        assert f"--api-key={KEY}" in argv
+        assert not any(KEY in a or a.startswith("--api-key") for a in argv)
+        assert argv[1:3] == ["-m", "rlhf.rollout.keyed_launch"]
+        assert keyed_launch.module_argv(argv[3:]) == (argv[3], [*argv[4:], f"--api-key={KEY}"])
     monkeypatch.delenv(sglang_api.API_KEY_ENV)
-    assert "--api-key" not in build_server_args(RolloutConfig(), "/m", port=1, device="cpu").argv
-    assert "--api-key" not in build_router_args(["http://h:1"], port=2, metrics_port=3).argv
+    assert keyed_launch.module_argv(server[3:]) == (server[3], server[4:])  # no key: none
+
+
+def test_keyed_launch_runs_the_module_with_the_key_off_its_command_line(tmp_path):
+    """A real process: the module runs as `__main__` and sees `--api-key=KEY` in `sys.argv`,
+    while the command line the kernel shows other users has no key."""
+    probe = tmp_path / "argv_probe.py"
+    probe.write_text(
+        "import json, sys\n"
+        "cmdline = open('/proc/self/cmdline').read().split('\\0')\n"
+        "print(json.dumps([__name__, sys.argv[1:], cmdline]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    command = [sys.executable, "-m", "rlhf.rollout.keyed_launch", "argv_probe", "--x", "1"]
+    for key, added in ((KEY, [f"--api-key={KEY}"]), ("", [])):
+        out = subprocess.run(
+            command, env={**env, sglang_api.API_KEY_ENV: key}, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        name, argv, cmdline = json.loads(out.stdout)
+        assert (name, argv) == ("__main__", ["--x", "1", *added])
+        assert cmdline[1:6] == command[1:] and not any(KEY in a for a in cmdline)
 
 
 def test_a_run_that_launches_servers_makes_a_key_once(monkeypatch):
@@ -212,7 +241,8 @@ def test_reachable_host_without_a_key_is_refused(monkeypatch, capsys):
 
 def test_a_key_starting_with_a_dash_reaches_sglang_and_the_router(monkeypatch):
     """A random key (`ensure_api_key`) starts with '-' about once in 64 runs: SGLang's and
-    the router's own parsers read it back whole (as two arguments argparse refused it)."""
+    the router's own parsers read it back whole (as two arguments argparse refused it; so
+    does SGLang's `--config FILE`, which is why the key does not go through one)."""
     from sglang_router.launch_router import parse_router_args
 
     from rlhf.config.engine_args import _sglang_parser
@@ -220,10 +250,11 @@ def test_a_key_starting_with_a_dash_reaches_sglang_and_the_router(monkeypatch):
     key = "-dash-first-" + KEY
     monkeypatch.setenv(sglang_api.API_KEY_ENV, key)
     server = build_server_args(RolloutConfig(), "/m", port=1, device="cpu").argv
-    parsed, _ = _sglang_parser().parse_known_args(server[server.index("--model-path") :])
+    _, args = keyed_launch.module_argv(server[3:])
+    parsed, _ = _sglang_parser().parse_known_args(args)
     assert parsed.api_key == key
     router = build_router_args(["http://127.0.0.1:1"], port=2, metrics_port=3).argv
-    assert parse_router_args(router[3:]).api_key == key
+    assert parse_router_args(keyed_launch.module_argv(router[3:])[1]).api_key == key
 
 
 def test_the_key_cannot_be_set_as_an_engine_kwarg():
@@ -232,12 +263,21 @@ def test_the_key_cannot_be_set_as_an_engine_kwarg():
             server_argv({name: "x"})
 
 
-def test_a_keyed_server_log_is_private(tmp_path):
-    """SGLang logs its arguments, the key among them: only the run's user may read it."""
+def test_a_keyed_server_log_is_private(tmp_path, monkeypatch):
+    """SGLang logs its arguments, the key among them: only the run's user may read the log
+    of a server that gets a key (from the environment, or on a command line built
+    elsewhere)."""
+    monkeypatch.delenv(sglang_api.API_KEY_ENV, raising=False)
     sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
-    for argv, mode in ((sleep, 0o644), ([*sleep, f"--api-key={KEY}"], 0o600)):
-        log = tmp_path / f"{mode:o}.log"
+    keyed_env = {sglang_api.API_KEY_ENV: KEY}
+    cases = [
+        (sleep, {}, 0o644),
+        (sleep, keyed_env, 0o600),
+        ([*sleep, f"--api-key={KEY}"], {}, 0o600),
+    ]
+    for i, (argv, env, mode) in enumerate(cases):
+        log = tmp_path / f"{i}.log"
         log.write_text("an earlier start\n")
         log.chmod(0o644)
-        with SGLangServer(ServerLaunch(argv, {}, "http://127.0.0.1:1"), log).start():
+        with SGLangServer(ServerLaunch(argv, env, "http://127.0.0.1:1"), log).start():
             assert log.stat().st_mode & 0o777 == mode

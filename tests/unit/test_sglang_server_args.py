@@ -25,7 +25,7 @@ def test_config_maps_to_flags():
         rollout, "/models/m", port=3000, device="cuda", host="0.0.0.0", seed=5
     )
     argv = launch.argv
-    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert argv[1:4] == ["-m", "rlhf.rollout.keyed_launch", "sglang.launch_server"]
     assert flag(argv, "--model-path") == "/models/m"
     assert flag(argv, "--tp-size") == "2"
     assert flag(argv, "--mem-fraction-static") == "0.45"
