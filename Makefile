@@ -13,6 +13,7 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): requirements/cpu.in requirements/cpu.lock setup.py
+	@command -v bwrap >/dev/null || bash tools/install_bubblewrap.sh
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
 	$(PIP) install -q -c requirements/cpu.lock -r requirements/cpu.in
 	$(PIP) install -q --no-deps -c requirements/cpu.lock sglang

@@ -37,6 +37,7 @@ setup(
         "requests",
         "aiohttp",
         "math-verify",
+        "pyseccomp",
     ],
     extras_require={
         "gpu": requirement_names("requirements/gpu.txt"),
