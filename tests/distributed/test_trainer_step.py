@@ -19,7 +19,7 @@ from tests.distributed.workers.trainer_step import SCORES
 from tests.helpers import run_worker_layouts
 
 GSPO = ("gspo", "vanilla_gspo_settings")
-GRPO_LIKE = ("grpo", "dr_grpo", "grpo_tis", "grpo_seq_is", *GSPO)  # use_kl_in_reward=true
+GRPO_LIKE = ("grpo", "dr_grpo", "grpo_tis", "grpo_seq_is", "grpo_bypass", *GSPO)  # KL in reward
 BETA = 0.05  # algorithm.kl_ctrl.kl_coef in the worker
 GROUPS = [list(range(0, 4)), list(range(4, 8))]
 
@@ -259,6 +259,20 @@ def test_every_layout_takes_the_one_rank_steps(steps, layout_steps, layout, name
         assert other["metrics"][key] == pytest.approx(value, rel=2e-4, abs=1e-6), key
     torch.testing.assert_close(other["logprobs_after"], one["logprobs_after"], rtol=0, atol=2e-5)
     torch.testing.assert_close(other["advantages"], one["advantages"], rtol=0, atol=2e-5)
+
+
+def test_bypass_mode_takes_the_engines_logprobs_as_the_old_ones(steps):
+    """algorithm.rollout_correction.bypass_mode=true: the old log-probs the update and the
+    advantages use are the engine's, exactly; no old-log-prob forward runs and no mismatch
+    is measured. The actor's own log-probs (what ignoring bypass mode would take) differ."""
+    step, plain = steps["grpo_bypass"], steps["grpo"]
+    assert torch.equal(step["old_logprobs"], step["rollout_logprobs"])
+    assert "old_log_prob" not in step["stages"] and "old_log_prob" in plain["stages"]
+    assert not [key for key in step["metrics"] if key.startswith("rollout_corr/")]
+    assert (plain["old_logprobs"] - plain["rollout_logprobs"]).abs().max() > 0.1
+    torch.testing.assert_close(
+        step["advantages"], expected_advantages("grpo_bypass", step), rtol=1e-3, atol=1e-4
+    )
 
 
 def test_critic_warmup_trains_only_the_critic_first(steps):

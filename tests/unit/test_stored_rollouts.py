@@ -3,7 +3,8 @@
 The servers here are `test_step_batch`'s stand-in (scripted scores, every call recorded);
 the stored groups are hand-made. What is checked: each step takes exactly
 `stored_fraction` x `train_batch_size` stored groups (in its own sampler's order) and
-generates the rest, stored samples keep their ids and log-probs, missing rule scores are
+generates the rest, stored samples keep their ids, log-probs and response masks (tool
+tokens of multi-turn samples stay out of the policy's tokens), missing rule scores are
 computed by the reward function on the decoded text, the sampler state resumes both
 orders, and the config rules refuse what cannot run.
 """
@@ -64,12 +65,28 @@ def group(g: int) -> list[StoredSample]:
     ]
 
 
-def strategy(*overrides: str, fleet=None) -> MixedRollout:
+def tool_group(g: int) -> list[StoredSample]:
+    """Group g of a multi-turn file: a sample with 1 + g % 3 tool tokens (mask 0) between
+    its two turns, and a single-turn one written without a mask."""
+    tools = 1 + g % 3
+    base = dict(uid=f"0:{g}", prompt_ids=[1, g], data_source="arithmetic", score=1.0)
+    return [
+        StoredSample(
+            response_ids=[4, *[9] * tools, 12],
+            rollout_logprobs=[-1.0, *[0.0] * tools, -2.0],
+            response_mask=[1, *[0] * tools, 1],
+            **base,
+        ),
+        StoredSample(response_ids=[4, 12], rollout_logprobs=[-0.5, -0.25], **base),
+    ]
+
+
+def strategy(*overrides: str, fleet=None, make_group=group) -> MixedRollout:
     base = [f"data.train_batch_size={BATCH}", f"actor_rollout_ref.rollout.n={N}", FILES, TIS]
     cfg = load_config(None, [*base, *overrides])
     fresh = BATCH - round(cfg.data.stored_fraction * BATCH) or BATCH
     sampler = PromptSampler(PROMPTS, fresh, N, seed=cfg.data.seed)
-    groups = [group(g) for g in range(GROUPS)]
+    groups = [make_group(g) for g in range(GROUPS)]
     data = list(range(PROMPTS))
     return MixedRollout(fleet or Fleet(), sampler, data, cfg, None, groups, Tokenizer(), True)  # type: ignore[arg-type]
 
@@ -107,6 +124,24 @@ def test_all_stored_generates_nothing_and_the_state_resumes_both_orders():
     assert resumed.next_batch(2).batch.uids == expected
     rollout.close()
     resumed.close()
+
+
+@pytest.mark.parametrize("fraction", ["0.5", "1.0"])
+def test_stored_response_masks_reach_the_training_batch(fraction):
+    """Multi-turn stored samples keep their tool tokens out of the policy's tokens: the
+    batch's masks are the stored ones (all ones for a sample stored without one, and for
+    the generated samples), and the per-token log-probs skip the tool tokens."""
+    rollout = strategy(f"data.stored_fraction={fraction}", make_group=tool_group)
+    stored = round(float(fraction) * BATCH)
+    order = PromptSampler(GROUPS, stored, 1, seed=1).next_batch().prompt_indices
+    got = rollout.next_batch(1).batch
+    masks = [m for g in order for m in ([1, *[0] * (1 + g % 3), 1], [1, 1])]
+    assert got.response_masks == masks + [[1, 1]] * (got.size - len(masks))
+    assert got.policy_lengths[: len(masks)] == [2] * len(masks)
+    logprobs = got.rollout_logprobs_bt()
+    assert logprobs is not None
+    assert logprobs[: len(masks)].tolist() == [[-1.0, -2.0], [-0.5, -0.25]] * stored
+    rollout.close()
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ scores that differ within each prompt) goes twice through the real Megatron stag
 updates (two mini-batches x two epochs each). The second step is the one reported: by then
 the actor has left the reference, so the KL terms are not zero. Rank 0 writes, per variant:
 which models exist, the second step's log-probs before and after it, values, advantages,
-returns and metrics, and the KL coefficient before the first and after the second step.
+returns and metrics, the timer stages the second step ran (bypass mode runs no
+old-log-prob pass), and the KL coefficient before the first and after the second step.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ VARIANTS = {
         "algorithm.adv_estimator=grpo",
         "algorithm.rollout_correction.rollout_is=sequence",
         "algorithm.rollout_correction.rollout_is_threshold=1.5",
+    ],
+    # the engine's log-probs are the old ones; no old-log-prob forward
+    "grpo_bypass": [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.rollout_correction.bypass_mode=true",
     ],
     # step 1 trains only the critic, step 2 both (the trainer's actor_trains decides)
     "gae_critic_warmup": ["algorithm.adv_estimator=gae", "trainer.critic_warmup=1"],
@@ -108,7 +114,8 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
     kl_before = kl_ctrl.value
     learn_from_batch(models, batch, cfg, kl_ctrl, Timer(), actor_trains(cfg, 1))
-    learned = learn_from_batch(models, batch, cfg, kl_ctrl, Timer(), actor_trains(cfg, 2))
+    timer = Timer()
+    learned = learn_from_batch(models, batch, cfg, kl_ctrl, timer, actor_trains(cfg, 2))
     exp, metrics = learned.experience, learned.metrics
     after, _ = compute_logprobs(
         models.actor, batch, models.planner, models.budgets.actor, models.logprob_head
@@ -138,6 +145,7 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
         "probe_logprobs": probe,
         "kl_coef": (kl_before, kl_ctrl.value),
         "metrics": metrics,
+        "stages": sorted(timer.seconds),
         "synced": synced,
     }
 
