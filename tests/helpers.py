@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -93,8 +94,8 @@ def rlhf_train(
 
     stdout and stderr go to files in `log_dir` (train.out, train.err), not to pipes: a run
     that fed an SGLang server through the tensor transport leaves torch's shared-memory
-    manager behind for as long as that server lives (the session's shared server outlives
-    the run), and the manager holds the run's stdout and stderr open.
+    manager behind until its reaper stops it (rlhf.weight_sync.shm_reaper: once no server
+    maps the run's files), and the manager holds the run's stdout and stderr open.
     """
     launcher = torchrun_command(nproc, free_port()) if nproc > 1 else [sys.executable]
     cmd = [*launcher, "-m", "rlhf.cli.train", "--config", str(config), *args]
@@ -201,3 +202,25 @@ def small_filesystem(path: Path, size_kib: int, read_only: bool = False):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def torch_shm_state() -> tuple[set[int], set[Path]]:
+    """The torch_shm_manager processes on this machine and torch's files in /dev/shm."""
+    import psutil
+
+    managers = {
+        p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "torch_shm_manager"
+    }
+    return managers, set(Path("/dev/shm").glob("torch_*"))
+
+
+def shm_left_since(before: tuple[set[int], set[Path]], timeout_s: float = 30.0):
+    """What appeared since `before` and is still there `timeout_s` later (the reaper stops
+    a run's manager once no server maps its files): (managers, files)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        managers, files = torch_shm_state()
+        left = managers - before[0], files - before[1]
+        if not any(left) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)

@@ -32,6 +32,7 @@ from rlhf.models.families import ModelArch
 from rlhf.models.moe_arch import sglang_serving_problem
 from rlhf.rollout.sglang_plugin import ENV as ENV_BOUND_STORES
 from rlhf.utils import die_with_parent
+from rlhf.weight_sync.shm_reaper import mapped_files
 
 log = logging.getLogger(__name__)
 
@@ -287,28 +288,12 @@ def sglang_shm_files() -> set[Path]:
     return {p for p in SHM.iterdir() if p.name.startswith(SHM_PREFIXES)}
 
 
-def held_shm_files() -> set[Path]:
-    """The /dev/shm files some live process has mapped or open."""
-    held: set[Path] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            maps = (proc / "maps").read_text().splitlines()
-            paths = [line.split(maxsplit=5)[-1] for line in maps]
-            paths += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        held.update(Path(text) for text in paths if text.startswith(f"{SHM}/"))
-    return held
-
-
 def remove_unused_shm_files(before: set[Path]) -> None:
     """Unlink SGLang's /dev/shm files that appeared since `before` and that no live process
     uses: its processes die by SIGKILL, which skips SGLang's (and multiprocessing's) own
     unlinking, so every start used to leave some. A file in use (another server's) is kept;
     so is every file older than this server."""
-    for path in sglang_shm_files() - before - held_shm_files():
+    for path in sglang_shm_files() - before - mapped_files():
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 

@@ -30,6 +30,7 @@ from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
 from rlhf import sglang_api
 from rlhf.distributed.stores import bound_store
+from rlhf.weight_sync import shm_reaper
 from rlhf.weight_sync.gather import Bucket
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class TensorTransport:
     off, so one handle read by two receivers removes the file while it is still in use (the
     third receiver, or the next sync, then fails to open it). A server killed before it read
     its handle leaves the count one high: that file then stays until the run ends, when
-    torch's shm manager removes what the run created."""
+    the reaper (rlhf.weight_sync.shm_reaper) removes what the run created."""
 
     concurrent_deliveries = True
     deliver_while_packing = True
@@ -154,6 +155,7 @@ class TensorTransport:
             self._staging[turn] = None  # the old file goes when its last receiver lets it go
             storage = torch.UntypedStorage._new_shared(num_bytes)
             staging = self._staging[turn] = torch.empty(0, dtype=torch.uint8).set_(storage)
+            shm_reaper.reap_at_exit()  # its shm manager and files end with this process
         return staging[:num_bytes]
 
     def handles(self, packed: dict[str, Any]) -> list[str]:

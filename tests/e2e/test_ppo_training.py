@@ -37,7 +37,15 @@ import yaml
 from rlhf.quickstart.data import write_quickstart_data
 from rlhf.utils import free_port
 from tests.fake_slurm import sbatch_environment, write_stand_ins
-from tests.helpers import REPO, metrics_by_step, ppo_overrides, processes_on, torchrun_command
+from tests.helpers import (
+    REPO,
+    metrics_by_step,
+    ppo_overrides,
+    processes_on,
+    shm_left_since,
+    torch_shm_state,
+    torchrun_command,
+)
 
 CONFIG = str(REPO / "configs" / "quickstart_cpu.yaml")
 ROLES = ("actor_rollout_ref.actor", "critic")
@@ -390,11 +398,16 @@ def test_sbatch_recipe_on_two_trainer_nodes_logs_the_values_of_one_node(
 def test_the_loop_stops_on_the_kl_its_steps_report(tiny_qwen2_dir, data, sglang_server, tmp_path):
     """`trainer.early_stop` through the trainer's loop: the KL rule is fed each step's KL to
     the reference (the one logged as actor/reward_kl_penalty) and stops the run at the second
-    consecutive step above the threshold, with a last checkpoint there."""
+    consecutive step above the threshold, with a last checkpoint there.
+
+    The run fed the external server through the CPU tensor transport: its torch_shm_manager
+    and /dev/shm files must end with it though the server stays (they did not, issue 50)."""
     run_dir, threshold = tmp_path / "kl_stop", 1e-12
     stop = ["trainer.early_stop.kl_threshold=1e-12", "trainer.early_stop.kl_patience=2"]
     args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 6, *stop, server=sglang_server)
+    shm_before = torch_shm_state()
     text = run_train(args, run_dir)
+    assert shm_left_since(shm_before) == (set(), set())
     rows = metrics_by_step(run_dir)
     kl = {step: row["actor/reward_kl_penalty"] for step, row in rows.items() if step > 0}
     high = [step for step in sorted(kl) if kl[step] > threshold]
