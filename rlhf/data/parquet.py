@@ -71,14 +71,15 @@ class Problem:
 
 
 class DataError(ValueError):
-    """Invalid prompt data; `problems` lists every problem found."""
+    """Invalid data; `problems` lists every problem found, `what` names the data ("prompt
+    data", "preference data", "stored rollouts") in the message."""
 
-    def __init__(self, problems: Sequence[Problem]):
+    def __init__(self, problems: Sequence[Problem], what: str = "prompt data"):
         self.problems = list(problems)
         lines = [str(p) for p in self.problems[:MAX_PROBLEMS_IN_MESSAGE]]
         if len(self.problems) > MAX_PROBLEMS_IN_MESSAGE:
             lines.append(f"... and {len(self.problems) - MAX_PROBLEMS_IN_MESSAGE} more")
-        super().__init__("invalid prompt data:\n  " + "\n  ".join(lines))
+        super().__init__(f"invalid {what}:\n  " + "\n  ".join(lines))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ An optional `margin` column (a number >= 0) is the pair's margin in the Bradley-
 (`rlhf.algo.preference`). A pair is two token sequences, prompt + chosen and prompt +
 rejected, each scored at its last token. Every problem names file, row and column
 (`rlhf.data.parquet.Problem`): a missing column, a null or empty value, a value of the
-wrong type, a chosen response equal to the rejected one, a negative margin.
+wrong type, a side (as messages) that does not end with a non-empty assistant reply, a
+chosen response equal to the rejected one, a negative margin.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def read_preference_pairs(
                     (chosen_key, chosen),
                     (rejected_key, rejected),
                 )
-                if (explicit or key != prompt_key) and (problem := text_problem(value))
+                if (explicit or key != prompt_key)
+                and (problem := text_problem(value) or side_problem(key, value, prompt_key))
             ]
             margin = values.get("margin")
             if margin is not None and not (math.isfinite(margin) and margin >= 0):
@@ -89,7 +91,7 @@ def read_preference_pairs(
             if not found:
                 pairs.append(PreferencePair(prompt, chosen, rejected, margin or 0.0, file, row))
     if problems:
-        raise DataError(problems)
+        raise DataError(problems, "preference data")
     return pairs
 
 
@@ -106,6 +108,20 @@ def text_problem(value: Any) -> str | None:
             return "has a message without a string 'content'"
         if message.get("role") not in ("system", "user", "assistant", "tool"):
             return f"has a message with role {message.get('role')!r}"
+    return None
+
+
+def side_problem(key: str, value: Any, prompt_key: str) -> str | None:
+    """What is wrong with a well-formed chosen or rejected side: as messages, it must end
+    with the assistant's reply, and that reply must not be empty (the reward model scores
+    each side at the reply's last token)."""
+    if key == prompt_key or isinstance(value, str):
+        return None
+    last = value[-1]
+    if last["role"] != "assistant":
+        return f"ends with a {last['role']!r} message, not the assistant's reply"
+    if not last["content"].strip():
+        return "ends with an empty assistant reply"
     return None
 
 
@@ -221,5 +237,5 @@ def tokenize_pairs(
         n = split_shared(chosen, rejected)
         out.append(TokenizedPair(chosen[:n], chosen[n:], rejected[n:], pair.margin))
     if problems:
-        raise DataError(problems)
+        raise DataError(problems, "preference data")
     return out, len(pairs) - len(out)

@@ -23,12 +23,21 @@ sampled it), and either its score or what the reward function needs to score it.
 | `prompt_index` | int: its prompt's row in the prompt files | no |
 
 Every file is checked whole when it is read, and each problem names file, row and column
-(`rlhf.data.parquet.Problem`), as prompt files are. With `vocab_size`, token ids must be
+(`rlhf.data.parquet.Problem`), as prompt files are: every value must be of its column's
+type (token ids integers, log-probs and scores numbers; a column of the wrong type is named
+at its first row, with how many more rows have it). With `vocab_size`, token ids must be
 below it (a file written with another tokenizer is caught here, not as garbage training).
+
+A uid names one prompt's group across all the files read together: rows that share a uid
+but not their `prompt_ids` are refused (naming both), never merged into one group; a group
+may span files. A training run (`RolloutChecks`) also requires every group to have
+`actor_rollout_ref.rollout.n` samples and every unscored row to be scorable by its reward
+(a data source the reward function knows, a model row only with a reward model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -41,7 +50,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf.data.files import DataFile
-from rlhf.data.parquet import DataError, Problem
+from rlhf.data.parquet import DataError, GroundTruthCheck, Problem
 from rlhf.utils import atomic_output
 
 REQUIRED = ("uid", "prompt_ids", "response_ids", "rollout_logprobs", "data_source")
@@ -101,36 +110,132 @@ def write_rollout_file(samples: Sequence[StoredSample], path: str | os.PathLike)
     return path
 
 
+@dataclass(frozen=True)
+class RolloutChecks:
+    """What the reading run requires of stored samples beyond the schema (None: unchecked).
+
+    vocab_size: token ids must be below it; max_lengths: (prompt, response) token limits;
+    group_size: samples every uid must have (`actor_rollout_ref.rollout.n`); scorable: the
+    reward's check of an unscored rule row's data source and ground truth
+    (`rlhf.reward.check_ground_truth`); model_scorer: whether a reward model scores
+    unscored `reward_style: model` rows."""
+
+    vocab_size: int | None = None
+    max_lengths: tuple[int, int] | None = None
+    group_size: int | None = None
+    scorable: GroundTruthCheck | None = None
+    model_scorer: bool = True
+
+
 def read_rollout_files(
     paths: Sequence[str | os.PathLike | DataFile],
     vocab_size: int | None = None,
     max_lengths: tuple[int, int] | None = None,
+    checks: RolloutChecks | None = None,
 ) -> list[StoredSample]:
     """Every sample of `paths` (local paths, or files `rlhf.data.files.resolve_files`
     resolved: local or remote), in order; raises `DataError` listing every problem.
-    `max_lengths`: (prompt, response) token limits the samples must keep to."""
-    samples: list[StoredSample] = []
+    `max_lengths`: (prompt, response) token limits the samples must keep to; `checks`
+    (which then gives the limits and the vocabulary too): what the run requires."""
+    checks = checks or RolloutChecks(vocab_size, max_lengths)
+    located: list[tuple[StoredSample, str, int]] = []
     problems: list[Problem] = []
     for path in paths:
         data_file = path if isinstance(path, DataFile) else DataFile(str(path), str(path))
-        file = data_file.name
-        try:
-            table = pq.read_table(data_file.path, filesystem=data_file.filesystem)
-        except (OSError, pa.ArrowInvalid) as e:
-            problems.append(Problem(file, None, None, f"not a readable Parquet file ({e})"))
-            continue
-        missing = [c for c in REQUIRED if c not in table.column_names]
-        if missing:
-            problems.append(Problem(file, None, None, f"missing columns {missing}"))
-            continue
-        for row, values in enumerate(table.to_pylist()):
-            found = row_problems(values, vocab_size, max_lengths)
-            problems += [Problem(file, row, column, message) for column, message in found]
-            if not found:
-                samples.append(stored_sample(values))
+        file_samples, file_problems = read_one_file(data_file, checks)
+        located += file_samples
+        problems += file_problems
+    problems += group_problems(located, checks.group_size)
     if problems:
-        raise DataError(problems)
-    return samples
+        raise DataError(problems, "stored rollouts")
+    return [sample for sample, _, _ in located]
+
+
+def read_one_file(
+    data_file: DataFile, checks: RolloutChecks
+) -> tuple[list[tuple[StoredSample, str, int]], list[Problem]]:
+    """The samples of one file with their (file, row), and its problems; a problem of a
+    column's type is named at its first row (with how many more rows have it)."""
+    file = data_file.name
+    try:
+        table = pq.read_table(data_file.path, filesystem=data_file.filesystem)
+    except (OSError, pa.ArrowInvalid) as e:
+        return [], [Problem(file, None, None, f"not a readable Parquet file ({e})")]
+    missing = [c for c in REQUIRED if c not in table.column_names]
+    if missing:
+        return [], [Problem(file, None, None, f"missing columns {missing}")]
+    samples: list[tuple[StoredSample, str, int]] = []
+    problems: list[Problem] = []
+    typed: dict[str, tuple[Problem, int]] = {}  # column -> (first row's problem, rows)
+    for row, values in enumerate(table.to_pylist()):
+        bad_types = type_problems(values)
+        for column, message in bad_types:
+            first, rows = typed.get(column, (Problem(file, row, column, message), 0))
+            typed[column] = (first, rows + 1)
+        bad = {column for column, _ in bad_types}
+        clean = {k: None if k in bad else v for k, v in values.items()}
+        found = row_problems(clean, checks.vocab_size, checks.max_lengths)
+        found = [(column, message) for column, message in found if column not in bad]
+        if not bad and not found:
+            found = score_problems(values, checks)
+        problems += [Problem(file, row, column, message) for column, message in found]
+        if not bad and not found:
+            samples.append((stored_sample(values), file, row))
+    for first, rows in typed.values():
+        more = f" (and {rows - 1} more rows)" if rows > 1 else ""
+        problems.append(dataclasses.replace(first, message=first.message + more))
+    problems.sort(key=lambda p: -1 if p.row is None else p.row)
+    return samples, problems
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_str(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+STRING, NUMBER, INTEGER = (_is_str, "a string"), (_is_number, "a number"), (_is_int, "an integer")
+SCALARS = {
+    **dict.fromkeys(("uid", "data_source", "reward_style", "ground_truth", "extra_info"), STRING),
+    "score": NUMBER,
+    **dict.fromkeys(("policy_version", "step", "prompt_index"), INTEGER),
+}
+LISTS = {
+    "prompt_ids": (_is_int, "an integer token id"),
+    "response_ids": (_is_int, "an integer token id"),
+    "rollout_logprobs": NUMBER,
+    "response_mask": (_is_int, "0 or 1"),
+}
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def type_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """(column, what is wrong) for each value of one row that is not of its column's type
+    (a string where a number belongs, a float token id, a null inside a list)."""
+    found = []
+    for column, (ok, what) in SCALARS.items():
+        value = values.get(column)
+        if value is not None and not ok(value):
+            found.append((column, f"is {_shown(value)}, not {what}"))
+    for column, (ok, what) in LISTS.items():
+        value = values.get(column)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            found.append((column, f"is {_shown(value)}, not a list"))
+        elif bad := [x for x in value if not ok(x)]:
+            found.append((column, f"has {_shown(bad[0])}, not {what}"))
+    return found
 
 
 def stored_sample(values: dict[str, Any]) -> StoredSample:
@@ -164,9 +269,11 @@ def row_problems(
     if not prompt:
         found.append(("prompt_ids", "is empty"))
     for column in ("prompt_ids", "response_ids"):
-        ids = values[column]
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
-            found.append((column, f"has token ids outside the vocabulary [0, {vocab_size})"))
+        outside = [t for t in values[column] if vocab_size is not None and not 0 <= t < vocab_size]
+        if outside:
+            found.append(
+                (column, f"has token id {outside[0]}, outside the vocabulary [0, {vocab_size})")
+            )
     names = (("prompt_ids", "max_prompt_length"), ("response_ids", "max_response_length"))
     for (column, key), limit in zip(names, max_lengths or ()):
         if len(values[column]) > limit:
@@ -189,7 +296,68 @@ def row_problems(
     for column in ("ground_truth", "extra_info"):
         if values.get(column) is not None:
             try:
-                json.loads(values[column])
+                decoded = json.loads(values[column])
             except ValueError:
                 found.append((column, "is not JSON"))
+                continue
+            if column == "extra_info" and not isinstance(decoded, dict):
+                found.append((column, "is not a JSON object"))
     return found
+
+
+def score_problems(values: dict[str, Any], checks: RolloutChecks) -> list[tuple[str, str]]:
+    """(column, why) when the run cannot score an unscored row: a rule row's data source
+    or ground truth the reward function cannot score, a model row without a reward model."""
+    if values.get("score") is not None:
+        return []
+    if (values.get("reward_style") or "rule") == "model":
+        if checks.model_scorer:
+            return []
+        return [("score", "is null on a reward_style 'model' row and reward.model_path is unset")]
+    if checks.scorable is None:
+        return []
+    truth = values.get("ground_truth")
+    found = checks.scorable(values["data_source"], None if truth is None else json.loads(truth))
+    if found is None:
+        return []
+    column, message = found
+    return [(column if column == "data_source" else "ground_truth", message)]
+
+
+def group_problems(
+    located: Sequence[tuple[StoredSample, str, int]], group_size: int | None
+) -> list[Problem]:
+    """Problems of the prompt groups across all files: a uid shared by different prompts
+    (which would be trained as one group), named at its first row of another prompt; with
+    `group_size`, a group of another size, named at its first row."""
+    groups: dict[str, list[tuple[StoredSample, str, int]]] = {}
+    for item in located:
+        groups.setdefault(item[0].uid, []).append(item)
+    problems = []
+    for uid, members in groups.items():
+        head, file, row = members[0]
+        other = next((m for m in members if m[0].prompt_ids != head.prompt_ids), None)
+        if other is not None:
+            problems.append(
+                Problem(
+                    other[1],
+                    other[2],
+                    "uid",
+                    f"{uid!r} is also the uid of another prompt ({file}, row {row}): a uid "
+                    "names one prompt's group, give each prompt its own",
+                )
+            )
+        elif group_size is not None and len(members) != group_size:
+            where = list(dict.fromkeys(f for _, f, _ in members))
+            spread = f" in {len(where)} files ({', '.join(where)})" if len(where) > 1 else ""
+            problems.append(
+                Problem(
+                    file,
+                    row,
+                    "uid",
+                    f"group {uid!r} has {len(members)} samples{spread}, not "
+                    f"actor_rollout_ref.rollout.n={group_size}: a step's prompt groups have n "
+                    "samples each (GRPO and RLOO compare them; mini-batches count n a prompt)",
+                )
+            )
+    return problems

@@ -7,11 +7,15 @@ the training sampling (`actor_rollout_ref.rollout`: n, temperature, top-p, top-k
 stored-rollout file, `part_NNNNN.parquet` (`rlhf.data.rollout_files`, atomically), that
 `data.rollout_files` trains from. The output directory's `rollout.json` records what the
 files were generated with; a run started again on the same directory skips the batches
-whose files exist (resumable), and one with other settings is refused naming them.
+whose files exist (resumable), and one with other settings (or other prompt contents) is
+refused naming them. Group uids are `rollout-<digest>-<prompt index>`, the digest of
+`rollout.json` (model, settings, seed, the prompts' contents): outputs of different prompt
+files never share a uid, and a resumed run names its groups as the first run did.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +24,7 @@ from tqdm import tqdm
 
 from rlhf.config import ConfigError
 from rlhf.config.schema import RLHFConfig
-from rlhf.data.prompts import load_tokenizer
+from rlhf.data.prompts import EncodedPrompt, load_tokenizer
 from rlhf.data.rollout_files import write_rollout_file
 from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.engine import SGLangEngine
@@ -46,6 +50,8 @@ class RolloutPlan:
     top_k: int
     max_prompt_length: int
     max_response_length: int
+    seed: int | None = None
+    prompts_digest: str = ""  # of the prompts' tokens and reward rows (`prompts_digest`)
 
     def part(self, out_dir: Path, batch: int) -> Path:
         return out_dir / f"part_{batch:05d}.parquet"
@@ -54,11 +60,28 @@ class RolloutPlan:
     def batches(self) -> int:
         return -(-self.prompts // self.batch_size)
 
+    def uid(self, index: int) -> str:
+        """The uid of prompt `index`'s group: the prompt's position and a digest of this
+        plan, prompts included, so that the outputs of two prompt sets (or models, or
+        settings) never share a uid, and a resumed run names its groups as the first did."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return f"rollout-{hashlib.sha256(text.encode()).hexdigest()[:16]}-{index}"
+
     def indices(self, batch: int) -> list[int]:
         """The prompts of batch `batch`."""
         return list(
             range(batch * self.batch_size, min((batch + 1) * self.batch_size, self.prompts))
         )
+
+
+def prompts_digest(prompts: list[EncodedPrompt]) -> str:
+    """A digest of the prompts as generated from: their token ids and what scores them."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        row = prompt.row
+        fields = [prompt.input_ids, row.data_source, row.reward_model, row.extra_info]
+        digest.update(json.dumps(fields, sort_keys=True, default=str).encode() + b"\n")
+    return digest.hexdigest()
 
 
 def check_manifest(plan: RolloutPlan, out_dir: Path) -> None:
@@ -109,6 +132,8 @@ def write_rollouts(
         params.top_k,
         cfg.data.max_prompt_length,
         cfg.data.max_response_length,
+        params.seed,
+        prompts_digest(prompts),
     )
     check_manifest(plan, out_dir)
     todo = [b for b in range(plan.batches) if not plan.part(out_dir, b).is_file()]
@@ -132,7 +157,7 @@ def write_rollouts(
         for b in todo:
             indices = plan.indices(b)
             chunk = [prompts[i] for i in indices]
-            uids = [f"rollout-{i}" for i in indices]
+            uids = [plan.uid(i) for i in indices]
             result = generate_and_score(
                 engine, tokenizer, scorer, chunk, uids, indices, params, POLICY_VERSION, multi_turn
             )

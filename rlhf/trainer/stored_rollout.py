@@ -28,9 +28,10 @@ import torch
 from rlhf.config.schema import RLHFConfig
 from rlhf.config.stored_rules import stored_groups_per_step
 from rlhf.data.files import resolve_files
-from rlhf.data.rollout_files import StoredSample, read_rollout_files
+from rlhf.data.rollout_files import RolloutChecks, StoredSample, read_rollout_files
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.collectives import broadcast_object
+from rlhf.reward import check_ground_truth
 from rlhf.reward.scorer import RewardInput
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutRecord, RolloutResult
@@ -41,14 +42,23 @@ STORED_UID = "stored:"
 
 
 def load_stored_groups(cfg: RLHFConfig, vocab_size: int) -> list[list[StoredSample]] | None:
-    """The samples of `data.rollout_files` grouped by uid, in file order (None without);
-    token ids are checked against the policy's vocabulary."""
+    """The samples of `data.rollout_files` grouped by uid, in file order (None without),
+    checked whole before anything starts (`rlhf.data.rollout_files.RolloutChecks`): token
+    ids in the policy's vocabulary, the run's length limits, `rollout.n` samples a group,
+    and every unscored row scorable by this run's reward."""
     if not cfg.data.rollout_files:
         return None
     files = resolve_files(cfg.data.rollout_files, "data.rollout_files")
+    checks = RolloutChecks(
+        vocab_size=vocab_size,
+        max_lengths=(cfg.data.max_prompt_length, cfg.data.max_response_length),
+        group_size=cfg.actor_rollout_ref.rollout.n,
+        # stored rule rows are scored by the rules (or reward.custom_fn, which scores all)
+        scorable=None if cfg.reward.custom_fn else check_ground_truth,
+        model_scorer=bool(cfg.reward.model_path),
+    )
     groups: dict[str, list[StoredSample]] = {}
-    lengths = (cfg.data.max_prompt_length, cfg.data.max_response_length)
-    for sample in read_rollout_files(files, vocab_size, lengths):
+    for sample in read_rollout_files(files, checks=checks):
         groups.setdefault(sample.uid, []).append(sample)
     k = stored_groups_per_step(cfg)
     if len(groups) < k:

@@ -7,6 +7,7 @@ tokens (an independent forward of the model the server holds)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -65,6 +66,7 @@ def test_stored_rollouts_from_a_model_resume_and_refuse_other_settings(
         parts, vocab_size=len(AutoTokenizer.from_pretrained(tiny_qwen2_dir))
     )
     assert len(samples) == 12 and len({s.uid for s in samples}) == 6
+    assert all(re.fullmatch(r"rollout-[0-9a-f]{16}-\d", s.uid) for s in samples)
     assert {s.policy_version for s in samples} == {0} and {s.score for s in samples} <= {0.0, 1.0}
     for s in samples[:4]:
         assert len(s.rollout_logprobs) == len(s.response_ids) > 0
@@ -81,7 +83,15 @@ def test_stored_rollouts_from_a_model_resume_and_refuse_other_settings(
     proc = rollout(tiny_qwen2_dir, train, out, sglang_server.url, "--n", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert parts[0].stat().st_mtime_ns == first_written  # stored batches are not redone
-    assert len(read_rollout_files(sorted(out.glob("part_*.parquet")))) == 12
+    resumed = read_rollout_files(sorted(out.glob("part_*.parquet")))
+    assert [s.uid for s in resumed] == [s.uid for s in samples]  # the groups named alike
+
+    # another prompt file's output shares no uid with this one: the two train together
+    other = write_quickstart_data(tmp_path / "other", num_train=2, num_val=1, seed=5)[0]
+    proc = rollout(tiny_qwen2_dir, other, tmp_path / "other_out", sglang_server.url, "--n", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    both = read_rollout_files([*parts, *sorted((tmp_path / "other_out").glob("part_*"))])
+    assert len({s.uid for s in both}) == 8
 
     proc = rollout(tiny_qwen2_dir, train, out, sglang_server.url, "--n", "3")
     assert proc.returncode == 2

@@ -112,6 +112,34 @@ def test_a_bad_pair_is_named_by_file_row_and_column(tmp_path, row, column, messa
     assert len(e.value.problems) == 1
 
 
+def reply(content: str, role: str = "assistant") -> list[dict[str, str]]:
+    return [{"role": role, "content": content}]
+
+
+@pytest.mark.parametrize(
+    ("chosen", "rejected", "column", "message"),
+    [
+        (reply("4", "user"), reply("5"), "chosen", "ends with a 'user' message, not the"),
+        (reply("4"), [*reply("5"), *reply("ok?", "user")], "rejected", "ends with a 'user'"),
+        (reply("4"), reply("   "), "rejected", "ends with an empty assistant reply"),
+        ([*Q, *reply("")], [*Q, *reply("5")], "chosen", "ends with an empty assistant reply"),
+    ],
+)
+def test_a_side_that_is_not_an_assistant_reply_is_refused(
+    tmp_path, chosen, rejected, column, message
+):
+    """Message sides must end with a non-empty assistant reply (the reward model scores a
+    side at its reply's last token); the error names preference data, file, row, column."""
+    good = {"chosen": [*Q, *reply("4")], "rejected": [*Q, *reply("5")]}
+    path = write(tmp_path, "pairs.parquet", [good, {"chosen": chosen, "rejected": rejected}])
+    with pytest.raises(DataError) as e:
+        read_preference_pairs([path])
+    text = str(e.value)
+    assert text.startswith("invalid preference data:") and "prompt data" not in text
+    assert f"{path}: row 1, column '{column}': {message}" in text
+    assert len(e.value.problems) == 1
+
+
 def test_a_file_without_the_response_columns_is_named(tmp_path):
     path = write(tmp_path, "pairs.parquet", [{"prompt": "q", "answer": "a"}])
     with pytest.raises(DataError, match=r"missing columns \['chosen', 'rejected'\]"):
