@@ -1,17 +1,18 @@
 """`rlhf-doctor`: preflight checks of one run, on the node that will run it.
 
     rlhf-doctor --config configs/gsm8k_2node.yaml [key=value ...] [--world-size N]
-                [--gpu-memory-gb 80] [--host-memory-gb 2048]
+                [--gpu-memory-gb 80] [--host-memory-gb 2048] [--gpus-per-node 8]
                 [--model-config configs/model_shapes/Qwen2.5-7B.json]
 
 Why: a job that dies minutes into its allocation on a busy port, an unreachable master, a
 full disk, a dead SGLang server or a bad parallel layout wastes the queue wait; each of these
 can be seen from the node in seconds. Give it the config and overrides of the run, under the
-environment of the launch (NODE_RANK, MASTER_ADDR, MASTER_PORT, WORLD_SIZE as read by
-launch/torchrun.sh). Every check is a small function returning a `Check`; the CLI prints a
-table (check | status | detail | fix), then the memory planner's per-GPU table (rlhf.memory),
-and exits 1 if any check FAILs (a config that does not fit the GPU included), 0 otherwise,
-and 2 with one line when the config cannot be loaded (as rlhf-train does).
+environment of the launch (NODE_RANK, MASTER_ADDR, MASTER_PORT, WORLD_SIZE, GPUS_PER_NODE
+as read by launch/torchrun.sh). Every check is a small function returning a `Check`;
+the CLI prints a table (check | status | detail | fix), then the SGLang servers' GPUs per
+node (rlhf.config.placement) and the memory planner's per-GPU table (rlhf.memory), and exits
+1 if any check FAILs (a config that does not fit the GPU included), 0 otherwise, and 2 with
+one line when the config cannot be loaded (as rlhf-train does).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from rlhf.cli.doctor_checks import (
     check_weight_sync_address,
 )
 from rlhf.cli.doctor_memory import check_memory
+from rlhf.cli.doctor_placement import check_placement, node_gpus
 from rlhf.config import ConfigError, RLHFConfig, load_config
 
 DEFAULT_REQUIREMENTS = Path("requirements")  # a checkout's, when run from its root
@@ -124,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         help="RAM of one node to plan for (default: this machine's)",
     )
     parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="GPUs of a node to place the SGLang servers on (default: GPUS_PER_NODE as "
+        "launch/torchrun.sh reads it, else trainer.n_gpus_per_node)",
+    )
+    parser.add_argument(
         "--model-config",
         type=Path,
         help="an HF config.json to plan memory with when the model is not downloaded",
@@ -134,14 +142,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         world_size = args.world_size or _env_int(os.environ, "WORLD_SIZE", 0) or None
         checks = run_checks(cfg, world_size, requirements=args.requirements)
+        placement, servers = check_placement(cfg, *node_gpus(args.gpus_per_node, os.environ, cfg))
         memory, report = check_memory(
             cfg, world_size, args.model_config, args.gpu_memory_gb, args.host_memory_gb
         )
     except ConfigError as e:
         print(f"rlhf-doctor: config error: {e}", file=sys.stderr)
         return 2
-    checks.extend(memory)
+    checks.extend([placement, *memory])
     print(format_table(checks))
+    if servers:
+        print(f"\nSGLang servers, GPU ids per server:\n{servers}")
     if report:
         print(f"\nmemory per GPU (GiB), by role and kind:\n{report}")
     failed = [c.name for c in checks if c.status == FAIL]

@@ -196,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         base_port=args.base_port,
         router_port=args.router_port if args.router else None,
-        spread_gpus=args.device == "cuda",
     )
     try:
         group.start()

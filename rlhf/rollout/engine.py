@@ -220,10 +220,13 @@ class SGLangEngine:
         max_total_tokens: int | None = None,
         on_restart: Callable[[str], None] | None = None,
         wait: bool = True,
+        gpus_per_node: int | None = None,
     ):
         """`wait=False`: return once the servers are launched; call `wait_ready()` before
-        generating. Servers launched here require an API key: `RLHF_SGLANG_API_KEY`, or a
-        random one made for this process (`sglang_api.ensure_api_key`)."""
+        generating. On a GPU the servers take disjoint GPUs of this node, checked against
+        `gpus_per_node` when given (`ServerGroup`). Servers launched here require an API
+        key: `RLHF_SGLANG_API_KEY`, or a random one made for this process
+        (`sglang_api.ensure_api_key`)."""
         if not rollout.server_urls:
             sglang_api.ensure_api_key()
         self.group = ServerGroup(
@@ -234,6 +237,7 @@ class SGLangEngine:
             seed=seed,
             max_total_tokens=max_total_tokens,
             on_restart=on_restart,
+            gpus_per_node=gpus_per_node,
         ).start(wait=False)
         self.rollout = rollout
         self.client: GenerateClient | None = None

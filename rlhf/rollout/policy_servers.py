@@ -210,6 +210,7 @@ class PolicyServers:
                 seed=cfg.data.seed,
                 max_total_tokens=server_kv_cache_tokens(cfg, ctx, max_prompts, arch),
                 wait=False,
+                gpus_per_node=ctx.local_world_size,
             )
         try:
             urls = node_server_urls(ctx, engine, per_node)

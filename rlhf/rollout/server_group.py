@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any
 
 from rlhf import sglang_api
+from rlhf.config.placement import server_gpus
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.client import RETRIES_KEY, RetryPolicy
 from rlhf.rollout.sglang_server import SGLangServer, build_router_args, build_server_args
@@ -57,12 +58,25 @@ class ServerGroup:
         host: str = "127.0.0.1",
         base_port: int | None = None,
         router_port: int | None = None,
-        spread_gpus: bool = False,
+        gpus_per_node: int | None = None,
     ):
         """`base_port`/`router_port`: fixed ports (server i on base_port + i) instead of free
-        ones; `spread_gpus`: server i starts at GPU i x its TP size instead of all at GPU 0."""
+        ones. On a GPU `device` the servers share one node: server i takes GPUs i x its TP
+        size onwards (`rlhf.config.placement.server_gpus`), refused (ConfigError) when they
+        need more than `gpus_per_node` (the trainer's processes on this node; None: not
+        checked)."""
         if not rollout.server_urls and model_path is None:
             raise ValueError(f"a model path is needed to launch servers ({KEY}.server_urls unset)")
+        self.gpus = (
+            server_gpus(
+                rollout.num_servers,
+                rollout.tensor_model_parallel_size,
+                gpus_per_node,
+                "processes of the node, LOCAL_WORLD_SIZE",
+            )
+            if device != "cpu" and not rollout.server_urls
+            else None
+        )
         self.rollout = rollout
         self.model_path = model_path
         self.log_dir = Path(log_dir)
@@ -73,7 +87,6 @@ class ServerGroup:
         self.host = host
         self.base_port = base_port
         self.router_port = router_port
-        self.spread_gpus = spread_gpus
         self.external = [u.rstrip("/") for u in rollout.server_urls or []]
         self.servers: list[SGLangServer] = []
         self.router: SGLangServer | None = None
@@ -124,7 +137,7 @@ class ServerGroup:
         return self
 
     def _launch_servers(self) -> None:
-        num, tp = self.rollout.num_servers, self.rollout.tensor_model_parallel_size
+        num = self.rollout.num_servers
         ports = (
             free_ports(num)
             if self.base_port is None
@@ -140,7 +153,7 @@ class ServerGroup:
                 host=self.host,
                 max_total_tokens=self.max_total_tokens,
                 seed=self.seed + i,  # distinct sampling streams per server
-                base_gpu_id=i * tp if self.spread_gpus else None,
+                base_gpu_id=self.gpus[i][0] if self.gpus else None,
                 cpu_threads=cpu_threads(num),  # the node's servers generate together
             )
             self.servers.append(SGLangServer(launch, self.log_dir / f"sglang_server_{i}.log"))

@@ -55,7 +55,7 @@ def _two_free_ports() -> int:
 def test_fixed_ports_and_one_gpu_range_per_server(launched, tmp_path):
     base = _two_free_ports()
     rollout = RolloutConfig(num_servers=2, tensor_model_parallel_size=2)
-    with ServerGroup(rollout, "m", log_dir=tmp_path, base_port=base, spread_gpus=True) as group:
+    with ServerGroup(rollout, "m", log_dir=tmp_path, base_port=base) as group:
         group.start()
         assert group.server_urls == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
     assert [(c["port"], c["base_gpu_id"]) for c in launched] == [(base, 0), (base + 1, 2)]
