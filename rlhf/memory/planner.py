@@ -6,8 +6,11 @@ state of actor and critic (`rlhf.memory.params`: Megatron's buffer layout, shard
 distributed optimizer), the reference's weights, the activations of one micro-batch at the
 configured token budget (`rlhf.memory.activations`) and communication buffers (the
 weight-sync bucket), and SGLang's share (`rollout.gpu_memory_utilization` of the GPU: its
-weights and KV cache). The GPU's peak is the largest phase of a step:
+weights and KV cache). The GPU's peak is the largest phase of a step, or of the build:
 
+    build          the models built one by one (each at its build peak: weights, DDP's
+                   parameter copy, gradient buffer, master weights), each offloaded as it
+                   is done, while colocated servers sleep (they start, then release)
     rollout        SGLang, plus whatever the trainer keeps resident (not offloaded)
     reference      resident + the reference's forward activations
     critic         resident + the critic's training activations
@@ -79,6 +82,9 @@ class RoleMemory:
     communication: int = 0
     offloaded: frozenset[str] = field(default_factory=frozenset)
     experts: int = 0  # of weights, gradients, master weights and Adam state: the routed experts'
+    # while the model is built: the loaded parameters, until DDP has copied them into its
+    # parameter buffer (the distributed optimizer's) and freed them
+    build_transient: int = 0
 
     @property
     def static(self) -> int:
@@ -92,6 +98,13 @@ class RoleMemory:
     @property
     def total(self) -> int:
         return self.static + self.activations + self.communication
+
+    @property
+    def build(self) -> int:
+        """The peak while the model is built: weights (twice for a moment with DDP's
+        parameter buffer), gradient buffer and master weights; Adam's state comes at the
+        first step."""
+        return self.weights + self.build_transient + self.gradients + self.master_weights
 
 
 @dataclass(frozen=True)
@@ -280,6 +293,7 @@ def trained_memory(
         ),
         offloaded=frozenset(offloaded),
         experts=count.experts.numel * (element + 4) + owned_experts * (master + 8),
+        build_transient=count.numel * element if distributed else 0,
     )
 
 
@@ -414,7 +428,8 @@ def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:
     def running(role: RoleMemory, extra: int) -> int:
         return resident - role.resident + role.static + extra + kept
 
-    phases = {"rollout": resident + (rollout.total if rollout is not None else 0)}
+    phases = {"build": _build_peak(trainer, kept)}
+    phases["rollout"] = resident + (rollout.total if rollout is not None else 0)
     for row in trainer:
         phases[row.role] = running(row, row.activations)
     if rollout is not None and inputs.release_rollout:
@@ -428,6 +443,17 @@ def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:
         phases["weight_sync"] = running(actor, actor.communication)
     runtime = GPU_RUNTIME_BYTES if inputs.device != "cpu" else 0
     return {name: value + runtime for name, value in phases.items()}
+
+
+def _build_peak(trainer: list[RoleMemory], kept: int) -> int:
+    """The models are built one after the other (actor, critic, reference), each offloaded
+    as it is done, while sleeping colocated servers hold nothing (`kept`: what servers that
+    do not sleep hold)."""
+    peak, built = 0, 0
+    for row in trainer:
+        peak = max(peak, built + row.build)
+        built += row.resident
+    return peak + kept
 
 
 def sync_bytes(

@@ -44,6 +44,7 @@ from rlhf.config.schema import RLHFConfig, RolloutConfig
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
 from rlhf.distributed.context import ParallelContext
+from rlhf.memory.ledger import ledger
 from rlhf.memory.planner import planned_kv_cache_tokens
 from rlhf.models.families import ModelArch
 from rlhf.reward.scorer import RewardScorer
@@ -71,6 +72,7 @@ log = logging.getLogger(__name__)
 # SGLang's memory-saver tags (sglang.srt.constants): what wakes for the sync, what after it
 WEIGHT_TAGS = ["weights"]
 CACHE_TAGS = ["kv_cache", "cuda_graph"]
+SGLANG = "sglang"  # the servers' owner name in the device ledger
 
 
 class PolicyWeights(Protocol):
@@ -146,19 +148,23 @@ class PolicyServers:
         scorer: RewardScorer | None = None,
         per_node: bool = False,
         sleeps: bool = False,
+        colocated: bool = False,
         multi_turn: MultiTurnRollout | None = None,
         pauses: PauseHandling | None = None,
     ):
         """`engine` on the ranks that own servers (None elsewhere); `syncer` on every rank;
-        `sleeps`: colocated GPU servers release their memory between generations;
-        `multi_turn` (on the engine ranks): every sample is a conversation with tools;
-        `pauses`: weight loads may pause generation (`trainer.rollout_mode=async`), and
-        how the samples they cut are finished."""
+        `sleeps`: colocated servers release their memory between generations (the release
+        itself is a CUDA call: on the CPU the same decisions run and only the device
+        ledger records it); `colocated`: a server of this rank's node uses this rank's
+        device; `multi_turn` (on the engine ranks): every sample is a conversation with
+        tools; `pauses`: weight loads may pause generation (`trainer.rollout_mode=async`),
+        and how the samples they cut are finished."""
         self.ctx, self.engine, self.syncer = ctx, engine, syncer
         self.multi_turn, self.pauses = multi_turn, pauses
         self.tokenizer, self.scorer = tokenizer, scorer
-        self.per_node, self.sleeps = per_node, sleeps
+        self.per_node, self.sleeps, self.colocated = per_node, sleeps, colocated
         self.asleep: set[str] = set()
+        self.weights_released = False  # every rank alike: a weight load must come first
         self.probe_tokens = probe_tokens(syncer.arch.vocab_size)
         self.probe_threshold = rollout.logprob_diff_threshold
         # launched servers load model.path, which the actor starts from: version 0; external
@@ -194,7 +200,10 @@ class PolicyServers:
         node_dir = run_dir / f"node{ctx.node_rank}" if per_node else run_dir
         engine = scorer = multi_turn = pauses = None
         launched = rollout.server_urls is None
-        sleeps = launched and rollout.free_cache_engine and ctx.device.type != "cpu"
+        colocated = launched and ctx.local_rank < rollout.num_servers * (
+            rollout.tensor_model_parallel_size
+        )
+        sleeps = launched and rollout.free_cache_engine
         if owner:
             scorer = RewardScorer.from_config(cfg.reward)
             multi_turn = multi_turn_rollout(cfg, tokenizer, tools)
@@ -223,18 +232,13 @@ class PolicyServers:
                 run_dir=node_dir,
                 model_path=cfg.actor_rollout_ref.model.path,
             )
-            if sleeps:  # SGLang sizes its memory from what is free as it starts
-                wait_for_servers(engine)  # so the trainer allocates only after that
+            if sleeps and ctx.device.type == "cuda":  # SGLang sizes its memory from what
+                wait_for_servers(engine)  # is free as it starts: the trainer allocates after
         except BaseException:
             if engine is not None:
                 engine.shutdown()
             raise
-        if launched and rollout.free_cache_engine and not sleeps and ctx.is_main:
-            log.info(
-                "rollout.free_cache_engine: no effect on CPU (SGLang's memory release needs "
-                "CUDA); the servers keep their weights and KV cache"
-            )
-        return cls(
+        servers = cls(
             ctx,
             engine,
             syncer,
@@ -243,9 +247,13 @@ class PolicyServers:
             scorer=scorer,
             per_node=per_node,
             sleeps=sleeps,
+            colocated=colocated,
             multi_turn=multi_turn,
             pauses=pauses,
         )
+        servers.note_started()
+        servers.release_memory()  # asleep while the trainer builds its models (the first
+        return servers  # load_weights wakes them with the actor's weights)
 
     @property
     def server_urls(self) -> list[str]:
@@ -352,6 +360,7 @@ class PolicyServers:
                     self._recover(url)
             self.wake(CACHE_TAGS)
             diff = self.probe(policy)
+        self.weights_released = False
         return WeightLoad(version, stats, diff)
 
     def _pause(self) -> AbstractContextManager[None]:
@@ -414,14 +423,33 @@ class PolicyServers:
 
     # ---- memory (colocated GPU servers) ---------------------------------------------------
 
+    def note_started(self) -> None:
+        """Launched servers hold all their memory on this rank's device (device ledger)."""
+        if self.colocated:
+            for tag in (*WEIGHT_TAGS, *CACHE_TAGS):
+                ledger().came(SGLANG, tag)
+
     def release_memory(self) -> None:
-        """Sleep: the engine's servers free their weights, KV cache and CUDA graphs (GPU,
-        colocated)."""
-        if not self.sleeps or self.engine is None:
+        """Sleep (all ranks call): the engine's servers free their weights, KV cache and
+        CUDA graphs (colocated), and no rank goes on before every server has (a rank
+        reloading its model state next to a server still holding its memory would run out
+        of it)."""
+        if not self.sleeps:
             return
-        for url in self.engine.server_urls:
+        if self.engine is not None:
+            for url in self.engine.server_urls:
+                self._release(url)
+                self.asleep.add(url)
+        if dist.is_initialized():
+            dist.barrier()
+        self.weights_released = True
+        if self.colocated:
+            for tag in (*WEIGHT_TAGS, *CACHE_TAGS):
+                ledger().left(SGLANG, tag)
+
+    def _release(self, url: str) -> None:
+        if self.ctx.device.type == "cuda":  # SGLang's release is a CUDA call
             sglang_api.release_memory_occupation(url, [*WEIGHT_TAGS, *CACHE_TAGS])
-            self.asleep.add(url)
 
     def wake(self, tags: list[str]) -> None:
         """Wake `tags` of the sleeping servers once every rank has emptied its allocator
@@ -434,9 +462,13 @@ class PolicyServers:
         if dist.is_initialized():
             dist.barrier()
         for url in sorted(self.asleep):
-            sglang_api.resume_memory_occupation(url, tags)
+            if self.ctx.device.type == "cuda":
+                sglang_api.resume_memory_occupation(url, tags)
         if set(CACHE_TAGS) <= set(tags):
             self.asleep.clear()
+        if self.colocated:
+            for tag in tags:
+                ledger().came(SGLANG, tag)
 
     def shutdown(self) -> None:
         try:

@@ -34,7 +34,7 @@ from rlhf.models.dist_ckpt import (
 from rlhf.models.mapping import Placement
 from rlhf.trainer.micro_batch import MicroBatch
 from rlhf.trainer.nonfinite import tensors_finite
-from rlhf.trainer.offload import ModelOffloader
+from rlhf.trainer.offload import KINDS, ModelOffloader
 from rlhf.trainer.optimizer_shards import (
     OptimizerCoordinate,
     coordinate,
@@ -165,9 +165,9 @@ class MiniBatchUpdate:
 class MegatronModel:
     """A frozen model (reference policy): forward passes only.
 
-    `offload_between_uses(kinds)` keeps "params", "grads" and/or "optimizer" in CPU memory
-    outside `on_device()` (rlhf.trainer.offload); a GPU feature, the trainer asks for none
-    on CPU.
+    `offload_between_uses(kinds, owner)` keeps "params", "grads" and/or "optimizer" in CPU
+    memory outside `on_device()` (rlhf.trainer.offload), recorded as `owner` in the device
+    ledger; a forward pass brings back the parameters only.
     """
 
     def __init__(self, module, ctx: ParallelContext):
@@ -181,33 +181,39 @@ class MegatronModel:
             self.module.config.variable_seq_lengths = True  # packed rows differ in length
 
     @classmethod
-    def frozen(cls, module, ctx: ParallelContext, offload: bool = False) -> MegatronModel:
-        """The reference policy: no gradients; its weights on the CPU between uses when
-        `offload`."""
+    def frozen(
+        cls, module, ctx: ParallelContext, owner: str, offload: bool = False
+    ) -> MegatronModel:
+        """A frozen model (reference, reward model): no gradients; its weights on the CPU
+        between uses when `offload`."""
         model = cls(module, ctx)
         for p in module.parameters():
             p.requires_grad_(False)
-        model.offload_between_uses(("params",) if offload else ())
+        model.offload_between_uses(("params",) if offload else (), owner)
         return model
 
-    def offload_between_uses(self, kinds: tuple[str, ...]) -> None:
-        """Keep `kinds` in CPU memory except inside `on_device()` (offloaded now)."""
-        self.offloader = ModelOffloader(self, kinds)
+    def offload_between_uses(self, kinds: tuple[str, ...], owner: str) -> None:
+        """Keep `kinds` in CPU memory except inside `on_device()` (offloaded now); what is
+        resident is recorded as `owner`'s in the device ledger from now on."""
+        self.offloader = ModelOffloader(self, kinds, owner)
+        self.offloader.note_resident()
         if kinds:
             self.offloader.offload()
 
-    def on_device(self) -> AbstractContextManager[None]:
-        """Everything offloaded is back on the device inside this context (re-entrant)."""
-        return self.offloader.on_device()
+    def on_device(self, kinds: tuple[str, ...] = KINDS) -> AbstractContextManager[None]:
+        """The offloaded ones of `kinds` are back on the device inside this context
+        (re-entrant)."""
+        return self.offloader.on_device(kinds)
 
     def weights_on_device(self) -> AbstractContextManager[None]:
         """The weights on the device inside this context (all a frozen model has)."""
-        return self.offloader.on_device()
+        return self.offloader.on_device(("params",))
 
     @torch.no_grad()
     def forward(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
+        """A forward-only pass: the parameters alone on the device."""
         self.module.eval()
-        with self.on_device():
+        with self.on_device(("params",)):
             return run_schedule(
                 self.runners, micro_batches, head, True, 1.0, self.ctx, self.moe, self.route_replay
             )
@@ -300,7 +306,7 @@ class TrainableMegatronModel(MegatronModel):
 
     def weights_finite(self) -> bool:
         """Every parameter finite on every rank (before a checkpoint is written)."""
-        with self.on_device():
+        with self.on_device(("params",)):
             return tensors_finite([p.data for p in self.module.parameters()], self.ctx.device)
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict:

@@ -8,12 +8,16 @@ back and copies the bytes in. Every tensor and view keeps its identity, shape an
 and the round trip is bit-exact. Gradient buffers are not copied: DDP zeroes them before
 every backward, so they are freed and come back zeroed (no host memory for them). On GPU
 this returns the memory to the caching allocator (the trainer then empties the cache); on
-CPU the same mechanism runs (and is tested) but frees nothing useful, so the trainer does
-not offload there.
+CPU the same moves run (host memory to host memory: they free nothing, and cost a copy),
+so that every decision of a GPU run is taken, and tested, on the CPU too.
 
-`ModelOffloader.weights_only()` is the colocated weight sync's view of the actor: only its
-parameters on the device, its gradients and optimizer state off it for the duration even
-when they otherwise stay resident, so that SGLang's weights and KV cache fit next to it.
+`ModelOffloader.on_device(kinds)` brings back what a phase needs: a forward-only pass
+(old log-probs, reference, values, the weight-sync probe) the parameters alone, an update
+everything. `ModelOffloader.weights_only()` is the colocated weight sync's view of the
+actor: only its parameters on the device, its gradients and optimizer state off it for the
+duration even when they otherwise stay resident, so that SGLang's weights and KV cache fit
+next to it. Every move is recorded in the device ledger (`rlhf.memory.ledger`), on the CPU
+as on a GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhf.memory.ledger import ledger
 from rlhf.utils import empty_device_cache
 
 KINDS = ("params", "grads", "optimizer")
@@ -92,8 +97,11 @@ class StorageOffloader:
 
 
 def model_tensors(model, kind: str) -> Iterator[torch.Tensor]:
-    """The tensors of a TrainableMegatronModel (or a frozen module) that `kind` covers."""
-    buffers = [b for ddp in getattr(model, "ddps", ()) for b in ddp.buffers]
+    """The tensors of a TrainableMegatronModel (or a frozen module) that `kind` covers: DDP
+    keeps the experts of a mixture-of-experts model in buffers of their own."""
+    buffers = [
+        b for ddp in getattr(model, "ddps", ()) for b in ddp.buffers + ddp.expert_parallel_buffers
+    ]
     if kind == "params":
         held = [b.param_data for b in buffers if b.param_data is not None]
         yield from held or model.module.parameters()
@@ -115,13 +123,24 @@ def model_tensors(model, kind: str) -> Iterator[torch.Tensor]:
 
 
 class ModelOffloader:
-    """The chosen kinds of one model, offloaded between its phases (`on_device`)."""
+    """The chosen kinds of one model (`owner` in the device ledger), offloaded between its
+    phases: `on_device(kinds)` brings back what a phase needs (a forward pass: the
+    parameters only), re-entrant per kind."""
 
-    def __init__(self, model, kinds: Iterable[str]) -> None:
-        self.model = model
+    def __init__(self, model, kinds: Iterable[str], owner: str = "model") -> None:
+        self.model, self.owner = model, owner
         self.kinds = tuple(kinds)
         self._parts: dict[str, StorageOffloader] = {}
-        self._depth = 0
+        self._depth = dict.fromkeys(KINDS, 0)
+        self.has = ("params",) + (SYNC_ASIDE if getattr(model, "ddps", None) else ())
+
+    def note_resident(self) -> None:
+        """Record in the device ledger what of the model is on the device now, with its
+        current size (Adam's state appears at the first optimizer step)."""
+        for kind in self.has:
+            if kind not in self._parts:
+                tensors = model_tensors(self.model, kind)
+                ledger().came(self.owner, kind, StorageOffloader.of(tensors).nbytes)
 
     def offload(self, kinds: Iterable[str] | None = None) -> None:
         """Move the kinds' storages (default: the chosen kinds) to CPU, then empty the
@@ -133,6 +152,7 @@ class ModelOffloader:
                 part = StorageOffloader.of(tensors, keep_bytes=kind not in DISCARDED)
                 part.offload()
                 self._parts[kind] = part
+                ledger().left(self.owner, kind)
         empty_device_cache()
 
     def reload(self, kinds: Iterable[str] | None = None) -> None:
@@ -141,36 +161,37 @@ class ModelOffloader:
             part = self._parts.pop(kind, None)
             if part is not None:
                 part.reload()
+                ledger().came(self.owner, kind, part.nbytes)
 
     @contextmanager
-    def on_device(self) -> Iterator[None]:
-        """Everything on the device inside (re-entrant); offloaded again when it ends."""
-        if not self.kinds:
-            yield
-            return
-        if self._depth == 0:
-            self.reload()
-        self._depth += 1
+    def on_device(self, kinds: Iterable[str] = KINDS) -> Iterator[None]:
+        """The offloaded ones of `kinds` (default: all) on the device inside; each goes
+        back when the last context that asked for it ends."""
+        wanted = [kind for kind in kinds if kind in self.kinds]
+        for kind in wanted:
+            if self._depth[kind] == 0:
+                self.reload([kind])
+            self._depth[kind] += 1
         try:
             yield
         finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self.offload()
+            for kind in wanted:
+                self._depth[kind] -= 1
+            if not any(self._depth.values()):
+                self.note_resident()
+            self.offload([kind for kind in wanted if self._depth[kind] == 0])
 
     @contextmanager
     def weights_only(self, aside: tuple[str, ...] = SYNC_ASIDE) -> Iterator[None]:
         """Only the parameters on the device inside: the `aside` kinds leave it for the
         duration (with the allocator's cache emptied), also those that otherwise stay
         resident; afterwards everything is where it was."""
-        if self._depth:
+        if any(self._depth.values()):
             raise RuntimeError("weights_only() inside on_device(): the state is in use")
         resident = tuple(kind for kind in aside if kind not in self.kinds)
         self.offload(resident)
-        self.reload(["params"])
         try:
-            yield
+            with self.on_device(("params",)):
+                yield
         finally:
-            if "params" in self.kinds:
-                self.offload(["params"])
             self.reload(resident)

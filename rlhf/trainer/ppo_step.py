@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from rlhf.config.algorithm_rules import kl_in_reward
 from rlhf.config.budgets import MicroBatching
 from rlhf.config.schema import RLHFConfig
 from rlhf.logging import Timer
+from rlhf.memory.ledger import ledger
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import write_step_rollouts
 from rlhf.rollout.policy_servers import PolicyServers, WeightLoad
@@ -102,7 +104,7 @@ class ActorWeights:
         return self.actor.module
 
     def on_device(self) -> AbstractContextManager[None]:
-        return self.actor.on_device()
+        return self.actor.on_device(("params",))
 
     def weights_on_device(self) -> AbstractContextManager[None]:
         return self.actor.weights_on_device()
@@ -133,7 +135,7 @@ class PPOStep:
     def run(self, step: int) -> StepResult:
         timer, start = Timer(), time.perf_counter()
         # generate and score (rule rewards on the engine rank, the reward model here)
-        with timer.stage("gen"):
+        with stage(timer, "gen"):
             scored = self.rollout.next_batch(step)
         batch = scored.batch
         check_scores(batch)
@@ -147,7 +149,7 @@ class PPOStep:
         actor = actor_trains(self.cfg, step)
         learned = learn_from_batch(self.models, batch, self.cfg, self.kl_ctrl, timer, actor)
         # the servers serve the updated actor as version `step`
-        with timer.stage("update_weights"):
+        with stage(timer, "update_weights"):
             weights = self.rollout.publish(self.policy, step)
         step_s = time.perf_counter() - start
         exp = learned.experience
@@ -168,6 +170,14 @@ class PPOStep:
             weights,
             metrics,
         )
+
+
+@contextmanager
+def stage(timer: Timer, name: str) -> Iterator[None]:
+    """A stage of the step: timed (`timing_s/<name>`) and a phase of the device ledger
+    (`rlhf.memory.ledger`: what each stage holds on the device is asserted on the CPU)."""
+    with timer.stage(name), ledger().phase(name):
+        yield
 
 
 def actor_trains(cfg: RLHFConfig, step: int) -> bool:
@@ -192,16 +202,16 @@ def learn_from_batch(
     if cfg.algorithm.rollout_correction.bypass_mode:
         old = engine_logprobs(batch)
     else:
-        with timer.stage("old_log_prob"):
+        with stage(timer, "old_log_prob"):
             old = old_logprobs(m, batch)
     ref = values = None
     if m.ref is not None:
-        with timer.stage("ref"), rollout_routes(m.ref):  # R3: routed as the engine did
+        with stage(timer, "ref"), rollout_routes(m.ref):  # R3: routed as the engine did
             ref, _ = compute_logprobs(m.ref, batch, m.planner, m.budgets.ref, m.logprob_head)
     if m.critic is not None:
-        with timer.stage("values"):
+        with stage(timer, "values"):
             values = compute_values(m.critic, batch, m.planner, m.budgets.critic)
-    with timer.stage("adv"):
+    with stage(timer, "adv"):
         beta = kl_ctrl.value if kl_in_reward(cfg) else 0.0
         exp, metrics = build_experience(batch, old, ref, values, cfg.algorithm, beta)
     bad = nonfinite_experience(exp)
@@ -219,12 +229,12 @@ def learn_from_batch(
         kl_ctrl.update(exp.reward_kl, batch.size)
     found: list[str] = []
     if m.critic_update is not None:
-        with timer.stage("update_critic"):
+        with stage(timer, "update_critic"):
             critic_metrics, critic_bad = run_updates(m.critic_update, exp, m.planner)
         metrics |= critic_metrics
         found += critic_bad
     if update_actor:
-        with timer.stage("update_actor"):
+        with stage(timer, "update_actor"):
             actor_metrics, actor_bad = run_updates(m.actor_update, exp, m.planner)
         metrics |= actor_metrics
         found += actor_bad

@@ -28,6 +28,7 @@ from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
 from rlhf.logging import StepProfiler
 from rlhf.memory.checkpoint_size import save_hold_text
+from rlhf.memory.ledger import ledger
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
@@ -118,7 +119,8 @@ class PPOTrainer:
             cfg, ctx, run_dir, self.tokenizer, max_prompts, arch, self.tools
         )
         try:
-            self.build_training_side()
+            with ledger().phase("build"):
+                self.build_training_side()
             self.servers.wait_ready()
         except BaseException:
             self.servers.shutdown()
@@ -298,6 +300,8 @@ class PPOTrainer:
                 # older step's); launched ones loaded model.path, which the actor starts from
                 self.load_weights(0)
                 log.info("loaded the actor's weights into the external SGLang servers")
+            elif self.servers.weights_released:  # they slept while the models were built
+                self.load_weights(0)
             return 0
         state = self.load_models(path)
         self.batches.load_sampler_state(state["sampler"])
@@ -346,6 +350,7 @@ class PPOTrainer:
     def _run_steps(self, step: int, bar: tqdm, guard: PreemptionGuard) -> int:
         """Steps after `step` to the end (or an early stop); the last step run."""
         cfg = self.cfg.trainer
+        first = step + 1
         while step < self.total_steps:
             step += 1
             with self.profiler.step(step):
@@ -354,6 +359,13 @@ class PPOTrainer:
                 except NonFiniteError as e:
                     raise NonFiniteError(f"step {step}: {e}") from None
             warn_nonfinite(result)
+            if self.ctx.is_main and step == first:
+                log.info(
+                    "device residency by phase at step %d (rlhf.memory.ledger; on the CPU the "
+                    "residency a GPU run would have):\n%s",
+                    step,
+                    ledger().table(),
+                )
             metrics = dict(result.metrics)
             decision = self.stopper.observe_step(step, result.reward_kl, result.mean_score)
             last = step == self.total_steps or decision is not None

@@ -84,7 +84,7 @@ class RewardModelScorer:
             sp=ctx.sp_size,
             sequence_parallel=ctx.sequence_parallel,
         )
-        model = MegatronModel.frozen(module.to(ctx.device), ctx)
+        model = MegatronModel.frozen(module.to(ctx.device), ctx, "reward_model")
         return cls(model, planner, token_budget)
 
     def scores(self, result: RolloutResult, rows: list[int]) -> torch.Tensor:

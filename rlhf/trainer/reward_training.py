@@ -143,7 +143,7 @@ class RewardModelTrainer:
             cfg.model.optim, cfg.model.grad_clip, self.total_steps, distributed
         )
         model = TrainableMegatronModel(module.to(ctx.device), ctx, settings)
-        model.offload_between_uses(offload_kinds(megatron, ctx, "reward model"))
+        model.offload_between_uses(offload_kinds(megatron), "reward_model")
         return model
 
     def step_pairs(self, step: int) -> list[int]:

@@ -208,26 +208,19 @@ def _trained(cfg: RLHFConfig, role: str, module, ctx: ParallelContext, total_ste
     distributed = distributed_optimizer_on(section.megatron, ctx.dp_sp_size)
     settings = OptimizerSettings(section.optim, section.grad_clip, steps, distributed)
     model = TrainableMegatronModel(module, ctx, settings)
-    model.offload_between_uses(offload_kinds(section.megatron, ctx, role))
+    model.offload_between_uses(offload_kinds(section.megatron), role)
     return model
 
 
-def offload_kinds(
-    megatron: MegatronParallelConfig, ctx: ParallelContext, role: str
-) -> tuple[str, ...]:
-    """What `role` keeps in CPU memory between its phases: a GPU feature (on CPU the model
-    already lives in host memory, so the keys are noted once and have no effect)."""
+def offload_kinds(megatron: MegatronParallelConfig) -> tuple[str, ...]:
+    """What a model keeps off the device between its phases (`megatron.*_offload`). On the
+    CPU the same moves run (host to host), so that a GPU run's residency is tested there."""
     switches = {
         "params": megatron.param_offload,
         "grads": megatron.grad_offload,
         "optimizer": megatron.optimizer_offload,
     }
-    kinds = tuple(kind for kind, on in switches.items() if on)
-    if kinds and ctx.device.type != "cuda":
-        if ctx.is_main:
-            log.info("%s megatron.*_offload: no effect on CPU (the model is in host memory)", role)
-        return ()
-    return kinds
+    return tuple(kind for kind, on in switches.items() if on)
 
 
 def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: MicroBatching):
@@ -276,10 +269,7 @@ def _reference(
         overrides=aro.actor.megatron.override_transformer_config,
         router=dataclasses.replace(router, replay=rollout_routes),
     )
-    offload = aro.ref.param_offload and ctx.device.type == "cuda"
-    if aro.ref.param_offload and not offload and ctx.is_main:
-        log.info("ref.param_offload: no effect on CPU (the model is in host memory)")
-    ref = MegatronModel.frozen(module, ctx, offload=offload)
+    ref = MegatronModel.frozen(module, ctx, "ref", offload=aro.ref.param_offload)
     if rollout_routes:
         ref.route_replay = RolloutRouteReplay(ref.module, ctx)
     return ref

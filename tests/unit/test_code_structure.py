@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.helpers import REPO
 
 PACKAGE = REPO / "rlhf"
-MAX_FILE_LINES = 500
+MAX_FILE_LINES = 1000  # one concept per module: a soft ceiling near 1,000 lines (house style)
 MAX_FUNCTION_LINES = 80
 FORMATTER_OFF = ("fmt: skip", "fmt: off")
 PARALLEL_STATE = "megatron.core.parallel_state"

@@ -17,8 +17,10 @@ from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
+import torch
 
 from rlhf.config.schema import RolloutConfig
+from rlhf.memory import ledger
 from rlhf.rollout import policy_servers
 from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.rollout.sglang_server import build_server_args
@@ -51,9 +53,13 @@ def servers():
         server.shutdown()
 
 
-def fleet_over(urls: list[str], sleeps: bool) -> PolicyServers:
-    fleet = object.__new__(PolicyServers)  # the engine-owning rank, without launching servers
+def fleet_over(urls: list[str], sleeps: bool, device: str = "cuda") -> PolicyServers:
+    """The engine-owning rank, without launching servers; `device` "cuda": as on a GPU, where
+    the release and wake are calls to SGLang (recorded here)."""
+    fleet = object.__new__(PolicyServers)
     fleet.engine, fleet.sleeps, fleet.asleep = SimpleNamespace(server_urls=urls), sleeps, set()
+    fleet.ctx, fleet.colocated = SimpleNamespace(device=torch.device(device)), True
+    fleet.weights_released = False
     return fleet
 
 
@@ -91,12 +97,33 @@ def test_sleep_then_wake_weights_then_kv_cache(servers):
     assert {port for port, _, _ in calls} == {int(u.rsplit(":", 1)[1]) for u in urls}
 
 
-def test_no_sleep_on_cpu_or_when_disabled(servers):
+def test_no_sleep_when_disabled(servers):
     urls, calls = servers
+    ledger.reset()
     fleet = fleet_over(urls, sleeps=False)
+    fleet.note_started()
     fleet.release_memory()
     fleet.wake(["weights"])
-    assert calls == []
+    assert calls == [] and not fleet.weights_released
+    assert ledger.ledger().holds("sglang", "weights") and ledger.ledger().holds(
+        "sglang", "kv_cache"
+    )
+
+
+def test_on_the_cpu_the_same_decisions_run_and_only_the_ledger_records_them(servers):
+    """SGLang's release is a CUDA call: on the CPU nothing is asked of the servers, but the
+    device ledger goes through the states a GPU run's servers go through."""
+    urls, calls = servers
+    book = ledger.reset()
+    fleet = fleet_over(urls, sleeps=True, device="cpu")
+    fleet.note_started()
+    assert book.holds("sglang", "weights") and book.holds("sglang", "cuda_graph")
+    fleet.release_memory()
+    assert not book.holds("sglang") and fleet.weights_released
+    fleet.wake(["weights"])
+    assert book.holds("sglang", "weights") and not book.holds("sglang", "kv_cache")
+    fleet.wake(["kv_cache", "cuda_graph"])
+    assert book.holds("sglang", "kv_cache") and calls == []
 
 
 class RecordingPolicy:

@@ -142,6 +142,13 @@ def run(args, cfg, ctx) -> None:
     metrics, after = update_once(models, exp, planner, BUDGET)
     plain = {"logprobs_before": before, "ref_logprobs": ref, "metrics": metrics}
     plain["logprobs_after"] = after
+    # offloaded between uses (the GPU configs' setting): nothing of the actor stays
+    held = [storage_bytes(models.actor)]
+    models.actor.offload_between_uses(("params", "grads", "optimizer"), "actor")
+    held.append(storage_bytes(models.actor))
+    with models.actor.on_device():
+        held.append(storage_bytes(models.actor))
+    plain["held_bytes"] = all_gathered(held)
     # the same first update with the router losses on, one sample per micro-batch
     _, lossy = build(config(args, args.aux, args.z), ctx)
     one_each = MicroBatching(BUDGET, samples=1)
@@ -161,6 +168,27 @@ def run(args, cfg, ctx) -> None:
         result["r3"] = rollout_routes
         result["batch"] = batch.to_objects()
         torch.save(result, Path(args.out))
+
+
+def storage_bytes(model) -> int:
+    """Bytes behind the model's state, found from the module and the optimizer themselves
+    (every parameter, its main_grad, every tensor of the optimizer), each storage once."""
+    params = list(model.module.parameters())
+    tensors = params + [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
+    for part in getattr(model.optimizer, "chained_optimizers", [model.optimizer]):
+        tensors += [p for group in part.optimizer.param_groups for p in group["params"]]
+        for state in part.optimizer.state.values():
+            tensors += [v for v in state.values() if torch.is_tensor(v)]
+    sizes = {id(t.untyped_storage()._cdata): t.untyped_storage().nbytes() for t in tensors}
+    return sum(sizes.values())
+
+
+def all_gathered(value):
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def on_update_plan(models, batch, planner) -> torch.Tensor:

@@ -211,9 +211,9 @@ def run(args, ctx) -> dict:
     metrics, weights, freed, pending = {}, {}, {}, None
     for step in range(first, args.steps + 1):
         if args.offload and step == 2:  # the GPU path, forced on CPU: offloaded between uses
-            for model in (models.actor, models.critic, models.ref):
-                kinds = ("params",) if model is models.ref else ("params", "grads", "optimizer")
-                model.offload_between_uses(kinds)
+            for role in ROLE_MODELS:
+                kinds = ("params",) if role == "ref" else ("params", "grads", "optimizer")
+                getattr(models, role).offload_between_uses(kinds, role)
         if args.weights_only and step == 2:  # the colocated weight sync's view of the actor
             with models.actor.weights_on_device():
                 freed = {"actor": resident_bytes(models.actor)}

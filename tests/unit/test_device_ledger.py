@@ -1,0 +1,135 @@
+"""What each phase of a step holds on the device (rlhf.memory.ledger), asserted on the CPU.
+
+The models are built as the trainer builds them, with every `*_offload` key on (the GPU
+configs' setting; on the CPU the same moves run, host to host), and a synthetic batch goes
+through `learn_from_batch` as in a step. Each stage is a phase of the device ledger; the
+assertions are the residency rules of a GPU step: a forward-only pass (old log-probs,
+reference, values) holds one model's parameters and nothing else; an update holds its own
+model's state and no other model's; a mixture-of-experts model's expert buffers leave the
+device with the rest (they did not: Megatron keeps them in buffers of their own).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.memory import ledger as device
+from tests.distributed.workers.trainer_step import COMMON, synthetic_batch
+
+OFFLOAD = [
+    f"{role}.megatron.{kind}_offload=true"
+    for role in ("actor_rollout_ref.actor", "critic")
+    for kind in ("param", "grad", "optimizer")
+] + ["actor_rollout_ref.ref.param_offload=true"]
+STATE = ("params", "grads", "optimizer")
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
+
+    context = init_parallel("cpu")
+    seed_everything(0)
+    yield context
+    teardown()
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
+
+    spec = TinyModelSpec.for_family("qwen3_moe")
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_moe"), spec)
+
+
+def one_step(ctx, model_dir, *overrides: str):
+    """Build the models (a "build" phase) and run one batch through the step's stages;
+    returns the models and the ledger."""
+    from rlhf.algo import build_kl_controller
+    from rlhf.config import load_config, validate_config
+    from rlhf.logging import Timer
+    from rlhf.trainer.ppo_step import learn_from_batch
+    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+
+    args = [f"actor_rollout_ref.model.path={model_dir}", *COMMON, *OFFLOAD, *overrides]
+    cfg = load_config(None, args)
+    arch = load_policy_arch(cfg)
+    validate_config(cfg, ctx.world_size, arch)
+    book = device.reset()
+    with book.phase("build"):
+        models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+    kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
+    learn_from_batch(models, synthetic_batch(arch.vocab_size), cfg, kl_ctrl, Timer())
+    return models, book
+
+
+def holds(record, owner: str) -> set[str]:
+    return {kind for o, kind in record.held if o == owner}
+
+
+def test_each_phase_of_a_ppo_step_holds_what_it_needs_and_nothing_else(ctx, tiny_qwen2_dir):
+    _, book = one_step(ctx, tiny_qwen2_dir, "algorithm.adv_estimator=gae")
+    (old,) = book.records("old_log_prob")
+    assert {o for o, _ in old.held} == {"actor"} and holds(old, "actor") == {"params"}
+    (ref,) = book.records("ref")
+    assert {o for o, _ in ref.held} == {"ref"}
+    (values,) = book.records("values")
+    assert {o for o, _ in values.held} == {"critic"} and holds(values, "critic") == {"params"}
+    (critic,) = book.records("update_critic")
+    assert {o for o, _ in critic.held} == {"critic"} and holds(critic, "critic") == set(STATE)
+    (actor,) = book.records("update_actor")
+    assert {o for o, _ in actor.held} == {"actor"} and holds(actor, "actor") == set(STATE)
+    assert book.resident == {}  # between phases nothing of the trainer stays
+    # the build held one model at a time: each was off before the next one came
+    (build,) = book.records("build")
+    assert {o for o, _ in build.held} == {"actor", "critic", "ref"}
+    assert max_models_at_once(book.events) == 1
+
+
+def max_models_at_once(events) -> int:
+    """The most owners resident at the same moment, replaying the ledger's moves."""
+    resident: set[tuple[str, str]] = set()
+    most = 0
+    for event in events:
+        if event.action == "on":
+            resident.add((event.owner, event.kind))
+        elif event.action == "off":
+            resident.discard((event.owner, event.kind))
+        most = max(most, len({owner for owner, _ in resident}))
+    return most
+
+
+def test_a_grpo_step_has_no_critic_phase(ctx, tiny_qwen2_dir):
+    _, book = one_step(ctx, tiny_qwen2_dir, "algorithm.adv_estimator=grpo")
+    assert book.records("values") == [] and book.records("update_critic") == []
+    (old,) = book.records("old_log_prob")
+    assert old.held == {("actor", "params")}
+    (actor,) = book.records("update_actor")
+    assert {o for o, _ in actor.held} == {"actor"}
+
+
+def test_a_moe_models_experts_leave_the_device_with_the_rest(ctx, tiny_moe_dir):
+    """Every storage of the actor (expert weights, their gradient buffers, Adam's state of
+    both) is empty between phases: the ledger's word is checked against the tensors."""
+    models, book = one_step(ctx, tiny_moe_dir, "algorithm.adv_estimator=grpo")
+    actor = models.actor
+    params = list(actor.module.parameters())
+    assert any("experts" in name for name, _ in actor.module.named_parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)
+    assert all(p.main_grad.untyped_storage().nbytes() == 0 for p in params)
+    optimizer = (
+        actor.optimizer.chained_optimizers
+        if hasattr(actor.optimizer, "chained_optimizers")
+        else [actor.optimizer]
+    )
+    state = [
+        v
+        for part in optimizer
+        for s in part.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.numel() > 1
+    ]
+    assert state and all(v.untyped_storage().nbytes() == 0 for v in state)
+    (update,) = book.records("update_actor")
+    assert holds(update, "actor") == set(STATE) and not book.holds("actor")
