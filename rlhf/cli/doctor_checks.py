@@ -23,6 +23,7 @@ import torch.distributed as dist
 from rlhf import sglang_api
 from rlhf.cli.check_env import lock_problems, read_pins
 from rlhf.config import RLHFConfig, validate
+from rlhf.config.placement import weight_sync_address_problem
 from rlhf.data.files import resolve_files
 from rlhf.models.families import load_arch
 from rlhf.models.model_dir import check_model_dir, check_servable_policy
@@ -227,19 +228,17 @@ def _is_loopback(host: str) -> bool:
 
 def check_weight_sync_address(urls: list[str] | None, transport: str, address: str) -> Check:
     """Servers on other hosts reach the trainer's rank 0 for a distributed-transport weight
-    sync at `rollout.weight_sync_master_address`: a loopback address cannot serve them."""
+    sync at `rollout.weight_sync_master_address`: the trainer's own rule
+    (`weight_sync_address_problem`), with names resolved here (a name for this machine's
+    loopback counts as loopback)."""
     name = "weight sync address"
     if transport != "distributed":
         return Check(name, SKIP, f"weight_sync_transport={transport}: no process group")
+    if problem := weight_sync_address_problem(urls, transport, address, _is_loopback):
+        return Check(name, FAIL, problem, "set it to this node's address the servers can reach")
     remote = [u for u in urls or [] if not _is_loopback(urlsplit(u).hostname or "")]
     if not remote:
         return Check(name, PASS, f"{address} (servers on this host)")
-    if _is_loopback(address):
-        detail = (
-            f"rollout.weight_sync_master_address={address} is loopback, unreachable from the "
-            f"servers at {', '.join(remote)}"
-        )
-        return Check(name, FAIL, detail, "set it to this node's address the servers can reach")
     return Check(name, PASS, f"{address}, for {len(remote)} server(s) on other hosts")
 
 

@@ -25,7 +25,6 @@ refused: SGLang's weight-update routes would take requests from anyone who reach
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import signal
 import socket
@@ -38,6 +37,7 @@ import yaml
 
 from rlhf.config.engine_args import launched_rollout, server_argv
 from rlhf.config.loader import ConfigError, build, load_config
+from rlhf.config.placement import is_loopback_host
 from rlhf.config.schema import RLHFConfig, RolloutConfig
 from rlhf.rollout.server_group import KEY, ServerGroup
 from rlhf.sglang_api import API_KEY_ENV, api_key
@@ -122,19 +122,9 @@ def rollout_config(args: argparse.Namespace) -> RolloutConfig:
     return rollout
 
 
-def is_loopback(host: str) -> bool:
-    """Whether only this machine can reach `host` (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: assume other machines can resolve and reach it
-        return False
-
-
 def check_exposure(host: str) -> None:
     """Refuse a reachable bind address without an API key (ConfigError, one line)."""
-    if not is_loopback(host) and api_key() is None:
+    if not is_loopback_host(host) and api_key() is None:
         raise ConfigError(
             f"--host {host} lets other machines reach the servers, whose weight-update routes "
             f"need no key unless {API_KEY_ENV} is set: export {API_KEY_ENV}=<secret> here "

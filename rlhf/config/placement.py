@@ -1,4 +1,5 @@
-"""Where a run's SGLang servers sit: the GPUs of each server, node by node.
+"""Where a run's SGLang servers sit: the GPUs of each server, node by node, and the address
+servers on other hosts reach the trainer at for a weight sync.
 
 Plain functions of the config, so that the decision is computed, and tested, for an 8-GPU
 node or several nodes on a machine without a GPU; only SGLang's own CUDA calls are GPU-only.
@@ -12,6 +13,8 @@ of a node takes GPUs i x TP .. i x TP + TP - 1, disjoint from the node's other s
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -20,6 +23,7 @@ from rlhf.config.rollout import RolloutConfig
 
 ROLLOUT = "actor_rollout_ref.rollout"
 GPUS_KEY = "trainer.n_gpus_per_node"
+DEFAULT_ADDRESS = RolloutConfig.weight_sync_master_address
 
 
 def server_gpus(
@@ -84,3 +88,41 @@ def rollout_placement(
 def gpu_ids_text(gpus: tuple[int, ...]) -> str:
     """'3' for one GPU, '0-3' for a range."""
     return str(gpus[0]) if len(gpus) == 1 else f"{gpus[0]}-{gpus[-1]}"
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` can only mean this machine: localhost, 127.0.0.0/8 or ::1 (any other
+    name is taken as reachable from elsewhere; nothing is resolved here)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def weight_sync_address_problem(
+    server_urls: list[str] | None,
+    transport: str,
+    address: str,
+    is_loopback: Callable[[str], bool] = is_loopback_host,
+) -> str | None:
+    """Why servers could not rendezvous with training rank 0 at `address`
+    (`rollout.weight_sync_master_address`, 127.0.0.1 when the config leaves it unset) for a
+    distributed-transport weight sync, or None. Servers on another host (a URL whose host
+    `is_loopback` denies) would dial their own loopback and time out after minutes."""
+    if transport != "distributed":
+        return None
+    remote = [u for u in server_urls or [] if not is_loopback(urlsplit(u).hostname or "")]
+    if not remote:
+        return None
+    if address and not is_loopback(address):
+        return None
+    what = f"is {address}, a loopback address" if address else "is empty"
+    if address == DEFAULT_ADDRESS:
+        what += " (the default when unset)"
+    return (
+        f"{ROLLOUT}.weight_sync_master_address {what}, unreachable from the servers at "
+        f"{', '.join(remote)} for the distributed weight sync: set it to the address of training "
+        "rank 0's node (launch/slurm.sbatch and slurm_disaggregated.sbatch pass the first node's)"
+    )

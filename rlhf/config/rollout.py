@@ -133,7 +133,10 @@ class RolloutConfig:
         True, "keep the last synced weights on disk so a restarted server can be re-synced"
     )
     weight_sync_master_address: str = doc(
-        "127.0.0.1", "address SGLang servers use to reach rank 0 (distributed transport)"
+        "127.0.0.1",
+        "address of training rank 0's node that the SGLang servers reach for the distributed "
+        "transport (the default: servers on this host); a server URL naming another host "
+        "needs a non-loopback one (launch/slurm*.sbatch pass the first node's)",
     )
     log_prob_micro_batch_size_per_gpu: int | None = doc(
         None,

@@ -27,7 +27,7 @@ from rlhf.config.budgets import check_micro_batching
 from rlhf.config.choices import CRITIC_ESTIMATORS
 from rlhf.config.loader import ConfigError
 from rlhf.config.multi_turn_rules import MULTI_TURN, check_multi_turn
-from rlhf.config.placement import server_gpus
+from rlhf.config.placement import server_gpus, weight_sync_address_problem
 from rlhf.config.rollout import MultiTurnConfig
 from rlhf.config.schema import (
     ActorConfig,
@@ -209,12 +209,17 @@ def _check_critic_layout(actor: ParallelLayout, critic: ParallelLayout) -> None:
 
 
 def _check_rollout_placement(cfg: RLHFConfig, layout: ParallelLayout) -> None:
-    """Server URLs look like URLs; servers launched on GPUs get disjoint GPUs of their node
-    (`rlhf.config.placement`); servers launched on several nodes need whole replicas."""
+    """Server URLs look like URLs that servers on other hosts can sync weights from; servers
+    launched on GPUs get disjoint GPUs of their node (`rlhf.config.placement`); servers
+    launched on several nodes need whole replicas."""
     rollout, trainer = cfg.actor_rollout_ref.rollout, cfg.trainer
     bad = [u for u in rollout.server_urls or [] if not u.startswith(("http://", "https://"))]
     if bad:
         raise ConfigError(f"{AR}.rollout.server_urls: {bad} are not URLs like http://host:port")
+    if problem := weight_sync_address_problem(
+        rollout.server_urls, rollout.weight_sync_transport, rollout.weight_sync_master_address
+    ):
+        raise ConfigError(problem)
     if not rollout.server_urls and trainer.device != "cpu":
         server_gpus(
             rollout.num_servers, rollout.tensor_model_parallel_size, trainer.n_gpus_per_node

@@ -107,6 +107,29 @@ def test_server_urls_must_be_urls():
         check(["actor_rollout_ref.rollout.server_urls=[rollout-0:30000,http://ok:1]"])
 
 
+def test_servers_on_other_hosts_need_a_weight_sync_address_they_can_reach():
+    """(issue 51, item 7) Servers on another host rendezvous with training rank 0 at
+    weight_sync_master_address for the distributed transport: the default 127.0.0.1 or any
+    loopback address is refused at startup in one line naming the key and those servers."""
+    key = "actor_rollout_ref.rollout.weight_sync_master_address"
+    remote = [
+        "actor_rollout_ref.rollout.server_urls=[http://rollout-0:30000,http://127.0.0.1:30001]",
+        "actor_rollout_ref.rollout.weight_sync_transport=distributed",
+    ]
+    for address in ([], [f"{key}=localhost"], [f"{key}=127.0.1.1"], [f"{key}=::1"]):
+        with pytest.raises(ConfigError) as err:
+            check([*remote, *address])
+        message = str(err.value)
+        assert "\n" not in message and message.startswith(f"{key} is ")
+        assert "http://rollout-0:30000" in message and "30001" not in message
+        assert ("(the default when unset)" in message) == (address == [])
+    for address in ("train-0", "10.0.0.7"):
+        check([*remote, f"{key}={address}"])
+    local = "actor_rollout_ref.rollout.server_urls=[http://localhost:30000,http://127.0.0.2:1]"
+    check([local, remote[1]])
+    check([remote[0], "actor_rollout_ref.rollout.weight_sync_transport=disk"])
+
+
 def test_bypass_mode_excludes_importance_weights():
     keys = ["algorithm.rollout_correction.bypass_mode=true"]
     check(keys)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlhf.config import ConfigError, load_config, validate_config
 from rlhf.utils import free_port
 from tests.fake_slurm import sbatch_environment, write_stand_ins
 from tests.helpers import REPO
@@ -117,6 +118,36 @@ def test_slurm_batch_launches_one_torchrun_per_node(fake_slurm):
             "--master-port 29500 --shutdown-timeout 600 -m rlhf.cli.train" in line
         )
         assert line.endswith("data.seed=3 trainer.nnodes=2 trainer.n_gpus_per_node=4")
+        assert "weight_sync_master_address" not in line  # servers launched by the run
+
+
+def test_slurm_batch_gives_external_servers_the_first_node_to_sync_with(fake_slurm):
+    """(issue 51, item 7) configs/gsm8k_2node.yaml's servers are on other hosts: every rank is
+    told the first node as weight_sync_master_address (before the command line's keys, which
+    win), and the command line it gets passes the trainer's check, which refuses it without."""
+    env = _env(
+        PATH=f"{fake_slurm}{os.pathsep}{os.environ['PATH']}",
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_JOB_NODELIST="gpu-a,gpu-b",
+        SLURM_NNODES="2",
+        SLURM_GPUS_PER_NODE="8",
+    )
+    config = "configs/gsm8k_2node.yaml"
+    argv = ["bash", "launch/slurm.sbatch", "--dry-run", "--config", config, "data.seed=3"]
+    result = _run(argv, env)
+    assert result.returncode == 0, result.stderr
+    lines = [shlex.split(line) for line in result.stdout.strip().splitlines()]
+    assert len(lines) == 2
+    for words in lines:
+        given = words[words.index(config) + 1 :]
+        assert given[:2] == [f"{AR}.weight_sync_master_address=gpu-a", "data.seed=3"]
+        cfg = load_config(REPO / config, given)
+        assert validate_config(cfg).world_size == 16
+        with pytest.raises(ConfigError, match=f"{AR}.weight_sync_master_address is 127.0.0.1"):
+            validate_config(load_config(REPO / config, given[1:]))
+    mine = f"{AR}.weight_sync_master_address=10.0.0.7"
+    words = shlex.split(_run([*argv, mine], env).stdout.splitlines()[0])
+    assert words.index(f"{AR}.weight_sync_master_address=gpu-a") < words.index(mine)
 
 
 DISAGGREGATED = ["bash", str(LAUNCH / "slurm_disaggregated.sbatch")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from rlhf.config import ConfigError, load_config, validate_config
 from rlhf.config.reward_training import RewardModelRunConfig, validate_reward_training
@@ -35,11 +36,40 @@ def test_configs_exist():
     assert "gsm8k_2node.yaml" in names
 
 
+ADDRESS_KEY = "actor_rollout_ref.rollout.weight_sync_master_address"
+
+
+def launcher_overrides(path) -> list[str]:
+    """What launch/slurm.sbatch and slurm_disaggregated.sbatch add to a config whose servers
+    are external: the first node as the weight-sync rendezvous."""
+    return (
+        [f"{ADDRESS_KEY}=train-0"]
+        if load_config(path).actor_rollout_ref.rollout.server_urls
+        else []
+    )
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_validates_for_its_world(path):
-    cfg = load_config(path)
+    cfg = load_config(path, launcher_overrides(path))
     layout = validate_config(cfg)
     assert layout.world_size == cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+@pytest.mark.parametrize(
+    "name", ["gsm8k_2node", "gsm8k_72b_grpo_4node", "qwen3_235b_a22b_grpo_16node"]
+)
+def test_multi_node_configs_refuse_a_loopback_rendezvous_for_their_remote_servers(name):
+    """(issue 51, item 7) They set weight_sync_master_address to 127.0.0.1, which the servers
+    on their own nodes would dial on themselves (a 5-minute timeout at the first sync): now
+    left unset, they need the launcher's address and are refused without it."""
+    path = REPO / "configs" / f"{name}.yaml"
+    assert (
+        "weight_sync_master_address"
+        not in yaml.safe_load(path.read_text())["actor_rollout_ref"]["rollout"]
+    )
+    with pytest.raises(ConfigError, match=rf"^{ADDRESS_KEY} is 127\.0\.0\.1, a loopback"):
+        validate_config(load_config(path))
 
 
 @pytest.mark.parametrize("name", REWARD_MODEL_CONFIGS)
