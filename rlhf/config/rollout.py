@@ -111,7 +111,9 @@ class RolloutConfig:
         None, "running SGLang servers to use instead of launching (never restarted)"
     )
     use_router: bool = doc(False, "send /generate through an sglang-router in front of the servers")
-    max_concurrent_requests: int = doc(64, "most /generate requests in flight at once", gt=0)
+    max_concurrent_requests: int = doc(
+        64, "most /generate requests in flight at once on each server", gt=0
+    )
     request_timeout_s: float = doc(
         120.0,
         "seconds one /generate attempt may take; a hung server is reported after about "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -203,7 +204,8 @@ def _weight_versions(spans: Any, url: str) -> tuple[tuple[str, int, int], ...]:
 
 
 class GenerateClient:
-    """Sends one /generate per payload over `urls` (round-robin) with bounded concurrency.
+    """Sends one /generate per payload over `urls` (round-robin), at most `max_concurrent`
+    in flight on each server.
 
     `keep_aborted`: a sample the server cut off (`sglang_api.pause_generation`) comes back
     as it is, finish reason "abort", for `rlhf.rollout.partial` to continue from its tokens,
@@ -241,21 +243,28 @@ class GenerateClient:
     async def session(self) -> AsyncIterator[Request]:
         """`request(index, payload)` within one HTTP session and concurrency limit: requests
         issued one after another (the turns of a conversation) share the connections.
-        `index` picks the server (round-robin) and names the request in logs."""
-        limit = asyncio.Semaphore(self.max_concurrent)
-        connector = aiohttp.TCPConnector(limit=self.max_concurrent)
+        `index` picks the server (round-robin) and names the request in logs; each server
+        has at most `max_concurrent` of them in flight."""
+        limits: dict[str, asyncio.Semaphore] = collections.defaultdict(
+            lambda: asyncio.Semaphore(self.max_concurrent)
+        )
+        connector = aiohttp.TCPConnector(limit=self.max_concurrent * len(self.urls))
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, headers=auth_headers()
         ) as session:
 
             async def request(index: int, payload: dict[str, Any]) -> RequestResult:
-                return await self._request(session, limit, index, payload)
+                return await self._request(session, limits, index, payload)
 
             yield request
 
     async def _request(
-        self, session: aiohttp.ClientSession, limit: asyncio.Semaphore, index: int, payload: dict
+        self,
+        session: aiohttp.ClientSession,
+        limits: dict[str, asyncio.Semaphore],
+        index: int,
+        payload: dict,
     ) -> RequestResult:
         url = self.urls[index % len(self.urls)]
         attempts = self.retry.retries + 1
@@ -263,7 +272,7 @@ class GenerateClient:
         for attempt in range(1, attempts + 1):
             tried.append(url)
             try:
-                async with limit:
+                async with limits[url]:
                     return await self._post(session, url, payload, attempt, tried)
             except _Retryable as e:
                 error = e

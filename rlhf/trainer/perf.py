@@ -34,8 +34,19 @@ def ppo_step_flops(
     return forward_passes * forward + 3 * forward * train_epochs
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
+def matmul_size(device: torch.device) -> int:
+    """The side of the yardstick's matmul: on a GPU large enough (~1.1 TFLOP, about a
+    millisecond on an H200) that the GPU, not the host launching kernels (a few
+    microseconds each), sets the rate; a 1024 matmul there ran at the launch rate and
+    understated the peak, inflating MFU."""
+    return 8192 if device.type == "cuda" else 1024
+
+
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype, size: int | None = None
+) -> float:
     """Sustained FLOP/s of a square matmul on `device` (a same-run yardstick for MFU)."""
+    size = size or matmul_size(device)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(2):

@@ -55,3 +55,27 @@ def test_a_reward_function_returning_nan_is_an_error_naming_the_response():
         r"ground truth '12'",
     ):
         scorer([item])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None])
+def test_tensors_finite_reads_one_verdict_from_the_device(bad, monkeypatch):
+    """A gradient check before every optimizer step: a NaN or inf anywhere in any tensor
+    makes it False, and the host waits for the device once (it read one flag per parameter:
+    hundreds of host syncs per update on a GPU)."""
+    from rlhf.trainer.nonfinite import tensors_finite
+
+    tensors = [torch.randn(4, 5) for _ in range(30)] + [torch.zeros(0)]
+    tensors.append(torch.randn(7).to(torch.bfloat16))
+    if bad is not None:
+        tensors[17][2, 3] = bad
+    reads = []
+    for name in ("item", "__bool__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            reads.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    assert tensors_finite(tensors, torch.device("cpu")) is (bad is None)
+    assert len(reads) == 1

@@ -230,3 +230,18 @@ def test_concurrency_is_bounded():
     results, max_in_flight = run(main())
     assert len(results) == 12
     assert 1 <= max_in_flight <= 3
+
+
+def test_concurrency_is_bounded_per_server():
+    """`rollout.max_concurrent_requests` is per server: four servers each get their own
+    limit (it was one limit over all of them: 64 requests in flight for 4 servers)."""
+
+    async def main():
+        async with FakeServer() as a, FakeServer() as b:
+            a.delay_s = b.delay_s = 0.05
+            client = GenerateClient([a.url, b.url], max_concurrent=3, retry=FAST)
+            results = await client.generate_async(payloads(24))
+            return results, (a.max_in_flight, b.max_in_flight)
+
+    results, in_flight = run(main())
+    assert len(results) == 24 and in_flight == (3, 3)
