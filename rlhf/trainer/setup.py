@@ -185,7 +185,8 @@ def build_policy(
 ) -> ModelChunks:
     """This rank's chunks of the policy, loaded from the HF checkpoint; `overrides`: further
     TransformerConfig fields (`megatron.override_transformer_config`); `router`: the MoE
-    router's training settings."""
+    router's training settings. Megatron's random initialisation is skipped: every
+    parameter is loaded (a 7B shard took minutes of random numbers, one thread a rank)."""
     placement = Placement.of(ctx)
     chunks = build_chunks(
         arch,
@@ -193,6 +194,7 @@ def build_policy(
         vp_size=vp_size,
         params_dtype=dtype,
         sp=ctx.sp_size,
+        initialize=False,
         recompute=recompute,
         sequence_parallel=ctx.sequence_parallel,
         overrides=overrides,

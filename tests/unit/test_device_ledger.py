@@ -133,3 +133,28 @@ def test_a_moe_models_experts_leave_the_device_with_the_rest(ctx, tiny_moe_dir):
     assert state and all(v.untyped_storage().nbytes() == 0 for v in state)
     (update,) = book.records("update_actor")
     assert holds(update, "actor") == set(STATE) and not book.holds("actor")
+
+
+def test_the_policy_is_loaded_without_a_random_initialisation_first(
+    ctx, tiny_qwen2_dir, monkeypatch
+):
+    """Every parameter comes from the checkpoint, so Megatron's random init (minutes for a
+    7B shard, one thread a rank under torchrun) is skipped; the loaded weights are the
+    checkpoint's (transformers' own)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.models.families import load_arch
+    from rlhf.trainer.setup import build_policy
+
+    drawn = []
+    for name in ("normal_", "uniform_", "kaiming_uniform_", "xavier_normal_"):
+        original = getattr(torch.nn.init, name)
+        monkeypatch.setattr(
+            torch.nn.init, name, lambda *a, _o=original, **k: drawn.append(1) or _o(*a, **k)
+        )
+    arch = load_arch(tiny_qwen2_dir)
+    (chunk,) = build_policy(arch, str(tiny_qwen2_dir), ctx, torch.float32)
+    assert drawn == []
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir).model
+    embedding = chunk.embedding.word_embeddings.weight
+    assert torch.equal(embedding[: arch.vocab_size], hf.embed_tokens.weight)
