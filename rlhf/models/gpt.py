@@ -1,23 +1,46 @@
 """Build Megatron-Core `GPTModel`s: the one place that chooses Transformer Engine or local layers.
 
-Transformer Engine is used when it is importable and CUDA is present; otherwise the local
-(pure PyTorch) spec, which is what runs on CPU and in CI.
+Transformer Engine is used when CUDA is present and `transformer_engine.pytorch` really
+imports (its core library and torch extension load; a package that is merely installed but
+cannot load, which Megatron's own guarded imports treat as absent, used to fail at model
+build); otherwise the local (pure PyTorch) spec, which is what runs on CPU and in CI.
+Decided once per process, with the reason logged when a GPU run falls back.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
+import logging
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+log = logging.getLogger(__name__)
+TE_MODULE = "transformer_engine.pytorch"
+
+
+@functools.cache
+def transformer_engine_problem() -> str | None:
+    """Why this process cannot use Transformer Engine's layers, or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        importlib.import_module(TE_MODULE)
+    # not installed, a missing core or CUDA library (OSError), a failed install check (TE
+    # asserts that its packages' versions match)
+    except (ImportError, OSError, RuntimeError, AssertionError) as e:
+        reason = f"import {TE_MODULE} failed: {type(e).__name__}: {e}"
+        log.warning("Transformer Engine unusable (%s): Megatron's local layer spec", reason)
+        return reason
+    return None
+
 
 def transformer_engine_usable() -> bool:
-    """True when Transformer Engine can be imported and a GPU is visible."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    """True when a GPU is visible and Transformer Engine imports (`transformer_engine_problem`)."""
+    return transformer_engine_problem() is None
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):

@@ -18,9 +18,11 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from importlib.metadata import requires
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from rlhf.cli.check_env import canonical, read_pins
 
@@ -325,15 +327,42 @@ def test_sglang_is_installed_without_dependencies_like_the_makefile(instrs):
     assert make_sglang[0].constraints == sglang[0].constraints == [LOCK_ARG]
 
 
-def test_apex_is_built_from_a_pinned_ref_with_its_cpp_and_cuda_extensions(instrs):
-    apex = [pip for pip in dockerfile_pip_installs(instrs) if "/tmp/apex" in pip.targets]
-    assert len(apex) == 1
-    assert {"--build-option=--cpp_ext", "--build-option=--cuda_ext"} <= set(apex[0].config_settings)
-    assert {"--no-deps", "--no-build-isolation"} <= apex[0].flags
-    assert re.fullmatch(r"[0-9a-f]{40}|\d+\.\d+(\.\d+)?", global_args(instrs)["APEX_REF"])
-    assert ["git", "-C", "/tmp/apex", "checkout", "--quiet", "${APEX_REF}"] in run_commands(instrs)
-    builder_args = [rest for keyword, rest in instrs if keyword == "ARG"]
-    assert any(arg.startswith("TORCH_CUDA_ARCH_LIST=") for arg in builder_args)
+def test_no_apex_is_built_and_transformer_engine_must_import(instrs):
+    """(issue 51, item 9) Megatron-Core 0.16.1 takes FusedAdam and its multi-tensor kernels
+    from Transformer Engine before Apex, and the local spec's RMSNorm is torch's: no Apex
+    source build. The GPU stack is checked by importing transformer_engine.pytorch (its core
+    library and torch extension load), not by find_spec alone."""
+    instructions_text = " ".join(rest for _, rest in instrs).lower()
+    assert "apex" not in instructions_text and "amp_c" not in instructions_text
+    assert not {"APEX_REF", "TORCH_CUDA_ARCH_LIST"} & {
+        rest.partition("=")[0] for keyword, rest in instrs if keyword == "ARG"
+    }
+    assert ["python", "-c", "import transformer_engine.pytorch"] in run_commands(instrs)
+    then, _, outside = gpu_branches(instrs)
+    assert "import transformer_engine.pytorch" in then
+    assert "import transformer_engine.pytorch" not in outside
+
+
+def test_transformer_engine_brings_the_cuda_13_core_as_megatron_pins_it():
+    """`transformer-engine[pytorch]` alone has no core library (it is the core_cu12 /
+    core_cu13 extras); the locked torch is a CUDA 13 build and Megatron-Core's own extra
+    asks for transformer-engine[core_cu13,pytorch]."""
+    import torch
+
+    ours = next(
+        Requirement(line)
+        for line in GPU_REQUIREMENTS.read_text().splitlines()
+        if line.startswith("transformer-engine")
+    )
+    assert ours.extras == {f"core_cu{torch.version.cuda.split('.')[0]}", "pytorch"}
+    megatron = [
+        Requirement(r)
+        for r in requires("megatron-core") or []
+        if r.startswith("transformer-engine")
+    ]
+    assert megatron and all(r.extras == ours.extras for r in megatron)
+    (pinned,) = ours.specifier
+    assert all(r.specifier.contains(pinned.version) for r in megatron)
 
 
 def test_the_package_is_installed_and_the_image_checked_against_the_lock(instrs):
@@ -343,8 +372,9 @@ def test_the_package_is_installed_and_the_image_checked_against_the_lock(instrs)
     commands = run_commands(instrs)
     assert ["rlhf-check-env", "requirements/cpu.lock"] in commands
     assert ["rlhf-check-env", "requirements/gpu.txt"] in commands
-    probe = next(command[2] for command in commands if command[:2] == ["python", "-c"])
-    assert "'sgl_kernel'" in probe and "'amp_C'" in probe and "cpu_shims" in probe
+    probe = next(c[2] for c in commands if c[:2] == ["python", "-c"] and "find_spec" in c[2])
+    assert "'sgl_kernel'" in probe and "'transformer_engine_torch'" in probe
+    assert "cpu_shims" in probe
 
 
 # --- (c) Python and CUDA match the lock --------------------------------------------------------
@@ -364,7 +394,7 @@ def test_cuda_base_image_matches_the_locked_torch_wheel(instrs, pins):
     assert torch.__version__.split("+")[0] == pins["torch"]  # the lock's wheel is the one here
     declared = global_args(instrs)
     cuda_major_minor = ".".join(declared["CUDA_VERSION"].split(".")[:2])
-    assert cuda_major_minor == torch.version.cuda  # Apex refuses any other toolkit
+    assert cuda_major_minor == torch.version.cuda  # and Transformer Engine's core is cu13
     # the default base is the CUDA image; BASE_IMAGE swaps it (a Debian base for a CPU image)
     assert declared["BASE_IMAGE"].startswith("nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu")
     first_from = next(rest for keyword, rest in instrs if keyword == "FROM")
@@ -416,10 +446,9 @@ def test_gpu_stack_zero_skips_exactly_the_cuda_only_steps_and_says_so(instrs):
     then, other, outside = gpu_branches(instrs)
     gpu_only = [
         "-r requirements/gpu.txt",
-        "https://github.com/NVIDIA/apex.git",
-        "--cuda_ext",
         "rlhf-check-env requirements/gpu.txt",
-        "'amp_C'",
+        "'sgl_kernel'",
+        "import transformer_engine.pytorch",
     ]
     for text in gpu_only:
         assert text in then, f"{text} is not inside an `if GPU_STACK = 1` branch"
@@ -429,8 +458,8 @@ def test_gpu_stack_zero_skips_exactly_the_cuda_only_steps_and_says_so(instrs):
         assert text in outside and text not in then
     assert "rlhf-check-env requirements/cpu.lock" in outside
     skips = re.findall(r'echo "(GPU_STACK=0: [^"]*)"', other)
-    assert len(skips) == len(GPU_IF.findall("\n".join(r for k, r in instrs if k == "RUN"))) == 3
-    assert any("Transformer Engine" in s for s in skips) and any("Apex" in s for s in skips)
+    assert len(skips) == len(GPU_IF.findall("\n".join(r for k, r in instrs if k == "RUN"))) == 2
+    assert any("Transformer Engine" in s for s in skips)
 
 
 def test_docker_test_passes_only_arguments_the_dockerfile_declares(instrs):
