@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.validate import sequence_parallel_on
-from rlhf.distributed.context import ParallelContext
+from rlhf.distributed.context import ParallelContext, backend_for
 from rlhf.distributed.cpu_compat import apply_cpu_compat
 from rlhf.distributed.stores import bound_store
 
@@ -51,7 +51,7 @@ def _init_process_group(device: torch.device, timeout_minutes: int) -> None:
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     timeout = timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ:  # torchrun's MASTER_ADDR/PORT
         dist.init_process_group(

@@ -25,10 +25,11 @@ class ParallelContext:
     except `dp_group` (always set: sums over DP ranks are written without a special case).
 
     `device` is where this rank computes and where tensors for collectives live (CUDA with
-    nccl, the CPU with gloo). `pp_stage_ranks` are the global ranks of this rank's pipeline,
-    stage by stage; `dp_sp_size` is the number of ranks Megatron's DDP averages gradients
-    over (DP x SP). `sequence_parallel`: the models split their activations outside the
-    TP-split layers along the sequence over the TP group (Megatron's sequence parallelism).
+    nccl, the CPU with gloo: `rank_device`). `pp_stage_ranks` are the global ranks of this
+    rank's pipeline, stage by stage; `dp_sp_size` is the number of ranks Megatron's DDP
+    averages gradients over (DP x SP). `sequence_parallel`: the models split their
+    activations outside the TP-split layers along the sequence over the TP group
+    (Megatron's sequence parallelism).
     `ep_*` / `etp_*`: where the rank sits among the expert-parallel ranks and, within those,
     the expert tensor-parallel ranks (mixture-of-experts layers; both 1 for dense models
     except that expert-TP follows TP by Megatron's default). `edp_*`: the expert
@@ -88,3 +89,19 @@ class ParallelContext:
             f"TP {self.tp_size} x PP {self.pp_size} x SP {self.sp_size} x DP {self.dp_size} "
             f"({self.backend})"
         )
+
+
+def backend_for(device: torch.device) -> str:
+    """The process-group backend for collectives of tensors on `device`: nccl for CUDA,
+    gloo for the CPU (the inverse of `rank_device`)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """Where the rank at `local_rank` of its node computes and where the buffers of its
+    collectives over a `backend` group must be: its own GPU for nccl (torchrun's local rank
+    k computes on cuda:k, `bootstrap.pick_device`), the CPU for gloo. The one rule for
+    every buffer sent or received over a group, and for which GPU a node's rank sits on."""
+    if "nccl" in backend:  # "nccl", or a "cpu:gloo,cuda:nccl" pair: tensors go to the GPU
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlhf.config.placement import server_gpus
 from rlhf.config.schema import RolloutConfig
 from rlhf.models.families import ModelArch
 from rlhf.weight_sync.gather import SyncTopology
+from rlhf.weight_sync.handle_plan import tensor_handle_plan
 from rlhf.weight_sync.syncer import WeightSyncer
 from rlhf.weight_sync.transports import (
     DiskTransport,
@@ -25,7 +27,8 @@ def build_weight_syncer(
     run_dir: str | Path,
     model_path: str | Path,
 ) -> WeightSyncer:
-    """Transport, bucket size and restart snapshot from the rollout config.
+    """Transport, bucket size and restart snapshot from the rollout config (every rank
+    calls it alike: the tensor transport's plan may make process groups).
 
     Disk weights go under `<run_dir>/weights/` (the snapshot under `weights_snapshot/`);
     `model_path` supplies the config and tokenizer files copied next to them.
@@ -34,10 +37,17 @@ def build_weight_syncer(
     kind = rollout.weight_sync_transport
     transport: Transport
     if kind == "tensor":
-        transport = TensorTransport(rollout.tensor_model_parallel_size)
+        # colocated servers (launched by the run) sit on the node's GPUs by this rule
+        colocated = rollout.server_urls is None
+        gpus = server_gpus(len(server_urls), rollout.tensor_model_parallel_size)
+        plan, topology = tensor_handle_plan(gpus, colocated, topology)
+        transport = TensorTransport(server_urls, plan)
     elif kind == "distributed":
         transport = DistributedTransport(
-            server_urls, rollout.tensor_model_parallel_size, rollout.weight_sync_master_address
+            server_urls,
+            rollout.tensor_model_parallel_size,
+            rollout.weight_sync_master_address,
+            topology.device,
         )
     else:
         transport = DiskTransport(run_dir / "weights", Path(model_path))

@@ -22,6 +22,16 @@ expert weight at most (2 x EP + 1) x that weight of one expert (its expert-TP sl
 EP rank's copy, and their HF tensors where the layout copies), plus about one bucket (two on
 rank 0 while receiving another stage's); another expert-TP rank 0 holds one expert's weight.
 For Qwen3-235B-A22B at EP 8, one expert's gate/up weight is 25 MB (bf16): 200 MB a gather.
+
+`SyncTopology.everywhere` (the tensor transport on GPU, whose every server TP rank reads
+its bucket from the trainer rank on its own GPU: `rlhf.weight_sync.handle_plan`): every
+rank yields every bucket instead. Each TP group gathers and converts its own replica's
+shards (DP and SP replicas hold the same weights), routed experts are all-gathered over
+expert-TP and EP, and each stage's buckets are broadcast over the pipeline group; the peak
+above is then every rank's.
+
+Buffers live where the group they travel on needs them (`SyncTopology.device`: this rank's
+GPU for nccl, the CPU for gloo; `rlhf.distributed.context.rank_device`).
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from rlhf.distributed.context import ParallelContext
+from rlhf.distributed.context import ParallelContext, rank_device
 from rlhf.models.chunks import ModelChunks
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import (
@@ -47,6 +57,7 @@ from rlhf.models.mapping import (
 )
 
 Bucket = list[tuple[str, torch.Tensor]]
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,10 @@ class SyncTopology:
     `in_sync_experts`: this rank belongs to the expert-data-parallel replica (expert-TP x EP
     ranks of a stage) whose routed experts go to that replica's stage leader. The defaults
     (no expert groups, experts local) describe a single rank.
+    `device`: where this rank's buffers for the sync's groups live (`rank_device` of the
+    job's backend: Megatron's groups use it); `sender_ranks`: the global rank of each
+    sync's sender (one per node when every node syncs its own servers); `everywhere`:
+    every rank yields every bucket (module docstring), set by the tensor transport's plan.
     """
 
     placement: Placement
@@ -70,6 +85,12 @@ class SyncTopology:
     etp_group: ProcessGroup | None = None  # None when expert-TP = 1
     ep_group: ProcessGroup | None = None  # None when EP = 1
     in_sync_experts: bool = True
+    rank: int = 0
+    local_world_size: int = 1
+    backend: str = "gloo"
+    device: torch.device = CPU
+    sender_ranks: tuple[int, ...] = (0,)
+    everywhere: bool = False
 
     @classmethod
     def of(cls, ctx: ParallelContext, per_node: bool = False) -> SyncTopology:
@@ -94,6 +115,11 @@ class SyncTopology:
             ctx.etp_group,
             ctx.ep_group,
             in_experts,
+            ctx.rank,
+            ctx.local_world_size,
+            ctx.backend,
+            rank_device(ctx.backend, ctx.local_rank),
+            tuple(n * ctx.world_size // num_syncs for n in range(num_syncs)),
         )
 
     @property
@@ -106,6 +132,16 @@ class SyncTopology:
         local rank 0 when every node syncs its own servers)."""
         return self.is_stage_leader and self.placement.pp_rank == 0
 
+    @property
+    def sender_rank(self) -> int:
+        """The global rank of the sender of this rank's sync."""
+        return max(s for s in self.sender_ranks if s <= self.rank)
+
+    @property
+    def converts(self) -> bool:
+        """This rank turns its stage's gathered shards into HF tensors."""
+        return self.everywhere or self.is_stage_leader
+
 
 def _gather_tp(param: torch.Tensor, layout: Layout, topo: SyncTopology) -> list[torch.Tensor]:
     if layout is Layout.REPLICATED or topo.tp_group is None:
@@ -115,12 +151,19 @@ def _gather_tp(param: torch.Tensor, layout: Layout, topo: SyncTopology) -> list[
     return parts
 
 
-def _gather_to_first(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor | None:
+def _gather_to_first(
+    tensor: torch.Tensor, group: ProcessGroup | None, to_all: bool = False
+) -> torch.Tensor | None:
     """`tensor` of every rank of `group` stacked in group-rank order ([group size, *shape])
-    on the group's first rank, None on the others (no group: [1, *shape] at once)."""
+    on the group's first rank, None on the others (every rank with `to_all`; no group:
+    [1, *shape] at once)."""
     if group is None:
         return tensor.unsqueeze(0)
     size = dist.get_world_size(group)
+    if to_all:
+        everyone = tensor.new_empty((size, *tensor.shape))
+        dist.all_gather(list(everyone.unbind(0)), tensor.contiguous(), group=group)
+        return everyone
     first = dist.get_rank(group) == 0
     received = tensor.new_empty((size, *tensor.shape)) if first else None
     parts = list(received.unbind(0)) if received is not None else None
@@ -130,11 +173,12 @@ def _gather_to_first(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
 
 def _gather_expert(param: torch.Tensor, topo: SyncTopology) -> torch.Tensor | None:
     """One local expert's weight of every EP rank, [EP, expert-TP, *shard shape] on the
-    stage leader (None elsewhere): expert-TP slices first, then EP ranks."""
-    slices = _gather_to_first(param.detach(), topo.etp_group)
+    stage leader (None elsewhere; on every rank when `everywhere`): expert-TP slices
+    first, then EP ranks."""
+    slices = _gather_to_first(param.detach(), topo.etp_group, topo.everywhere)
     if slices is None:
         return None
-    return _gather_to_first(slices, topo.ep_group)
+    return _gather_to_first(slices, topo.ep_group, topo.everywhere)
 
 
 def _expert_tensors(
@@ -156,14 +200,16 @@ def _stage_tensors_of(
     arch: ModelArch,
     topo: SyncTopology,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF tensors of one parameter, on the stage leader; the gathers it needs elsewhere."""
+    """The HF tensors of one parameter, on the ranks that convert; the gathers it needs
+    elsewhere."""
     if rule.expert:
-        if topo.in_sync_experts and (gathered := _gather_expert(param, topo)) is not None:
-            assert topo.is_stage_leader
+        takes_part = topo.in_sync_experts or topo.everywhere
+        if takes_part and (gathered := _gather_expert(param, topo)) is not None:
+            assert topo.converts
             yield from _expert_tensors(gathered, name, placement, arch)
-    elif topo.in_sync_replica:
+    elif topo.in_sync_replica or topo.everywhere:
         shards = _gather_tp(param, rule.layout, topo)
-        if topo.is_stage_leader:
+        if topo.converts:
             yield from shards_to_hf(rule, layer, shards, arch)
 
 
@@ -193,49 +239,96 @@ def bucketize(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) ->
         yield bucket
 
 
-def _send_bucket(bucket: Bucket | None, dst: int, group) -> None:
-    meta = None if bucket is None else [(n, t.dtype, tuple(t.shape)) for n, t in bucket]
-    dist.send_object_list([meta], dst=dst, group=group)
-    if bucket is not None:
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
-        dist.send(flat, dst=dst, group=group)
+def _meta(bucket: Bucket | None) -> list | None:
+    return None if bucket is None else [(n, t.dtype, tuple(t.shape)) for n, t in bucket]
 
 
-def _recv_bucket(src: int, group) -> Bucket | None:
-    meta = [None]
-    dist.recv_object_list(meta, src=src, group=group)
-    if meta[0] is None:
-        return None
+def _flat(bucket: Bucket, device: torch.device) -> torch.Tensor:
+    """The bucket's bytes, one after the other, on `device`."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket]).to(device)
+
+
+def _unflatten(meta: list, device: torch.device, fill) -> Bucket:
+    """A bucket of `meta`'s tensors, views of one uint8 buffer on `device` that
+    `fill(buffer)` receives."""
     sizes = [
-        torch.Size(shape).numel() * torch.empty(0, dtype=dt).element_size()
-        for _, dt, shape in meta[0]
+        torch.Size(shape).numel() * torch.empty(0, dtype=dt).element_size() for _, dt, shape in meta
     ]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8)
-    dist.recv(flat, src=src, group=group)
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    fill(flat)
     bucket, offset = [], 0
-    for (name, dtype, shape), nbytes in zip(meta[0], sizes):
+    for (name, dtype, shape), nbytes in zip(meta, sizes):
         bucket.append((name, flat[offset : offset + nbytes].view(dtype).reshape(shape)))
         offset += nbytes
     return bucket
 
 
+def _send_bucket(bucket: Bucket | None, dst: int, group, device: torch.device) -> None:
+    """`bucket` (None: the end) to `dst` over `group`, whose buffers live on `device`."""
+    dist.send_object_list([_meta(bucket)], dst=dst, group=group, device=device)
+    if bucket is not None:
+        dist.send(_flat(bucket, device), dst=dst, group=group)
+
+
+def _recv_bucket(src: int, group, device: torch.device) -> Bucket | None:
+    """What `_send_bucket` sent from `src` (None at the end), received on `device`."""
+    meta = [None]
+    dist.recv_object_list(meta, src=src, group=group, device=device)
+    if meta[0] is None:
+        return None
+    return _unflatten(meta[0], device, lambda flat: dist.recv(flat, src=src, group=group))
+
+
+def _broadcast_bucket(bucket: Bucket | None, src: int, topo: SyncTopology) -> Bucket | None:
+    """On every stage of the pipeline, the `bucket` that rank `src` passes (None there:
+    the end, returned as None everywhere); the other ranks pass None."""
+    group, device = topo.pp_group, topo.device
+    meta = [_meta(bucket)]
+    dist.broadcast_object_list(meta, src=src, group=group, device=device)
+    if bucket is not None:
+        dist.broadcast(_flat(bucket, device), src=src, group=group)
+        return bucket
+    if meta[0] is None:
+        return None
+    return _unflatten(meta[0], device, lambda flat: dist.broadcast(flat, src=src, group=group))
+
+
+def _own_stage_buckets(
+    model, arch: ModelArch, topo: SyncTopology, bucket_bytes: int
+) -> Iterator[Bucket]:
+    """This stage's buckets, yielded where they are held; sent (`everywhere`: broadcast)
+    to the other stages."""
+    first_stage, stages = topo.pp_stage_ranks[0], topo.pp_group is not None
+    for bucket in bucketize(iter_stage_tensors(model, arch, topo), bucket_bytes):
+        if topo.everywhere:
+            if stages:
+                _broadcast_bucket(bucket, topo.rank, topo)
+            yield bucket
+        elif topo.is_sender:
+            yield bucket
+        elif topo.is_stage_leader:
+            _send_bucket(bucket, first_stage, topo.pp_group, topo.device)
+    if topo.everywhere and stages:
+        _broadcast_bucket(None, topo.rank, topo)
+    elif topo.is_stage_leader and not topo.is_sender:
+        _send_bucket(None, first_stage, topo.pp_group, topo.device)
+
+
 def iter_buckets(model, arch: ModelArch, topo: SyncTopology, bucket_bytes: int) -> Iterator[Bucket]:
-    """All HF buckets of the model, yielded on the sender (global rank 0) only.
+    """All HF buckets of the model, in the same order wherever they are yielded: on the
+    sender only (every rank with `topo.everywhere`).
 
     Every rank must exhaust this iterator: it drives the TP and expert gathers and the sends
     of later pipeline stages, one stage after the other.
     """
-    if not (topo.in_sync_replica or topo.in_sync_experts):
+    if not (topo.in_sync_replica or topo.in_sync_experts or topo.everywhere):
         return
     for stage, leader in enumerate(topo.pp_stage_ranks):
         if stage == topo.placement.pp_rank:
-            for bucket in bucketize(iter_stage_tensors(model, arch, topo), bucket_bytes):
-                if topo.is_sender:
-                    yield bucket
-                elif topo.is_stage_leader:
-                    _send_bucket(bucket, topo.pp_stage_ranks[0], topo.pp_group)
-            if topo.is_stage_leader and not topo.is_sender:
-                _send_bucket(None, topo.pp_stage_ranks[0], topo.pp_group)
+            yield from _own_stage_buckets(model, arch, topo, bucket_bytes)
+        elif topo.everywhere:
+            while (received := _broadcast_bucket(None, leader, topo)) is not None:
+                yield received
         elif topo.is_sender:
-            while (received := _recv_bucket(leader, topo.pp_group)) is not None:
+            while (received := _recv_bucket(leader, topo.pp_group, topo.device)) is not None:
                 yield received

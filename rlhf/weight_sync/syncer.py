@@ -46,7 +46,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class SyncStats:
-    """What one sync moved (counted on the sender; zeros elsewhere)."""
+    """What one sync moved (counted where the buckets are: the sender, or every rank when
+    they are spread; zeros elsewhere)."""
 
     seconds: float
     num_bytes: int
@@ -90,6 +91,7 @@ class WeightSyncer:
         """Send `model`'s weights to every server as `version` (all ranks call)."""
         start, phases = time.perf_counter(), Phases()
         sender, writers = self.topology.is_sender, self._writers()
+        # buckets reach the sender, or every rank when handles are spread (`everywhere`)
         targets = _Targets(list(self.server_urls) if sender else [], self.transport, version)
         if sender:
             with phases("deliver"):
@@ -108,8 +110,8 @@ class WeightSyncer:
                 size = sum(t.numel() * t.element_size() for _, t in bucket)
                 num_bytes, num_tensors = num_bytes + size, num_tensors + len(bucket)
                 num_buckets, max_bucket = num_buckets + 1, max(max_bucket, size)
-            if sender:
-                assert pending is not None, "a model has at least one parameter"
+            assert pending is not None or not sender, "a model has at least one parameter"
+            if pending is not None:
                 self._send(pending, True, version, targets, phases, deliveries)
         if sender:
             with phases("deliver"):
@@ -117,6 +119,8 @@ class WeightSyncer:
         self.version = version
         if dist.is_initialized():
             dist.barrier()
+        for writer in writers:  # every server has loaded every bucket
+            writer.after_sync()
         seconds = time.perf_counter() - start
         return SyncStats(
             seconds,
@@ -137,10 +141,13 @@ class WeightSyncer:
         phases: Phases,
         deliveries: Deliveries,
     ) -> None:
-        """Pack `bucket` for every writer (the snapshot too), deliver it to the live servers
-        (in the background when the transport allows: see `Deliveries`)."""
+        """Pack `bucket` for every writer (the snapshot too, on the sender), deliver it to
+        the live servers (the sender's; in the background when the transport allows: see
+        `Deliveries`)."""
         with phases("pack"):
             packed = self.transport.pack(bucket, last, version)
+        if not self.topology.is_sender:
+            return
         if self.snapshot is not None and self.snapshot is not self.transport:
             with phases("snapshot"):
                 self.snapshot.pack(bucket, last, version)

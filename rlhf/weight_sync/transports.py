@@ -1,8 +1,9 @@
 """Three ways to move HF-named buckets into SGLang servers (run on the sender rank only).
 
 - `tensor`: `update_weights_from_tensor` with one flattened bucket per call; tensors travel
-  as shared-memory handles (CUDA IPC on GPU, the file_system sharing strategy on CPU), so
-  the server must share this machine.
+  as shared-memory handles (CUDA IPC on GPU, each server TP rank's from the trainer rank on
+  its own GPU; the file_system sharing strategy on CPU), so the server must share this
+  machine.
 - `distributed`: a process group per server with the sender as rank 0
   (`init_weights_update_group`); each bucket is one broadcast of a flat uint8 buffer while
   `update_weights_from_distributed` tells the server what to expect. gloo on CPU, nccl on GPU.
@@ -10,7 +11,8 @@
   `update_weights_from_disk` loads it (shared storage, any placement).
 
 All follow `Transport`; the `WeightSyncer` wraps each sync in begin/end_weight_update and
-delivers every packed bucket to each server.
+delivers every packed bucket to each server. Buffers a process group carries live on the
+device of its backend (`rlhf.distributed.context.rank_device`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,12 +29,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
 from rlhf import sglang_api
+from rlhf.distributed.context import backend_for
 from rlhf.distributed.stores import bound_store
 from rlhf.weight_sync import shm_reaper
-from rlhf.weight_sync.gather import Bucket
+from rlhf.weight_sync.gather import CPU, Bucket
+from rlhf.weight_sync.handle_plan import HandlePlan
 
 log = logging.getLogger(__name__)
 # a server joins its weight-sync group in seconds; one that never does (its join request
@@ -43,8 +49,9 @@ STAGING_ALIGN = 64  # bytes; a cache line, and a multiple of every dtype's size
 class Transport(Protocol):
     """One way of loading buckets into servers.
 
-    Per sync: `begin`, then for every bucket `pack` it once (local work: flatten, serialize,
-    write a file) and `deliver` the packed bucket to each server. Per-server steps are
+    Per sync: `begin` (on the sender), then for every bucket `pack` it once (flatten,
+    serialize, write a file; on every rank that holds the bucket) and `deliver` the packed
+    bucket to each server (on the sender), then `after_sync` (every rank). Per-server steps are
     separate so that a server lost in the middle of a sync can be left out (`forget`) while
     the others get every bucket; the syncer restarts and re-syncs it afterwards.
     `concurrent_deliveries`: the syncer delivers a bucket to all servers at once (from
@@ -68,6 +75,11 @@ class Transport(Protocol):
         and takes `version`)."""
         ...
 
+    def after_sync(self) -> None:
+        """On every rank after a sync (every server has loaded every bucket): let go of
+        what packing kept for the servers."""
+        ...
+
     def forget(self, url: str) -> None:
         """Drop what is held for `url` (its server died); it is set up anew on next use."""
         ...
@@ -83,48 +95,80 @@ def _flattened(bucket: Bucket):
     return FlattenedTensorBucket(named_tensors=bucket)
 
 
+@dataclass(frozen=True)
+class PackedHandles:
+    """A bucket's handles, `handles[server][TP rank]` (on the sender)."""
+
+    handles: list[list[str]]
+
+
 class TensorTransport:
     """update_weights_from_tensor with flattened buckets (same-machine servers).
 
-    Deliveries to several servers run at once: each is an HTTP call that hands the server
-    handles to the same packed bucket.
+    Each server TP rank gets a handle to a bucket packed on its own device, by the rank
+    `plan` names (`rlhf.weight_sync.handle_plan`): on GPU the trainer rank on that TP
+    rank's GPU packs the bucket into a new tensor there (a CUDA IPC handle); on the CPU the
+    sender packs every one into host shared memory (torch's file_system sharing strategy).
+    `pack` runs on every rank that holds the bucket (with a spread plan: every rank, and
+    the handles are gathered to the sender in the plan's gloo group); `deliver` on the
+    sender. Deliveries to several servers run at once (HTTP calls handing each its
+    handles).
 
-    On GPU a bucket is flattened into a new device tensor and travels as a CUDA IPC handle.
-    On CPU it travels as a shared-memory file (torch's file_system sharing strategy): every
-    bucket is copied once into a staging buffer in shared memory kept across buckets and
-    syncs (flattening into new memory and moving that into a new shm file costs two copies
-    into freshly zeroed pages). Both use the same aligned layout (`pack`). Reusing the
-    staging buffer is safe because `deliver` returns after the server has loaded the
-    bucket, before the next one is packed.
+    On the CPU every bucket is copied once into a staging buffer in shared memory kept
+    across buckets and syncs (flattening into new memory and moving that into a new shm
+    file costs two copies into freshly zeroed pages); the GPU packs into new device tensors
+    (each source keeps its last ones, and `after_sync` lets them go and returns what the
+    servers released to the allocator: `torch.cuda.ipc_collect`). Both use the same
+    aligned layout (`pack`).
 
-    A bucket is delivered while the next one is gathered and packed: two staging buffers
-    take turns, so packing never touches the bucket a server is still loading (on GPU each
-    packed bucket is a new tensor; two are alive at once).
+    A bucket is delivered while the next one is gathered and packed, so buffers take
+    turns: on the sender, two (it packs bucket k + 1 before it waits for the delivery of k,
+    after that of k - 1); on another source, three (it packs bucket k + 1 as soon as the
+    sender has packed k, while k - 1 may still be loading).
 
     Each receiver (server TP rank) gets a handle serialized for it alone: torch counts the
-    users of a shared-memory file, every serialization adds one and every receiver takes one
-    off, so one handle read by two receivers removes the file while it is still in use (the
-    third receiver, or the next sync, then fails to open it). A server killed before it read
-    its handle leaves the count one high: that file then stays until the run ends, when
-    the reaper (rlhf.weight_sync.shm_reaper) removes what the run created."""
+    users of a shared-memory file (and of a CUDA IPC block), every serialization adds one
+    and every receiver takes one off, so one handle read by two receivers removes the file
+    while it is still in use (the third receiver, or the next sync, then fails to open it).
+    A server killed before it read its handle leaves the count one high: that file then
+    stays until the run ends, when the reaper (rlhf.weight_sync.shm_reaper) removes what
+    the run created (on GPU, that block stays allocated until the trainer ends)."""
 
     concurrent_deliveries = True
     deliver_while_packing = True
 
-    def __init__(self, server_tp_size: int):
-        self.server_tp_size = server_tp_size
-        # CPU: uint8 staging buffers in shared memory, used in turn
-        self._staging: list[torch.Tensor | None] = [None, None]
+    def __init__(self, server_urls: list[str], plan: HandlePlan):
+        self.server_index = {url: i for i, url in enumerate(server_urls)}
+        self.plan = plan
+        self._mine = plan.mine()
+        depth = 2 if plan.rank == plan.sender else 3
+        # CPU: uint8 staging buffers in shared memory, used in turn; GPU: the packed tensors
+        self._staging: list[torch.Tensor | None] = [None] * depth
+        self._recent: deque[torch.Tensor] = deque(maxlen=depth)
         self._turn = 0
 
     def begin(self, version: int) -> None:
-        if not torch.cuda.is_available():
-            torch.multiprocessing.set_sharing_strategy("file_system")
+        pass
 
-    def pack(self, bucket: Bucket, last: bool, version: int) -> dict[str, Any]:
-        """FlattenedTensorBucket's payload: the flat tensor and its metadata, every tensor
-        starting at a multiple of `STAGING_ALIGN` bytes (the server views its bytes as the
-        tensor's dtype, which needs an aligned start)."""
+    def pack(self, bucket: Bucket, last: bool, version: int) -> PackedHandles | None:
+        """This rank's handles of `bucket`, gathered to the sender (None elsewhere)."""
+        handles: dict[tuple[int, int], str] = {}
+        if self._mine:
+            assert self.plan.device is not None
+            payload = self.payload(bucket, self.plan.device)
+            handles = {key: serialize_handle(payload) for key in self._mine}
+        if self.plan.group is not None:
+            handles = _gather_handles(handles, self.plan)
+        if self.plan.rank != self.plan.sender:
+            return None
+        return PackedHandles(
+            [[handles[s, r] for r in range(len(row))] for s, row in enumerate(self.plan.sources)]
+        )
+
+    def payload(self, bucket: Bucket, device: torch.device) -> dict[str, Any]:
+        """FlattenedTensorBucket's payload on `device`: the flat tensor and its metadata,
+        every tensor starting at a multiple of `STAGING_ALIGN` bytes (the server views its
+        bytes as the tensor's dtype, which needs an aligned start)."""
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
         spans, end = [], 0
@@ -132,12 +176,11 @@ class TensorTransport:
             start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
             end = start + tensor.numel() * tensor.element_size()
             spans.append((start, end))
-        device = bucket[0][1].device
-        flat = (
-            self._staging_buffer(end)
-            if device.type == "cpu"
-            else (torch.empty(end, dtype=torch.uint8, device=device))
-        )
+        if device.type == "cpu":
+            flat = self._staging_buffer(end)
+        else:
+            flat = torch.empty(end, dtype=torch.uint8, device=device)
+            self._recent.append(flat)
         metadata = []
         for (name, tensor), (start, stop) in zip(bucket, spans, strict=True):
             flat[start:stop].view(tensor.dtype).view(tensor.shape).copy_(tensor)
@@ -147,9 +190,9 @@ class TensorTransport:
         return {"flattened_tensor": flat, "metadata": metadata}
 
     def _staging_buffer(self, num_bytes: int) -> torch.Tensor:
-        """The first `num_bytes` of the next shared-memory staging buffer (the one the
-        previous bucket did not use), grown when too small."""
-        turn, self._turn = self._turn, 1 - self._turn
+        """The first `num_bytes` of the next shared-memory staging buffer (the one used
+        longest ago), grown when too small."""
+        turn, self._turn = self._turn, (self._turn + 1) % len(self._staging)
         staging = self._staging[turn]
         if staging is None or staging.numel() < num_bytes:
             self._staging[turn] = None  # the old file goes when its last receiver lets it go
@@ -158,25 +201,48 @@ class TensorTransport:
             shm_reaper.reap_at_exit()  # its shm manager and files end with this process
         return staging[:num_bytes]
 
-    def handles(self, packed: dict[str, Any]) -> list[str]:
-        """One serialized handle per server TP rank (see the class docstring)."""
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        return [
-            MultiprocessingSerializer.serialize(packed, output_str=True)
-            for _ in range(self.server_tp_size)
-        ]
-
-    def deliver(self, url: str, packed: dict[str, Any], last: bool, version: int) -> None:
+    def deliver(self, url: str, packed: PackedHandles, last: bool, version: int) -> None:
         sglang_api.update_weights_from_tensor(
-            url, self.handles(packed), last, version if last else None
+            url, packed.handles[self.server_index[url]], last, version if last else None
         )
+
+    def after_sync(self) -> None:
+        """Every server loaded every bucket: let the packed GPU tensors go and return the
+        blocks the servers released (CUDA only: the CPU's staging buffers stay)."""
+        self._recent.clear()
+        if self.plan.device is not None and self.plan.device.type == "cuda":
+            torch.cuda.ipc_collect()
 
     def forget(self, url: str) -> None:
         pass
 
     def close(self) -> None:
-        self._staging = [None, None]
+        self._staging = [None] * len(self._staging)
+        self._recent.clear()
+
+
+def serialize_handle(payload: dict[str, Any]) -> str:
+    """One receiver's handle to `payload` (SGLang's serializer). CUDA handles name their GPU
+    by UUID (SGLang's reductions; the receiver maps it to its own index), CPU tensors go by
+    shared-memory file (a file descriptor cannot travel over HTTP)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    if payload["flattened_tensor"].device.type == "cuda":
+        monkey_patch_torch_reductions()
+    else:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    return MultiprocessingSerializer.serialize(payload, output_str=True)
+
+
+def _gather_handles(
+    mine: dict[tuple[int, int], str], plan: HandlePlan
+) -> dict[tuple[int, int], str]:
+    """Every source's handles on the sender (empty elsewhere)."""
+    on_sender = plan.rank == plan.sender
+    everyone: list | None = [None] * len(plan.ranks) if on_sender else None
+    dist.gather_object(mine, everyone, dst=plan.sender, group=plan.group)
+    return {key: handle for part in everyone or [] for key, handle in part.items()}
 
 
 @dataclass(frozen=True)
@@ -199,11 +265,20 @@ class DistributedTransport:
     concurrent_deliveries = False
     deliver_while_packing = False  # its broadcast stays in order with the model's gathers
 
-    def __init__(self, server_urls: list[str], server_tp_size: int, master_address: str):
+    def __init__(
+        self,
+        server_urls: list[str],
+        server_tp_size: int,
+        master_address: str,
+        device: torch.device = CPU,
+    ):
+        """`device`: where the sender's buckets are broadcast from (its GPU: nccl, else
+        gloo; the servers join with the same backend)."""
         self.group_names = {url: f"rlhf_weight_sync_{i}" for i, url in enumerate(server_urls)}
         self.server_tp_size = server_tp_size
         self.master_address = master_address
-        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.device = device
+        self.backend = backend_for(device)
         self.groups: dict[str, ProcessGroup] = {}
         self.stores: dict[str, TCPStore] = {}
 
@@ -240,9 +315,7 @@ class DistributedTransport:
         return group
 
     def pack(self, bucket: Bucket, last: bool, version: int) -> _FlatBucket:
-        flat = _flattened(bucket).get_flattened_tensor()
-        if self.backend == "nccl":
-            flat = flat.cuda()
+        flat = _flattened(bucket).get_flattened_tensor().to(self.device)
         names = [n for n, _ in bucket]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
         return _FlatBucket(flat, names, dtypes, [list(t.shape) for _, t in bucket])
@@ -268,6 +341,9 @@ class DistributedTransport:
                     f"{url}: weight broadcast failed: {e}", url, unreachable=True
                 ) from e
             done.result()
+
+    def after_sync(self) -> None:
+        pass
 
     def forget(self, url: str) -> None:
         """Destroy `url`'s group here and, if the server still runs, there (so that it can
@@ -337,6 +413,9 @@ class DiskTransport:
     def deliver(self, url: str, packed: None, last: bool, version: int) -> None:
         if last:
             self.load_into(url, version)
+
+    def after_sync(self) -> None:
+        pass
 
     def load_into(self, url: str, version: int) -> None:
         """update_weights_from_disk of a version written earlier."""

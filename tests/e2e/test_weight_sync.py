@@ -39,14 +39,21 @@ def hf_greedy(model_dir) -> list[list[int]]:
     return result
 
 
-@pytest.mark.parametrize("transport", ["tensor", "distributed", "disk"])
+@pytest.mark.parametrize("transport", ["tensor", "tensor-from-rank1", "distributed", "disk"])
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_sync_makes_sglang_match_exported_weights(
     sglang_server, tiny_qwen2_dir, tmp_path, transport, tp, pp
 ):
+    """`tensor-from-rank1`: the server's handle is packed by rank 1, as a server TP rank's
+    is by the trainer rank on its GPU (`rlhf.weight_sync.handle_plan`): every rank then
+    gathers every bucket (the TP group each its own, the stages by broadcast) and the
+    handle reaches the sender by a gather."""
     version = next(VERSIONS)
     url = sglang_server.url
-    args = ["--hf-dir", str(tiny_qwen2_dir), "--server-url", url, "--transport", transport]
+    kind, _, from_rank = transport.partition("-from-rank")
+    args = ["--hf-dir", str(tiny_qwen2_dir), "--server-url", url, "--transport", kind]
+    if from_rank:
+        args += ["--handles-from", from_rank]
     args += [
         "--out-dir",
         str(tmp_path),
@@ -63,6 +70,9 @@ def test_sync_makes_sglang_match_exported_weights(
     report = json.loads((tmp_path / "report.json").read_text())
 
     assert report["weight_version"] == str(version)
+    assert report["handles_from"] == (int(from_rank) if from_rank else None)
+    if kind == "tensor":
+        assert report["packed_on_ranks"] == [int(from_rank or 0)]
     assert report["probe_diff"] < 1e-3, report
     assert report["num_buckets"] > 1 and report["max_bucket_bytes"] <= 64 * 1024 * 2
     assert report["open_groups_after_close"] == 0  # the distributed transport's, destroyed

@@ -7,18 +7,22 @@ import itertools
 import threading
 
 import pytest
+import torch
 
 from rlhf.sglang_api import SGLangAPIError
 from rlhf.weight_sync import syncer
+from rlhf.weight_sync.handle_plan import HandlePlan, HandleSource
 from rlhf.weight_sync.syncer import Phases, _Targets
 from rlhf.weight_sync.transports import TensorTransport
+
+CPU = torch.device("cpu")
 
 
 class ForgetfulTransport(TensorTransport):
     """The tensor transport, noting which servers it was told to forget."""
 
     def __init__(self) -> None:
-        super().__init__(server_tp_size=1)
+        super().__init__(["http://a"], HandlePlan.from_sender(1, 1, CPU))
         self.forgotten: list[str] = []
 
     def forget(self, url: str) -> None:
@@ -132,14 +136,15 @@ def test_a_buckets_delivery_runs_while_the_next_is_packed_when_the_transport_all
         deliveries.start(fail, 0)
 
 
-def test_the_tensor_transport_packs_consecutive_buckets_into_different_staging_buffers():
-    """The bucket being delivered is never overwritten by the next pack: two shared-memory
-    buffers take turns (bucket k + 2 reuses bucket k's)."""
-    import torch
-
-    transport = TensorTransport(server_tp_size=1)
-    buckets = [[("w", torch.full((64,), float(k)))] for k in range(3)]
-    flats = [transport.pack(b, last=False, version=1)["flattened_tensor"] for b in buckets]
+@pytest.mark.parametrize(("rank", "depth"), [(0, 2), (1, 3)], ids=["sender", "other-source"])
+def test_the_tensor_transport_packs_consecutive_buckets_into_different_staging_buffers(rank, depth):
+    """The bucket being delivered is never overwritten by a later pack: shared-memory
+    buffers take turns, two on the sender (bucket k + 2 reuses bucket k's), three on
+    another rank that packs (it may run one bucket ahead of the sender's deliveries)."""
+    plan = HandlePlan([[HandleSource(rank, CPU)]], rank, sender=0)
+    transport = TensorTransport(["http://a"], plan)
+    buckets = [[("w", torch.full((64,), float(k)))] for k in range(depth + 1)]
+    flats = [transport.payload(b, CPU)["flattened_tensor"] for b in buckets]
     pointers = [f.untyped_storage().data_ptr() for f in flats]
-    assert pointers[0] != pointers[1] and pointers[2] == pointers[0]
+    assert len(set(pointers[:depth])) == depth and pointers[depth] == pointers[0]
     assert torch.equal(flats[1][:256].view(torch.float32), buckets[1][0][1])

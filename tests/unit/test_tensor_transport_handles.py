@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from rlhf.weight_sync.handle_plan import HandlePlan
 from rlhf.weight_sync.transports import TensorTransport
 
 pytest.importorskip("sglang")
@@ -67,14 +68,16 @@ def receivers():
 )
 def test_every_receiver_of_every_sync_reads_that_syncs_bucket(receivers, servers, server_tp_size):
     """The receivers are two servers, or the two TP ranks of one; two syncs each."""
-    transport = TensorTransport(server_tp_size=server_tp_size)
+    plan = HandlePlan.from_sender(servers, server_tp_size, torch.device("cpu"))
+    transport = TensorTransport([f"http://s{i}" for i in range(servers)], plan)
     try:
         for step in (1, 2):
             transport.begin(step)
             bucket = _bucket(step)
             packed = transport.pack(bucket, last=True, version=step)
+            assert packed is not None  # on the sender
             for server in range(servers):  # one server after the other, as the syncer delivers
-                handles = transport.handles(packed)
+                handles = packed.handles[server]
                 assert len(handles) == server_tp_size
                 ranks = receivers[server * server_tp_size : (server + 1) * server_tp_size]
                 for rank, handle in zip(ranks, handles, strict=True):

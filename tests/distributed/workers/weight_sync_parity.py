@@ -59,11 +59,14 @@ def perturbed_actor(hf_dir: str, topo, version: int):
     return model.eval(), arch
 
 
-def make_transport(kind: str, url: str, out_dir: Path, hf_dir: str):
+def make_transport(kind: str, url: str, out_dir: Path, hf_dir: str, plan=None):
+    """`plan`: the tensor transport's handle plan (default: the sender packs)."""
     from rlhf.weight_sync import transports
+    from rlhf.weight_sync.handle_plan import HandlePlan
 
     if kind == "tensor":
-        return transports.TensorTransport(server_tp_size=1)
+        plan = plan or HandlePlan.from_sender(1, 1, torch.device("cpu"))
+        return transports.TensorTransport([url], plan)
     if kind == "distributed":
         return transports.DistributedTransport([url], server_tp_size=1, master_address="127.0.0.1")
     return transports.DiskTransport(out_dir / "disk_weights", Path(hf_dir))
@@ -116,6 +119,9 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--version", type=int, default=1)
     parser.add_argument("--check-sampling", action="store_true")
+    parser.add_argument(
+        "--handles-from", type=int, help="tensor transport: the rank that packs the handle"
+    )
     args = parser.parse_args()
     out = Path(args.out_dir)
     ctx = bootstrap.init_parallel("cpu", tp_size=args.tp, pp_size=args.pp)
@@ -126,15 +132,22 @@ def main() -> None:
     from rlhf.weight_sync.probe import probe_tokens
     from rlhf.weight_sync.syncer import WeightSyncer
 
-    topo = SyncTopology.of(ctx)
+    topo, plan = SyncTopology.of(ctx), None
+    if args.handles_from is not None:  # that rank packs on its own: every rank gets buckets
+        from rlhf.weight_sync.handle_plan import HandleSource, plan_handles
+
+        source = HandleSource(args.handles_from, torch.device("cpu"))
+        plan, topo = plan_handles({0: [[source]]}, topo)
+        assert topo.everywhere
     model, arch = perturbed_actor(args.hf_dir, topo, args.version)
-    transport = make_transport(args.transport, args.server_url, out, args.hf_dir)
+    transport = make_transport(args.transport, args.server_url, out, args.hf_dir, plan)
     syncer = WeightSyncer(transport, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
     rollout = RolloutConfig(server_urls=[args.server_url], logprob_diff_threshold=None)
     servers = PolicyServers(ctx, None, syncer, rollout)  # the owner's load, on every rank
     policy = PolicyModule(model, lambda tokens: actor_logprobs(model, arch, ctx, tokens))
     loaded = servers.load_weights(policy, args.version)
     report = {
+        "handles_from": args.handles_from,
         "probe_diff": loaded.logprob_diff_max,
         "num_buckets": loaded.stats.num_buckets,
         "max_bucket_bytes": loaded.stats.max_bucket_bytes,
@@ -144,6 +157,10 @@ def main() -> None:
         report["sampled_logprob_diff"] = recompute_sampled_logprobs(
             model, arch, ctx, topo, args.server_url, prompts
         )
+    staged = [None] * ctx.world_size  # which ranks packed into shared memory
+    packed_here = getattr(transport, "_staging", [None])[0] is not None
+    torch.distributed.all_gather_object(staged, packed_here)
+    report["packed_on_ranks"] = [rank for rank, packed in enumerate(staged) if packed]
     exported = [t for bucket in iter_buckets(model, arch, topo, 1 << 30) for t in bucket]
     servers.shutdown()  # closes the syncer: the distributed transport destroys its group
     report["open_groups_after_close"] = len(getattr(transport, "groups", {}))
