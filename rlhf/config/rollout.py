@@ -131,8 +131,10 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = doc(
         512, "size bound of one weight-sync bucket (the extra memory a sync needs)", gt=0
     )
-    weight_sync_snapshot: bool = doc(
-        True, "keep the last synced weights on disk so a restarted server can be re-synced"
+    weight_sync_snapshot: bool | None = doc(
+        None,
+        "keep the last synced weights on disk (written in the background) so a restarted "
+        "server can be re-synced; null: on, except for servers colocated on GPUs",
     )
     weight_sync_master_address: str = doc(
         "127.0.0.1",

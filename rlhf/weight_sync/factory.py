@@ -9,6 +9,7 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.models.families import ModelArch
 from rlhf.weight_sync.gather import SyncTopology
 from rlhf.weight_sync.handle_plan import tensor_handle_plan
+from rlhf.weight_sync.snapshot import BackgroundSnapshot
 from rlhf.weight_sync.syncer import WeightSyncer
 from rlhf.weight_sync.transports import (
     DiskTransport,
@@ -52,8 +53,8 @@ def build_weight_syncer(
     else:
         transport = DiskTransport(run_dir / "weights", Path(model_path))
     snapshot = None
-    if rollout.weight_sync_snapshot and kind != "disk":
-        snapshot = DiskTransport(run_dir / "weights_snapshot", Path(model_path))
+    if snapshot_on(rollout, topology) and kind != "disk":
+        snapshot = BackgroundSnapshot(DiskTransport(run_dir / "weights_snapshot", Path(model_path)))
     return WeightSyncer(
         transport,
         server_urls,
@@ -62,3 +63,12 @@ def build_weight_syncer(
         bucket_bytes=rollout.update_weights_bucket_megabytes * 1024 * 1024,
         snapshot=snapshot,
     )
+
+
+def snapshot_on(rollout: RolloutConfig, topology: SyncTopology) -> bool:
+    """`rollout.weight_sync_snapshot`; unset: on, except for servers colocated on GPUs (a
+    full HF copy of the policy written every step, for a server crash on the trainer's own
+    GPUs, which a resume from the last checkpoint covers)."""
+    if rollout.weight_sync_snapshot is not None:
+        return rollout.weight_sync_snapshot
+    return not (rollout.server_urls is None and topology.device.type == "cuda")

@@ -12,9 +12,10 @@ tensor/distributed updates outside such a window), the KV cache is flushed with 
 bucket, and the servers report `version` as their weight version.
 
 A server that dies and is restarted comes back with the *initial* weights. With a
-`snapshot` (a `DiskTransport` that talks to no server) the sender also keeps the last
-synced weights on disk, and `reload(url)` loads them into the restarted server without
-involving the other ranks; the disk transport is its own snapshot.
+`snapshot` (`rlhf.weight_sync.snapshot`: a disk copy written in the background) the sender
+also keeps the last synced weights on disk, and `reload(url)` loads them into the
+restarted server without involving the other ranks; the disk transport is its own
+snapshot.
 
 A server that stops answering during a sync is left out of the rest of it, so the other
 servers and the other ranks finish the sync as usual; `SyncStats.lost` names it.
@@ -38,6 +39,7 @@ from rlhf import sglang_api
 from rlhf.models.families import ModelArch
 from rlhf.sglang_api import ServerLost
 from rlhf.weight_sync.gather import Bucket, SyncTopology, iter_buckets
+from rlhf.weight_sync.snapshot import BackgroundSnapshot
 from rlhf.weight_sync.transports import DiskTransport, Transport
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ class WeightSyncer:
         arch: ModelArch,
         topology: SyncTopology,
         bucket_bytes: int,
-        snapshot: DiskTransport | None = None,
+        snapshot: BackgroundSnapshot | None = None,
     ):
         self.transport = transport
         self.server_urls = server_urls

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 import pytest
 import torch
 
@@ -13,6 +16,7 @@ from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.weight_sync.factory import build_weight_syncer
 from rlhf.weight_sync.gather import SyncTopology, bucketize
 from rlhf.weight_sync.probe import LogprobMismatchError, check_parity
+from rlhf.weight_sync.snapshot import BackgroundSnapshot
 from rlhf.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
 
 ARCH = ModelArch("qwen2", 100, 64, 128, 2, 4, 2, 16, 1e-6, 1e4, 256, False)
@@ -51,10 +55,76 @@ def test_factory_reads_the_rollout_config(tmp_path, kind, transport_type):
     assert syncer.bucket_bytes == 3 * 1024 * 1024
     servers = PolicyServers(None, None, syncer, rollout)  # type: ignore[arg-type]  # no ranks
     assert servers.probe_threshold == 0.1  # the owner of the servers checks the probe
-    assert isinstance(syncer.snapshot, DiskTransport)  # the disk transport is its own snapshot
+    # the disk transport is its own snapshot; the others write one in the background
+    assert isinstance(syncer.snapshot, DiskTransport if kind == "disk" else BackgroundSnapshot)
     no_snapshot = RolloutConfig(weight_sync_transport=kind, weight_sync_snapshot=False)
     syncer = build_weight_syncer(no_snapshot, [], ARCH, TOPO, run_dir=tmp_path, model_path=tmp_path)
     assert (syncer.snapshot is None) == (kind != "disk")
+
+
+@pytest.mark.parametrize(
+    ("setting", "urls", "device", "on"),
+    [
+        (None, None, "cuda", False),  # colocated on GPUs: a resume covers a server crash
+        (None, None, "cpu", True),
+        (None, ["http://h:1"], "cuda", True),  # servers of their own: restarted and re-synced
+        (True, None, "cuda", True),
+        (False, ["http://h:1"], "cpu", False),
+    ],
+)
+def test_the_snapshot_is_on_unless_the_servers_share_the_trainers_gpus(setting, urls, device, on):
+    """It wrote a full HF copy of the policy inside every sync (15 GB a step at 7B)."""
+    from rlhf.weight_sync.factory import snapshot_on
+
+    rollout = RolloutConfig(weight_sync_snapshot=setting, server_urls=urls)
+    topology = dataclasses.replace(TOPO, device=torch.device(device))
+    assert snapshot_on(rollout, topology) is on
+
+
+class SlowDisk:
+    """A DiskTransport stand-in whose writes wait for `release`; records what it wrote."""
+
+    def __init__(self, fail: bool = False):
+        self.release, self.written, self.fail = threading.Event(), [], fail
+
+    def begin(self, version):
+        self.written.append(("begin", version))
+
+    def pack(self, bucket, last, version):
+        assert self.release.wait(30)
+        if self.fail:
+            raise OSError("No space left on device")
+        self.written.append([(n, t.clone()) for n, t in bucket])
+
+    def load_into(self, url, version):
+        self.written.append(("load", url, version))
+
+
+def test_the_snapshot_is_written_while_the_sync_goes_on():
+    disk = SlowDisk()
+    snapshot = BackgroundSnapshot(disk)  # type: ignore[arg-type]
+    staging = torch.arange(6.0)
+    snapshot.begin(4)
+    snapshot.pack([("w", staging[:3])], False, 4)  # returns before the write
+    staging.zero_()  # the next bucket reuses the sync's memory at once
+    assert not any(isinstance(w, list) for w in disk.written)  # nothing written yet
+    disk.release.set()
+    snapshot.load_into("http://h:1", 4)  # waits for every write first
+    ((name, written),) = disk.written[1]
+    assert name == "w" and written.tolist() == [0.0, 1.0, 2.0]
+    assert disk.written[2] == ("load", "http://h:1", 4)
+    snapshot.close()
+
+
+def test_a_failed_snapshot_write_is_raised_at_the_next_sync():
+    disk = SlowDisk(fail=True)
+    disk.release.set()
+    snapshot = BackgroundSnapshot(disk)  # type: ignore[arg-type]
+    snapshot.begin(1)
+    snapshot.pack([("w", torch.ones(2))], True, 1)
+    with pytest.raises(RuntimeError, match="restart snapshot failed: No space left on device"):
+        snapshot.begin(2)
+    snapshot.close()
 
 
 def test_resync_without_snapshot_is_a_clear_error(tmp_path):
