@@ -60,7 +60,9 @@ def measure(args, model_dir: Path, run_dir: Path) -> dict:
     from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
     from rlhf.trainer.ppo_step import learn_from_batch
 
-    cfg, ctx, arch, models = single_rank_models(args.config, str(model_dir), args.overrides, 29533)
+    cfg, ctx, arch, models, _ = single_rank_models(
+        args.config, str(model_dir), args.overrides, 29533
+    )
     try:
         aro = cfg.actor_rollout_ref
         batch = synthetic_batch(cfg, arch.vocab_size, aro.actor.ppo_mini_batch_size * aro.rollout.n)

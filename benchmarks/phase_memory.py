@@ -8,8 +8,9 @@ or, with `--model-shape`, a randomly initialised HF checkpoint of that shape wri
 temporary directory (no hub needed). The PPO models are built as the trainer builds them
 (offload switches included) and one trainer step's learning runs (`learn_from_batch`) on a
 synthetic batch of `--samples` full-length samples (default: one mini-batch; the config's
-prompt and response lengths, rewards that differ within each group). Every stage of the
-step (old log-probs, reference, values, critic update, actor update) is measured:
+prompt and response lengths, rewards that differ within each group). The build and every
+stage of the step (old log-probs, reference, values, critic update, actor update) are
+measured (the build against the planner's build phase):
 
 - CUDA: the allocator's peak during the stage (`max_memory_allocated`, everything alive:
   resident models included), next to the planner's phase less its CUDA-runtime allowance
@@ -39,6 +40,7 @@ import torch
 
 # the stage names of `learn_from_batch` and the planner's phase / role each belongs to
 STAGES = {
+    "build": "build",
     "old_log_prob": "actor",
     "ref": "reference",
     "values": "critic",
@@ -115,7 +117,8 @@ class StageMemory:
 
 def single_rank_models(config: str, model: str, overrides: list[str], port: int):
     """`config` with `model` on one process (its process group started, seeded) and the PPO
-    models built as the trainer builds them: (cfg, ctx, arch, models). Call `teardown` after."""
+    models built as the trainer builds them: (cfg, ctx, arch, models, the stage meter with
+    the build's peak). Call `teardown` after."""
     from rlhf.config import load_config
     from rlhf.distributed.bootstrap import init_parallel, seed_everything
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
@@ -128,7 +131,10 @@ def single_rank_models(config: str, model: str, overrides: list[str], port: int)
     ctx = init_parallel(cfg.trainer.device)
     seed_everything(0)
     arch = load_policy_arch(cfg)
-    return cfg, ctx, arch, build_ppo_models(cfg, arch, ctx, total_steps=1)
+    meter = StageMemory(ctx.device)
+    with meter.stage("build"):  # the models one after the other, offloaded as configured
+        models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+    return cfg, ctx, arch, models, meter
 
 
 def measure(args) -> dict:
@@ -137,12 +143,13 @@ def measure(args) -> dict:
     from rlhf.memory.planner import GPU_RUNTIME_BYTES, plan_memory
     from rlhf.trainer.ppo_step import learn_from_batch
 
-    cfg, ctx, arch, models = single_rank_models(args.config, args.model, args.overrides, 29531)
+    cfg, ctx, arch, models, meter = single_rank_models(
+        args.config, args.model, args.overrides, 29531
+    )
     try:
         aro = cfg.actor_rollout_ref
         samples = args.samples or aro.actor.ppo_mini_batch_size * aro.rollout.n
         batch = synthetic_batch(cfg, arch.vocab_size, samples)
-        meter = StageMemory(ctx.device)
         learn_from_batch(models, batch, cfg, build_kl_controller(cfg.algorithm.kl_ctrl), meter)
     finally:
         teardown()
@@ -154,7 +161,10 @@ def measure(args) -> dict:
         role = STAGES.get(name)
         if role is None:  # advantages: no model runs
             continue
-        planned = plan.phases[role] - GPU_RUNTIME_BYTES if cuda else plan.row(role).activations
+        if role == "build":  # on the CPU the models' bytes, not activations, are measured
+            planned = plan.phases["build"] - (GPU_RUNTIME_BYTES if cuda else 0)
+        else:
+            planned = plan.phases[role] - GPU_RUNTIME_BYTES if cuda else plan.row(role).activations
         stages[name] = {
             "measured_mib": round(peak / MIB, 1),
             "planned_mib": round(planned / MIB, 1),
