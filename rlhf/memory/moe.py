@@ -1,7 +1,12 @@
 """The mixture-of-experts part of the memory plan: expert parameters per EP rank, and what a
 MoE layer keeps for its backward, read off Megatron-Core 0.16.1's MoE layer
 (`megatron/core/transformer/moe/`: `TopKRouter`, `MoEAlltoAllTokenDispatcher`,
-`SequentialMLP`, `SharedExpertMLP`) as `rlhf.models.moe_arch` configures it.
+`SequentialMLP`, `SharedExpertMLP`) as `rlhf.models.moe_arch` configures it. With Transformer
+Engine the experts are `TEGroupedMLP` (one grouped GEMM, `rlhf.models.gpt.moe_grouped_gemm`):
+the same parameters, registered fc1 of every local expert then fc2 of every one (only their
+order in DDP's buffer differs), and the same saved tensors: its grouped linears keep their
+input as the per-expert linears do (the per-expert splits are views of one tensor) and its
+SwiGLU and probability weighting are the same PyTorch code as `SequentialMLP`'s experts run.
 
 Parameters of one MoE layer, in registration order, for E experts of width f (moe_ffn), a
 shared expert of width s, hidden size h, on one rank of TP, EP and expert-TP (ETP):

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from rlhf.models.mapping import Placement, shift_layer
+from rlhf.models.mapping import Placement, sequential_expert_name, shift_layer
 
 
 class ModelChunks(nn.ModuleList):
@@ -56,10 +56,12 @@ class ModelChunks(nn.ModuleList):
                 yield placement, name, param
 
     def global_names(self) -> dict[nn.Parameter, str]:
-        """Parameter -> its name with the global layer index (layout-independent)."""
+        """Parameter -> its name with the global layer index (layout-independent), a routed
+        expert's as `SequentialMLP` names it whichever expert module holds it (the same
+        optimizer checkpoint resumes on the CPU and with Transformer Engine's grouped GEMM)."""
         num_layers = self.config.num_layers
         return {
-            param: shift_layer(name, placement.first_layer(num_layers))
+            param: shift_layer(sequential_expert_name(name), placement.first_layer(num_layers))
             for placement, name, param in self.placed_parameters()
         }
 

@@ -7,6 +7,12 @@ torch's loader; a damaged pickle even advised `weights_only=False`, i.e. running
 the file holds. The reader's failure is reported with the directory and the first line of
 its innermost cause instead, and nothing is loaded with `weights_only=False`.
 
+Reading across layer specs: Transformer Engine's norms (and other TE modules) keep an
+`_extra_state` (FP8 metadata, empty without FP8) that Megatron's local layers do not have, so
+a checkpoint written on the CPU lacks objects a GPU model asks for. Those absent
+`_extra_state` objects are not asked for and come back as None (which TE's modules take as
+"no state"); every weight must still be there.
+
 Writing: Megatron-Core 0.16's file writer collects its writer processes' results in a
 `multiprocessing` manager queue that it starts with the *spawn* method, once per process at
 the first save: a new interpreter that imports the trainer's main module again (2.0 s on
@@ -38,13 +44,56 @@ def innermost(error: BaseException) -> BaseException:
         error = nxt
 
 
+EXTRA_STATE = "_extra_state"
+
+
+def _without_absent_extra_states(sharded_state_dict: dict, directory: Path):
+    """`sharded_state_dict` (its dicts copied, leaves shared) without the `_extra_state`
+    objects `directory` does not hold (see the module docstring), and their key paths."""
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    metadata = load_sharded_metadata(str(directory))
+    saved = {v.key for v in metadata.values() if isinstance(v, ShardedObject)}
+    dropped: list[tuple] = []
+
+    def absent(value) -> bool:
+        extra = isinstance(value, ShardedObject) and value.key.endswith(EXTRA_STATE)
+        return extra and value.key not in saved
+
+    def pruned(tree: dict, path: tuple) -> dict:
+        kept = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                kept[key] = pruned(value, (*path, key))
+            elif absent(value):
+                dropped.append((*path, key))
+            else:
+                kept[key] = value
+        return kept
+
+    return pruned(sharded_state_dict, ()), dropped
+
+
+def _put_none(state: dict, paths: list[tuple]) -> None:
+    for *parents, key in paths:
+        tree = state
+        for parent in parents:
+            tree = tree.setdefault(parent, {})
+        tree[key] = None
+
+
 def load_distributed(sharded_state_dict: dict, directory: Path) -> dict:
-    """`dist_checkpointing.load` of `directory`; a missing or damaged file is a
-    `CheckpointFileError` naming the directory and what the reader hit."""
+    """`dist_checkpointing.load` of `directory` (absent `_extra_state` objects: None); a
+    missing or damaged file is a `CheckpointFileError` naming the directory and what the
+    reader hit."""
     from megatron.core import dist_checkpointing
 
     try:
-        return dist_checkpointing.load(sharded_state_dict, str(directory))
+        wanted, absent = _without_absent_extra_states(sharded_state_dict, directory)
+        state = dist_checkpointing.load(wanted, str(directory))
+        _put_none(state, absent)
+        return state
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # torch's CheckpointException is a BaseException

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 
 from rlhf.config.validate import model_split_problem
 from rlhf.models.moe_arch import MoEArch, MoERouter, expert_split_problem
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,7 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     check_parallel_sizes(arch, tp, pp, vp, ep, etp)
-    moe = arch.moe.megatron_kwargs(ep, etp or tp, router) if arch.moe is not None else {}
+    moe = _moe_fields(arch, ep, etp or tp, router, overrides or {})
     fields = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -303,6 +306,21 @@ def transformer_config(
         **moe,
     )
     return TransformerConfig(**{**fields, **(overrides or {})})
+
+
+def _moe_fields(
+    arch: ModelArch, ep: int, etp: int, router: MoERouter | None, overrides: dict
+) -> dict:
+    """The MoE part of the config; the experts' GEMMs as `rlhf.models.gpt` decides (one
+    grouped GEMM with Transformer Engine's layers, unless overridden)."""
+    from rlhf.models.gpt import GROUPED_GEMM_KEY, moe_grouped_gemm
+
+    override = overrides.get("moe_grouped_gemm")
+    if arch.moe is None:
+        if override is not None:
+            log.warning("%s: ignored, %s has no experts", GROUPED_GEMM_KEY, arch.family)
+        return {}
+    return arch.moe.megatron_kwargs(ep, etp, router, grouped_gemm=moe_grouped_gemm(override))
 
 
 def llama3_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -366,12 +384,21 @@ _DERIVED_FIELDS = {
     "bf16": "megatron.dtype",
     "fp16": "megatron.dtype",
 }
+# fields whose other values build a model nothing here maps or runs
+_REFUSED_VALUES = {
+    "moe_use_legacy_grouped_gemm": (
+        True,
+        "Megatron's legacy GroupedMLP (fused weight1/weight2 experts) has no HF weight mapping "
+        "here; moe_grouped_gemm alone gives Transformer Engine's grouped GEMM",
+    ),
+}
 
 
 def check_transformer_overrides(overrides: dict, key: str) -> None:
     """Each `key.<field>` names a field of Megatron's `TransformerConfig` that this system
-    does not set from the model or its own keys; raises ValueError naming the first that
-    does not."""
+    does not set from the model or its own keys, with a value it can build (no legacy
+    grouped experts; grouped experts only with Transformer Engine); raises ValueError
+    naming the first that does not."""
     import dataclasses
     import difflib
 
@@ -381,6 +408,12 @@ def check_transformer_overrides(overrides: dict, key: str) -> None:
     for name in overrides:
         if name in _DERIVED_FIELDS:
             raise ValueError(f"{key}.{name}: set by {_DERIVED_FIELDS[name]} here, not overridden")
+        if name in _REFUSED_VALUES and overrides[name] == _REFUSED_VALUES[name][0]:
+            raise ValueError(f"{key}.{name}={overrides[name]}: {_REFUSED_VALUES[name][1]}")
+        if name == "moe_grouped_gemm":  # true without Transformer Engine: refused now
+            from rlhf.models.gpt import moe_grouped_gemm
+
+            moe_grouped_gemm(overrides[name], key=f"{key}.{name}")
         if name not in fields:
             near = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.7)
             hint = f"; did you mean '{near[0]}'?" if near else ""

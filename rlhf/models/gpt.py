@@ -5,6 +5,12 @@ imports (its core library and torch extension load; a package that is merely ins
 cannot load, which Megatron's own guarded imports treat as absent, used to fail at model
 build); otherwise the local (pure PyTorch) spec, which is what runs on CPU and in CI.
 Decided once per process, with the reason logged when a GPU run falls back.
+
+Mixture-of-experts layers follow the same choice (`moe_grouped_gemm`): with Transformer
+Engine their routed experts are Megatron's `TEGroupedMLP` (one grouped GEMM over all local
+experts; parameters `mlp.experts.linear_fc1.weight{i}`), on the local spec `SequentialMLP`
+(one GEMM per expert; `mlp.experts.local_experts.{i}.linear_fc1.weight`). The weight mapping
+reads both names (`rlhf.models.mapping`); Megatron writes both to the same checkpoint keys.
 """
 
 from __future__ import annotations
@@ -43,6 +49,26 @@ def transformer_engine_usable() -> bool:
     return transformer_engine_problem() is None
 
 
+GROUPED_GEMM_KEY = "megatron.override_transformer_config.moe_grouped_gemm"
+
+
+def moe_grouped_gemm(override: bool | None = None, key: str = GROUPED_GEMM_KEY) -> bool:
+    """Whether MoE layers run their routed experts as Transformer Engine's grouped GEMM
+    (`TEGroupedMLP`) rather than one GEMM per expert (`SequentialMLP`): with TE's layers,
+    unless `override` (the config's `key`) says no. Grouped GEMM without TE is refused:
+    Megatron would build its legacy `GroupedMLP`, which needs the `grouped_gemm` package and
+    CUDA and whose fused weights nothing here maps."""
+    problem = transformer_engine_problem()
+    if override is None:
+        return problem is None
+    if override and problem is not None:
+        raise ValueError(
+            f"{key}=true needs Transformer Engine's layers ({problem}); without them the "
+            "experts run one GEMM each (SequentialMLP): remove the override"
+        )
+    return bool(override)
+
+
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """torch's RMSNorm (what the local spec's `WrappedTorchNorm` builds), which that wrapper
     refuses under Megatron's sequence parallelism: each TP rank normalises its slice of the
@@ -59,8 +85,8 @@ def gpt_block_spec(
 ):
     """What `GPTModel` builds its decoder from: the layer spec, or the block's layers and
     final norm when they differ: a mixture-of-experts model's layers (`moe_layers`: whether
-    each of this chunk's layers has experts; Megatron's MoE layer with `SequentialMLP`
-    experts on the local spec), or, for the local spec under Megatron's sequence
+    each of this chunk's layers has experts; Megatron's MoE layer, its experts as
+    `config.moe_grouped_gemm` says), or, for the local spec under Megatron's sequence
     parallelism, layers and final norm with `SequenceParallelRMSNorm` (Transformer Engine's
     norms support it themselves)."""
     from megatron.core.transformer.transformer_block import (
@@ -105,11 +131,16 @@ def gpt_layer_spec(
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
+    grouped = bool(num_experts) and config.moe_grouped_gemm
     if transformer_engine_usable():
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, qk_layernorm=qk_layernorm
+            num_experts=num_experts, moe_grouped_gemm=grouped, qk_layernorm=qk_layernorm
         )
+        if num_experts:
+            _local_checkpoint_keys(spec)
     else:
+        if grouped:  # a config built without `moe_grouped_gemm`'s decision
+            moe_grouped_gemm(override=True)  # raises: no grouped GEMM on the local spec
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
             num_experts=num_experts, normalization=config.normalization, qk_layernorm=qk_layernorm
         )
@@ -117,6 +148,8 @@ def gpt_layer_spec(
             from rlhf.models.packed_attention import PackedDotProductAttention
 
             spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    if num_experts:
+        _check_experts(spec, grouped)
     if config.context_parallel_size > 1:
         from rlhf.parallel.ulysses import UlyssesAttention
 
@@ -125,6 +158,35 @@ def gpt_layer_spec(
             UlyssesAttention, inner=attention.core_attention
         )
     return spec
+
+
+def _local_checkpoint_keys(spec: ModuleSpec) -> None:
+    """A TE MoE layer writes its pre-MLP norm under the key the local spec writes it under.
+
+    Megatron's local spec stores both norms under the keys of TE's fused norm-linears
+    (`sharded_state_dict_keys_map`), also in MoE layers, where TE keeps the pre-MLP norm a
+    module of its own (`pre_mlp_layernorm.weight`): a MoE checkpoint written on a GPU would
+    not load on the CPU (`trainer.save_hf` exports there) nor the other way."""
+    keys = dict(spec.submodules.sharded_state_dict_keys_map)
+    keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    spec.submodules.sharded_state_dict_keys_map = keys
+
+
+EXPERT_MODULES = {False: "SequentialMLP", True: "TEGroupedMLP"}
+
+
+def _check_experts(spec: ModuleSpec, grouped: bool) -> None:
+    """The spec's experts are the module whose parameter names the weight mapping knows
+    (Megatron falls back to its legacy `GroupedMLP`, fused `weight1`/`weight2`, when TE's
+    grouped linear layers are missing)."""
+    experts = spec.submodules.mlp.submodules.experts
+    name = getattr(experts, "module", experts).__name__
+    if name != EXPERT_MODULES[grouped]:
+        raise ValueError(
+            f"Megatron built the experts as {name}, not {EXPERT_MODULES[grouped]} "
+            f"(moe_grouped_gemm={grouped}): its parameters have no HF mapping here; "
+            f"set {GROUPED_GEMM_KEY}=false"
+        )
 
 
 def build_gpt_model(

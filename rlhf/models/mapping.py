@@ -14,7 +14,10 @@ Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE): the router (HF `mlp.gate`) is 
 routed expert e (HF `mlp.experts.{e}.gate_proj/up_proj/down_proj`) lives on the expert-parallel
 rank that holds it as local expert e - ep_rank x E / EP, `GATE_UP`/`ROW` over the
 expert-TP ranks (`expert=True` rules: names with `{expert}`, split by `Placement.experts()`);
-the shared expert and its sigmoid gate (Qwen2-MoE) split over TP as a dense MLP does.
+the shared expert and its sigmoid gate (Qwen2-MoE) split over TP as a dense MLP does. The
+rules name local expert i as Megatron's `SequentialMLP` does (`mlp.experts.local_experts.{i}.
+linear_fc1.weight`); Transformer Engine's grouped GEMM (`TEGroupedMLP`) holds the same tensor,
+same shape, as `mlp.experts.linear_fc1.weight{i}`, read through `sequential_expert_name`.
 
 `load_shard` builds this rank's slice from the HF checkpoint reading only those rows or
 columns; `shards_to_hf` turns the list of a parameter's TP shards (one shard when TP = 1)
@@ -132,6 +135,18 @@ TE_ALIASES = {
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+_GROUPED_EXPERT = re.compile(r"^(.*\bmlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+
+
+def sequential_expert_name(name: str) -> str:
+    """`name`, a local expert's weight in `TEGroupedMLP` (`...mlp.experts.linear_fc1.weight3`),
+    as `SequentialMLP` names it (`...mlp.experts.local_experts.3.linear_fc1.weight`); any
+    other name as it is. The one name of an expert weight whatever module holds it."""
+    match = _GROUPED_EXPERT.match(name)
+    if match is None:
+        return name
+    prefix, linear, expert = match.groups()
+    return f"{prefix}local_experts.{expert}.{linear}.weight"
 
 
 def layer_rules(arch: ModelArch) -> list[ParamRule]:
@@ -213,8 +228,9 @@ def global_rules(arch: ModelArch) -> list[ParamRule]:
 
 
 def resolve(arch: ModelArch, name: str, placement: Placement) -> tuple[ParamRule, int | None]:
-    """The rule for a local Megatron parameter name and its global layer index (if any)."""
-    match = _LAYER.match(name)
+    """The rule for a local Megatron parameter name (either expert module's) and its global
+    layer index (if any)."""
+    match = _LAYER.match(sequential_expert_name(name))
     if match is None:
         for rule in global_rules(arch):
             if rule.mcore == name:

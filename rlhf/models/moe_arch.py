@@ -45,7 +45,9 @@ class MoEArch:
             shared_expert_size=hf["shared_expert_intermediate_size"] if shared_expert else None,
         )
 
-    def megatron_kwargs(self, ep: int, etp: int, router: MoERouter | None = None) -> dict:
+    def megatron_kwargs(
+        self, ep: int, etp: int, router: MoERouter | None = None, grouped_gemm: bool = False
+    ) -> dict:
         """TransformerConfig's MoE fields, chosen so that the forward is transformers' exactly:
 
         - routing: transformers takes softmax over all experts, then the top k; with
@@ -57,6 +59,8 @@ class MoEArch:
           output by sigmoid(x @ gate_weight.T), gate_weight [1, hidden]: transformers' gate.
         - `router` (None: `NO_ROUTER_LOSS`): the load-balancing and z-losses (gradients
           only; the forward is unchanged) and token dropping (changes the forward).
+        - `grouped_gemm`: the experts run as one grouped GEMM (Transformer Engine's; decided
+          by `rlhf.models.gpt.moe_grouped_gemm`), else one GEMM per expert. Same arithmetic.
         """
         return {
             "num_moe_experts": self.num_experts,
@@ -66,7 +70,7 @@ class MoEArch:
             "moe_router_pre_softmax": not self.norm_topk_prob,
             "moe_router_topk_scaling_factor": None,
             "moe_token_dispatcher_type": "alltoall",
-            "moe_grouped_gemm": False,
+            "moe_grouped_gemm": grouped_gemm,
             "moe_shared_expert_intermediate_size": self.shared_expert_size,
             "moe_shared_expert_gate": self.shared_expert_size is not None,
             "moe_layer_freq": [int(x) for x in self.layers],

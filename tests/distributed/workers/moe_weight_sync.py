@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.distributed import bootstrap
+from rlhf.models.mapping import sequential_expert_name
 from tests.distributed.workers.weight_sync_parity import (
     PolicyModule,
     actor_logprobs,
@@ -35,7 +36,7 @@ def perturb(model, placement, version: int) -> None:
     other parameter's on every rank with its TP rank (or on all, when not TP-split)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".local_experts." in name:
+            if ".local_experts." in sequential_expert_name(name):  # either expert module
                 shard = 1 + placement.ep_rank * 64 + placement.experts().tp_rank
             else:
                 shard = placement.tp_rank if getattr(param, "tensor_model_parallel", False) else 0
