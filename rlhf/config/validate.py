@@ -208,10 +208,12 @@ def _check_critic_layout(actor: ParallelLayout, critic: ParallelLayout) -> None:
         )
 
 
-def _check_rollout_placement(cfg: RLHFConfig, layout: ParallelLayout) -> None:
+def _check_rollout_placement(cfg: RLHFConfig) -> None:
     """Server URLs look like URLs that servers on other hosts can sync weights from; servers
-    launched on GPUs get disjoint GPUs of their node (`rlhf.config.placement`); servers
-    launched on several nodes need whole replicas."""
+    launched on GPUs get disjoint GPUs of their node (`rlhf.config.placement`). Servers
+    launched on several nodes take any layout: where a node does not hold whole replicas
+    (PP across nodes, say), every rank takes part in its node's sync
+    (`rlhf.weight_sync.gather.whole_replicas_per_node`)."""
     rollout, trainer = cfg.actor_rollout_ref.rollout, cfg.trainer
     bad = [u for u in rollout.server_urls or [] if not u.startswith(("http://", "https://"))]
     if bad:
@@ -223,18 +225,6 @@ def _check_rollout_placement(cfg: RLHFConfig, layout: ParallelLayout) -> None:
     if not rollout.server_urls and trainer.device != "cpu":
         server_gpus(
             rollout.num_servers, rollout.tensor_model_parallel_size, trainer.n_gpus_per_node
-        )
-    if rollout.server_urls or trainer.nnodes == 1:
-        return
-    replica = layout.tp_size * layout.sp_size
-    if layout.pp_size > 1 or trainer.n_gpus_per_node % replica:
-        raise ConfigError(
-            f"trainer.nnodes={trainer.nnodes} with servers launched by the job (colocated) needs "
-            f"a whole model replica on every node: {AR}.actor.megatron."
-            f"pipeline_model_parallel_size must be 1 (is {layout.pp_size}) and "
-            f"tensor_model_parallel_size x ulysses_sequence_parallel_size ({replica}) must "
-            f"divide trainer.n_gpus_per_node ({trainer.n_gpus_per_node}); otherwise run "
-            f"disaggregated servers ({AR}.rollout.server_urls, see launch/sglang_servers.sh)"
         )
 
 
@@ -445,7 +435,7 @@ def validate_config(
         _check_batches("critic", cfg, critic)
         _check_recompute("critic", cfg, shape)
         _check_critic_layout(actor, critic)
-    _check_rollout_placement(cfg, actor)
+    _check_rollout_placement(cfg)
     if shape is not None:
         check_model_split(actor, shape)
         check_heads(actor, shape)

@@ -66,8 +66,9 @@ class SyncTopology:
 
     `in_sync_replica`: this rank belongs to the data-parallel replica that gathers the
     weights for its servers: replica 0 of the job, or, when every node syncs its own
-    colocated servers (`per_node`), the replica holding the node's local rank 0 (which needs
-    whole replicas per node: PP = 1, TP x SP dividing the node's processes).
+    colocated servers (`per_node`), the replica holding the node's local rank 0 when nodes
+    hold whole replicas (PP = 1, TP x SP dividing the node's processes); otherwise every
+    rank takes part (`everywhere`).
     `in_sync_experts`: this rank belongs to the expert-data-parallel replica (expert-TP x EP
     ranks of a stage) whose routed experts go to that replica's stage leader. The defaults
     (no expert groups, experts local) describe a single rank.
@@ -95,17 +96,15 @@ class SyncTopology:
     @classmethod
     def of(cls, ctx: ParallelContext, per_node: bool = False) -> SyncTopology:
         num_syncs = ctx.num_nodes if per_node else 1
-        if per_node and ctx.local_world_size % (ctx.etp_size * ctx.ep_size):
-            raise ValueError(
-                f"every node syncs its own servers, so each node must hold whole expert-TP x EP "
-                f"groups: expert-TP {ctx.etp_size} x EP {ctx.ep_size} does not divide the "
-                f"{ctx.local_world_size} processes per node"
-            )
-        replicas_per_sync = ctx.dp_size // num_syncs
-        in_replica = ctx.dp_rank % replicas_per_sync == 0 and ctx.sp_rank == 0
-        in_experts = ctx.edp_rank % (ctx.edp_size // num_syncs) == 0
-        if in_replica and ctx.tp_rank == 0:  # a stage leader receives the experts
-            assert in_experts and ctx.ep_rank == 0 and ctx.etp_rank == 0, ctx
+        everywhere = per_node and not whole_replicas_per_node(ctx)
+        if everywhere:  # every rank yields every bucket; each node's first rank sends
+            in_replica = in_experts = True
+        else:
+            replicas_per_sync = ctx.dp_size // num_syncs
+            in_replica = ctx.dp_rank % replicas_per_sync == 0 and ctx.sp_rank == 0
+            in_experts = ctx.edp_rank % (ctx.edp_size // num_syncs) == 0
+            if in_replica and ctx.tp_rank == 0:  # a stage leader receives the experts
+                assert in_experts and ctx.ep_rank == 0 and ctx.etp_rank == 0, ctx
         return cls(
             Placement.of(ctx),
             ctx.tp_group,
@@ -120,6 +119,7 @@ class SyncTopology:
             ctx.backend,
             rank_device(ctx.backend, ctx.local_rank),
             tuple(n * ctx.world_size // num_syncs for n in range(num_syncs)),
+            everywhere,
         )
 
     @property
@@ -129,7 +129,10 @@ class SyncTopology:
     @property
     def is_sender(self) -> bool:
         """A rank that talks to SGLang: stage 0's leader (global rank 0, or each node's
-        local rank 0 when every node syncs its own servers)."""
+        local rank 0 when every node syncs its own servers); with `everywhere`, the first
+        rank of each sync (its node's, when every node syncs its own)."""
+        if self.everywhere:
+            return self.rank in self.sender_ranks
         return self.is_stage_leader and self.placement.pp_rank == 0
 
     @property
@@ -141,6 +144,15 @@ class SyncTopology:
     def converts(self) -> bool:
         """This rank turns its stage's gathered shards into HF tensors."""
         return self.everywhere or self.is_stage_leader
+
+
+def whole_replicas_per_node(ctx: ParallelContext) -> bool:
+    """Whether every node holds whole model replicas, experts included (Megatron numbers
+    TP, then SP, EP and DP inside PP): one replica per node can then gather the node's
+    sync alone; otherwise every rank takes part (`everywhere`: the pipeline stages on other
+    nodes broadcast their buckets)."""
+    dense = ctx.pp_size == 1 and ctx.local_world_size % (ctx.tp_size * ctx.sp_size) == 0
+    return dense and ctx.local_world_size % (ctx.etp_size * ctx.ep_size) == 0
 
 
 def _gather_tp(param: torch.Tensor, layout: Layout, topo: SyncTopology) -> list[torch.Tensor]:

@@ -126,7 +126,7 @@ def plan_handles(
         if sender == topology.sender_rank:
             mine = plan
     assert mine is not None, (topology.sender_rank, sorted(sources_by_sender))
-    return mine, dataclasses.replace(topology, everywhere=mine.spread)
+    return mine, dataclasses.replace(topology, everywhere=topology.everywhere or mine.spread)
 
 
 def tensor_handle_plan(

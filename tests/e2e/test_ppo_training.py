@@ -326,6 +326,35 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float =
         assert code == 0, log.read_text()[-6000:]
 
 
+@pytest.mark.slow(reason="two nodes of one process, each launching its own SGLang server")
+def test_colocated_servers_on_two_nodes_at_pp2_log_the_values_of_one_process(
+    tiny_qwen2_dir, data, tmp_path, reference_run
+):
+    """verl's large-model scripts colocate their servers on every node at PP > 1. Here two
+    "nodes" of one rank each (pipeline stage 0 on node 0, stage 1 on node 1, through
+    launch/torchrun.sh): each node's rank launches its own server, generates half of each
+    step's prompts, and syncs its server with every rank taking part (neither node holds
+    the whole model). Greedy rollouts from the same weights: step 0's validation and step
+    1 log the 1-process run's values; every sync's probe holds."""
+    run_dir, port = tmp_path / "run", str(free_port())
+    pp2 = [f"{role}.megatron.pipeline_model_parallel_size=2" for role in ROLES]
+    args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 1, *pp2)
+    env = {"NNODES": "2", "GPUS_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    before = processes_on(tiny_qwen2_dir)
+    nodes = [launch_node(args, log, NODE_RANK=str(k), **env) for k, log in enumerate(logs)]
+    wait_all(nodes, logs)
+    assert processes_on(tiny_qwen2_dir) - before == set()
+    assert all((run_dir / f"node{k}" / "logs" / "sglang_server_0.log").is_file() for k in (0, 1))
+    rows = metrics_by_step(run_dir)
+    for step in (0, 1):
+        for key, value in reference_run[step].items():
+            if key.startswith(VOLATILE) or key == "rollout/logprob_diff_max":
+                continue
+            assert rows[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
+    assert rows[1]["rollout/logprob_diff_max"] < 1e-3
+
+
 def run_batch_script(argv: list[str], env: dict[str, str], log: Path, model_dir: Path) -> None:
     """`bash <sbatch script> ARGV` in `env` as SLURM runs a batch script (from the submit
     directory); on a timeout, SIGTERM as `scancel` sends, then everything it left."""

@@ -251,3 +251,28 @@ def test_a_source_that_is_not_the_sender_packs_on_its_gpu_and_returns_nothing(mo
 def test_a_cpu_sync_never_asks_cuda_to_collect(monkeypatch):
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: pytest.fail("a CUDA call on the CPU"))
     TensorTransport(["http://s0"], HandlePlan.from_sender(1, 2, CPU)).after_sync()
+
+
+# ---- colocated servers on several nodes at any layout (issue 52, item 3) -----------------
+
+
+@pytest.mark.parametrize(("world", "local_world", "pp"), [(2, 1, 2), (16, 8, 2), (16, 8, 4)])
+def test_nodes_without_whole_replicas_sync_with_every_rank(world, local_world, pp):
+    """PP across nodes (verl's large-model scripts): a node holds some stages only, so every
+    rank takes part and each node's first rank sends to its own servers; it needed PP = 1."""
+    senders = set()
+    for rank in range(world):
+        topology = SyncTopology.of(gpu_rank(rank, world, local_world, pp), per_node=True)
+        assert topology.everywhere and topology.sender_ranks == tuple(range(0, world, local_world))
+        if topology.is_sender:
+            senders.add(rank)
+        assert topology.sender_rank == rank - rank % local_world
+    assert senders == set(range(0, world, local_world))
+
+
+def test_nodes_with_whole_replicas_sync_from_their_first_replica_alone():
+    for rank in range(16):
+        topology = SyncTopology.of(gpu_rank(rank, 16, 8), per_node=True)
+        assert not topology.everywhere
+        assert topology.is_sender == (rank in (0, 8))
+        assert topology.in_sync_replica == (rank in (0, 8))
