@@ -2,7 +2,8 @@
 
     rlhf-doctor --config configs/gsm8k_2node.yaml [key=value ...] [--world-size N]
                 [--gpu-memory-gb 80] [--host-memory-gb 2048] [--gpus-per-node 8]
-                [--model-config configs/model_shapes/Qwen2.5-7B.json]
+                [--model-config configs/model_shapes/Qwen2.5-7B.json] [--simulate]
+    rlhf-doctor --simulate          (every shipped GPU config, with its model's shape)
 
 Why: a job that dies minutes into its allocation on a busy port, an unreachable master, a
 full disk, a dead SGLang server or a bad parallel layout wastes the queue wait; each of these
@@ -12,7 +13,9 @@ as read by launch/torchrun.sh). Every check is a small function returning a `Che
 the CLI prints a table (check | status | detail | fix), then the SGLang servers' GPUs per
 node (rlhf.config.placement) and the memory planner's per-GPU table (rlhf.memory), and exits
 1 if any check FAILs (a config that does not fit the GPU included), 0 otherwise, and 2 with
-one line when the config cannot be loaded (as rlhf-train does).
+one line when the config cannot be loaded (as rlhf-train does). `--simulate` adds the
+memory simulation: one rank's real build and step at the real shapes under fake tensors,
+phase by phase next to the planner (minutes on a CPU; `rlhf.cli.doctor_simulate`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from rlhf.cli.doctor_checks import (
 )
 from rlhf.cli.doctor_memory import check_memory
 from rlhf.cli.doctor_placement import check_placement, node_gpus
+from rlhf.cli.doctor_simulate import check_simulation, simulate_shipped
 from rlhf.config import ConfigError, RLHFConfig, load_config
 
 DEFAULT_REQUIREMENTS = Path("requirements")  # a checkout's, when run from its root
@@ -136,8 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="an HF config.json to plan memory with when the model is not downloaded",
     )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also run the memory simulation (one rank's step at the real shapes under fake "
+        "tensors; minutes) and compare the planner with it; without --config: every shipped "
+        "GPU config",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.seed=3")
     args = parser.parse_args(argv)
+    if args.simulate and args.config is None:
+        return simulate_shipped(args.gpu_memory_gb)
     try:
         cfg = load_config(args.config, args.overrides)
         world_size = args.world_size or _env_int(os.environ, "WORLD_SIZE", 0) or None
@@ -146,15 +159,24 @@ def main(argv: list[str] | None = None) -> int:
         memory, report = check_memory(
             cfg, world_size, args.model_config, args.gpu_memory_gb, args.host_memory_gb
         )
+        simulation, simulated = (
+            check_simulation(args.config, args.model_config, args.overrides, args.gpu_memory_gb)
+            if args.simulate
+            else (None, "")
+        )
     except ConfigError as e:
         print(f"rlhf-doctor: config error: {e}", file=sys.stderr)
         return 2
     checks.extend([placement, *memory])
+    if simulation is not None:
+        checks.append(simulation)
     print(format_table(checks))
     if servers:
         print(f"\nSGLang servers, GPU ids per server:\n{servers}")
     if report:
         print(f"\nmemory per GPU (GiB), by role and kind:\n{report}")
+    if simulated:
+        print(f"\nmemory per phase, planned vs simulated:\n{simulated}")
     failed = [c.name for c in checks if c.status == FAIL]
     if failed:
         print(f"rlhf-doctor: {len(failed)} check(s) failed: {', '.join(failed)}")

@@ -29,6 +29,10 @@ mappings use when the MoE dispatcher moves tokens between expert-TP ranks (each 
 different number): `uneven_gather` and `uneven_reduce_scatter` do those two with gloo's
 `all_to_all_single`, which takes unequal splits; the even cases stay Megatron's own.
 
+The memory simulation (`rlhf.memory.fake_device`) stands the meta device in for the GPU:
+its function mode goes over the CPU mode (`stacked_modes`), in custom Functions' backwards
+too, so that what asks for CUDA gets the meta device before this layer would map it here.
+
 Besides CUDA, Megatron-Core 0.16.1's MoE router assumes Transformer Engine:
 `moe_utils.RouterGatingLinearFunction` tests `te_general_gemm is not None`, a name defined
 only when TE imports (a NameError without it); it is set to None here, which selects the
@@ -45,6 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
 _MODE: TorchFunctionMode | None = None
+_STACKED: list[TorchFunctionMode] = []  # `stacked_modes`: over `_MODE`, backwards included
 
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -252,13 +257,31 @@ def apply_cpu_compat() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def stacked_modes(*modes: TorchFunctionMode):
+    """Inside: `modes` entered over the CPU mode, in order, and entered again with it in
+    every custom autograd Function's backward (the memory simulation's stand-in for the GPU,
+    `rlhf.memory.fake_device`, which maps what the CPU mode would see as CUDA first)."""
+    apply_cpu_compat()
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        _STACKED.extend(modes)
+        try:
+            yield
+        finally:
+            del _STACKED[len(_STACKED) - len(modes) :]
+
+
 def _backward_functions_in_mode(mode: TorchFunctionMode) -> None:
     from torch.autograd.function import BackwardCFunction
 
     run_backward = BackwardCFunction.apply
 
     def apply(self, *args):
-        with mode:
+        with mode, contextlib.ExitStack() as stack:
+            for stacked in _STACKED:
+                stack.enter_context(stacked)
             return run_backward(self, *args)
 
     BackwardCFunction.apply = apply  # type: ignore[method-assign]

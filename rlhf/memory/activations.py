@@ -25,7 +25,8 @@ Megatron's sequence parallelism the norms (and the linears' inputs they feed) ho
 tokens; the linears gather the rest for their own use.
 
 Recompute (`rlhf.models.families.Recompute`): full keeps only each recomputed unit's input
-(T.h.e) and recomputes one unit at a time in the backward; selective drops the core
+(T.h.e; T / TP tokens under sequence parallelism) and recomputes one unit at a time in the
+backward; selective drops the core
 attention's tensors (keeping its q, k, v inputs) and recomputes one layer's at a time.
 
 The peak of a training micro-batch adds to the saved tensors of all the stage's layers the
@@ -195,13 +196,14 @@ def _attention_backward(s: ActivationShape, flash: bool) -> int:
 def head_bytes(s: ActivationShape, *, training: bool) -> int:
     """The last stage's logits and the log-prob head's working tensors
     (`rlhf.models.logprobs`): two fp32 chunks of tokens, and in training the logits'
-    gradient in the model dtype; a forward also holds the logits twice for a moment (Megatron
-    returns them transposed and made contiguous)."""
+    gradient in the model dtype. A forward holds the logits once: Megatron returns them
+    [1, T, V'] as `transpose(0, 1).contiguous()` of [T, 1, V'], already contiguous with
+    one sample per row, so no copy is made (the memory simulation at the shipped shapes)."""
     logits = s.tokens * s.vocab * s.element
     working = 2 * min(s.tokens, default_chunk_tokens(s.vocab)) * s.vocab * 4
     if training:
         return 2 * logits + working
-    return max(2 * logits, logits + working)
+    return logits + working
 
 
 def embedding_backward_bytes(s: ActivationShape, *, flash: bool) -> int:
@@ -211,6 +213,12 @@ def embedding_backward_bytes(s: ActivationShape, *, flash: bool) -> int:
     layer's saved tensors are freed, so it competes with the whole rest of the peak."""
     accumulate = 4 if s.element == 2 and not flash else 0
     return s.vocab * s.hidden * (s.element + accumulate)
+
+
+def _layer_input(s: ActivationShape) -> int:
+    """A layer's input, what full recompute keeps of it: this rank's sequence slice under
+    Megatron's sequence parallelism (the hidden states between layers are [T / TP, h])."""
+    return s.tokens // s.seq_split * s.hidden * s.element
 
 
 def training_peak(
@@ -236,11 +244,11 @@ def training_peak(
     if recompute.granularity == "full":
         unit = recompute.num_layers or 1
         if (recompute.method or "uniform") == "uniform":
-            kept = -(-s.layers // unit) * s.tokens * s.hidden * s.element
+            kept = -(-s.layers // unit) * _layer_input(s)
             recomputing = unit * largest
         else:  # block: the first `unit` layers recompute, the rest keep everything
             recomputed = min(unit, s.layers)
-            kept = recomputed * (s.tokens * s.hidden * s.element - smallest) + total
+            kept = recomputed * (_layer_input(s) - smallest) + total
             recomputing = largest
         saved = kept + final
         backward = recomputing + _attention_backward(s, flash)

@@ -8,23 +8,33 @@ configured token budget (`rlhf.memory.activations`) and communication buffers (t
 weight-sync bucket), and SGLang's share (`rollout.gpu_memory_utilization` of the GPU: its
 weights and KV cache). The GPU's peak is the largest phase of a step, or of the build:
 
-    build          the models built one by one (each at its build peak: weights, DDP's
-                   parameter copy, gradient buffer, master weights), each offloaded as it
-                   is done, while colocated servers sleep (they start, then release)
+    build          the models built one by one (each at its build peak: DDP's parameter
+                   and gradient buffers next to the loaded parameters, then next to the
+                   master weights), each offloaded as it is done, while colocated servers
+                   sleep (they start, then release)
     rollout        SGLang, plus whatever the trainer keeps resident (not offloaded)
+    old_log_prob   resident + the actor's parameters + its forward activations (a
+                   forward-only pass brings back the parameters alone)
     reference      resident + the reference's forward activations
+    values         resident + the critic's parameters + its forward activations
     critic         resident + the critic's training activations
     actor          resident + the actor's training activations
-    weight_sync    resident + the actor + the sync's gathers and bucket (`sync_bytes`);
-                   next to sleeping colocated servers: the actor's weights only (its
-                   gradients and optimizer state leave the GPU) + SGLang's weights
-    kv_cache_wake  sleeping colocated servers: the actor's weights only + all of SGLang
+    weight_sync    resident + the actor's parameters + the sync's gathers and bucket
+                   (`sync_bytes`); next to sleeping colocated servers: the actor's weights
+                   only (its gradients and optimizer state leave the GPU) + SGLang's weights
+    kv_cache_wake  sleeping colocated servers: the actor's weights only + all of SGLang (the
+                   log-prob probe, and the next rollout)
+    probe          servers that do not sleep: the weight sync's phase after its buffers
 
 On GPU every phase also counts GPU_RUNTIME_BYTES for what the allocator does not see (CUDA
 context, NCCL). An offloaded part (megatron.param/grad/optimizer_offload, ref.param_offload)
 is resident only in its own model's phases; with free_cache_engine SGLang holds memory in
 the rollout phase only. Both are GPU features: on CPU the planner still reports what a GPU
-run would need (device "cpu" plans the local spec's attention instead of fused attention).
+run would need (device "cpu" plans the local spec's attention instead of fused attention;
+device "local" is a GPU on the local spec, what the memory simulation runs).
+
+Each phase is held to the real code at the shipped configs' shapes by the memory
+simulation (`rlhf.trainer.memory_simulation`, `rlhf-doctor --simulate`, docs/memory.md).
 """
 
 from __future__ import annotations
@@ -66,6 +76,12 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 # CUDA context, cuBLAS workspaces and NCCL buffers of a trainer process on a GPU (a few
 # hundred MiB each; what the allocator cannot see), added to every phase on GPU.
 GPU_RUNTIME_BYTES = 2 * GIB
+# a GPU planned with Megatron's local layer spec instead of Transformer Engine's: what the
+# memory simulation runs (`rlhf.trainer.memory_simulation`), compared phase by phase
+LOCAL_SPEC = "local"
+# the forward-only pass of each trained model: a phase of its own (`_phases`)
+FORWARD_PHASES = {"actor": "old_log_prob", "critic": "values"}
+BUILD_ORDER = ("actor", "reference", "critic")  # as `build_ppo_models` builds them
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,8 @@ class RoleMemory:
     activations: int = 0
     communication: int = 0
     offloaded: frozenset[str] = field(default_factory=frozenset)
+    # a trained model's forward-only pass (old log-probs, values) at its forward budget
+    forward_activations: int = 0
     experts: int = 0  # of weights, gradients, master weights and Adam state: the routed experts'
     # while the model is built: the loaded parameters, until DDP has copied them into its
     # parameter buffer (the distributed optimizer's) and freed them
@@ -101,10 +119,11 @@ class RoleMemory:
 
     @property
     def build(self) -> int:
-        """The peak while the model is built: weights (twice for a moment with DDP's
-        parameter buffer), gradient buffer and master weights; Adam's state comes at the
-        first step."""
-        return self.weights + self.build_transient + self.gradients + self.master_weights
+        """The peak while the model is built: DDP's buffers (parameters, gradients) next to
+        the loaded parameters until they are copied in and freed (`build_transient`), then
+        next to the master weights the optimizer makes; Adam's state comes at the first
+        step (simulated: `rlhf.trainer.memory_simulation`)."""
+        return self.weights + self.gradients + max(self.build_transient, self.master_weights)
 
 
 @dataclass(frozen=True)
@@ -134,11 +153,13 @@ class TrainedRole:
     megatron: MegatronParallelConfig
     token_budget: int
     value_head: bool = False
+    forward_budget: int | None = None  # tokens of a forward-only micro-batch (None: token_budget)
 
 
 def _flash(device: str) -> bool:
-    """GPU runs use Transformer Engine's fused attention; CPU runs the local spec."""
-    return device != "cpu"
+    """GPU runs use Transformer Engine's fused attention; CPU runs the local spec (and the
+    memory simulation: device "local")."""
+    return device not in ("cpu", LOCAL_SPEC)
 
 
 def expert_sizes(m: MegatronParallelConfig) -> tuple[int, int]:
@@ -257,11 +278,12 @@ def trained_memory(
     shape = activation_shape(arch, m, role.token_budget, sp=sp, stage=stage)
     last, lm_head = stage == pp - 1, not role.value_head
     flash = _flash(device)
+    forward = _forward_activations(arch, role, sp=sp, stage=stage, flash=flash)
     if not train:
         return RoleMemory(
             role.name,
             weights=count.numel * element,
-            activations=forward_peak(shape, flash=flash, last_stage=last, lm_head=lm_head),
+            activations=forward,
             experts=count.experts.numel * element,
         )
     owned = count.owned(dp_rank, expert_dp_rank)
@@ -292,9 +314,21 @@ def trained_memory(
             chunks=vp,
         ),
         offloaded=frozenset(offloaded),
+        forward_activations=forward,
         experts=count.experts.numel * (element + 4) + owned_experts * (master + 8),
         build_transient=count.numel * element if distributed else 0,
     )
+
+
+def _forward_activations(
+    arch: ModelArch, role: TrainedRole, *, sp: int, stage: int, flash: bool
+) -> int:
+    """The peak of one forward-only micro-batch of `role` (at its forward budget)."""
+    m = role.megatron
+    tokens = role.forward_budget or role.token_budget
+    shape = activation_shape(arch, m, tokens, sp=sp, stage=stage)
+    last = stage == m.pipeline_model_parallel_size - 1
+    return forward_peak(shape, flash=flash, last_stage=last, lm_head=not role.value_head)
 
 
 @dataclass(frozen=True)
@@ -322,9 +356,11 @@ class PlanInputs:
         cls, cfg: RLHFConfig, arch: ModelArch, world_size: int, device: str
     ) -> PlanInputs:
         aro, budgets = cfg.actor_rollout_ref, token_budgets(cfg)
-        # the old-log-prob forward runs in the actor's phase: its budget, when larger, bounds it
-        actor_budget = max(budgets.actor.tokens, budgets.old_log_prob.tokens)
-        roles = [TrainedRole("actor", aro.actor.megatron, actor_budget)]
+        # forward-only passes (old log-probs, values) have phases of their own
+        actor = TrainedRole(
+            "actor", aro.actor.megatron, budgets.actor.tokens, False, budgets.old_log_prob.tokens
+        )
+        roles = [actor]
         if uses_critic(cfg):
             roles.append(TrainedRole("critic", cfg.critic.megatron, budgets.critic.tokens, True))
         reference = (
@@ -428,10 +464,14 @@ def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:
     def running(role: RoleMemory, extra: int) -> int:
         return resident - role.resident + role.static + extra + kept
 
-    phases = {"build": _build_peak(trainer, kept)}
+    built = sorted(trainer, key=lambda r: BUILD_ORDER.index(r.role))
+    phases = {"build": _build_peak(built, kept)}
     phases["rollout"] = resident + (rollout.total if rollout is not None else 0)
     for row in trainer:
         phases[row.role] = running(row, row.activations)
+        if row.role in FORWARD_PHASES:  # a forward-only pass: its parameters come back alone
+            weights = row.weights if "weights" in row.offloaded else 0
+            phases[FORWARD_PHASES[row.role]] = resident + weights + row.forward_activations + kept
     if rollout is not None and inputs.release_rollout:
         # PolicyServers.load_weights next to sleeping servers: only the actor's weights on
         # the GPU (its gradients and optimizer state off it); SGLang's weights wake for the
@@ -439,20 +479,22 @@ def _phases(rows: list[RoleMemory], inputs: PlanInputs) -> dict[str, int]:
         weights_only = resident - actor.resident + actor.weights
         phases["weight_sync"] = weights_only + rollout.weights + actor.communication
         phases["kv_cache_wake"] = weights_only + rollout.total
-    else:
-        phases["weight_sync"] = running(actor, actor.communication)
+    else:  # PolicyServers.load_weights brings back the actor's parameters, not the rest
+        weights = actor.weights if "weights" in actor.offloaded else 0
+        phases["weight_sync"] = resident + weights + actor.communication + kept
+        phases["probe"] = resident + weights + kept  # the log-prob probe, after the sync
     runtime = GPU_RUNTIME_BYTES if inputs.device != "cpu" else 0
     return {name: value + runtime for name, value in phases.items()}
 
 
 def _build_peak(trainer: list[RoleMemory], kept: int) -> int:
-    """The models are built one after the other (actor, critic, reference), each offloaded
+    """The models are built one after the other (actor, reference, critic), each offloaded
     as it is done, while sleeping colocated servers hold nothing (`kept`: what servers that
-    do not sleep hold)."""
+    do not sleep hold); Adam's state does not exist before the first step."""
     peak, built = 0, 0
     for row in trainer:
         peak = max(peak, built + row.build)
-        built += row.resident
+        built += row.resident - (0 if "optimizer_state" in row.offloaded else row.optimizer_state)
     return peak + kept
 
 

@@ -44,6 +44,13 @@ class _Held:
     copy: torch.Tensor | None = None  # the bytes on the CPU while offloaded
 
 
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """The identity of a storage (its StorageImpl): the same for every tensor and storage
+    object over it, also for storages without data (the fake tensors of the memory
+    simulation, whose data pointers are all null)."""
+    return storage._cdata
+
+
 def _byte_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
@@ -61,7 +68,7 @@ class StorageOffloader:
         seen: dict[int, _Held] = {}
         for tensor in tensors:
             storage = tensor.untyped_storage()
-            key = storage.data_ptr()
+            key = storage_key(storage)
             if key not in seen and storage.nbytes() > 0:
                 seen[key] = _Held(storage, tensor.device, storage.nbytes())
         return cls(list(seen.values()), keep_bytes=keep_bytes)
@@ -108,12 +115,12 @@ def model_tensors(model, kind: str) -> Iterator[torch.Tensor]:
     elif kind == "grads":
         yield from (b.grad_data for b in buffers)
     elif kind == "optimizer":
-        params = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+        params = {storage_key(p.untyped_storage()) for p in model.module.parameters()}
         for part in getattr(model.optimizer, "chained_optimizers", [model.optimizer]):
             inner = part.optimizer
             for group in inner.param_groups:
                 for param in group["params"]:
-                    if param.untyped_storage().data_ptr() not in params:
+                    if storage_key(param.untyped_storage()) not in params:
                         yield param  # fp32 master weights held apart from the model
                     for value in inner.state.get(param, {}).values():
                         if torch.is_tensor(value):

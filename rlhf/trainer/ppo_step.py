@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -172,8 +173,15 @@ class PPOStep:
         )
 
 
+class StageTimer(Protocol):
+    """What `learn_from_batch` reports its stages to: the step's `Timer`, or a meter of each
+    stage's memory (`rlhf.trainer.memory_simulation`)."""
+
+    def stage(self, name: str) -> AbstractContextManager[None]: ...
+
+
 @contextmanager
-def stage(timer: Timer, name: str) -> Iterator[None]:
+def stage(timer: StageTimer, name: str) -> Iterator[None]:
     """A stage of the step: timed (`timing_s/<name>`) and a phase of the device ledger
     (`rlhf.memory.ledger`: what each stage holds on the device is asserted on the CPU)."""
     with timer.stage(name), ledger().phase(name):
@@ -190,7 +198,7 @@ def learn_from_batch(
     batch: RolloutBatch,
     cfg: RLHFConfig,
     kl_ctrl: KLController,
-    timer: Timer,
+    timer: StageTimer,
     update_actor: bool = True,
 ) -> Learned:
     """Old log-probs (the engine's under `rollout_correction.bypass_mode`), reference

@@ -1,0 +1,70 @@
+"""The memory simulation proven against reality at a small shape (rlhf.trainer.memory_simulation).
+
+The same config, model and synthetic batch run twice, each in a process of its own: once for
+real on the CPU (gloo, a real checkpoint, every phase's allocations measured by
+torch.profiler, the models' storages summed at each phase's start), once simulated (a fake
+world, fake tensors, the meta device standing in for the GPU, live storages counted). What
+each phase adds above its start must agree to the byte's order of a percent, and what is
+alive at each start too: the simulation also counts the few tensors that are no model's
+(Megatron's rotary-embedding caches), which the real count leaves out. The real-shape table
+of the shipped configs is the slow test at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from rlhf.trainer.memory_simulation import SimulatedStep
+
+CONFIG = "configs/quickstart_cpu.yaml"
+STEP_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor", "probe")
+NOT_MODEL_STATE = 256 * 1024  # rotary caches of the tiny model: 0.18 MiB
+
+
+def _run(*args: str) -> SimulatedStep:
+    command = [sys.executable, "-m", "rlhf.trainer.memory_simulation", "--config", CONFIG, *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return SimulatedStep.from_json(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_the_simulated_step_allocates_what_the_real_one_does(tiny_qwen2_dir):
+    real = _run("--model", str(tiny_qwen2_dir)).phases
+    simulated = _run("--model-shape", str(tiny_qwen2_dir / "config.json")).phases
+    for phase in STEP_PHASES:
+        added_real = real[phase].peak - real[phase].start
+        added_simulated = simulated[phase].peak - simulated[phase].start
+        assert added_simulated == pytest.approx(added_real, rel=0.01), phase
+    for phase in (*STEP_PHASES, "sync", "rollout"):
+        extra = simulated[phase].start - real[phase].start
+        assert 0 <= extra <= NOT_MODEL_STATE, (phase, real[phase], simulated[phase])
+    # the build reads the weight files on the host (their slices), which the simulation skips
+    assert simulated["build"].peak == pytest.approx(real["build"].peak, rel=0.10)
+
+
+@pytest.mark.slow(reason="one rank of each shipped GPU config at its real shapes: minutes each")
+@pytest.mark.parametrize(
+    "config", ["gsm8k_8gpu", "qwen3_30b_a3b_grpo_8gpu", "gsm8k_2node", "gsm8k_qwen2.5-0.5b_1gpu"]
+)
+def test_every_shipped_config_fits_and_is_planned_within_ten_percent(config):
+    from rlhf.cli.doctor_simulate import SHIPPED, simulate_config
+
+    path = f"configs/{config}.yaml"
+    simulated = simulate_config(path, SHIPPED[path])
+    assert not simulated.problems, simulated.report()
+
+
+def test_the_doctor_sets_the_simulation_next_to_the_planner(tiny_qwen2_dir, capsys):
+    from rlhf.cli.doctor import main
+
+    main(["--config", CONFIG, "--model-config", str(tiny_qwen2_dir / "config.json"), "--simulate"])
+    out = capsys.readouterr().out
+    assert re.search(r"memory simulation +\| PASS", out), out
+    assert "simulated, not run on a GPU" in out
+    for phase in ("build", "old_log_prob", "update_actor", "sync", "probe", "rollout"):
+        assert f"\n{phase} " in out, phase
