@@ -179,7 +179,7 @@ def storage_bytes(model) -> int:
         tensors += [p for group in part.optimizer.param_groups for p in group["params"]]
         for state in part.optimizer.state.values():
             tensors += [v for v in state.values() if torch.is_tensor(v)]
-    sizes = {id(t.untyped_storage()._cdata): t.untyped_storage().nbytes() for t in tensors}
+    sizes = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
     return sum(sizes.values())
 
 
