@@ -19,8 +19,8 @@ measured (the build against the planner's build phase):
   allocation events), next to the planner's activations of the stage's model (the models
   live in host memory before and after).
 
-The forward-only stages of trained models (old log-probs, values) are planned inside their
-model's update phase, so their planned number is the update's. Prints one JSON object;
+The forward-only stages of trained models (old log-probs, values) are the planner's phases
+of their own (the parameters alone, a forward's activations). Prints one JSON object;
 tools/run_gpu_checks.sh runs it for the 0.5B config. Here (CPU, the tiny model, 512-token
 micro-batches): planned / measured 0.98 for the actor's update, 0.88 for the critic's,
 0.94 for the reference.
@@ -38,14 +38,15 @@ from pathlib import Path
 
 import torch
 
-# the stage names of `learn_from_batch` and the planner's phase / role each belongs to
+# the stage names of `learn_from_batch` -> (the planner's phase, the role whose activations
+# the stage holds on the CPU, whether it is a forward-only pass)
 STAGES = {
-    "build": "build",
-    "old_log_prob": "actor",
-    "ref": "reference",
-    "values": "critic",
-    "update_critic": "critic",
-    "update_actor": "actor",
+    "build": ("build", None, False),
+    "old_log_prob": ("old_log_prob", "actor", True),
+    "ref": ("reference", "reference", False),
+    "values": ("values", "critic", True),
+    "update_critic": ("critic", "critic", False),
+    "update_actor": ("actor", "actor", False),
 }
 MIB = 1024**2
 
@@ -158,13 +159,16 @@ def measure(args) -> dict:
     plan = plan_memory(cfg, arch, 1, device=ctx.device.type, gpu_bytes=gpu)
     stages = {}
     for name, peak in meter.peaks.items():
-        role = STAGES.get(name)
-        if role is None:  # advantages: no model runs
+        if name not in STAGES:  # advantages: no model runs
             continue
-        if role == "build":  # on the CPU the models' bytes, not activations, are measured
-            planned = plan.phases["build"] - (GPU_RUNTIME_BYTES if cuda else 0)
+        phase, role, forward = STAGES[name]
+        if cuda:
+            planned = plan.phases[phase] - GPU_RUNTIME_BYTES
+        elif role is None:  # the build: on the CPU the models' bytes are measured
+            planned = plan.phases[phase]
         else:
-            planned = plan.phases[role] - GPU_RUNTIME_BYTES if cuda else plan.row(role).activations
+            row = plan.row(role)
+            planned = row.forward_activations if forward else row.activations
         stages[name] = {
             "measured_mib": round(peak / MIB, 1),
             "planned_mib": round(planned / MIB, 1),
