@@ -11,7 +11,7 @@ same checks back `rlhf-preprocess check`. Schema (one row per prompt):
 | `reward_model` | {style: 'rule' or 'model', ground_truth} | yes |
 | `ability` | string | no ('' when absent) |
 | `extra_info` | struct, passed to reward functions | no ({} when absent) |
-| `images` | anything; carried through untouched | no |
+| `images`, `videos` | must be null or empty: a row that carries any is refused | no |
 
 Multi-turn rows (`actor_rollout_ref.rollout.multi_turn`) may carry, in `extra_info`,
 `tools_kwargs`: {tool name: mapping}, each mapping handed as it is to that tool's `create`
@@ -19,6 +19,12 @@ Multi-turn rows (`actor_rollout_ref.rollout.multi_turn`) may carry, in `extra_in
 {...}}} in verl's layout; a null entry means none (Parquet fills the names other rows use
 with null). `need_tools_kwargs: true` says the row cannot go without them: such a row with
 no `tools_kwargs` is a problem, as is a `tools_kwargs` that is not such a mapping.
+
+Training is text-only: a row with images or videos (verl's `images`/`videos` columns of a
+vision-language set) would train on its prompt's text alone, its `<image>` placeholders
+and all, without a word; until vision-language training exists such a row is a problem
+(`media_problems`, also for stored rollouts and preference pairs), so a set that mixes
+them trains on its text rows only with `data.bad_rows=skip`, and says how many it skipped.
 
 Row numbers count from 0, as in pyarrow and pandas. File-level problems (not Parquet, empty,
 a missing or wrongly typed column) are always errors; `bad_rows="skip"` skips only bad rows.
@@ -49,6 +55,7 @@ from rlhf.utils import atomic_output
 log = logging.getLogger(__name__)
 
 REWARD_STYLES = ("rule", "model")
+MEDIA_COLUMNS = ("images", "videos")  # verl's data.image_key / data.video_key defaults
 MAX_PROBLEMS_IN_MESSAGE = 20
 
 GroundTruthCheck = Callable[[str, Any], "tuple[str, str] | None"]
@@ -91,7 +98,6 @@ class PromptRow:
     reward_model: dict[str, Any]
     ability: str = ""
     extra_info: dict[str, Any] = field(default_factory=dict)
-    images: Any = None
     file: str = ""
     row: int = -1
 
@@ -225,6 +231,26 @@ def _tools_kwargs_problem(extra: Any) -> str | None:
     return None
 
 
+def media_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """(column, message) for each of a row's image and video columns that carries some: this
+    trainer is text-only (see the module)."""
+    found = []
+    for column in MEDIA_COLUMNS:
+        value = values.get(column)
+        if value is None or (isinstance(value, list | dict | str | bytes) and not value):
+            continue
+        n = len(value) if isinstance(value, list) else None
+        count = column if n is None else f"{n} {column if n > 1 else column[:-1]}"
+        found.append(
+            (
+                column,
+                f"carries {count}; training is text-only (no vision-language models yet): "
+                "drop the column or these rows",
+            )
+        )
+    return found
+
+
 def _row_problems(
     values: dict[str, Any], prompt_key: str, check: GroundTruthCheck | None = None
 ) -> list[tuple[str, str]]:
@@ -250,7 +276,7 @@ def _row_problems(
     tools = _tools_kwargs_problem(values.get("extra_info"))
     if tools:
         problems.append(("extra_info", tools))
-    return problems
+    return problems + media_problems(values)
 
 
 def _make_row(values: dict[str, Any], prompt_key: str, file: str, row: int) -> PromptRow:
@@ -263,7 +289,6 @@ def _make_row(values: dict[str, Any], prompt_key: str, file: str, row: int) -> P
         reward_model=dict(values["reward_model"]),
         ability=values.get("ability") or "",
         extra_info=extra,
-        images=values.get("images"),
         file=file,
         row=row,
     )

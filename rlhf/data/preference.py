@@ -15,7 +15,8 @@ An optional `margin` column (a number >= 0) is the pair's margin in the Bradley-
 rejected, each scored at its last token. Every problem names file, row and column
 (`rlhf.data.parquet.Problem`): a missing column, a null or empty value, a value of the
 wrong type, a side (as messages) that does not end with a non-empty assistant reply, a
-chosen response equal to the rejected one, a negative margin.
+chosen response equal to the rejected one, a negative margin, images or videos (TRL's
+vision preference sets have an `images` column; training is text-only).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf.data.files import DataFile
-from rlhf.data.parquet import DataError, Problem
+from rlhf.data.parquet import DataError, Problem, media_problems
 
 Messages = list[dict[str, str]]
 
@@ -85,6 +86,7 @@ def read_preference_pairs(
             margin = values.get("margin")
             if margin is not None and not (math.isfinite(margin) and margin >= 0):
                 found.append(("margin", f"is {margin}, not a number >= 0"))
+            found += media_problems(values)  # a vision preference set: text-only here
             if not found and chosen == rejected:
                 found.append((rejected_key, f"equals {chosen_key}: the pair prefers nothing"))
             problems += [Problem(file, row, column, message) for column, message in found]

@@ -33,6 +33,8 @@ but not their `prompt_ids` are refused (naming both), never merged into one grou
 may span files. A training run (`RolloutChecks`) also requires every group to have
 `actor_rollout_ref.rollout.n` samples and every unscored row to be scorable by its reward
 (a data source the reward function knows, a model row only with a reward model).
+A row that carries images or videos (`images`/`videos` columns, as prompt files may) is
+refused: its token ids hold image placeholders this text-only trainer has no pixels for.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf.data.files import DataFile
-from rlhf.data.parquet import DataError, GroundTruthCheck, Problem
+from rlhf.data.parquet import DataError, GroundTruthCheck, Problem, media_problems
 from rlhf.utils import atomic_output
 
 REQUIRED = ("uid", "prompt_ids", "response_ids", "rollout_logprobs", "data_source")
@@ -176,6 +178,7 @@ def read_one_file(
         clean = {k: None if k in bad else v for k, v in values.items()}
         found = row_problems(clean, checks.vocab_size, checks.max_lengths)
         found = [(column, message) for column, message in found if column not in bad]
+        found += media_problems(values)  # a file another tool wrote may carry them
         if not bad and not found:
             found = score_problems(values, checks)
         problems += [Problem(file, row, column, message) for column, message in found]

@@ -44,15 +44,35 @@ def test_valid_rows_round_trip_with_sources_and_extra_info(tmp_path):
     assert int(first.ground_truth) >= 0
 
 
-def test_string_prompt_images_and_custom_prompt_key(tmp_path):
-    images = [{"path": "cat.png", "bytes": b"\x89PNG"}]
-    path = write(
-        tmp_path / "a.parquet",
-        [{**row(question="Add 1 and 2."), "images": images, "prompt": None}],
-    )
+def test_string_prompt_and_custom_prompt_key(tmp_path):
+    path = write(tmp_path / "a.parquet", [{**row(question="Add 1 and 2."), "prompt": None}])
     (only,) = read_prompt_rows(path, prompt_key="question")
     assert only.prompt == "Add 1 and 2."
-    assert only.images == images  # carried through untouched
+
+
+IMAGE = {"path": "cat.png", "bytes": b"\x89PNG"}
+
+
+def test_rows_with_images_or_videos_are_refused_until_vlm_training_exists(tmp_path):
+    """verl's vision-language rows (`images`, `videos`) would train on their text alone;
+    a row without any (null, or an empty list) is a text row; `data.bad_rows=skip` keeps
+    the text rows of a mixed set."""
+    rows = [
+        {**row(), "images": [IMAGE, IMAGE], "videos": None},
+        {**row(), "images": [], "videos": None},
+        {**row(), "images": None, "videos": [{"path": "clip.mp4", "bytes": b"\x00"}]},
+        {**row(), "images": None, "videos": []},
+    ]
+    path = write(tmp_path / "vlm.parquet", rows)
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(path)
+    found = [(p.row, p.column) for p in err.value.problems]
+    assert found == [(0, "images"), (2, "videos")]
+    assert (
+        f"{path}: row 0, column 'images': carries 2 images; training is text-only "
+        "(no vision-language models yet): drop the column or these rows"
+    ) in str(err.value)
+    assert [r.row for r in read_prompt_rows(path, bad_rows="skip")] == [1, 3]
 
 
 def test_optional_columns_may_be_absent(tmp_path):

@@ -97,12 +97,19 @@ def test_both_layouts_read(tmp_path):
             "prompt",
             "role 'robot'",
         ),
+        (  # a vision preference pair (TRL's layout): this trainer is text-only
+            {"prompt": "q", "chosen": "a", "rejected": "b", "images": [{"bytes": b"\x89PNG"}]},
+            "images",
+            "carries 1 image; training is text-only",
+        ),
     ],
 )
 def test_a_bad_pair_is_named_by_file_row_and_column(tmp_path, row, column, message):
     good = {"prompt": "q", "chosen": "a", "rejected": "b"}
     if "margin" in row:
         good["margin"] = 0.0
+    if "images" in row:  # the column, null in the good row
+        good["images"] = None
     if isinstance(row["prompt"], list):
         good["prompt"] = [{"role": "user", "content": "q"}]
     path = write(tmp_path, "pairs.parquet", [good, row])

@@ -78,6 +78,7 @@ def test_a_records_stored_form_carries_what_training_needs():
 
 def bad_file(tmp_path, **changes) -> str:
     rows = [s.to_row() for s in SAMPLES]
+    rows[0] |= {column: None for column in changes if column not in rows[0]}
     rows[1] |= changes
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
@@ -96,6 +97,7 @@ def bad_file(tmp_path, **changes) -> str:
         ({"uid": None}, "uid", "is null"),
         ({"ground_truth": "{oops"}, "ground_truth", "is not JSON"),
         ({"score": float("nan")}, "score", "is nan"),
+        ({"videos": [{"bytes": b"\x00"}] * 2}, "videos", "carries 2 videos; training is text-only"),
     ],
 )
 def test_a_bad_row_is_named_by_file_row_and_column(tmp_path, changes, column, message):
