@@ -6,6 +6,13 @@ JSONL file (one object per step with `step` and every metric) is the record test
 event files go to `<run dir>/tensorboard`; W&B, MLflow and SwanLab (`rlhf.logging.backends`)
 are used when installed and otherwise skipped with a warning. A resumed run continues their
 runs (ids kept with the checkpoint). Only the main rank should create a tracker.
+
+Each remote tracker gets the names it takes (`rlhf.logging.names`: MLflow's `mean@4` is
+`mean_at_4`). A tracker that cannot start stops the run before its first step, in one line
+(nothing is lost yet, and a run the user watches in MLflow should not go on unseen); one
+that fails later (an outage, a name its store refuses) costs its record of that step only:
+one line names the tracker, the step and the metric, the run goes on, metrics.jsonl keeps
+every step, and the close lists the steps a tracker missed.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf.config.choices import LOGGERS
+from rlhf.config.loader import ConfigError
 from rlhf.logging.backends import BACKENDS, RemoteRun, RunInfo, TrackerResume, start_backend
+from rlhf.logging.names import NameMap
 from rlhf.logging.profiler import stage_range
 from rlhf.utils import atomic_output
 
@@ -77,10 +86,12 @@ class MetricTracker:
         logged_after = resume is not None and self.drop_after(resume.step) > 0
         info = RunInfo(self.run_dir, project, experiment, dict(config or {}))
         self._remote: dict[str, RemoteRun] = {
-            name: start_backend(name, info, resume, rewind=logged_after)
+            name: _start(name, info, resume, rewind=logged_after)
             for name in BACKENDS
             if name in self.loggers and self._available(name)
         }
+        self._names = {name: NameMap(name) for name in self._remote}
+        self._missed: dict[str, list[int]] = {name: [] for name in self._remote}
 
     @classmethod
     def from_config(cls, cfg, resume: TrackerResume | None = None) -> MetricTracker:
@@ -119,10 +130,29 @@ class MetricTracker:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
-        for run in self._remote.values():
-            run.log(values, step)
+        for name, run in self._remote.items():
+            self._log_remote(name, run, values, step)
         if "console" in self.loggers:
             print(self.console_line(values, step), flush=True)
+
+    def _log_remote(
+        self, name: str, run: RemoteRun, values: Mapping[str, float], step: int
+    ) -> None:
+        """One tracker's record of a step; a failure is a warning line (see the module)."""
+        names = self._names[name]
+        try:
+            run.log(names.rename(values), step)
+        except Exception as e:  # any error of the tracker's library: the run must go on
+            self._missed[name].append(step)
+            metric = names.named_in(str(e))
+            what = f"metric {metric!r}" if metric else f"its {len(values)} metrics"
+            log.warning(
+                "%s failed to record step %d (%s): %s; the run goes on, metrics.jsonl has the step",
+                name,
+                step,
+                what,
+                _first_line(e),
+            )
 
     @staticmethod
     def console_line(values: Mapping[str, float], step: int) -> str:
@@ -165,14 +195,49 @@ class MetricTracker:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
-        for run in self._remote.values():
-            run.finish()
+        for name, run in self._remote.items():
+            try:
+                run.finish()
+            except Exception as e:  # the tracker's library; metrics.jsonl is complete
+                log.warning("%s failed to finish its run %s: %s", name, run.run_id, _first_line(e))
+            if self._missed[name]:
+                log.warning(
+                    "%s misses %d steps (%s); metrics.jsonl has them",
+                    name,
+                    len(self._missed[name]),
+                    _steps_text(self._missed[name]),
+                )
 
     def __enter__(self) -> MetricTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _start(name: str, info: RunInfo, resume: TrackerResume | None, rewind: bool) -> RemoteRun:
+    """Backend `name`'s run; its failure is one line naming the tracker (see the module)."""
+    try:
+        return start_backend(name, info, resume, rewind)
+    except Exception as e:  # any error of the tracker's library, e.g. its server unreachable
+        raise ConfigError(
+            f"trainer.logger: {name} could not start a run (project {info.project!r}, "
+            f"experiment {info.experiment!r}): {_first_line(e)}; fix that or leave {name} "
+            "out of trainer.logger"
+        ) from e
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's type and the first line of its message."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _steps_text(steps: list[int]) -> str:
+    """`steps 3, 4, 9` (the first ten, then how many more)."""
+    shown = ", ".join(str(s) for s in steps[:10])
+    more = f" and {len(steps) - 10} more" if len(steps) > 10 else ""
+    return f"steps {shown}{more}"
 
 
 def _rows_up_to(text: str, step: int) -> tuple[list[str], int]:

@@ -108,9 +108,15 @@ def _key(item) -> str:
 
 
 def wandb_runs(wandb_dir: Path, key: str) -> list[OfflineRun]:
-    """The offline W&B runs under `wandb_dir` (oldest first) with metric `key`."""
+    """The offline W&B runs under `wandb_dir` (oldest first) with metric `key`.
+
+    W&B's service process writes a run's file after `finish()` has returned (under load, the
+    file still held only its 7-byte header when read right after it, 17 times in 20); it has
+    written everything once it is shut down (`reset_wandb`, as at a process's exit), so that
+    comes first."""
     from wandb.proto.wandb_internal_pb2 import Record
 
+    reset_wandb()
     runs = []
     for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb")):
         run = None
