@@ -63,10 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def resolve(args: argparse.Namespace) -> RLHFConfig:
     """Load + validate (and load the multi-turn tools, which the config layer cannot); the
     world size comes from torchrun when launched by it."""
-    from rlhf.distributed.bootstrap import launched_world_size
+    from rlhf.distributed.bootstrap import launched_local_world_size, launched_world_size
 
     cfg = load_config(args.config, args.overrides)
-    validate_config(cfg, launched_world_size())
+    validate_config(cfg, launched_world_size(), local_world_size=launched_local_world_size())
     load_configured_tools(cfg)
     return cfg
 
@@ -114,7 +114,7 @@ def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
 
     world = bootstrap.launched_world_size() or 1
     arch = load_policy_arch(cfg)  # every model directory checked, once
-    layout = validate_config(cfg, world, arch)
+    layout = validate_config(cfg, world, arch, bootstrap.launched_local_world_size() or 1)
     ctx = bootstrap_layout(cfg.trainer.device, layout, world)
     trainer = None
     try:

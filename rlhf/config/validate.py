@@ -100,6 +100,24 @@ def checked_world_size(trainer: Any, world_size: int | None) -> int:
     return planned
 
 
+def check_launch(trainer: Any, world_size: int | None, local_world_size: int | None) -> None:
+    """`trainer.nnodes x trainer.n_gpus_per_node` of a config's trainer section against the
+    processes launched: `world_size` in all, `local_world_size` on this node (torchrun's
+    WORLD_SIZE and LOCAL_WORLD_SIZE; 1 and 1 for a process no launcher started); None: not
+    known, not checked. verl's scripts set both keys and launch through Ray, which starts
+    what they say; here the launcher does (launch/torchrun.sh reads the keys too)."""
+    nnodes, per_node = trainer.nnodes, trainer.n_gpus_per_node
+    if world_size is None or local_world_size is None:
+        return
+    if per_node != local_world_size or nnodes * per_node != world_size:
+        raise ConfigError(
+            f"trainer.nnodes x trainer.n_gpus_per_node is {nnodes} x {per_node} processes, "
+            f"but {world_size} run, {local_world_size} on this node (torchrun's WORLD_SIZE and "
+            "LOCAL_WORLD_SIZE; 1 and 1 when no launcher started rlhf-train): launch it with "
+            "launch/torchrun.sh, which starts what the keys say, or set them to the launch"
+        )
+
+
 def _role_section(role: str, cfg: RLHFConfig) -> tuple[ActorConfig | CriticConfig, str]:
     """The trained model's config section ('actor' or 'critic') and its dotted prefix."""
     if role == "actor":
@@ -416,15 +434,20 @@ def _check_misc(cfg: RLHFConfig) -> None:
 
 
 def validate_config(
-    cfg: RLHFConfig, world_size: int | None = None, shape: ModelShape | None = None
+    cfg: RLHFConfig,
+    world_size: int | None = None,
+    shape: ModelShape | None = None,
+    local_world_size: int | None = None,
 ) -> ParallelLayout:
     """Check every cross-field rule; return the parallel layout all three models share.
 
     `world_size` is the number of launched processes when known (torchrun); otherwise the
     planned `trainer.nnodes x trainer.n_gpus_per_node` is used. `shape` (the policy's
-    architecture) enables the rules on attention heads and layers.
+    architecture) enables the rules on attention heads and layers. `local_world_size`, the
+    processes launched on this node, checks `trainer.n_gpus_per_node` (`check_launch`).
     """
     check_algorithm(cfg)
+    check_launch(cfg.trainer, world_size, local_world_size)
     world = checked_world_size(cfg.trainer, world_size)
     actor = parallel_layout("actor", cfg, world)
     _check_batches("actor", cfg, actor)
