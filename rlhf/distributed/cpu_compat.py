@@ -42,7 +42,7 @@ router's own torch.mm path.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -255,6 +255,21 @@ def apply_cpu_compat() -> bool:
     _backward_functions_in_mode(_MODE)
     _APPLIED = True
     return True
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Inside: CUDA device requests reach torch as they are (the CPU mode is off), for code
+    that only decides about CUDA devices on fake or meta tensors (tests of GPU decisions in
+    a process where a CPU model ran before). Nothing else of the layer changes."""
+    if not _APPLIED or _STACKED:
+        yield
+        return
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    assert _get_current_function_mode() is _MODE, "the CPU mode is not the innermost mode"
+    with _pop_mode_temporarily():
+        yield
 
 
 @contextlib.contextmanager

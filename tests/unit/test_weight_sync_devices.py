@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rlhf.config.placement import server_gpus
 from rlhf.config.schema import RolloutConfig
+from rlhf.distributed import cpu_compat
 from rlhf.distributed.context import ParallelContext, backend_for, rank_device
 from rlhf.models.families import ModelArch
 from rlhf.weight_sync import gather, transports
@@ -25,6 +26,17 @@ from rlhf.weight_sync.handle_plan import HandlePlan, HandleSource, handle_source
 from rlhf.weight_sync.transports import TensorTransport
 
 ARCH = ModelArch("qwen2", 100, 64, 128, 2, 4, 2, 16, 1e-6, 1e4, 256, False)
+
+
+@pytest.fixture(autouse=True)
+def cuda_devices_as_asked():
+    """These tests decide about CUDA devices with fake tensors: the CPU compatibility layer,
+    installed for good by any earlier test of this process that ran a model on the CPU,
+    would turn them into CPU tensors."""
+    with cpu_compat.paused():
+        yield
+
+
 CPU = torch.device("cpu")
 PP_GROUP = object()  # Megatron's pipeline group, as the recorded calls see it
 

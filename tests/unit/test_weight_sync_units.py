@@ -176,6 +176,10 @@ def test_the_senders_expert_parallel_ranks_take_part(per_node, takes_part):
     assert [r for r, t in enumerate(topologies) if t.is_sender] == takes_part[::2]
 
 
-def test_a_node_without_whole_expert_groups_cannot_sync_its_own_servers():
-    with pytest.raises(ValueError, match="EP 4 does not divide the 2 processes per node"):
-        SyncTopology.of(expert_rank(0, 4, 2, 4), per_node=True)
+def test_a_node_without_whole_expert_groups_syncs_its_servers_with_every_rank():
+    """EP 4 over nodes of 2 processes: no node holds every expert, so every rank takes part
+    in its node's sync (the experts all-gathered over EP) and each node's first rank sends
+    (it was refused)."""
+    topologies = [SyncTopology.of(expert_rank(r, 4, 2, 4), per_node=True) for r in range(4)]
+    assert all(t.everywhere and t.in_sync_experts for t in topologies)
+    assert [t.is_sender for t in topologies] == [True, False, True, False]
