@@ -16,33 +16,66 @@
 #   GPUS_PER_NODE  processes on this node [GPUs listed by nvidia-smi, or 1 without GPUs]
 #   PYTHON         interpreter [the active environment's python]
 #
-# The launcher's sizes win over the config file: trainer.nnodes=$NNODES and
-# trainer.n_gpus_per_node=$GPUS_PER_NODE are appended to the overrides (set the environment
-# variables, not these keys, on the command line). The resolved command is printed first (on
-# stderr); --dry-run prints it on stdout and exits. Check a node first with `rlhf-doctor --config ...`.
+# The launch's sizes win over the config file: trainer.nnodes=$NNODES and
+# trainer.n_gpus_per_node=$GPUS_PER_NODE are appended to the overrides. Those two keys on
+# the command line (as verl's scripts set them) set the sizes NNODES / GPUS_PER_NODE leave
+# unset (GPUS_PER_NODE not above the GPUs nvidia-smi lists); where both are given they must
+# agree, or nothing starts. The resolved command is printed first (on stderr); --dry-run
+# prints it on stdout and exits. Check a node first with `rlhf-doctor --config ...`.
 set -euo pipefail
+
+refuse() {  # one line on stderr, exit 2
+    echo "torchrun.sh: $*" >&2
+    exit 2
+}
+
+# The size a trainer.nnodes / trainer.n_gpus_per_node override ($1) gives the launch
+# variable named $2 (NNODES / GPUS_PER_NODE): it sets it when unset, else must equal it.
+size_override() {
+    local value="${1#*=}"
+    [[ "$value" =~ ^[1-9][0-9]*$ ]] || refuse "$1: not a whole number >= 1"
+    if [[ -n "${!2:-}" && "${!2}" != "$value" ]]; then
+        refuse "$1 disagrees with $2=${!2}; set one of them, or both alike"
+    fi
+    printf -v "$2" '%s' "$value"
+}
 
 dry_run=0
 options=()
 overrides=()
+nnodes_key=""
+gpus_key=""
 while (($#)); do
     case "$1" in
         --dry-run) dry_run=1 ;;
         -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         --config)
-            (($# >= 2)) || { echo "torchrun.sh: --config needs a file" >&2; exit 2; }
+            (($# >= 2)) || refuse "--config needs a file"
             options+=("$1" "$2")
             shift
             ;;
         -*) options+=("$1") ;;
-        trainer.nnodes=* | trainer.n_gpus_per_node=*)
-            echo "torchrun.sh: set NNODES / GPUS_PER_NODE instead of '$1'" >&2
-            exit 2
+        trainer.nnodes=* | +trainer.nnodes=* | ++trainer.nnodes=*)
+            nnodes_key="$1"  # the last one counts, as for any key
+            ;;
+        trainer.n_gpus_per_node=* | +trainer.n_gpus_per_node=* | ++trainer.n_gpus_per_node=*)
+            gpus_key="$1"
             ;;
         *) overrides+=("$1") ;;
     esac
     shift
 done
+if [[ -n "$nnodes_key" ]]; then size_override "$nnodes_key" NNODES; fi
+if [[ -n "$gpus_key" ]]; then
+    detected=0
+    if [[ -z "${GPUS_PER_NODE:-}" ]] && command -v nvidia-smi >/dev/null 2>&1; then
+        detected="$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)"
+    fi
+    size_override "$gpus_key" GPUS_PER_NODE
+    if ((detected > 0 && GPUS_PER_NODE > detected)); then
+        refuse "$gpus_key, but nvidia-smi lists $detected GPUs on this node"
+    fi
+fi
 
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"

@@ -67,7 +67,7 @@ def test_torchrun_dry_run_assembles_the_command():
     assert result.stdout.strip() == expected
 
 
-def test_torchrun_defaults_and_refuses_size_overrides():
+def test_torchrun_defaults():
     env = _env(GPUS_PER_NODE="1")
     for key in ("NNODES", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -75,9 +75,104 @@ def test_torchrun_defaults_and_refuses_size_overrides():
     assert "--nnodes 1 --node-rank 0 --nproc-per-node 1 --master-addr 127.0.0.1" in result.stdout
     assert "--master-port 29500" in result.stdout
 
-    refused = _run(["bash", "launch/torchrun.sh", "trainer.n_gpus_per_node=8"], env)
-    assert refused.returncode == 2
-    assert "set NNODES / GPUS_PER_NODE" in refused.stderr
+
+def _gpu_node(tmp_path: Path, num_gpus: int, **extra: str) -> dict[str, str]:
+    """The environment of a node whose nvidia-smi (a stand-in) lists `num_gpus` GPUs, with
+    neither NNODES nor GPUS_PER_NODE set unless `extra` sets them."""
+    nvidia_smi = tmp_path / "bin" / "nvidia-smi"
+    nvidia_smi.parent.mkdir(exist_ok=True)
+    gpus = "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(num_gpus))
+    nvidia_smi.write_text(f"#!/usr/bin/env bash\n{gpus}")
+    nvidia_smi.chmod(0o755)
+    env = _env(PATH=f"{nvidia_smi.parent}{os.pathsep}{os.environ['PATH']}")
+    for key in ("NNODES", "GPUS_PER_NODE"):
+        env.pop(key, None)
+    return {**env, **extra}
+
+
+@pytest.mark.parametrize(
+    "extra, keys, launched",
+    [
+        ({}, ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"], (2, 4)),  # they set the sizes
+        ({"NNODES": "2", "GPUS_PER_NODE": "4"}, ["trainer.nnodes=2"], (2, 4)),  # agree
+        ({}, ["trainer.nnodes=3", "data.seed=1", "trainer.nnodes=2"], (2, 8)),  # the last counts
+        ({}, [], (1, 8)),  # without them: one node, every GPU nvidia-smi lists
+    ],
+)
+def test_torchrun_takes_verls_size_keys(tmp_path, extra, keys, launched):
+    """verl's scripts set trainer.nnodes and trainer.n_gpus_per_node: they set the launch's
+    sizes (GPUS_PER_NODE at most the GPUs nvidia-smi lists), and the trainer is told them
+    once, last."""
+    env = _gpu_node(tmp_path, 8, **extra)
+    result = _run(["bash", "launch/torchrun.sh", "--dry-run", "--config", QUICKSTART, *keys], env)
+    assert result.returncode == 0, result.stderr
+    nnodes, gpus = launched
+    words = shlex.split(result.stdout)
+    assert words[words.index("--nnodes") + 1] == str(nnodes)
+    assert words[words.index("--nproc-per-node") + 1] == str(gpus)
+    told = [w for w in words if w.startswith(("trainer.nnodes=", "trainer.n_gpus_per_node="))]
+    assert told == [f"trainer.nnodes={nnodes}", f"trainer.n_gpus_per_node={gpus}"]
+    assert words[-2:] == told
+
+
+@pytest.mark.parametrize(
+    "extra, key, message",
+    [
+        ({"GPUS_PER_NODE": "4"}, "trainer.n_gpus_per_node=8", " disagrees with GPUS_PER_NODE=4"),
+        ({"NNODES": "1"}, "trainer.nnodes=2", " disagrees with NNODES=1"),
+        ({}, "trainer.n_gpus_per_node=16", ", but nvidia-smi lists 8 GPUs on this node"),
+        ({}, "trainer.nnodes=0", ": not a whole number >= 1"),
+        ({}, "trainer.n_gpus_per_node=two", ": not a whole number >= 1"),
+    ],
+)
+def test_torchrun_refuses_sizes_that_disagree_in_one_line(tmp_path, extra, key, message):
+    env = _gpu_node(tmp_path, 8, **extra)
+    result = _run(["bash", "launch/torchrun.sh", "--dry-run", "--config", QUICKSTART, key], env)
+    assert result.returncode == 2
+    if "disagrees" in message:
+        message += "; set one of them, or both alike"
+    assert result.stderr.splitlines() == [f"torchrun.sh: {key}{message}"]
+
+
+def test_the_trainer_checks_the_size_keys_against_the_launched_processes(monkeypatch, capsys):
+    """Under any launcher (torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE): 2 x 1 on one node of
+    2 processes has the right total and the wrong nodes; 1 x 2 is what was launched."""
+    from rlhf.cli import train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    argv = ["--config", str(REPO / QUICKSTART), "--print-config"]
+    assert train.main([*argv, "trainer.nnodes=2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "rlhf-train: config error: trainer.nnodes x trainer.n_gpus_per_node is 2 x 1 "
+        "processes, but 2 run, 2 on this node (torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE; 1 "
+        "and 1 when no launcher started rlhf-train): launch it with launch/torchrun.sh, which "
+        "starts what the keys say, or set them to the launch"
+    ]
+    assert train.main([*argv, "trainer.n_gpus_per_node=2"]) == 0
+
+
+def test_a_verl_size_without_a_launcher_says_to_launch(tiny_qwen2_dir, tmp_path, capsys):
+    """A verl script's trainer.n_gpus_per_node with a plain `rlhf-train` (verl's own entry
+    point launches its workers): one process runs, and the line says how to start them."""
+    from rlhf.cli import train
+
+    argv = ["--config", str(REPO / QUICKSTART), "trainer.n_gpus_per_node=2"]
+    argv += [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"]
+    argv += [f"trainer.default_local_dir={tmp_path}"]
+    assert "WORLD_SIZE" not in os.environ
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("rlhf-train")]
+    assert "Traceback" not in err
+    assert line.startswith(
+        "rlhf-train: error: trainer.nnodes x trainer.n_gpus_per_node is 1 x 2 processes, "
+        "but 1 run, 1 on this node (torchrun's"
+    )
+    assert line.endswith(
+        "launch it with launch/torchrun.sh, which starts what the keys say, or set them to "
+        "the launch"
+    )
 
 
 def test_torchrun_really_runs_print_config():
@@ -119,6 +214,40 @@ def test_slurm_batch_launches_one_torchrun_per_node(fake_slurm):
         )
         assert line.endswith("data.seed=3 trainer.nnodes=2 trainer.n_gpus_per_node=4")
         assert "weight_sync_master_address" not in line  # servers launched by the run
+
+
+def test_slurm_batch_checks_verls_size_keys_against_the_job(fake_slurm):
+    """trainer.nnodes / trainer.n_gpus_per_node that agree with the job pass; one that does
+    not is one line before any srun."""
+    env = _env(
+        PATH=f"{fake_slurm}{os.pathsep}{os.environ['PATH']}",
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_JOB_NODELIST="gpu-a,gpu-b",
+        SLURM_NNODES="2",
+        SLURM_GPUS_PER_NODE="h100:4",
+    )
+    env.pop("GPUS_PER_NODE", None)
+    argv = ["bash", "launch/slurm.sbatch", "--dry-run", "--config", QUICKSTART]
+    sizes = ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"]
+    result = _run([*argv, *sizes], env)
+    assert result.returncode == 0, result.stderr
+    lines = [shlex.split(line) for line in result.stdout.strip().splitlines()]
+    assert len(lines) == 2
+    for words in lines:
+        assert words[words.index("--nnodes") + 1] == "2"
+        assert words[words.index("--nproc-per-node") + 1] == "4"
+        assert words[-2:] == sizes and words.count(sizes[0]) == 1
+    (fake_slurm / "srun.log").unlink()
+    for key, what in (
+        ("trainer.nnodes=4", "the job's 2 nodes (sbatch --nodes)"),
+        ("trainer.n_gpus_per_node=8", "GPUS_PER_NODE=4 (sbatch --gpus-per-node)"),
+    ):
+        refused = _run([*argv, key], env)
+        assert refused.returncode == 2
+        assert refused.stderr.splitlines() == [
+            f"slurm.sbatch: {key} disagrees with {what}; set one of them, or both alike"
+        ]
+        assert not (fake_slurm / "srun.log").exists()
 
 
 def test_slurm_batch_gives_external_servers_the_first_node_to_sync_with(fake_slurm):
@@ -234,6 +363,12 @@ def test_a_requeued_job_resumes_and_overrides_win(fake_slurm):
         ([f"{AR}.server_urls=[http://x:1]"], ["n0", "n1"], "this recipe starts the servers"),
         ([], ["n0"], "1 node(s) cannot hold SERVER_NODES=1"),
         (["trainer.no_such_key=1"], ["n0", "n1"], "config error: "),
+        (
+            ["trainer.nnodes=3"],
+            ["n0", "n1", "n2"],
+            "slurm_disaggregated.sbatch: trainer.nnodes=3 disagrees with the job's 2 trainer "
+            "nodes (its nodes less SERVER_NODES); set one of them, or both alike",
+        ),
     ],
 )
 def test_disaggregated_refuses_before_starting_anything(fake_slurm, argv, nodes, message):
