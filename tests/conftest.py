@@ -65,3 +65,15 @@ def sglang_server(tiny_qwen2_dir, tmp_path_factory):
     with SGLangServer(launch, log).start() as server:
         server.wait_healthy(300)
         yield server
+
+
+@pytest.fixture(scope="module")
+def cpu_rank():
+    """A one-rank gloo world with Megatron's parallel state, seeded 0, for a test module
+    that runs models in its own process (torn down after the module)."""
+    from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
+
+    context = init_parallel("cpu")
+    seed_everything(0)
+    yield context
+    teardown()

@@ -26,13 +26,8 @@ STATE = ("params", "grads", "optimizer")
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
-
-    context = init_parallel("cpu")
-    seed_everything(0)
-    yield context
-    teardown()
+def ctx(cpu_rank):
+    return cpu_rank
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,8 @@ PAD = 0
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    """A 1-rank gloo world with Megatron's parallel state."""
-    from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
-
-    context = init_parallel("cpu")
-    seed_everything(0)
-    yield context
-    teardown()
+def ctx(cpu_rank):
+    return cpu_rank
 
 
 @pytest.fixture(scope="module")
