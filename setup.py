@@ -38,8 +38,10 @@ setup(
         "aiohttp",
         "math-verify",
         "pyseccomp",
+        "omegaconf==2.4.0",
     ],
     extras_require={
+        "ray": ["ray==2.60.0"],
         "gpu": requirement_names("requirements/gpu.txt"),
         "dev": [
             "pytest",
