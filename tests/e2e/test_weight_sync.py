@@ -92,17 +92,16 @@ def test_sync_makes_sglang_match_exported_weights(
 
 
 @pytest.mark.slow(reason="starts an SGLang server twice (the restart)")
-@pytest.mark.parametrize("transport", ["tensor", "disk"])
-def test_restarted_server_gets_the_synced_weights_back(tiny_qwen2_dir, tmp_path, transport):
+def test_restarted_server_gets_the_synced_weights_back(tiny_qwen2_dir, tmp_path):
     """Killed after the sync of version 7, the server is restarted by the next call and
-    reloaded: the tensor transport from its disk snapshot, the disk transport from its own
-    directory of version 7 (the distributed transport: tests/e2e/test_reliability.py)."""
-    args = ["--hf-dir", str(tiny_qwen2_dir), "--out-dir", str(tmp_path), "--transport", transport]
+    reloaded from the tensor transport's disk snapshot (the disk transport's own directory
+    is read by the same `DiskTransport.load_into`; the distributed transport:
+    tests/e2e/test_reliability.py)."""
+    args = ["--hf-dir", str(tiny_qwen2_dir), "--out-dir", str(tmp_path)]
     run_torchrun("weight_sync_restart.py", 1, args)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["samples"] == 4
     assert report["before"] < 1e-3 and report["after"] < 1e-3, report
     assert report["version"] == "7"
     assert list(report["restarts"].values()) == [1], report
-    synced = "weights_snapshot" if transport == "tensor" else "weights"
-    assert (tmp_path / synced / "v000007" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "weights_snapshot" / "v000007" / "model.safetensors.index.json").is_file()

@@ -1,7 +1,7 @@
 """Worker (1 rank): load perturbed weights into a launched server through its owner
 (`PolicyServers`), kill the server mid-run, and check that the restarted server gets the
-loaded weights back (the owner's restart hook reloads the snapshot: under the disk
-transport, its own last version directory)."""
+loaded weights back (the owner's restart hook reloads the tensor transport's snapshot,
+written by the disk transport's code: its own last version directory under that transport)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--transport", default="tensor", choices=["tensor", "disk"])
     args = parser.parse_args()
     out = Path(args.out_dir)
     ctx = bootstrap.init_parallel("cpu")
@@ -42,7 +41,7 @@ def main() -> None:
         dtype="float32",
         max_server_restarts=1,
         retry_backoff_s=0.5,
-        weight_sync_transport=args.transport,
+        weight_sync_transport="tensor",
     )
     with SGLangEngine(
         rollout, args.hf_dir, log_dir=out / "logs", device="cpu", max_total_tokens=2048
