@@ -1,6 +1,7 @@
 """`rlhf-train` / `python -m rlhf.cli.train`: load and check the config, bootstrap, run.
 
     rlhf-train --config configs/quickstart_cpu.yaml [key=value ...] [--print-config]
+    rlhf-train --config-path DIR --config-name NAME [key=value ...]   (Hydra's, as verl's scripts)
 
 Works as a single process or under torchrun. Config errors print one line and exit 2.
 """
@@ -20,7 +21,8 @@ from typing import Any, NoReturn
 from rlhf.checkpoint.background import CheckpointWriterError
 from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock, RunDirUnusable
 from rlhf.checkpoint.storage import CheckpointStorageError
-from rlhf.config import ConfigError, RLHFConfig, dump_yaml, load_config, validate_config
+from rlhf.config import ConfigError, RLHFConfig, dump_yaml, validate_config
+from rlhf.config.hydra_load import load_with_notes
 from rlhf.config.validate import config_notes
 from rlhf.data.parquet import DataError
 from rlhf.models.hf_io import CheckpointFileError
@@ -54,21 +56,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--config", help="YAML run config (see configs/)")
     parser.add_argument(
-        "--print-config", action="store_true", help="print the resolved config as YAML and exit"
+        "--config-path",
+        "--config-dir",
+        dest="config_path",
+        help="directory of Hydra configs (with --config-name; verl's scripts pass it)",
+    )
+    parser.add_argument("--config-name", help="Hydra config in --config-path, composed")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as YAML (then the ignored keys, as comments) and exit",
     )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.seed=3")
     return parser.parse_intermixed_args(argv)  # overrides before and after the options
 
 
+VERL_TRAINER_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")
+
+
+def load(args: argparse.Namespace) -> Any:
+    """The config and its ignored keys (`rlhf.config.loader.Loaded`): `--config`, or Hydra's
+    `--config-path/--config-name`. verl's trainer configs, when the directory does not hold
+    them (verl's scripts name verl's package directory), are this system's defaults."""
+    if args.config_name is None:
+        if args.config_path is not None:
+            raise ConfigError("--config-path needs --config-name (the config to compose)")
+        return load_with_notes(args.config, args.overrides)
+    if args.config is not None:
+        raise ConfigError("give --config FILE or --config-path/--config-name, not both")
+    root, name = Path(args.config_path or "."), args.config_name.removesuffix(".yaml")
+    if (root / f"{name}.yaml").is_file():
+        return load_with_notes(None, args.overrides, config_dir=root, config_name=name)
+    if name in VERL_TRAINER_CONFIGS:
+        log.info("%s not found: this system's defaults stand in for verl's", root / f"{name}.yaml")
+        return load_with_notes(None, args.overrides)
+    raise ConfigError(f"config file {root / name}.yaml does not exist (--config-name {name})")
+
+
 def resolve(args: argparse.Namespace) -> RLHFConfig:
     """Load + validate (and load the multi-turn tools, which the config layer cannot); the
     world size comes from torchrun when launched by it."""
+    return _resolve(args)[0]
+
+
+def _resolve(args: argparse.Namespace) -> tuple[RLHFConfig, list[str]]:
     from rlhf.distributed.bootstrap import launched_local_world_size, launched_world_size
 
-    cfg = load_config(args.config, args.overrides)
+    loaded = load(args)
+    cfg = loaded.config
     validate_config(cfg, launched_world_size(), local_world_size=launched_local_world_size())
     load_configured_tools(cfg)
-    return cfg
+    return cfg, loaded.ignored
 
 
 def run(cfg: RLHFConfig) -> Path:
@@ -153,13 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
-        cfg = resolve(args)
+        cfg, ignored = _resolve(args)
     except ConfigError as e:
         print(f"rlhf-train: config error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
         sys.stdout.write(dump_yaml(cfg))
+        sys.stdout.write("".join(f"# ignored: {line}\n" for line in ignored))
         return 0
+    for line in ignored:
+        log.warning("config: ignored: %s", line)
     try:
         run(cfg)
     except USER_ERRORS as e:

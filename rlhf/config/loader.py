@@ -332,6 +332,20 @@ def load_config(
     key given twice are refused, as are a directory and a file that is not UTF-8 text.
 
     `schema`: the config tree (`RLHFConfig` for rlhf-train; rlhf-train-rm has its own,
+    `rlhf.config.reward_training`); verl's key names are translated for `RLHFConfig` only.
+    A Hydra file (a `defaults:` list) is composed by `rlhf.config.hydra_load.load_with_notes`."""
+    return _load_plain(path, overrides, schema)
+
+
+def _load_plain(
+    path: str | Path | None = None, overrides: list[str] | None = None, schema: type = RLHFConfig
+) -> Any:
+    """Read YAML `path` (optional), apply `key=value` overrides, type-check and validate ranges.
+
+    The file is read strictly (`rlhf.config.yaml_file.read_yaml`): anchors, aliases and a
+    key given twice are refused, as are a directory and a file that is not UTF-8 text.
+
+    `schema`: the config tree (`RLHFConfig` for rlhf-train; rlhf-train-rm has its own,
     `rlhf.config.reward_training`); verl's key names are translated for `RLHFConfig` only."""
     tree: dict = {}
     if path is not None:

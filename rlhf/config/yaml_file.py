@@ -64,9 +64,9 @@ def _check_unique_keys(loader: StrictLoader, node: yaml.MappingNode) -> None:
         first_line[key] = line
 
 
-def load_text(text: str) -> Any:
-    """`text` parsed by `StrictLoader` (raises `yaml.YAMLError`)."""
-    return yaml.load(text, Loader=StrictLoader)
+def load_text(text: str, loader: type[StrictLoader] = StrictLoader) -> Any:
+    """`text` parsed by `loader`, `StrictLoader` or a subclass (raises `yaml.YAMLError`)."""
+    return yaml.load(text, Loader=loader)
 
 
 def one_line(error: yaml.YAMLError) -> str:
@@ -80,7 +80,7 @@ def one_line(error: yaml.YAMLError) -> str:
     return "not valid YAML: " + " ".join(str(error).split())
 
 
-def read_yaml(path: str | Path, what: str) -> Any:
+def read_yaml(path: str | Path, what: str, loader: type[StrictLoader] = StrictLoader) -> Any:
     """The document of the YAML file `path`, read with `StrictLoader`.
 
     `what` names the file in errors ("config file", "tool config"): FileNotFoundError when
@@ -105,7 +105,7 @@ def read_yaml(path: str | Path, what: str) -> Any:
     if "\x00" in text:
         raise ValueError(f"{what} {path}: a binary file (NUL bytes), not YAML")
     try:
-        return load_text(text)
+        return load_text(text, loader)
     except yaml.YAMLError as e:
         raise ValueError(f"{what} {path}: {one_line(e)}") from None
     except RecursionError:
