@@ -59,6 +59,7 @@ setup(
     entry_points={
         "console_scripts": [
             "rlhf-train=rlhf.cli.train:entry",
+            "rlhf-ray-train=rlhf.cli.ray_train:entry",
             "rlhf-train-rm=rlhf.cli.train_rm:entry",
             "rlhf-convert=rlhf.cli.convert:main",
             "rlhf-eval=rlhf.cli.eval:main",
