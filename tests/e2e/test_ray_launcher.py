@@ -62,6 +62,7 @@ def launcher_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("rlhf-ray-train:")]
 
 
+@pytest.mark.slow(reason="a Ray cluster and two trainer processes that import torch and Megatron")
 def test_a_failing_rank_is_named_in_one_line(ray_address, tiny_qwen2_dir, data, tmp_path):
     run_dir = tmp_path / "run"
     args = ppo_overrides(tiny_qwen2_dir, data, run_dir, 2)
