@@ -361,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
+    except ConnectionError as e:  # ray.init: no cluster at --address / RAY_ADDRESS
+        print(f"{PROG}: cannot reach the Ray cluster: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
 
 
 def entry() -> None:
