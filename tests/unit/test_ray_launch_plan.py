@@ -137,9 +137,11 @@ def run(ranks, grace_s=10.0, signals=()):
 
     supervisor = Supervisor(ranks, grace_s, clock=lambda: now[0])
     supervisor.signals.extend(signals)
-    while supervisor.step():
+    for _ in range(1000):
+        if not supervisor.step():
+            return supervisor
         sleep(1.0)
-    return supervisor
+    raise AssertionError(f"ranks {sorted(supervisor.pending)} never ended")
 
 
 def test_the_first_failure_stops_the_others_and_is_the_exit_code():
