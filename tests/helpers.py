@@ -22,6 +22,16 @@ from tests.rank_launcher import launch_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "distributed" / "workers"
+# What the schema's defaults were before they became verl's (docs/from-verl.md): tests that
+# build a config from the defaults and measured their values with these keep them
+SEED_DEFAULTS = [
+    "algorithm.kl_ctrl.type=adaptive",
+    "algorithm.use_kl_in_reward=null",
+    "actor_rollout_ref.rollout.n=2",
+    "data.max_response_length=32",
+    "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+    "trainer.early_stop.rollback_val_ratio=0.9",
+]
 
 
 def torchrun_command(nproc: int, port: int) -> list[str]:

@@ -22,7 +22,8 @@ from rlhf.checkpoint.background import CheckpointWriterError
 from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock, RunDirUnusable
 from rlhf.checkpoint.storage import CheckpointStorageError
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, validate_config
-from rlhf.config.hydra_load import load_with_notes
+from rlhf.config.compose import VERL_TRAINER_CONFIGS
+from rlhf.config.hydra_load import grouped, load_with_notes
 from rlhf.config.validate import config_notes
 from rlhf.data.parquet import DataError
 from rlhf.models.hf_io import CheckpointFileError
@@ -69,9 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.seed=3")
     return parser.parse_intermixed_args(argv)  # overrides before and after the options
-
-
-VERL_TRAINER_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")
 
 
 def load(args: argparse.Namespace) -> Any:
@@ -197,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.print_config:
         sys.stdout.write(dump_yaml(cfg))
-        sys.stdout.write("".join(f"# ignored: {line}\n" for line in ignored))
+        sys.stdout.write("".join(f"# ignored: {line}\n" for line in grouped(ignored)))
         return 0
-    for line in ignored:
+    for line in grouped(ignored):
         log.warning("config: ignored: %s", line)
     try:
         run(cfg)

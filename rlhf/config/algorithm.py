@@ -18,7 +18,7 @@ from rlhf.config.fields import doc
 class KLControlConfig:
     """Coefficient of the KL penalty in the reward (Ziegler et al. 2019)."""
 
-    type: KLControlType = doc("adaptive", "fixed coefficient or adaptive controller")
+    type: KLControlType = doc("fixed", "fixed coefficient or adaptive controller")
     kl_coef: float = doc(0.001, "initial (or fixed) KL coefficient beta", ge=0)
     target_kl: float = doc(0.1, "adaptive: KL the controller steers towards", gt=0)
     horizon: int = doc(10000, "adaptive: steps over which the error is corrected", gt=0)
@@ -70,10 +70,9 @@ class AlgorithmConfig:
     gamma: float = doc(1.0, "discount", ge=0, le=1)
     lam: float = doc(1.0, "GAE lambda", ge=0, le=1)
     use_kl_in_reward: bool | None = doc(
-        None,
+        False,
         "subtract kl_coef x KL(actor || ref) from the rewards (kl_ctrl sets kl_coef); null: on "
-        "unless actor.use_kl_loss is (a verl GRPO command line sets the KL loss and leaves "
-        "this out: the KL then counts once)",
+        "unless actor.use_kl_loss is",
     )
     kl_penalty: KLEstimator = doc("kl", "per-token KL estimator used in the reward")
     kl_ctrl: KLControlConfig = doc(KLControlConfig, "KL penalty controller")

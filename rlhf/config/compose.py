@@ -77,6 +77,13 @@ class Composition:
     origin: dict[str, str] = field(default_factory=dict)
     choices: dict[str, Any] = field(default_factory=dict)  # group key -> option (command line)
     used: set[str] = field(default_factory=set)  # the choice keys some entry matched
+    stand_ins: list[str] = field(default_factory=list)  # verl trainer configs not found
+    verl_files: set[str] = field(default_factory=set)  # verl's trainer configs and includes
+
+
+# verl's trainer configs, which its example configs include from verl's package: where no
+# directory of the search path holds them, this system's defaults stand in (verl's defaults)
+VERL_TRAINER_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")
 
 
 def parse_entry(item: Any, where: Path) -> Entry:
@@ -143,12 +150,20 @@ class Composer:
 
     def __init__(self, root: Path, choices: dict[str, Any] | None = None):
         self.root = root
+        self.search = [root]  # then the primary config's hydra.searchpath (file:// entries)
+        self._in_verl = False  # loading verl's trainer config or a file it includes
         self.result = Composition(choices=dict(choices or {}))
 
     def compose(self, name: str) -> Composition:
         primary = self.root / (name if name.endswith(".yaml") else name + ".yaml")
         if not primary.is_file():
             raise ComposeError(f"config file {primary} does not exist")
+        top = read_yaml(primary, "config file", HydraLoader)
+        hydra = top.get("hydra") if isinstance(top, dict) else None
+        paths = hydra.get("searchpath", []) if isinstance(hydra, dict) else []
+        for item in paths if isinstance(paths, list) else []:
+            if isinstance(item, str) and item.startswith("file://"):  # pkg:// is a package's
+                self.search.append(Path(item.removeprefix("file://")))
         self._load(primary, "", "", None, "")
         unused = sorted(set(self.result.choices) - self.result.used)
         if unused:
@@ -159,6 +174,11 @@ class Composer:
         return self.result
 
     def _file_of(self, rel: str) -> Path:
+        """`rel`'s file in the first directory of the search path holding it (else the
+        root's, which does not exist)."""
+        for root in self.search:
+            if (root / f"{rel}.yaml").is_file():
+                return root / f"{rel}.yaml"
         return self.root / f"{rel}.yaml"
 
     def _load(self, path: Path, here: str, parent: str, own: str | None, default: str) -> None:
@@ -166,6 +186,18 @@ class Composer:
         package: at `own` (the entry's `@pkg`), else its `# @package` header, else `default`."""
         data = read_yaml(path, "config file", HydraLoader)
         data = {} if data is None else data
+        verl = self._in_verl or path.stem in VERL_TRAINER_CONFIGS
+        if verl:
+            self.result.verl_files.add(str(path))
+        outer, self._in_verl = self._in_verl, verl
+        try:
+            self._load_entries(data, path, here, parent, own, default)
+        finally:
+            self._in_verl = outer
+
+    def _load_entries(
+        self, data: Any, path: Path, here: str, parent: str, own: str | None, default: str
+    ) -> None:
         if not isinstance(data, dict):
             raise ComposeError(f"config file {path}: top level must be a mapping")
         header = _header_package(path)
@@ -176,7 +208,7 @@ class Composer:
             raise ComposeError(f"config file {path}: 'defaults' must be a list")
         entries = [parse_entry(item, path) for item in defaults]
         for e in entries:  # `override group: option` changes an entry loaded below
-            if e.override:
+            if e.override and e.group is not None:
                 self.result.choices.setdefault(_group_path(e.group, here), e.name)
         entries = [e for e in entries if not e.override]
         if not any(e.is_self for e in entries):
@@ -192,6 +224,9 @@ class Composer:
     def _config_entry(self, entry: Entry, path: Path, here: str, package: str) -> None:
         rel = _group_path(entry.name, here)
         file = self._file_of(rel)
+        if not file.is_file() and rel in VERL_TRAINER_CONFIGS:
+            self.result.stand_ins.append(rel)
+            return
         if not file.is_file():
             raise ComposeError(
                 f"{path}: defaults entry '{entry.name}': config file {file} does not exist"
@@ -209,6 +244,7 @@ class Composer:
         return entry.name
 
     def _group_entry(self, entry: Entry, path: Path, here: str, package: str) -> None:
+        assert entry.group is not None  # a group entry
         absolute = _group_path(entry.group, here)
         own = entry.package if entry.package is not None else absolute.replace("/", ".")
         option = self._choice(entry, absolute, _join(package, own.replace("_group_", absolute)))
@@ -230,7 +266,9 @@ class Composer:
         for part in reversed(package.split(".") if package else []):
             node = {part: node}
         try:
-            self.result.tree = OmegaConf.merge(self.result.tree, OmegaConf.create(node))
+            merged = OmegaConf.merge(self.result.tree, OmegaConf.create(node))
+            assert isinstance(merged, DictConfig)  # two mappings merge into one
+            self.result.tree = merged
         except Exception as e:  # OmegaConf's errors are several lines
             raise ComposeError(f"config file {path}: {' '.join(str(e).split())}") from None
         for leaf in leaves(data, package):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlhf.config.compose import ComposeError, compose, leaves
+from rlhf.config.inherit import CRITIC_FROM_ACTOR, inherit
 from rlhf.config.loader import (
     ConfigError,
-    _load_plain,
     _OverrideText,
     _parse_as,
     _resolve_references,
@@ -35,7 +36,9 @@ from rlhf.config.loader import (
     all_keys,
     build,
     default_of,
+    load_config,
     mapping_keys,
+    resolve_unset,
 )
 from rlhf.config.schema import RLHFConfig
 from rlhf.config.tree import MISSING, get, pop, put
@@ -71,7 +74,7 @@ def load_with_notes(
             if isinstance(top, dict) and ("defaults" in top or "hydra" in top):
                 config_dir, config_name = Path(path).parent, Path(path).name
     if config_name is None:
-        return Loaded(_load_plain(path, overrides, schema), [])
+        return Loaded(load_config(path, overrides, schema), [])
     cfg, ignored = load_composed(Path(config_dir or "."), config_name, overrides or [], schema)
     _resolve_references(cfg)
     return Loaded(cfg, ignored)
@@ -153,11 +156,13 @@ def _apply(tree: dict, values: list[tuple], known: _Known, origin: dict, where: 
 def _resolve(tree: dict, origin: dict, where: str) -> dict:
     """OmegaConf's interpolations resolved, each error one line naming the key and file."""
     try:
-        return OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
+        resolved = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", "") or "the config"
         message = " ".join(str(e).splitlines()[0].split())
         raise ConfigError(f"{key}: {message} (from {origin.get(key, where)})") from None
+    assert isinstance(resolved, dict)  # a mapping stays one
+    return resolved
 
 
 def load_composed(
@@ -172,7 +177,13 @@ def load_composed(
         raise ConfigError(str(e)) from None
     where = str(root / (name if name.endswith(".yaml") else name + ".yaml"))
     files = OmegaConf.to_container(composition.tree)
+    assert isinstance(files, dict)  # the composed tree is a mapping
     ignored = [f"hydra: Hydra's own settings (from {where})"] if files.pop("hydra", None) else []
+    ignored += [
+        f"{name}: verl's trainer config, in no directory of the search path: this system's "
+        "defaults stand in (verl's)"
+        for name in composition.stand_ins
+    ]
     tree, known, origin = copy.deepcopy(files), _Known(schema), composition.origin
     _apply(tree, values, known, origin, where)
     tree = _resolve(tree, origin, where)
@@ -181,14 +192,36 @@ def load_composed(
     for op, key, text, _ in values:  # command-line text is parsed as the key's type
         if op != "delete" and "${" not in text:
             put(tree, key, _OverrideText(text))
-    by_user = _ByUser(user)
+    on_command_line = _ByUser(user)
+    by_user = _ByUser(user, origin, composition.verl_files)
     for key in leaves(tree):
         if not known(key):
-            ignored.append(_unknown(tree, key, by_user(key), defaults, origin, where))
+            ignored.append(_unknown(tree, key, on_command_line(key), defaults, origin, where))
             pop(tree, key)
     if known.verl:
         ignored += _translate(tree, by_user, origin, where)
+        ignored += _inherit(tree, by_user, origin, where)
     return _build(schema, tree, by_user, origin, where, ignored), ignored
+
+
+def _inherit(tree: dict, by_user: Any, origin: dict, where: str) -> list[str]:
+    """The critic keys the user did not set take the actor's values (`rlhf.config.inherit`):
+    verl's files give the critic a layout of its own (TP 1 whatever the actor's), which one
+    shared layout cannot follow; the ignored lines of those that differed."""
+    ignored = []
+    for key, source in CRITIC_FROM_ACTOR.items():
+        value = get(tree, key)
+        if value is MISSING or by_user(key):
+            continue
+        pop(tree, key)
+        actor = get(tree, source)
+        if actor is not MISSING and _shown(actor) != _shown(value):
+            ignored.append(
+                f"{key}={_shown(value)}: the critic takes the actor's ({_shown(actor)}) "
+                f"(from {origin.get(key, where)})"
+            )
+    inherit(tree)
+    return ignored
 
 
 def _build(schema: type, tree: dict, by_user: Any, origin: dict, where: str, ignored: list) -> Any:
@@ -196,7 +229,7 @@ def _build(schema: type, tree: dict, by_user: Any, origin: dict, where: str, ign
     say) ignored: the key keeps this system's default."""
     while True:
         try:
-            cfg = build(schema, copy.deepcopy(tree))
+            cfg = resolve_unset(build(schema, copy.deepcopy(tree)))
             _check(cfg)
             return cfg
         except ConfigError as e:
@@ -210,15 +243,17 @@ def _build(schema: type, tree: dict, by_user: Any, origin: dict, where: str, ign
 
 
 class _ByUser:
-    """Whether the command line set a key (or a section holding it)."""
+    """Whether the command line set a key (or a section holding it), or, given `origin` and
+    `verl_files`, a config file that is not verl's trainer config or one it includes (the
+    user's own, such as verl's multi-turn examples: their keys are held to every rule)."""
 
-    def __init__(self, keys: list[str]):
-        self.keys = keys
+    def __init__(self, keys: list[str], origin: dict | None = None, verl_files: Any = ()):
+        self.keys, self.origin, self.verl_files = keys, origin or {}, set(verl_files)
 
     def __call__(self, key: str) -> bool:
-        return any(
-            key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in self.keys
-        )
+        if any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in self.keys):
+            return True
+        return key in self.origin and self.origin[key] not in self.verl_files
 
 
 def _shown(value: Any) -> str:
@@ -252,7 +287,7 @@ def _check(cfg: Any) -> None:
 
 def _translate(tree: dict, by_user: _ByUser, origin: dict, where: str) -> list[str]:
     """`translate`, with each refusal of a value from the files turned into an ignored key."""
-    ignored = []
+    ignored = _reward_model_off(tree, by_user)
     while True:
         attempt = copy.deepcopy(tree)
         try:
@@ -269,9 +304,50 @@ def _translate(tree: dict, by_user: _ByUser, origin: dict, where: str) -> list[s
         return ignored
 
 
+def _reward_model_off(tree: dict, by_user: _ByUser) -> list[str]:
+    """verl's files' reward-model settings while `reward_model.enable` is off: dropped in one
+    ignored line (the reward manager's keys stay: they score the rule rows either way)."""
+    section = tree.get("reward_model")
+    if not isinstance(section, dict) or _parse_as(section.get("enable", False), True) is True:
+        return []
+    keep = ("enable", "reward_manager", "reward_kwargs")  # and what is under them
+    dropped = [
+        key
+        for key in leaves(tree, "")
+        if key.startswith("reward_model.") and key.split(".")[1] not in keep and not by_user(key)
+    ]
+    for key in dropped:
+        pop(tree, key)
+    if not dropped:
+        return []
+    return [f"reward_model.* ({len(dropped)} keys of verl's files): verl's reward model is off"]
+
+
 def _named(message: str, tree: dict) -> str | None:
     """The key of `tree` a refusal starts with (the longest)."""
     found = [
         k for k in leaves(tree) if message.startswith(k) and message[len(k) : len(k) + 1] in ":= ("
     ]
     return max(found, key=len) if found else None
+
+
+_NO_SETTING = re.compile(
+    r"(?P<key>[^=]+)=(?P<value>.*): no such setting here \(from (?P<file>.+)\)"
+)
+
+
+def grouped(ignored: list[str]) -> list[str]:
+    """The ignored lines with the keys this system has no setting for grouped by section
+    and file (verl's trainer config gives some 470 of them): one line each."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    out = []
+    for line in ignored:
+        found = _NO_SETTING.fullmatch(line)
+        if found is None:
+            out.append(line)
+            continue
+        section, _, leaf = found["key"].rpartition(".")
+        groups.setdefault((section, found["file"]), []).append(f"{leaf}={found['value']}")
+    for (section, file), items in groups.items():
+        out.append(f"{section}.{{{', '.join(items)}}}: no such setting here (from {file})")
+    return out

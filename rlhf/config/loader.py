@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from rlhf.config.choices import TrainDtype
+from rlhf.config.inherit import inherit
 from rlhf.config.schema import RLHFConfig
 from rlhf.config.verl_keys import VERL_KEYS, VERL_SECTIONS, VerlKeyError, translate
 from rlhf.config.yaml_file import load_text, read_yaml
@@ -89,16 +91,32 @@ def _shared_prefix(a: list[str], b: list[str]) -> int:
     return n
 
 
+def _plausible(parts: list[str], candidate: list[str]) -> bool:
+    """Whether `candidate` (a key's path) can be what `parts` meant: its leaf matches word by
+    word, and a key of another section only when the match says more than one generic word
+    (`critic.profiler.enable` is not `algorithm.filter_groups.enable`, `global_profiler.tool`
+    not `...multi_turn.tool_timeout_s`; `actor.checkpoint.async_save` is `trainer.async_save`):
+    the whole leaf of two words or more, or the section holding it too."""
+    leaf, other = parts[-1], candidate[-1]
+    if not _leaf_matches(leaf, other):
+        return False
+    if len(parts) == 1 or _shared_prefix(parts[:-1], candidate[:-1]) > 0:
+        return True
+    if "_" in leaf and _similar(leaf, other, 0.85):
+        return True
+    return len(candidate) > 1 and _leaf_matches(parts[-2], candidate[-2])
+
+
 def nearest_key(key: str, schema: type = RLHFConfig) -> str | None:
     """The valid key of `schema` a misspelt or misplaced `key` most likely means, if any: a
-    key it is the end of, else the keys whose leaf matches word by word, ranked by the path
-    they share."""
+    key it is the end of, else the keys whose leaf matches word by word (`_plausible`),
+    ranked by the path they share."""
     keys = all_keys(schema)
     suffix = [k for k in keys if k.endswith("." + key)]
     if suffix:
         return suffix[0]
     parts = key.split(".")
-    candidates = [k for k in keys if _leaf_matches(parts[-1], k.rsplit(".", 1)[-1])]
+    candidates = [k for k in keys if _plausible(parts, k.split("."))]
     if not candidates:
         return None
 
@@ -323,6 +341,36 @@ def _resolve_references(cfg: Any) -> None:
         setattr(_lookup(cfg, parent), leaf, _REF.sub(substitute, value))
 
 
+def _on_gpu(device: str) -> bool:
+    """trainer.device as the run will take it ('auto': a GPU when one is visible)."""
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_unset(cfg: Any) -> Any:
+    """Values the schema leaves unset until the run's device is known: every Megatron
+    layout's null `dtype` is bfloat16 on GPUs (verl's) and float32 on the CPU."""
+    from rlhf.config.schema import MegatronParallelConfig
+
+    trainer = getattr(cfg, "trainer", None)
+    gpu = trainer is not None and _on_gpu(trainer.device)
+    dtype: TrainDtype = "bfloat16" if gpu else "float32"
+
+    def visit(node: Any) -> None:
+        if isinstance(node, MegatronParallelConfig) and node.dtype is None:
+            node.dtype = dtype
+        for field in dataclasses.fields(node):
+            child = getattr(node, field.name)
+            if dataclasses.is_dataclass(child):
+                visit(child)
+
+    visit(cfg)
+    return cfg
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, schema: type = RLHFConfig
 ) -> Any:
@@ -334,19 +382,6 @@ def load_config(
     `schema`: the config tree (`RLHFConfig` for rlhf-train; rlhf-train-rm has its own,
     `rlhf.config.reward_training`); verl's key names are translated for `RLHFConfig` only.
     A Hydra file (a `defaults:` list) is composed by `rlhf.config.hydra_load.load_with_notes`."""
-    return _load_plain(path, overrides, schema)
-
-
-def _load_plain(
-    path: str | Path | None = None, overrides: list[str] | None = None, schema: type = RLHFConfig
-) -> Any:
-    """Read YAML `path` (optional), apply `key=value` overrides, type-check and validate ranges.
-
-    The file is read strictly (`rlhf.config.yaml_file.read_yaml`): anchors, aliases and a
-    key given twice are refused, as are a directory and a file that is not UTF-8 text.
-
-    `schema`: the config tree (`RLHFConfig` for rlhf-train; rlhf-train-rm has its own,
-    `rlhf.config.reward_training`); verl's key names are translated for `RLHFConfig` only."""
     tree: dict = {}
     if path is not None:
         path = Path(path)
@@ -371,7 +406,8 @@ def _load_plain(
             translate(tree, _parse_as, default_of)
         except VerlKeyError as e:
             raise ConfigError(str(e)) from None
-    cfg = build(schema, tree)
+        inherit(tree)
+    cfg = resolve_unset(build(schema, tree))
     _resolve_references(cfg)
     return cfg
 

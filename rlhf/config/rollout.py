@@ -22,7 +22,7 @@ class ValKwargs:
 
     do_sample: bool = doc(False, "sample (true) or decode greedily (false)")
     n: int = doc(1, "responses per validation prompt", gt=0)
-    temperature: float = doc(1.0, "sampling temperature when do_sample", ge=0)
+    temperature: float = doc(0.0, "sampling temperature when do_sample", ge=0)
     top_p: float = doc(1.0, "nucleus threshold when do_sample", gt=0, le=1)
     top_k: int = doc(-1, "top-k when do_sample; -1 disables", ge=-1)
 
@@ -81,7 +81,7 @@ class RolloutConfig:
     """Generation with SGLang servers."""
 
     name: RolloutName = doc("sglang", "rollout engine")
-    n: int = doc(2, "responses sampled per prompt", gt=0)
+    n: int = doc(1, "responses sampled per prompt", gt=0)
     temperature: float = doc(1.0, "sampling temperature", ge=0)
     top_p: float = doc(1.0, "nucleus sampling threshold", gt=0, le=1)
     top_k: int = doc(-1, "top-k sampling; -1 disables", ge=-1)

@@ -42,7 +42,7 @@ class DataConfig:
 
     train_batch_size: int = doc(8, "prompts per training step (before rollout.n expansion)", gt=0)
     max_prompt_length: int = doc(128, "longest prompt in tokens", gt=0)
-    max_response_length: int = doc(32, "most tokens generated per response", gt=0)
+    max_response_length: int = doc(512, "most tokens generated per response", gt=0)
     seed: int = doc(1, "seed of the prompt order")
     train_files: str | list[str] | None = doc(
         None, "training Parquet: a path, a list, a glob or a URI (hdfs://, s3://, ...)"
@@ -99,7 +99,11 @@ class RewardConfig:
     gsm8k_method: GSM8KMethod = doc(
         "strict", "gsm8k rule: answer after '####' (strict) or the last number (flexible)"
     )
-    format_score: float = doc(0.0, "rule rewards: score of a well-formed but wrong answer")
+    format_score: float = doc(
+        0.0,
+        "gsm8k and MATH rules: score of a well-formed but wrong answer (the math_dapo, math "
+        "and aime rules score any wrong or missing answer -1, as verl's math_dapo)",
+    )
     correct_score: float = doc(1.0, "rule rewards: score of a correct answer")
     model_path: str | None = doc(
         None,
@@ -151,10 +155,12 @@ class MegatronParallelConfig:
         gt=0,
     )
     seed: int = doc(42, "seed for weight init and dropout (Megatron RNG tracker)")
+    # None only until loaded: `rlhf.config.loader.resolve_unset` sets it by trainer.device
     dtype: TrainDtype = doc(
-        "float32",
+        None,
         "weights and activations; bfloat16 keeps fp32 master weights, Adam state and "
-        "gradient reduction (Megatron's mixed precision; the reference follows the actor)",
+        "gradient reduction (Megatron's mixed precision; the reference follows the actor); "
+        "unset: bfloat16 on GPUs, float32 on the CPU",
     )
     sequence_parallel: bool | None = doc(
         None,
@@ -333,7 +339,7 @@ class CriticConfig:
     """The value model."""
 
     ppo_mini_batch_size: int = doc(
-        4, "prompts per critic optimizer step (x rollout.n samples)", gt=0
+        4, "prompts per critic optimizer step (x rollout.n samples; unset: the actor's)", gt=0
     )
     ppo_micro_batch_size_per_gpu: int = doc(
         2, "sizes the default micro-batch token budget (x the longest prompt + response)", gt=0
@@ -346,15 +352,23 @@ class CriticConfig:
         "critic trunk (an HF causal LM or *ForSequenceClassification directory)",
     )
     use_dynamic_bsz: bool = doc(
-        True, "token-budget micro-batches; false: ppo_micro_batch_size_per_gpu samples each"
+        True,
+        "token-budget micro-batches; false: ppo_micro_batch_size_per_gpu samples each (unset: "
+        "the actor's)",
     )
-    ppo_epochs: int = doc(1, "passes over each step's rollouts", gt=0)
+    ppo_epochs: int = doc(1, "passes over each step's rollouts (unset: the actor's)", gt=0)
     cliprange_value: float | None = doc(0.5, "value clipping around the old values (null: off)")
-    loss_agg_mode: LossAggMode = doc("token-mean", "how per-token value losses are aggregated")
+    loss_agg_mode: LossAggMode = doc(
+        "token-mean", "how per-token value losses are aggregated (unset: the actor's)"
+    )
     grad_clip: float = doc(1.0, "clip the global gradient norm to this (0: off)", ge=0)
     optim: OptimConfig = doc(lambda: OptimConfig(lr=1e-5), "optimizer")
-    ulysses_sequence_parallel_size: int = doc(1, "Ulysses SP size for the critic", gt=0)
-    megatron: MegatronParallelConfig = doc(MegatronParallelConfig, "Megatron parallel layout")
+    ulysses_sequence_parallel_size: int = doc(
+        1, "Ulysses SP size for the critic (unset: the actor's)", gt=0
+    )
+    megatron: MegatronParallelConfig = doc(
+        MegatronParallelConfig, "Megatron parallel layout (sizes unset: the actor's)"
+    )
 
 
 @dataclass
@@ -370,7 +384,7 @@ class EarlyStopConfig:
     )
     reward_plateau_min_delta: float = doc(0.01, "smallest reward gain counted as improvement", ge=0)
     rollback_val_ratio: float | None = doc(
-        0.9,
+        None,
         "roll back to the last good checkpoint when the validation reward falls below this "
         "ratio of the training reward since the previous validation (null: off)",
         gt=0,

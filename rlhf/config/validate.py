@@ -12,7 +12,9 @@ and the numbers it saw.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from rlhf.config.algorithm import KLControlConfig
@@ -433,6 +435,25 @@ def _check_misc(cfg: RLHFConfig) -> None:
         )
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _check_model_paths(cfg: RLHFConfig) -> None:
+    """A model path that is no local directory but reads as a Hugging Face Hub id (verl
+    downloads those) is refused here, before anything starts, with the way to get it."""
+    paths: dict[str, str | None] = {f"{AR}.model.path": cfg.actor_rollout_ref.model.path}
+    if uses_critic(cfg):
+        paths["critic.model.path"] = cfg.critic.model.path
+    paths["reward.model_path"] = cfg.reward.model_path
+    for key, path in paths.items():
+        if path and _HUB_ID.fullmatch(path) and not Path(path).exists():
+            raise ConfigError(
+                f"{key}={path} is a Hugging Face Hub id, not a local directory: this system "
+                f"reads models from disk; download it first (hf download {path} --local-dir "
+                f"DIR) and set {key}=DIR"
+            )
+
+
 def validate_config(
     cfg: RLHFConfig,
     world_size: int | None = None,
@@ -447,6 +468,7 @@ def validate_config(
     processes launched on this node, checks `trainer.n_gpus_per_node` (`check_launch`).
     """
     check_algorithm(cfg)
+    _check_model_paths(cfg)
     check_launch(cfg.trainer, world_size, local_world_size)
     world = checked_world_size(cfg.trainer, world_size)
     actor = parallel_layout("actor", cfg, world)

@@ -161,6 +161,70 @@ def _role_keys() -> dict[str, Any]:
     return keys
 
 
+PROFILER = (
+    "global_profiler.steps profiles those training steps with torch.profiler here (traces in "
+    "the run directory); for Nsight, run the trainer under nsys yourself"
+)
+OPTIMIZER_ON_HOST = (
+    "Megatron's host-side optimizer (steps on the CPU) is not used here: the optimizer state "
+    "leaves the GPU between phases with {role}.megatron.optimizer_offload=true"
+)
+
+
+def _engine_and_tooling_keys() -> dict[str, Any]:
+    """vLLM's engine knobs, Megatron checkpoint formats and verl's tooling switches: their
+    off position (verl's default) accepted, anything else refused pointing at the setting
+    here."""
+    keys: dict[str, Any] = {
+        f"{ROLLOUT}.enable_chunked_prefill": Fixed(
+            (True,),
+            "SGLang always chunks long prefills; to turn that off set "
+            f"{ROLLOUT}.engine_kwargs.sglang.chunked_prefill_size=-1",
+        ),
+        f"{ROLLOUT}.max_num_batched_tokens": Refused(
+            "vLLM's scheduler budget; SGLang's are "
+            f"{ROLLOUT}.engine_kwargs.sglang.chunked_prefill_size (tokens of a prefill chunk) "
+            "and max_prefill_tokens (of a prefill batch)"
+        ),
+        f"{ROLLOUT}.enforce_eager": Implies(
+            {True: {f"{ROLLOUT}.engine_kwargs.sglang.disable_cuda_graph": True}, False: {}},
+            "expected true or false (SGLang's disable_cuda_graph)",
+        ),
+        "trainer.log_val_generations": Fixed(
+            (0,),
+            "validation generations are not sent to the trackers here; every training "
+            "step's samples are in the run directory's rollouts/step_N.jsonl",
+        ),
+        "global_profiler.tool": Fixed((None,), PROFILER),
+        "global_profiler.save_path": Fixed((None,), PROFILER),
+    }
+    checkpoint = (
+        "models start from the HF weights of model.path and checkpoints are Megatron's "
+        "distributed checkpoints anyway: a Megatron checkpoint of another run is resumed "
+        "with trainer.resume_mode=<its global_step_N>, or exported with rlhf-convert "
+        "mcore-to-hf"
+    )
+    bridge = (
+        "the HF <-> Megatron conversion here is this system's own (rlhf/models/families.py, "
+        "checked against transformers); either value means the same"
+    )
+    for role in (ACTOR, REF, CRITIC):
+        keys[f"{role}.megatron.use_dist_checkpointing"] = Fixed((False,), checkpoint)
+        keys[f"{role}.megatron.dist_checkpointing_path"] = Fixed((None,), checkpoint)
+        keys[f"{role}.megatron.use_mbridge"] = Fixed((True, False), bridge)
+        keys[f"{role}.megatron.vanilla_mbridge"] = Fixed((True, False), bridge)
+        for leaf, off in (("enable", False), ("tool", None), ("all_ranks", False)):
+            keys[f"{role}.profiler.{leaf}"] = Fixed((off,), PROFILER)
+    for role in (ACTOR, CRITIC):
+        host = OPTIMIZER_ON_HOST.format(role=role)
+        prefix = f"{role}.megatron.override_optimizer_config"
+        keys[f"{prefix}.optimizer_offload_fraction"] = Fixed((0, 0.0), host)
+        keys[f"{prefix}.optimizer_cpu_offload"] = Fixed((False,), host)
+        keys[f"{prefix}.overlap_cpu_optimizer_d2h_h2d"] = Fixed((False,), host)
+        keys[f"{prefix}.use_precision_aware_optimizer"] = Fixed((False,), host)
+    return keys
+
+
 def _multi_turn_keys() -> dict[str, Fixed]:
     """verl's `rollout.multi_turn` keys this system has no such setting for: their off
     position is accepted (verl's default), anything else refused."""
@@ -192,6 +256,7 @@ def _multi_turn_keys() -> dict[str, Fixed]:
 
 VERL_KEYS: dict[str, Alias | Divided | Fixed | Implies | SameAs | Refused] = {
     **_role_keys(),
+    **_engine_and_tooling_keys(),
     f"{ROLLOUT}.name": Fixed(("sglang",), SGLANG_ONLY, keep=True),
     f"{ROLLOUT}.mode": Fixed(
         ("async",),

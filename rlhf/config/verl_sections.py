@@ -59,11 +59,6 @@ REWARD_MODEL_KEYS: dict[str, tuple[tuple, str]] = {  # key: (values accepted, re
         "the reward model reads the policy's token ids here, so it must share the policy's "
         "tokenizer; serve a reward model with its own tokenizer behind reward.url",
     ),
-    "reward_manager": (
-        ("naive",),
-        "rule rewards here are verl's naive manager; DAPO's overlong penalty is "
-        "reward.overlong_buffer.*, parallel scoring reward.num_workers",
-    ),
     "use_reward_loop": ((), ON_TRAINER_RANKS),
     "num_workers": ((), ON_TRAINER_RANKS),
     "rollout": ((), ON_TRAINER_RANKS),
@@ -85,11 +80,13 @@ def reward_model(tree: dict, parse: Any, default: Any) -> None:
     enable = parse(section.pop("enable", False), True)
     if enable not in (True, False):
         raise VerlKeyError(f"reward_model.enable={shown(enable)}: expected true or false")
+    reward_manager(tree, section, parse, default)
     for key in _leaves(section):
         if not enable:
             raise VerlKeyError(
-                f"reward_model.{key}: reward_model.enable is not true, so verl would not use "
-                "it; drop it or set reward_model.enable=true"
+                f"reward_model.{key}: a setting of verl's reward model, which "
+                "reward_model.enable=false leaves unused; drop it, or set "
+                "reward_model.enable=true with reward_model.model.path"
             )
         _check_reward_model_key(key, get(section, key), parse, tree, default)
     if not enable:
@@ -102,6 +99,57 @@ def reward_model(tree: dict, parse: Any, default: Any) -> None:
         )
     _move(tree, parse, "reward_model.model.path", "reward.model_path", path)
     _move(tree, parse, "reward_model.enable", "reward.model_scores_every_row", True)
+
+
+MANAGERS = ("naive", "dapo")  # verl's rule-scoring managers this system's rule rewards are
+OVERLONG = "reward_model.reward_kwargs.overlong_buffer_cfg"
+
+
+def reward_manager(tree: dict, section: dict, parse: Any, default: Any) -> None:
+    """verl's reward manager, which scores the rule rows whether or not a reward model is on:
+    `reward_manager` naive or dapo (the same rule scores; DAPO's overlong penalty is
+    `reward.overlong_buffer`, which `reward_kwargs.overlong_buffer_cfg.*` sets) and its
+    `reward_kwargs`; popped from `section`."""
+    manager = section.pop("reward_manager", MISSING)
+    if manager is not MISSING and parse(manager, "") not in MANAGERS:
+        raise VerlKeyError(
+            f"reward_model.reward_manager={shown(manager)}: rule rows are scored as verl's "
+            "naive and dapo managers score them (reward.num_workers scores in parallel); a "
+            "reward function of your own is reward.custom_fn"
+        )
+    kwargs = section.pop("reward_kwargs", {})
+    overlong = kwargs.pop("overlong_buffer_cfg", {}) if isinstance(kwargs, dict) else {}
+    for leaf in ("enable", "len", "penalty_factor"):
+        if leaf in overlong:
+            value = overlong.pop(leaf)
+            example = default(f"reward.overlong_buffer.{leaf}")
+            _move(
+                tree,
+                parse,
+                f"{OVERLONG}.{leaf}",
+                f"reward.overlong_buffer.{leaf}",
+                parse(value, example),
+            )
+    if "log" in overlong and parse(overlong.pop("log"), True) is not False:
+        raise VerlKeyError(
+            f"{OVERLONG}.log=true: the overlong penalty is not logged per sample here (it is "
+            "in the scores, critic/score/*); drop the key or set it false"
+        )
+    if "max_resp_len" in kwargs:
+        given, limit = parse(kwargs.pop("max_resp_len"), 0), get(tree, "data.max_response_length")
+        limit = default("data.max_response_length") if limit is MISSING else parse(limit, 0)
+        if given != limit:
+            raise VerlKeyError(
+                f"reward_model.reward_kwargs.max_resp_len={shown(given)}: the overlong penalty "
+                f"is measured against data.max_response_length ({limit}) here; set them equal"
+            )
+    rest = [f"reward_kwargs.{k}" for k in _leaves(kwargs)] if isinstance(kwargs, dict) else []
+    rest += [f"{OVERLONG}.{k}" for k in _leaves(overlong)]
+    if rest:
+        raise VerlKeyError(
+            f"reward_model.{rest[0].removeprefix('reward_model.')}: verl's reward-manager "
+            "argument has no equivalent here (reward.* are this system's rule settings)"
+        )
 
 
 def _check_reward_model_key(key: str, value: Any, parse: Any, tree: dict, default: Any) -> None:

@@ -66,12 +66,17 @@ def _math_rule(solution: str, ground_truth: Any, settings: RuleSettings) -> floa
     )
 
 
+DAPO_WRONG_SCORE = -1.0  # verl's math_dapo: a wrong or missing answer, whatever its form
+
+
 def _answer_line_rule(solution: str, ground_truth: Any, settings: RuleSettings) -> float:
+    if math.final_answer(solution, answer_line=True) is None:
+        return DAPO_WRONG_SCORE
     return math.compute_score(
         solution,
         str(ground_truth),
         answer_line=True,
-        format_score=settings.format_score,
+        format_score=DAPO_WRONG_SCORE,
         correct_score=settings.correct_score,
     )
 

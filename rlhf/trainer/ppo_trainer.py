@@ -321,6 +321,14 @@ class PPOTrainer:
         self.load_models(self.checkpoints.path_for(good))
         self.load_weights(step)
         log.warning("rolled back to the checkpoint of step %d: %s", good, decision.reason)
+        if step == self.total_steps:
+            log.warning(
+                "the rollback was at the last step: the run's final checkpoint (step %d) holds "
+                "the models of step %d, not those step %d trained",
+                step,
+                good,
+                step,
+            )
         return {"early_stop/rollback_to_step": float(good)}
 
     # ---- the loop ---------------------------------------------------------------------

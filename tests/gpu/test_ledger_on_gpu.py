@@ -12,6 +12,7 @@ import torch
 
 from rlhf.memory import ledger as device
 from tests.distributed.workers.trainer_step import COMMON, synthetic_batch
+from tests.helpers import SEED_DEFAULTS
 from tests.unit.test_device_ledger import OFFLOAD
 
 SLACK = 16 * 1024**2  # what the ledger does not count: rotary tables, small buffers
@@ -34,7 +35,8 @@ def test_between_phases_cuda_holds_what_the_ledger_says(ctx, tiny_qwen2_dir, mon
     from rlhf.trainer import ppo_step
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 
-    args = [f"actor_rollout_ref.model.path={tiny_qwen2_dir}", *COMMON, *OFFLOAD]
+    model = f"actor_rollout_ref.model.path={tiny_qwen2_dir}"
+    args = [*SEED_DEFAULTS, model, *COMMON, *OFFLOAD]
     args += [f"{r}.megatron.dtype=bfloat16" for r in ("actor_rollout_ref.actor", "critic")]
     cfg = load_config(None, args)
     arch = load_policy_arch(cfg)

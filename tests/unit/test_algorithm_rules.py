@@ -58,12 +58,15 @@ def test_gspo_needs_the_sequence_mean_and_its_own_clip_range():
 
 def test_the_kl_counts_once_unless_both_are_asked_for():
     loss = f"{AR}.actor.use_kl_loss=true"
-    default = load_config(QUICKSTART, [])
+    default = load_config(QUICKSTART, [])  # sets use_kl_in_reward: true
     assert kl_in_reward(default) and uses_reference(default)
-    verl_grpo = load_config(QUICKSTART, ["algorithm.adv_estimator=grpo", loss])
+    assert not kl_in_reward(load_config(None, []))  # verl's default: off
+    verl_grpo = load_config(None, ["algorithm.adv_estimator=grpo", loss])
     assert not kl_in_reward(verl_grpo) and uses_reference(verl_grpo)
     assert not any("twice" in note for note in config_notes(verl_grpo))
-    both = load_config(QUICKSTART, [loss, "algorithm.use_kl_in_reward=true"])
+    unset = load_config(QUICKSTART, [loss, "algorithm.use_kl_in_reward=null"])
+    assert not kl_in_reward(unset)  # null: on unless the actor has a KL loss
+    both = load_config(QUICKSTART, [loss])
     assert kl_in_reward(both)
     assert any("the KL to the reference counts twice" in note for note in config_notes(both))
     neither = load_config(QUICKSTART, ["algorithm.use_kl_in_reward=false"])

@@ -230,7 +230,9 @@ def test_virtual_pipeline_needs_stages_and_layers_for_every_chunk():
     assert (
         validate_config(load_config(QUICKSTART, sizes + vp2 + pp2), None, eight_layers).vp_size == 2
     )
-    critic_vp1 = sizes + pp2 + vp2[:1]
+    inherited = sizes + pp2[:1] + vp2[:1]  # the critic takes the actor's PP and VP
+    assert validate_config(load_config(QUICKSTART, inherited), None, eight_layers).vp_size == 2
+    critic_vp1 = [*sizes, *pp2, vp2[0], "critic.megatron.virtual_pipeline_model_parallel_size=1"]
     with pytest.raises(ConfigError, match="share one Megatron parallel layout"):
         validate_config(load_config(QUICKSTART, critic_vp1), None, eight_layers)
 

@@ -16,6 +16,7 @@ import torch
 
 from rlhf.memory import ledger as device
 from tests.distributed.workers.trainer_step import COMMON, synthetic_batch
+from tests.helpers import SEED_DEFAULTS
 
 OFFLOAD = [
     f"{role}.megatron.{kind}_offload=true"
@@ -47,7 +48,8 @@ def one_step(ctx, model_dir, *overrides: str):
     from rlhf.trainer.ppo_step import learn_from_batch
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 
-    args = [f"actor_rollout_ref.model.path={model_dir}", *COMMON, *OFFLOAD, *overrides]
+    model = f"actor_rollout_ref.model.path={model_dir}"
+    args = [*SEED_DEFAULTS, model, *COMMON, *OFFLOAD, *overrides]
     cfg = load_config(None, args)
     arch = load_policy_arch(cfg)
     validate_config(cfg, ctx.world_size, arch)

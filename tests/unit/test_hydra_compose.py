@@ -134,17 +134,26 @@ def test_a_config_file_with_a_defaults_list_composes(tmp_path):
 OURS = set(all_keys())
 
 
+def _local(override: str, root: Path) -> str:
+    """`override` with a model path (a Hub id in verl's scripts) pointing at a local dir."""
+    key = override.partition("=")[0]
+    return f"{key}={root}" if key.endswith(("model.path", "model_path")) else override
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_verls_scripts_load_against_verls_composed_config(name, tmp_path, capsys):
     overrides = [o for o in script_overrides(name, tmp_path) if o not in REFUSED[name]]
-    args = ["--config-path", str(VERL), "--config-name=ppo_megatron_trainer.yaml", *overrides]
+    config = ["--config-path", str(VERL), "--config-name=ppo_megatron_trainer.yaml"]
+    assert main([*config, *overrides, "--print-config"]) == 2  # verl's scripts name Hub ids
+    hub = capsys.readouterr().err
+    assert hub.count("\n") == 1 and "is a Hugging Face Hub id, not a local directory" in hub
+    overrides = [_local(o, tmp_path) for o in overrides]  # as downloaded first
+    args = [*config, *overrides]
     loaded = load(parse_args(args))
     code, printed = main([*args, "--print-config"]), capsys.readouterr()
-    err = printed.err
-    if code:  # a rule between keys of the run (verl's critic layout beside the script's actor)
-        assert err.count("\n") == 1 and "share one Megatron parallel layout" in err, err
-    else:
-        assert "# ignored: actor_rollout_ref.model.lora.rank=0" in printed.out
+    assert code == 0, printed.err  # the critic takes the actor's layout (rlhf.config.inherit)
+    assert "# ignored: actor_rollout_ref.model.lora.{" in printed.out  # grouped per section
+    assert "rank=0" in printed.out
     for item in overrides:  # none dropped: this system's, translated, or listed as ignored
         key = item.partition("=")[0].lstrip("+")
         mapped = key in OURS or key in VERL_KEYS or key.startswith(VERL_SECTIONS)
@@ -152,3 +161,38 @@ def test_verls_scripts_load_against_verls_composed_config(name, tmp_path, capsys
     fallback = ["--config-path=config", "--config-name=ppo_megatron_trainer.yaml", *overrides]
     loaded = load(parse_args(fallback))  # verl's package directory absent: our defaults
     assert loaded.ignored == [] and loaded.config.actor_rollout_ref.model.path
+    capsys.readouterr()
+    assert main([*fallback, "--print-config"]) == 0, capsys.readouterr().err
+
+
+MULTI_TURN_CONFIG = """\
+hydra:
+  searchpath:
+    - file://{search}
+defaults:
+  - ppo_trainer
+  - _self_
+data:
+  max_response_length: 48
+actor_rollout_ref:
+  rollout:
+    name: sglang
+    multi_turn:
+      enable: true
+      max_assistant_turns: 3
+"""
+
+
+@pytest.mark.parametrize("search", ["verl", "absent"])
+def test_a_config_beside_verls_scripts_finds_its_trainer_config_or_stands_in(search, tmp_path):
+    """verl's multi-turn examples keep a config of their own that includes `ppo_trainer` from
+    verl's directory through `hydra.searchpath`: found there when it is, else this system's
+    defaults stand in, and the example's own keys (multi-turn on) count either way."""
+    where = VERL if search == "verl" else tmp_path / "no_such_dir"
+    (tmp_path / "mt.yaml").write_text(MULTI_TURN_CONFIG.format(search=where))
+    loaded = load_with_notes(None, [MODEL], config_dir=tmp_path, config_name="mt")
+    rollout = loaded.config.actor_rollout_ref.rollout
+    assert rollout.multi_turn.enable and rollout.multi_turn.max_assistant_turns == 3
+    assert loaded.config.data.max_response_length == 48
+    stand_in = [line for line in loaded.ignored if line.startswith("ppo_trainer: ")]
+    assert bool(stand_in) == (search == "absent"), loaded.ignored

@@ -11,7 +11,8 @@ from rlhf.reward import RuleSettings, compute_score, math
 from tests.unit.math_answer_cases import CASES
 
 FORMAT = 0.25
-SOURCES = ("HuggingFaceH4/MATH-500", "math_dapo")  # the boxed rule and the Answer-line rule
+# the boxed rule (a wrong answer: format_score) and the Answer-line rule (verl's math_dapo: -1)
+WRONG = {"HuggingFaceH4/MATH-500": FORMAT, "math_dapo": -1.0, "aime_2024": -1.0}
 
 
 def test_the_table_is_big_and_has_true_negatives():
@@ -22,9 +23,9 @@ def test_the_table_is_big_and_has_true_negatives():
 @pytest.mark.parametrize(("answer", "truth", "equal", "kind"), CASES, ids=[c[3] for c in CASES])
 def test_math_answer_table(answer, truth, equal, kind):
     response = f"We simplify step by step, so the answer is $\\boxed{{{answer}}}$."
-    for source in SOURCES:
+    for source, wrong in WRONG.items():
         score = compute_score(source, response, truth, settings=_settings())
-        assert score == (1.0 if equal else FORMAT), source
+        assert score == (1.0 if equal else wrong), source
     # the ground truth as the dataset may store it (boxed) changes nothing
     boxed_truth = math.compute_score(response, f"\\boxed{{{truth}}}", format_score=FORMAT)
     assert boxed_truth == (1.0 if equal else FORMAT)
@@ -32,6 +33,12 @@ def test_math_answer_table(answer, truth, equal, kind):
 
 def _settings() -> RuleSettings:
     return RuleSettings(format_score=FORMAT)
+
+
+@pytest.mark.parametrize("source", ["HuggingFaceH4/MATH-500", "math_dapo"])
+def test_no_answer_scores_zero_under_the_boxed_rule_and_minus_one_under_dapo(source):
+    score = compute_score(source, "I do not know.", "4", settings=_settings())
+    assert score == (0.0 if source == "HuggingFaceH4/MATH-500" else -1.0)
 
 
 def test_equivalence_off_the_main_thread_has_no_signal_timeout():

@@ -98,15 +98,14 @@ def test_recommended_gsm8k_8gpu_values():
     assert aro.rollout.gpu_memory_utilization == 0.6
 
 
-def test_critic_layout_must_match_actor():
-    cfg = load_config(
-        None,
-        [
-            "actor_rollout_ref.model.path=m",
-            "trainer.n_gpus_per_node=2",
-            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-        ],
-    )
+def test_critic_layout_is_the_actors_unless_set_and_must_match_it():
+    actor_tp2 = [
+        "actor_rollout_ref.model.path=m",
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+    ]
+    assert validate_config(load_config(None, actor_tp2)).tp_size == 2  # inherited (verl's)
+    cfg = load_config(None, [*actor_tp2, "critic.megatron.tensor_model_parallel_size=1"])
     with pytest.raises(ConfigError, match="share one Megatron parallel layout"):
         validate_config(cfg)
 

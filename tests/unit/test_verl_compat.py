@@ -144,7 +144,7 @@ def test_verls_names_mean_the_same_here():
             "data-parallel size, 4 here (4 processes / TP x PP x Ulysses 1)",
         ),
         (["reward_model.enable=True"], "needs reward_model.model.path"),
-        (["reward_model.model.path=/rm"], "reward_model.enable is not true"),
+        (["reward_model.model.path=/rm"], "reward_model.enable=false leaves unused"),
         (
             [
                 "reward_model.enable=True",
@@ -229,12 +229,13 @@ def test_the_old_log_prob_budget_follows_verls_rollout_keys():
     assert (budgets.actor.tokens, budgets.old_log_prob.tokens) == (256, 8 * 128)
     tokens = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=3000"
     assert token_budgets(load_config(None, [*base, micro, tokens])).old_log_prob.tokens == 3000
-    fixed = token_budgets(
-        load_config(None, [*base, "actor_rollout_ref.actor.use_dynamic_bsz=false"])
-    )
+    fixed_actor = [*base, "actor_rollout_ref.actor.use_dynamic_bsz=false"]
+    fixed = token_budgets(load_config(None, fixed_actor))
     assert fixed.actor == fixed.old_log_prob == MicroBatching(256, samples=2)
     assert fixed.ref == MicroBatching(4 * 128, samples=4)  # the ref follows the actor's switch
-    assert fixed.critic == MicroBatching(256)  # the critic has its own
+    assert fixed.critic == MicroBatching(256, samples=2)  # unset: the actor's switch (verl's)
+    own = token_budgets(load_config(None, [*fixed_actor, "critic.use_dynamic_bsz=true"]))
+    assert own.critic == MicroBatching(256)  # set: its own
 
 
 def test_a_token_budget_for_fixed_micro_batches_is_refused():

@@ -28,6 +28,7 @@ import torch
 from rlhf.config import load_config
 from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 from tests.distributed.workers.ppo_stages import synthetic_batch
+from tests.helpers import SEED_DEFAULTS
 
 BUDGET = 40  # tokens per micro-batch: several packed micro-batches per rank
 R2 = (  # two mini-batches of 4 samples, two epochs
@@ -79,6 +80,7 @@ def config(args, aux: float, z: float | None, capacity: float | None = None, *ex
     return load_config(
         None,
         [
+            *SEED_DEFAULTS,
             f"actor_rollout_ref.model.path={args.model}",
             f"{actor}.optim.lr=0.01",
             f"{actor}.ppo_mini_batch_size=4",

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from rlhf.config import load_config
 from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
 from tests.distributed.workers.trainer_step import synthetic_batch
+from tests.helpers import SEED_DEFAULTS
 
 SETTINGS = [
     "algorithm.adv_estimator=gae",
@@ -198,7 +199,8 @@ def run(args, ctx) -> dict:
     layout += [f"{r}.megatron.pipeline_model_parallel_size={args.pp}" for r in ROLES]
     layout += [f"{r}.megatron.use_distributed_optimizer={args.distributed}" for r in ROLES]
     layout += [f"{r}.megatron.dtype={args.dtype}" for r in ROLES]
-    cfg = load_config(None, [f"actor_rollout_ref.model.path={args.model}", *SETTINGS, *layout])
+    model = f"actor_rollout_ref.model.path={args.model}"
+    cfg = load_config(None, [*SEED_DEFAULTS, model, *SETTINGS, *layout])
     arch = load_policy_arch(cfg)
     validate_config(cfg, ctx.world_size, arch)
     models = build_ppo_models(cfg, arch, ctx, total_steps=args.steps)

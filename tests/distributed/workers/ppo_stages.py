@@ -25,6 +25,7 @@ import torch
 
 from rlhf.config import load_config
 from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
+from tests.helpers import SEED_DEFAULTS
 
 NUM_SAMPLES = 8
 
@@ -91,6 +92,7 @@ def run(args, ctx) -> None:
     cfg = load_config(
         None,
         [
+            *SEED_DEFAULTS,
             f"actor_rollout_ref.model.path={args.model}",
             "actor_rollout_ref.actor.optim.lr=0.01",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",

@@ -19,6 +19,7 @@ import torch
 
 from rlhf.config import load_config
 from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
+from tests.helpers import SEED_DEFAULTS
 
 GSPO_SETTINGS = [
     "algorithm.adv_estimator=grpo",
@@ -106,7 +107,8 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     )
     from rlhf.trainer.setup import build_ppo_models, load_policy_arch
 
-    cfg = load_config(None, [f"actor_rollout_ref.model.path={model_dir}", *COMMON, *overrides])
+    model = f"actor_rollout_ref.model.path={model_dir}"
+    cfg = load_config(None, [*SEED_DEFAULTS, model, *COMMON, *overrides])
     arch = load_policy_arch(cfg)
     validate_config(cfg, ctx.world_size, arch)
     models = build_ppo_models(cfg, arch, ctx, total_steps=1)
