@@ -130,7 +130,12 @@ def nearest_key(key: str, schema: type = RLHFConfig) -> str | None:
 
 def _unknown_key(path: str, schema: type = RLHFConfig) -> ConfigError:
     near = nearest_key(path, schema)
-    hint = f"; did you mean '{near}'?" if near else ""
+    hint = (
+        f"; did you mean '{near}'?"
+        if near
+        else "; no setting here is near it (rlhf-train --print-config lists them all; "
+        "docs/from-verl.md says what each of verl's keys is here)"
+    )
     return ConfigError(f"unknown config key '{path}'{hint}")
 
 

@@ -107,3 +107,11 @@ def test_a_hub_id_as_a_model_path_is_refused_with_the_way_out(key, tmp_path):
     assert message.startswith(f"{key}=Qwen/Qwen2.5-7B-Instruct is a Hugging Face Hub id")
     assert "hf download Qwen/Qwen2.5-7B-Instruct --local-dir DIR" in message
     validate_config(load_config(None, [f"{AR}.model.path={tmp_path}"]))  # a local one passes
+
+
+def test_an_unknown_key_with_nothing_near_still_says_where_to_look():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.zzz_qqq=1"])
+    message = str(e.value)
+    assert message.startswith("unknown config key 'trainer.zzz_qqq'; no setting here is near it")
+    assert "--print-config" in message and "docs/from-verl.md" in message
