@@ -15,7 +15,8 @@ node (rlhf.config.placement) and the memory planner's per-GPU table (rlhf.memory
 1 if any check FAILs (a config that does not fit the GPU included), 0 otherwise, and 2 with
 one line when the config cannot be loaded (as rlhf-train does). `--simulate` adds the
 memory simulation: one rank's real build and step at the real shapes under fake tensors,
-phase by phase next to the planner (minutes on a CPU; `rlhf.cli.doctor_simulate`).
+phase by phase next to the planner (minutes on a CPU; `rlhf.cli.doctor_simulate`); a
+shipped config as shipped gets its stored simulation next to the planner without it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from rlhf.cli.doctor_checks import (
 )
 from rlhf.cli.doctor_memory import check_memory
 from rlhf.cli.doctor_placement import check_placement, node_gpus
-from rlhf.cli.doctor_simulate import check_simulation, simulate_shipped
+from rlhf.cli.doctor_simulate import SHIPPED, check_simulation, check_stored, simulate_shipped
 from rlhf.config import ConfigError, RLHFConfig, load_config
 
 DEFAULT_REQUIREMENTS = Path("requirements")  # a checkout's, when run from its root
@@ -159,11 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         memory, report = check_memory(
             cfg, world_size, args.model_config, args.gpu_memory_gb, args.host_memory_gb
         )
-        simulation, simulated = (
-            check_simulation(args.config, args.model_config, args.overrides, args.gpu_memory_gb)
-            if args.simulate
-            else (None, "")
-        )
+        simulation, simulated = _simulation(args)
     except ConfigError as e:
         print(f"rlhf-doctor: config error: {e}", file=sys.stderr)
         return 2
@@ -183,6 +180,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("rlhf-doctor: no check failed")
     return 0
+
+
+def _simulation(args: argparse.Namespace) -> tuple[Check | None, str]:
+    """`--simulate`: run the simulation; else a shipped config as shipped (no overrides, its
+    own model shape): the stored simulation; else none."""
+    if args.simulate:
+        return check_simulation(args.config, args.model_config, args.overrides, args.gpu_memory_gb)
+    if args.config is None or args.overrides:
+        return None, ""
+    config = os.path.relpath(Path(args.config).resolve())
+    shape = SHIPPED.get(config)
+    if shape is None:
+        return None, ""
+    if args.model_config is not None and Path(args.model_config).resolve() != Path(shape).resolve():
+        return None, ""
+    return check_stored(config, args.gpu_memory_gb)
 
 
 if __name__ == "__main__":

@@ -6,19 +6,30 @@ memory simulation runs one rank's build and step in a fresh process
 planner's phases are set next to it (`rlhf.memory.simulation_report`). The check fails
 when a phase leaves less than 8% of the GPU free or the planner is more than 10% off.
 Everything here is simulated, not run on a GPU.
+
+A plain `rlhf-doctor --config C` of a shipped config sets the planner next to the stored
+simulation of that config (`STORED`, written by `benchmarks/memory_simulation.py --store`)
+at once, as long as the config file and its model's shape are the ones simulated (their
+digests); otherwise it says the stored one is stale.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlhf.cli.doctor_checks import FAIL, PASS, Check
+from rlhf.cli.doctor_checks import FAIL, PASS, WARN, Check
 from rlhf.config import load_config
 from rlhf.memory.planner import GIB, PlanInputs
 from rlhf.memory.simulation_report import PhaseRow, compare, problems, table
 from rlhf.models.families import arch_from_hf_config
+
+if TYPE_CHECKING:
+    from rlhf.trainer.memory_simulation import SimulatedStep
 
 # the shipped GPU configs and the shape of the model each is written for
 SHIPPED = {
@@ -29,6 +40,7 @@ SHIPPED = {
 }
 GPU_GB = 80.0
 MARK = "simulated, not run on a GPU"
+STORED = Path("configs/model_shapes/simulated_memory.json")
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,17 @@ def simulate_config(
     from rlhf.trainer.memory_simulation import simulate_in_subprocess
 
     step = simulate_in_subprocess(config, model_shape, overrides)
+    return compare_config(config, model_shape, step, overrides, gpu_gb)
+
+
+def compare_config(
+    config: str,
+    model_shape: str,
+    step: SimulatedStep,
+    overrides: list[str] | None = None,
+    gpu_gb: float = GPU_GB,
+) -> SimulatedConfig:
+    """The planner's phases for `config` next to the simulated `step`."""
     cfg = load_config(config, overrides or [])
     arch = arch_from_hf_config(json.loads(Path(model_shape).read_text()))
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -106,6 +129,58 @@ def simulate_config(
     )
 
 
+def digest(config: str, model_shape: str) -> str:
+    """What a stored simulation was of: the config file's and the shape's bytes."""
+    sha = hashlib.sha256()
+    for path in (config, model_shape):
+        sha.update(Path(path).read_bytes())
+    return sha.hexdigest()
+
+
+def store_shipped(path: Path = STORED) -> dict:
+    """Simulate every shipped config and write the steps to `path` (atomically)."""
+    from rlhf.trainer.memory_simulation import simulate_in_subprocess
+
+    stored = {
+        config: {
+            "model_shape": shape,
+            "digest": digest(config, shape),
+            "step": simulate_in_subprocess(config, shape).to_json(),
+        }
+        for config, shape in SHIPPED.items()
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(stored, indent=1) + "\n")
+    os.replace(tmp, path)
+    return stored
+
+
+def check_stored(config: str, gpu_gb: float | None) -> tuple[Check, str]:
+    """The doctor's row for a shipped config from its stored simulation (no `--simulate`)."""
+    from rlhf.trainer.memory_simulation import SimulatedStep
+
+    name, shape = "memory simulation", SHIPPED[config]
+    entry = json.loads(STORED.read_text()).get(config) if STORED.is_file() else None
+    if entry is None or entry["digest"] != digest(config, shape):
+        why = "none stored" if entry is None else "the stored one is of an older config or shape"
+        fix = "rlhf-doctor --simulate, or benchmarks/memory_simulation.py --store"
+        return Check(name, WARN, why, fix), ""
+    step = SimulatedStep.from_json(entry["step"])
+    return _verdict(compare_config(config, shape, step, None, gpu_gb or GPU_GB), f"stored, {MARK}")
+
+
+def _verdict(simulated: SimulatedConfig, mark: str) -> tuple[Check, str]:
+    name = "memory simulation"
+    if simulated.problems:
+        detail = "; ".join(simulated.problems)
+        return Check(name, FAIL, detail, "see the table; fix the planner or the config"), (
+            simulated.report()
+        )
+    peak = max(r.peak for r in simulated.rows) / GIB
+    detail = f"every phase within 10% of the planner, peak {peak:.1f} GiB ({mark})"
+    return Check(name, PASS, detail), simulated.report()
+
+
 def check_simulation(
     config: str, model_shape: str | None, overrides: list[str], gpu_gb: float | None
 ) -> tuple[Check, str]:
@@ -118,14 +193,7 @@ def check_simulation(
         simulated = simulate_config(config, shape, overrides, gpu_gb or GPU_GB)
     except (RuntimeError, OSError, ValueError) as e:
         return Check(name, FAIL, str(e).splitlines()[0], "see the simulation's output"), ""
-    if simulated.problems:
-        detail = "; ".join(simulated.problems)
-        return Check(name, FAIL, detail, "see the table; fix the planner or the config"), (
-            simulated.report()
-        )
-    peak = max(r.peak for r in simulated.rows) / GIB
-    detail = f"every phase within 10% of the planner, peak {peak:.1f} GiB ({MARK})"
-    return Check(name, PASS, detail), simulated.report()
+    return _verdict(simulated, MARK)
 
 
 def simulate_shipped(gpu_gb: float | None) -> int:
