@@ -132,15 +132,7 @@ def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
 
     if bootstrap.pick_device(device).type == "cpu":
         share_cpu_cores(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    return bootstrap.init_parallel(
-        device,
-        tp_size=layout.tp_size,
-        pp_size=layout.pp_size,
-        sp_size=layout.sp_size,
-        ep_size=layout.ep_size,
-        etp_size=layout.etp_size,
-        sequence_parallel=layout.sequence_parallel,
-    )
+    return bootstrap.init_layout(device, layout)
 
 
 def _run(cfg: RLHFConfig, run_dir: Path) -> Path:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf.config.tree import MISSING, get, put
+
 ACTOR, CRITIC = "actor_rollout_ref.actor", "critic"
 LAYOUT = (
     "megatron.tensor_model_parallel_size",
@@ -32,24 +34,6 @@ CRITIC_FROM_ACTOR = {
         *LAYOUT,
     )
 }
-_ABSENT = object()
-
-
-def _get(tree: dict, dotted: str) -> Any:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _ABSENT
-        node = node[part]
-    return node
-
-
-def _put(tree: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = tree
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = value
 
 
 def inherit(tree: dict) -> dict[str, Any]:
@@ -57,8 +41,8 @@ def inherit(tree: dict) -> dict[str, Any]:
     the keys filled and their values."""
     filled = {}
     for key, source in CRITIC_FROM_ACTOR.items():
-        value = _get(tree, source)
-        if _get(tree, key) is _ABSENT and value is not _ABSENT:
-            _put(tree, key, value)
+        value = get(tree, source)
+        if get(tree, key) is MISSING and value is not MISSING:
+            put(tree, key, value)
             filled[key] = value
     return filled

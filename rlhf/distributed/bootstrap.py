@@ -11,6 +11,7 @@ import logging
 import os
 import random
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,19 @@ def pick_device(requested: str = "auto") -> torch.device:
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_layout(device: str, layout: Any) -> ParallelContext:
+    """`init_parallel` with the sizes of a checked `rlhf.config.validate.ParallelLayout`."""
+    return init_parallel(
+        device,
+        tp_size=layout.tp_size,
+        pp_size=layout.pp_size,
+        sp_size=layout.sp_size,
+        ep_size=layout.ep_size,
+        etp_size=layout.etp_size,
+        sequence_parallel=layout.sequence_parallel,
+    )
 
 
 def _init_process_group(device: torch.device, timeout_minutes: int) -> None:

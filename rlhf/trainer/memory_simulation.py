@@ -344,15 +344,7 @@ def _run_step(cfg: RLHFConfig, arch: ModelArch, layout, world: int, rank: int, b
 def _init_parallel(layout):
     from rlhf.distributed import bootstrap
 
-    ctx = bootstrap.init_parallel(
-        "cpu",
-        tp_size=layout.tp_size,
-        pp_size=layout.pp_size,
-        sp_size=layout.sp_size,
-        ep_size=layout.ep_size,
-        etp_size=layout.etp_size,
-        sequence_parallel=layout.sequence_parallel,
-    )
+    ctx = bootstrap.init_layout("cpu", layout)
     bootstrap.seed_everything(0)
     return ctx
 

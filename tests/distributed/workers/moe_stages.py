@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from rlhf.config import load_config
-from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
+from rlhf.distributed.bootstrap import init_layout, seed_everything, teardown
 from tests.distributed.workers.ppo_stages import synthetic_batch
 from tests.helpers import SEED_DEFAULTS
 
@@ -57,15 +57,7 @@ def main() -> None:
     from rlhf.config.validate import validate_config
 
     layout = validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    ctx = init_parallel(
-        "cpu",
-        tp_size=layout.tp_size,
-        pp_size=layout.pp_size,
-        sp_size=layout.sp_size,
-        ep_size=layout.ep_size,
-        etp_size=layout.etp_size,
-        sequence_parallel=layout.sequence_parallel,
-    )
+    ctx = init_layout("cpu", layout)
     try:
         seed_everything(0)
         run(args, cfg, ctx)
