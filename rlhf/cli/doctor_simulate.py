@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from rlhf.cli.doctor_checks import FAIL, PASS, WARN, Check
 from rlhf.config import load_config
 from rlhf.memory.planner import GIB, PlanInputs
@@ -130,11 +132,10 @@ def compare_config(
 
 
 def digest(config: str, model_shape: str) -> str:
-    """What a stored simulation was of: the config file's and the shape's bytes."""
-    sha = hashlib.sha256()
-    for path in (config, model_shape):
-        sha.update(Path(path).read_bytes())
-    return sha.hexdigest()
+    """What a stored simulation was of: the config's and the shape's values (YAML and JSON
+    parsed, so that editing a comment does not make it stale)."""
+    values = [yaml.safe_load(Path(config).read_text()), json.loads(Path(model_shape).read_text())]
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
 def store_shipped(path: Path = STORED) -> dict:

@@ -4,7 +4,7 @@ and reshards across DP, TP and PP sizes.
 Megatron-Core 0.16.1's own distributed-optimizer checkpoints do not resume on this stack: the
 default sharding fails to save, and the "fully reshardable" one loads every parameter's Adam
 `step` into ONE shared tensor, so the resumed run silently steps its counter once per
-parameter (`../shared/facts/megatron-core-cpu.md`). This format avoids Megatron's loader.
+parameter (observed running Megatron-Core on this stack). This format avoids Megatron's loader.
 
 Each rank of a distributed-optimizer group owns a contiguous element range of some
 parameters (flattened). It writes, per parameter, that range and its slices of the fp32

@@ -5,7 +5,7 @@ built once and kept in pytest's cache under the hash of the code that makes it),
 session's shared SGLang server. `configs/quickstart_grpo_cpu.yaml` is GRPO with the KL as a
 loss and no critic. Validation samples 4 answers per prompt, so the score is an average over
 256 samples; measured here it rose by 0.29-0.41 in 30 steps (e.g. 0.33 -> 0.74, 0.41 ->
-0.75; 0.82 by step 60, as the README states), so a rise of 0.2 leaves room for SGLang's
+0.75; 0.82 by step 60, as docs/quickstart.md states), so a rise of 0.2 leaves room for SGLang's
 unseeded sampling on CPU. `rlhf-eval` (mean@4, best@4, maj@4, on a server it starts) on the
 run's checkpoints shows the same rise over the run's own validation before training
 (measured: mean@4 0.38 -> 0.77, best@4 0.84 -> 1.00, maj@4 0.61 -> 0.91).
