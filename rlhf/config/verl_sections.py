@@ -130,11 +130,9 @@ def reward_manager(tree: dict, section: dict, parse: Any, default: Any) -> None:
                 f"reward.overlong_buffer.{leaf}",
                 parse(value, example),
             )
-    if "log" in overlong and parse(overlong.pop("log"), True) is not False:
-        raise VerlKeyError(
-            f"{OVERLONG}.log=true: the overlong penalty is not logged per sample here (it is "
-            "in the scores, critic/score/*); drop the key or set it false"
-        )
+    if "log" in overlong and parse(overlong.pop("log"), True) not in (True, False):
+        raise VerlKeyError(f"{OVERLONG}.log: expected true or false")
+    # either way: the penalty's batch mean is always logged (reward/overlong_penalty/mean)
     if "max_resp_len" in kwargs:
         given, limit = parse(kwargs.pop("max_resp_len"), 0), get(tree, "data.max_response_length")
         limit = default("data.max_response_length") if limit is MISSING else parse(limit, 0)

@@ -33,7 +33,7 @@ def test_dapos_reward_manager_keys_set_the_overlong_shaping():
     ("extra", "said"),
     [
         ("reward_model.reward_manager=prime", "naive and dapo managers"),
-        (f"{OVERLONG}.log=True", "not logged per sample"),
+        (f"{OVERLONG}.log=maybe", "expected true or false"),
         ("+reward_model.reward_kwargs.max_resp_len=100", "set them equal"),
         ("+reward_model.reward_kwargs.foo=1", "reward-manager argument has no equivalent"),
         ("reward_model.micro_batch_size_per_gpu=4", "reward_model.enable=false leaves unused"),
