@@ -23,6 +23,8 @@ from typing import Any
 
 import requests
 
+from rlhf.errors import ExternalError
+
 HEALTH_TIMEOUT_S = 5.0
 ADMIN_TIMEOUT_S = 600.0  # weight loads of a large model take minutes
 API_KEY_ENV = "RLHF_SGLANG_API_KEY"
@@ -49,12 +51,14 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-class SGLangAPIError(RuntimeError):
+class SGLangAPIError(RuntimeError, ExternalError):
     """An SGLang route was unreachable or answered with a failure.
 
     `unreachable`: no answer came (connection refused or reset, timeout): the server may
     have died, so the caller may restart it and try again; an answer that reports a
     failure is not retried."""
+
+    kind = "rollout failed"
 
     def __init__(self, message: str, url: str, unreachable: bool):
         super().__init__(message)
@@ -62,9 +66,17 @@ class SGLangAPIError(RuntimeError):
         self.unreachable = unreachable
 
 
-class ServerLost(RuntimeError):
+class ServerUnavailable(ConnectionError, ExternalError):
+    """An SGLang server that did not start, or an external one that does not answer."""
+
+    kind = "rollout failed"
+
+
+class ServerLost(RuntimeError, ExternalError):
     """A server is gone for good: out of restarts, an external one (never restarted), or
     restarted without a way to give it the current weights."""
+
+    kind = "rollout failed"
 
 
 def _post(url: str, route: str, payload: dict | None = None, timeout_s: float = ADMIN_TIMEOUT_S):

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlhf.errors import UserError
 from rlhf.utils import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class PendingWrite:
     finalize: list[Callable[[], None]] = field(default_factory=list)
 
 
-class CheckpointWriterError(RuntimeError):
+class CheckpointWriterError(RuntimeError, UserError):
     """A writer process failed; the checkpoint was not published."""
 
 

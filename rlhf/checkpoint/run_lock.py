@@ -18,14 +18,16 @@ import socket
 import time
 from pathlib import Path
 
+from rlhf.errors import UserError
+
 LOCK_NAME = ".rlhf_run.lock"
 
 
-class RunDirBusy(RuntimeError):
+class RunDirBusy(RuntimeError, UserError):
     """Another live process holds the run directory."""
 
 
-class RunDirUnusable(RuntimeError):
+class RunDirUnusable(RuntimeError, UserError):
     """The run directory cannot be created or written (read-only, a file, no permission)."""
 
 

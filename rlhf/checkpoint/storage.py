@@ -15,6 +15,8 @@ import os
 import time
 from pathlib import Path
 
+from rlhf.errors import UserError
+
 MIB = 1024**2
 PROBE_BYTES = 8 * MIB
 # Less than this free after a failed write: the disk filled up (torch's checkpoint writer
@@ -24,7 +26,7 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-class CheckpointStorageError(RuntimeError):
+class CheckpointStorageError(RuntimeError, UserError):
     """The checkpoint directory cannot take a checkpoint (read-only, or too little space)."""
 
 

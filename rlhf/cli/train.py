@@ -18,37 +18,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rlhf.checkpoint.background import CheckpointWriterError
-from rlhf.checkpoint.run_lock import RunDirBusy, RunDirLock, RunDirUnusable
-from rlhf.checkpoint.storage import CheckpointStorageError
+from rlhf.checkpoint.run_lock import RunDirLock
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, validate_config
 from rlhf.config.compose import VERL_TRAINER_CONFIGS
 from rlhf.config.hydra_load import grouped, load_with_notes
 from rlhf.config.validate import config_notes
-from rlhf.data.parquet import DataError
-from rlhf.models.hf_io import CheckpointFileError
-from rlhf.reward.remote import RemoteRewardError
-from rlhf.reward.workers import RewardFunctionError
-from rlhf.rollout.client import GenerateError
+from rlhf.errors import EXTERNAL_ERRORS, USER_ERRORS, one_line
 from rlhf.rollout.multi_turn_config import load_configured_tools
-from rlhf.sglang_api import ServerLost, SGLangAPIError
 from rlhf.trainer.preemption import Preempted
 
 log = logging.getLogger("rlhf.cli.train")
-
-# Exit 2 with one line: the user's config, data, model files, run or checkpoint directory.
-USER_ERRORS = (
-    ConfigError,
-    DataError,
-    FileNotFoundError,
-    NotADirectoryError,
-    PermissionError,
-    RunDirBusy,
-    RunDirUnusable,
-    CheckpointStorageError,
-    CheckpointWriterError,
-    CheckpointFileError,
-)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -193,18 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("config: ignored: %s", line)
     try:
         run(cfg)
-    except USER_ERRORS as e:
-        print(f"rlhf-train: error: {e}", file=sys.stderr)
-        return 2
-    except (GenerateError, TimeoutError, ConnectionError, ServerLost, SGLangAPIError) as e:
-        print(f"rlhf-train: rollout failed: {e}", file=sys.stderr)
-        return 1
-    except (RemoteRewardError, RewardFunctionError) as e:  # reward.url, or the user's function
-        print(f"rlhf-train: reward failed: {e}", file=sys.stderr)
-        return 1
-    except FloatingPointError as e:  # rlhf.trainer.nonfinite: a NaN/inf found in a step
-        print(f"rlhf-train: stopped: {e}", file=sys.stderr)
-        return 1
+    except (*USER_ERRORS, *EXTERNAL_ERRORS) as e:  # rlhf.errors: one line, exit 2 or 1
+        code, line = one_line("rlhf-train", e)
+        print(line, file=sys.stderr)
+        return code
     except Preempted as e:  # SIGTERM: ended after a step (rlhf.trainer.preemption)
         if int(os.environ.get("RANK", "0")) == 0:  # every rank ends alike: one line, not N
             print(f"rlhf-train: {e}", file=sys.stderr)

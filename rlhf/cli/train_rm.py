@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from rlhf.cli.train import USER_ERRORS, bootstrap_layout, locked
+from rlhf.cli.train import bootstrap_layout, locked
 from rlhf.config import ConfigError, dump_yaml, load_config
 from rlhf.config.reward_training import RewardModelRunConfig, validate_reward_training
+from rlhf.errors import EXTERNAL_ERRORS, USER_ERRORS, one_line
 
 log = logging.getLogger("rlhf.cli.train_rm")
 
@@ -102,12 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         run(cfg)
-    except USER_ERRORS as e:
-        print(f"rlhf-train-rm: error: {e}", file=sys.stderr)
-        return 2
-    except FloatingPointError as e:
-        print(f"rlhf-train-rm: stopped: {e}", file=sys.stderr)
-        return 1
+    except (*USER_ERRORS, *EXTERNAL_ERRORS) as e:  # rlhf.errors: one line, exit 2 or 1
+        code, line = one_line("rlhf-train-rm", e)
+        print(line, file=sys.stderr)
+        return code
     return 0
 
 

@@ -24,9 +24,10 @@ from rlhf.config.inherit import inherit
 from rlhf.config.schema import RLHFConfig
 from rlhf.config.verl_keys import VERL_KEYS, VERL_SECTIONS, VerlKeyError, translate
 from rlhf.config.yaml_file import load_text, read_yaml
+from rlhf.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, UserError):
     """A config the run cannot use; the message names the offending key(s)."""
 
 

@@ -50,6 +50,7 @@ import pyarrow.parquet as pq
 
 from rlhf.config.choices import BadRows
 from rlhf.data.files import DataFile, resolve_files
+from rlhf.errors import UserError
 from rlhf.utils import atomic_output
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class Problem:
         return f"{self.file}: {', '.join(where) + ': ' if where else ''}{self.message}"
 
 
-class DataError(ValueError):
+class DataError(ValueError, UserError):
     """Invalid data; `problems` lists every problem found, `what` names the data ("prompt
     data", "preference data", "stored rollouts") in the message."""
 

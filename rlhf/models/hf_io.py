@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from rlhf.errors import UserError
+
 INDEX_NAME = "model.safetensors.index.json"
 DTYPE_BYTES = {
     "F64": 8,
@@ -33,7 +35,7 @@ DTYPE_BYTES = {
 SINGLE_NAME = "model.safetensors"
 
 
-class CheckpointFileError(ValueError):
+class CheckpointFileError(ValueError, UserError):
     """A weights file that cannot be read (truncated, not safetensors); names the file."""
 
 

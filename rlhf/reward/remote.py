@@ -15,9 +15,13 @@ from typing import Any
 
 import requests
 
+from rlhf.errors import ExternalError
 
-class RemoteRewardError(RuntimeError):
+
+class RemoteRewardError(RuntimeError, ExternalError):
     """The reward endpoint could not score a batch."""
+
+    kind = "reward failed"
 
 
 @dataclass(frozen=True)

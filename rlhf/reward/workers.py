@@ -23,11 +23,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf.errors import ExternalError
+
 OK, FAILED = "ok", "failed"
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(RuntimeError, ExternalError):
     """The reward function failed on a sample (the message names it)."""
+
+    kind = "reward failed"
 
 
 def describe(item: Any) -> str:

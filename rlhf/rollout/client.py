@@ -27,6 +27,7 @@ import torch
 
 from rlhf.config.engine_args import ROUTES_FLAG
 from rlhf.config.schema import RolloutConfig
+from rlhf.errors import ExternalError
 from rlhf.sglang_api import API_KEY_ENV, auth_headers
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,10 @@ Request = Callable[[int, dict[str, Any]], Awaitable["RequestResult"]]
 Recover = Callable[[str], str]
 
 
-class GenerateError(RuntimeError):
+class GenerateError(RuntimeError, ExternalError):
     """A /generate request failed for good (bad request, bad response, or retries exhausted)."""
+
+    kind = "rollout failed"
 
 
 class _Retryable(Exception):

@@ -168,7 +168,7 @@ class ServerGroup:
                 return
             if attempt < attempts:
                 time.sleep(policy.delay_s(attempt))
-        raise ConnectionError(
+        raise sglang_api.ServerUnavailable(
             f"external SGLang server at {url} ({KEY}.server_urls) did not answer GET /health "
             f"after {attempts} attempts ({RETRIES_KEY}={policy.retries}); start it first or "
             f"fix the URL"

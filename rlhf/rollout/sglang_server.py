@@ -230,7 +230,7 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if not self.is_alive():
                 code = self.proc.returncode if self.proc else None
-                raise RuntimeError(
+                raise sglang_api.ServerUnavailable(
                     f"SGLang server for {self.url} exited with code {code} before becoming "
                     f"healthy; log {self.log_path}:\n{self.log_tail()}"
                 )
@@ -238,7 +238,7 @@ class SGLangServer:
                 return
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(
+        raise sglang_api.ServerUnavailable(
             f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s "
             f"(actor_rollout_ref.rollout.server_startup_timeout_s); log {self.log_path}:\n"
             f"{self.log_tail()}"

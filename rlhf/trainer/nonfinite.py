@@ -23,11 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhf.errors import ExternalError
 from rlhf.rollout.batch import RolloutBatch
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(FloatingPointError, ExternalError):
     """A NaN/inf found where the run cannot go on (message: what, where)."""
+
+    kind = "stopped"
 
 
 def check_scores(batch: RolloutBatch) -> None:
