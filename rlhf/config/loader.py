@@ -195,14 +195,14 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if origin in (types.UnionType, typing.Union):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+        return f"list[{type_name(typing.get_args(tp)[0])}]"
     if tp is type(None):
         return "None"
     return getattr(tp, "__name__", str(tp))
@@ -261,11 +261,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, arg, path)
             except ConfigError:
                 continue
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}")
     if origin is typing.Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}")
         return value
     if origin is dict:  # a free mapping (e.g. engine_kwargs.sglang), checked by its user
         if not isinstance(value, dict):
@@ -275,13 +275,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}")
         (item_tp,) = typing.get_args(tp)
         return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
     if tp is float:
         return _finite_float(value, path)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}")
     return value
 
 
