@@ -12,7 +12,7 @@ import pytest
 
 from rlhf.cli import doctor_simulate
 from rlhf.cli.doctor import main
-from rlhf.cli.doctor_simulate import SHIPPED, STORED, digest
+from rlhf.cli.doctor_simulate import SHIPPED, STORED, check_stored, digest
 
 CONFIG, SHAPE = "configs/gsm8k_8gpu.yaml", "configs/model_shapes/Qwen2.5-7B.json"
 
@@ -25,6 +25,14 @@ def test_the_stored_simulation_is_of_the_shipped_configs_and_shapes():
         assert stored[config]["digest"] == digest(config, shape), (
             f"{config} or {shape} changed: run benchmarks/memory_simulation.py --store"
         )
+
+
+@pytest.mark.parametrize("config", sorted(SHIPPED))
+def test_every_shipped_config_fits_and_is_planned_within_ten_percent_at_its_whole_depth(config):
+    """The planner as it is now against each config's stored simulation at its whole depth:
+    every phase within 10% and 8% of 80 GiB free."""
+    check, report = check_stored(config, None)
+    assert check.status == "PASS", report or check.detail
 
 
 def test_a_shipped_config_gets_its_stored_simulation_at_once(capsys):
