@@ -70,13 +70,9 @@ def load(args: argparse.Namespace) -> Any:
     raise ConfigError(f"config file {root / name}.yaml does not exist (--config-name {name})")
 
 
-def resolve(args: argparse.Namespace) -> RLHFConfig:
+def resolve(args: argparse.Namespace) -> tuple[RLHFConfig, list[str]]:
     """Load + validate (and load the multi-turn tools, which the config layer cannot); the
-    world size comes from torchrun when launched by it."""
-    return _resolve(args)[0]
-
-
-def _resolve(args: argparse.Namespace) -> tuple[RLHFConfig, list[str]]:
+    world size comes from torchrun when launched by it. The config and its ignored keys."""
     from rlhf.distributed.bootstrap import launched_local_world_size, launched_world_size
 
     loaded = load(args)
@@ -160,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
-        cfg, ignored = _resolve(args)
+        cfg, ignored = resolve(args)
     except ConfigError as e:
         print(f"rlhf-train: config error: {e}", file=sys.stderr)
         return 2

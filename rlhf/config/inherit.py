@@ -9,8 +9,6 @@ so that "unset" means absent from the file and the command line.
 
 from __future__ import annotations
 
-from typing import Any
-
 from rlhf.config.tree import MISSING, get, put
 
 ACTOR, CRITIC = "actor_rollout_ref.actor", "critic"
@@ -36,13 +34,9 @@ CRITIC_FROM_ACTOR = {
 }
 
 
-def inherit(tree: dict) -> dict[str, Any]:
-    """Give each unset critic key of `tree` the actor's value where the actor's is set;
-    the keys filled and their values."""
-    filled = {}
+def inherit(tree: dict) -> None:
+    """Give each unset critic key of `tree` the actor's value where the actor's is set."""
     for key, source in CRITIC_FROM_ACTOR.items():
         value = get(tree, source)
         if get(tree, key) is MISSING and value is not MISSING:
             put(tree, key, value)
-            filled[key] = value
-    return filled
