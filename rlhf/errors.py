@@ -8,11 +8,20 @@ code.
 
 Each exception class of the project derives from one of the two (besides its builtin base,
 which callers may still catch); `kind` is the word the line starts with after the program's
-name. A few builtins count too: a missing or unwritable path is the user's, a timeout or a
-refused connection is external.
+name (an empty one: the message follows the name). A few builtins count too: a missing or
+unwritable path is the user's, a timeout or a refused connection is external.
+
+Every command's `main` is wrapped in `ends_in_one_line(program)`, which turns an error of
+either kind that reaches it into that line on stderr and the exit code; anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import ParamSpec
 
 
 class UserError(Exception):
@@ -38,4 +47,26 @@ def one_line(program: str, error: BaseException) -> tuple[int, str]:
     default = "error" if user else "stopped" if isinstance(error, FloatingPointError) else "failed"
     kind = getattr(error, "kind", default)
     text = str(error) or type(error).__name__
-    return (2 if user else 1), f"{program}: {kind}: {text}"
+    return (2 if user else 1), f"{program}: {kind}: {text}" if kind else f"{program}: {text}"
+
+
+P = ParamSpec("P")
+
+
+def ends_in_one_line(program: str) -> Callable[[Callable[P, int]], Callable[P, int]]:
+    """Decorate a command's `main(argv) -> exit code`: a `USER_ERRORS` or `EXTERNAL_ERRORS`
+    error it raises ends it with `one_line`'s line on stderr and exit code (2 or 1)."""
+
+    def wrap(main: Callable[P, int]) -> Callable[P, int]:
+        @functools.wraps(main)
+        def run(*args: P.args, **kwargs: P.kwargs) -> int:
+            try:
+                return main(*args, **kwargs)
+            except (*USER_ERRORS, *EXTERNAL_ERRORS) as e:
+                code, line = one_line(program, e)
+                print(line, file=sys.stderr, flush=True)
+                return code
+
+        return run
+
+    return wrap

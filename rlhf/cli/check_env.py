@@ -13,6 +13,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from rlhf.errors import ends_in_one_line
+
 
 def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -57,6 +59,7 @@ def lock_problems(path: Path) -> list[str]:
     return mismatches(read_pins(path), installed_versions())
 
 
+@ends_in_one_line("check_env")  # a missing lock file: one line, exit 2
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from rlhf.errors import UserError, ends_in_one_line
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rlhf-convert", description=__doc__.splitlines()[0])
@@ -66,7 +68,7 @@ def layout(args: argparse.Namespace):
     etp = getattr(args, "etp", None) or tp
     for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--etp", etp)):
         if size < 1:
-            raise ValueError(f"{flag} {size}: a parallel size is at least 1")
+            raise UserError(f"{flag} {size}: a parallel size is at least 1")
     placement = Placement(tp_size=tp, pp_size=pp, ep_size=ep, etp_rank=0, etp_size=etp)
     return placement, pp * math.lcm(tp, ep * etp)
 
@@ -167,6 +169,7 @@ def preflight(args: argparse.Namespace) -> None:
         convert.check_verify(args.mcore_dir, sizes)
 
 
+@ends_in_one_line("rlhf-convert")  # errors in the inputs: one line, exit 2
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, num_procs = layout(args)
         if launched and launched != num_procs:
-            raise ValueError(
+            raise UserError(
                 f"launched with {launched} processes, but --pp x lcm(--tp, --ep x --etp) = "
                 f"{num_procs}"
             )
@@ -183,10 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         if num_procs > 1 and not launched:
             return relaunch_under_torchrun(num_procs, argv)
         return run(args)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"rlhf-convert: error: {message}", file=sys.stderr)
-        return 2
+    except (ValueError, KeyError, FileExistsError) as e:  # rlhf.models.convert's input checks
+        raise UserError(str(e.args[0] if isinstance(e, KeyError) and e.args else e)) from e
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from rlhf.cli.doctor_memory import check_memory
 from rlhf.cli.doctor_placement import check_placement, node_gpus
 from rlhf.cli.doctor_simulate import SHIPPED, check_simulation, check_stored, simulate_shipped
 from rlhf.config import ConfigError, RLHFConfig, load_config
+from rlhf.errors import ends_in_one_line
 
 DEFAULT_REQUIREMENTS = Path("requirements")  # a checkout's, when run from its root
 
@@ -196,6 +197,9 @@ def _simulation(args: argparse.Namespace) -> tuple[Check | None, str]:
     if args.model_config is not None and Path(args.model_config).resolve() != Path(shape).resolve():
         return None, ""
     return check_stored(config, args.gpu_memory_gb)
+
+
+main = ends_in_one_line("rlhf-doctor")(main)  # rlhf.errors: one line, exit 2 or 1
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 from rlhf.checkpoint.manager import find_latest
 from rlhf.config import ConfigError, RLHFConfig, load_config
 from rlhf.data.parquet import DataError
+from rlhf.errors import ends_in_one_line
 from rlhf.reward.remote import RemoteRewardError
 from rlhf.reward.validation import per_source_table
 from rlhf.rollout.client import GenerateError
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     return exit_code("rlhf-eval", lambda: run(args, eval_config(args)))
+
+
+main = ends_in_one_line("rlhf-eval")(main)  # rlhf.errors: one line, exit 2 or 1
 
 
 if __name__ == "__main__":

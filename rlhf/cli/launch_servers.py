@@ -39,6 +39,7 @@ from rlhf.config.engine_args import launched_rollout, server_argv
 from rlhf.config.loader import ConfigError, build, load_config
 from rlhf.config.placement import is_loopback_host
 from rlhf.config.schema import RLHFConfig, RolloutConfig
+from rlhf.errors import ends_in_one_line
 from rlhf.rollout.server_group import KEY, ServerGroup
 from rlhf.sglang_api import API_KEY_ENV, api_key
 
@@ -201,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         group.stop()
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+main = ends_in_one_line("launch_servers")(main)  # rlhf.errors: one line, exit 2 or 1
 
 
 if __name__ == "__main__":

@@ -25,12 +25,14 @@ import json
 import sys
 from pathlib import Path
 
+from rlhf.errors import ends_in_one_line
 from rlhf.quickstart.tiny_model import FAMILIES, MOE_FAMILIES, TinyModelSpec, save_tiny_model
 from rlhf.tools.parser import OPEN
 
 WARM_START_MARKER = "warm_start.json"  # written last: its presence means the warm start finished
 
 
+@ends_in_one_line("rlhf-make-tiny-model")  # an unwritable OUT_DIR: one line, exit 2
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")

@@ -22,6 +22,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from rlhf.errors import UserError, ends_in_one_line
+
 SCORE_KEY = "critic/score/mean"
 VAL_PREFIX = "val/test_score/"
 KL_KEYS = ("actor/reward_kl_penalty", "actor/ppo_kl")
@@ -29,6 +31,10 @@ KL_COEF_KEY = "actor/reward_kl_penalty_coeff"
 LOSS_KEYS = ("actor/pg_loss", "critic/vf_loss", "actor/entropy")
 
 Row = Mapping[str, float]
+
+
+class MetricsError(ValueError, UserError):
+    """A metrics.jsonl that cannot be plotted: not JSON, no steps, none of the plotted keys."""
 
 
 def read_rows(path: Path) -> list[dict[str, float]]:
@@ -42,12 +48,12 @@ def read_rows(path: Path) -> list[dict[str, float]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from e
+            raise MetricsError(f"{path}:{number}: not JSON ({e.msg})") from e
         if not isinstance(row, dict) or "step" not in row:
-            raise ValueError(f"{path}:{number}: expected an object with a 'step' key")
+            raise MetricsError(f"{path}:{number}: expected an object with a 'step' key")
         rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: empty, no steps to plot")
+        raise MetricsError(f"{path}: empty, no steps to plot")
     return rows
 
 
@@ -107,7 +113,7 @@ def plot_metrics(rows: Sequence[Row], out_path: str | Path) -> Path:
     kept = panels(rows)
     if not kept:
         known = [SCORE_KEY, f"{VAL_PREFIX}*", *KL_KEYS, KL_COEF_KEY, *LOSS_KEYS]
-        raise ValueError(f"none of the plotted metrics were logged: {', '.join(known)}")
+        raise MetricsError(f"none of the plotted metrics were logged: {', '.join(known)}")
     fig = Figure(figsize=(8, 3 * len(kept)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(kept), 1, sharex=True, squeeze=False)[:, 0]
@@ -127,14 +133,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@ends_in_one_line("rlhf-plot")  # a missing or unplottable file: one line, exit 2
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or args.run_dir / "metrics.png"
-    try:
-        written = plot_metrics(read_rows(args.run_dir / "metrics.jsonl"), out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"rlhf-plot: error: {e}", file=sys.stderr)
-        return 2
+    written = plot_metrics(read_rows(args.run_dir / "metrics.jsonl"), out)
     print(f"wrote {written}")
     return 0
 

@@ -32,6 +32,7 @@ import sys
 from rlhf.data.gsm8k import preprocess_gsm8k
 from rlhf.data.math_sets import MATH_SETS, preprocess_math
 from rlhf.data.parquet import FileReport, GroundTruthCheck, Problem, check_files
+from rlhf.errors import UserError, ends_in_one_line
 from rlhf.quickstart.data import write_quickstart_data, write_tools_quickstart_data
 from rlhf.quickstart.preferences import write_reward_quickstart_data
 from rlhf.reward import check_ground_truth, load_custom_fn
@@ -102,9 +103,8 @@ def run_check(files: list[str], prompt_key: str, custom_fn: str | None = None) -
     if custom_fn:
         try:
             load_custom_fn(custom_fn)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"rlhf-preprocess: error: {e}", file=sys.stderr)
-            return 2
+        except ValueError as e:  # rlhf.reward.registry's: the user's file does not load
+            raise UserError(str(e)) from e
         check = None
     reports = [r for spec in files for r in _reports(spec, prompt_key, check)]
     problems = [p for r in reports for p in r.problems]
@@ -124,7 +124,7 @@ def run_check(files: list[str], prompt_key: str, custom_fn: str | None = None) -
 def _preprocess_math(args: argparse.Namespace) -> dict:
     data_source = getattr(args, "data_source", None)
     if data_source is not None and not data_source.startswith("aime"):
-        raise ValueError(
+        raise UserError(
             f"--data_source {data_source!r} must start with 'aime' (the AIME reward rule)"
         )
     return preprocess_math(args.command, args.input, args.local_dir, last_boxed, data_source)
@@ -138,6 +138,7 @@ def _write_tools_quickstart(args: argparse.Namespace) -> dict:
     return {"train": (train, args.num_train), "val": (val, args.num_val)}
 
 
+@ends_in_one_line("rlhf-preprocess")  # bad inputs: one line, exit 2
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "check":
@@ -156,9 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             paths = write_quickstart_data(args.local_dir, args.num_train, args.num_val, args.seed)
             written = {"train": (paths[0], args.num_train), "val": (paths[1], args.num_val)}
-    except (FileNotFoundError, ValueError) as e:
-        print(f"rlhf-preprocess: error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # the converters' (rlhf.data, rlhf.quickstart): bad input files
+        raise UserError(str(e)) from e
     for split, (path, rows) in written.items():
         print(f"wrote {split}: {path} ({rows} rows)")
     return 0

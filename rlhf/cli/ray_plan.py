@@ -23,11 +23,16 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
+from rlhf.errors import ExternalError
+
 TRAINER_MODULE = "rlhf.cli.train"
 
 
-class LaunchError(ValueError):
-    """A launch the cluster or the config cannot give; the message is one line."""
+class LaunchError(ValueError, ExternalError):
+    """A launch the cluster or the config cannot give; the message is one line, which
+    rlhf-ray-train prints after its name alone (exit 1)."""
+
+    kind = ""
 
 
 @dataclass(frozen=True)

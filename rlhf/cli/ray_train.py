@@ -47,6 +47,7 @@ from rlhf.cli.ray_plan import (
     rank_env,
     trainer_command,
 )
+from rlhf.errors import ends_in_one_line
 
 log = logging.getLogger("rlhf.cli.ray_train")
 PROG = "rlhf-ray-train"
@@ -343,6 +344,7 @@ def start_ranks(
     return [ActorRank(a, slot, ips[slot.rank]) for slot, a in zip(plan.slots(), actors)]
 
 
+@ends_in_one_line(PROG)  # rlhf.errors: one line, exit 2 or 1 (a LaunchError: 1)
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     opts, trainer_args = parse_args(argv)
@@ -358,9 +360,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return launch(opts, trainer_args, cfg)
-    except LaunchError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 1
     except ConnectionError as e:  # ray.init: no cluster at --address / RAY_ADDRESS
         print(f"{PROG}: cannot reach the Ray cluster: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from rlhf.cli.eval import exit_code, policy_hf_dir
 from rlhf.config import ConfigError, RLHFConfig, load_config
+from rlhf.errors import ends_in_one_line
 
 AR = "actor_rollout_ref.rollout"
 
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     return exit_code("rlhf-rollout", lambda: run(args, rollout_config(args)))
+
+
+main = ends_in_one_line("rlhf-rollout")(main)  # rlhf.errors: one line, exit 2 or 1
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ import sys
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main as torchrun_main
 
+from rlhf.errors import ends_in_one_line
 
+
+@ends_in_one_line("torchrun")
 def main(argv: list[str] | None = None) -> int:
     try:
         torchrun_main(argv)

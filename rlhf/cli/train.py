@@ -23,7 +23,7 @@ from rlhf.config import ConfigError, RLHFConfig, dump_yaml, validate_config
 from rlhf.config.compose import VERL_TRAINER_CONFIGS
 from rlhf.config.hydra_load import grouped, load_with_notes
 from rlhf.config.validate import config_notes
-from rlhf.errors import EXTERNAL_ERRORS, USER_ERRORS, one_line
+from rlhf.errors import ends_in_one_line
 from rlhf.rollout.multi_turn_config import load_configured_tools
 from rlhf.trainer.preemption import Preempted
 
@@ -152,6 +152,7 @@ def report(run_dir: Path, step: int) -> None:
     print(f"  plot:        rlhf-plot {run_dir}  (writes {run_dir / 'metrics.png'})", flush=True)
 
 
+@ends_in_one_line("rlhf-train")  # rlhf.errors: one line, exit 2 or 1
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -168,10 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("config: ignored: %s", line)
     try:
         run(cfg)
-    except (*USER_ERRORS, *EXTERNAL_ERRORS) as e:  # rlhf.errors: one line, exit 2 or 1
-        code, line = one_line("rlhf-train", e)
-        print(line, file=sys.stderr)
-        return code
     except Preempted as e:  # SIGTERM: ended after a step (rlhf.trainer.preemption)
         if int(os.environ.get("RANK", "0")) == 0:  # every rank ends alike: one line, not N
             print(f"rlhf-train: {e}", file=sys.stderr)

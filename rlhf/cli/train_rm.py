@@ -19,7 +19,7 @@ from typing import NoReturn
 from rlhf.cli.train import bootstrap_layout, locked
 from rlhf.config import ConfigError, dump_yaml, load_config
 from rlhf.config.reward_training import RewardModelRunConfig, validate_reward_training
-from rlhf.errors import EXTERNAL_ERRORS, USER_ERRORS, one_line
+from rlhf.errors import ends_in_one_line
 
 log = logging.getLogger("rlhf.cli.train_rm")
 
@@ -79,6 +79,7 @@ def report(run_dir: Path, step: int, exported: Path) -> None:
     print(f"  checkpoints:       {run_dir / 'checkpoints'}", flush=True)
 
 
+@ends_in_one_line("rlhf-train-rm")  # rlhf.errors: one line, exit 2 or 1
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -101,12 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(dump_yaml(cfg))
         return 0
-    try:
-        run(cfg)
-    except (*USER_ERRORS, *EXTERNAL_ERRORS) as e:  # rlhf.errors: one line, exit 2 or 1
-        code, line = one_line("rlhf-train-rm", e)
-        print(line, file=sys.stderr)
-        return code
+    run(cfg)
     return 0
 
 
