@@ -17,11 +17,12 @@ import torch
 from rlhf.config import load_config
 from rlhf.distributed.bootstrap import seed_everything
 from rlhf.distributed.context import ParallelContext
+from rlhf.engine.build import build_engine
+from rlhf.engine.heads import token_logprobs
 from rlhf.memory.measure import peak_bytes_during
 from rlhf.memory.planner import PlanInputs, plan_stage
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.trainer.heads import token_logprobs
-from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+from rlhf.trainer.preflight import load_policy_arch
 
 SAMPLES, PROMPT = 4, 8
 
@@ -89,7 +90,7 @@ def measure_activations(
     cfg = load_config(None, overrides)
     arch = load_policy_arch(cfg)
     seed_everything(0)
-    models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+    models = build_engine(cfg, arch, ctx, total_steps=1)
     batch = packed_batch(tokens, arch.vocab_size, micro_batches)
     (planned,) = models.planner.plan(batch, tokens)
     if len(planned) != micro_batches or any(mb.num_tokens != tokens for mb in planned):

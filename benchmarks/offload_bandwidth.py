@@ -1,4 +1,4 @@
-"""Offload and reload bandwidth of the trainer's offload path (rlhf.trainer.offload).
+"""Offload and reload bandwidth of the trainer's offload path (rlhf.engine.offload).
 
 `--gib` of model-like state (storages of 64 MiB to 1 GiB, as DDP buffers and Adam states
 are) goes off the device into (pinned, on CUDA) host memory and back, `--repeats` times,
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from rlhf.trainer.offload import StorageOffloader
+from rlhf.engine.offload import StorageOffloader
 
 SIZES_MIB = (1024, 512, 256, 128, 64)
 

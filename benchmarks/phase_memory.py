@@ -122,7 +122,8 @@ def single_rank_models(config: str, model: str, overrides: list[str], port: int)
     the build's peak). Call `teardown` after."""
     from rlhf.config import load_config
     from rlhf.distributed.bootstrap import init_parallel, seed_everything
-    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+    from rlhf.engine.build import build_engine
+    from rlhf.trainer.preflight import load_policy_arch
 
     one = [f"actor_rollout_ref.model.path={model}", "trainer.n_gpus_per_node=1", "trainer.nnodes=1"]
     cfg = load_config(config, [*one, *overrides])
@@ -134,7 +135,7 @@ def single_rank_models(config: str, model: str, overrides: list[str], port: int)
     arch = load_policy_arch(cfg)
     meter = StageMemory(ctx.device)
     with meter.stage("build"):  # the models one after the other, offloaded as configured
-        models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+        models = build_engine(cfg, arch, ctx, total_steps=1)
     return cfg, ctx, arch, models, meter
 
 

@@ -87,7 +87,8 @@ def run_stages(models, batch, algorithm, budget: int, kl_coef: float) -> dict[st
     """The trainer's stages of one step on `batch`, every model at token budget `budget`."""
     import dataclasses
 
-    from rlhf.trainer import experience, ppo_step
+    from rlhf.engine import engine
+    from rlhf.trainer import experience
 
     seconds: dict[str, float] = {}
 
@@ -102,18 +103,18 @@ def run_stages(models, batch, algorithm, budget: int, kl_coef: float) -> dict[st
     m, planner = models, models.planner
     old = stage(
         "old_log_prob",
-        lambda: ppo_step.compute_logprobs(m.actor, batch, planner, budget, m.logprob_head),
+        lambda: engine.compute_logprobs(m.actor, batch, planner, budget, m.logprob_head),
     )
     ref, _ = stage(
-        "ref", lambda: ppo_step.compute_logprobs(m.ref, batch, planner, budget, m.logprob_head)
+        "ref", lambda: engine.compute_logprobs(m.ref, batch, planner, budget, m.logprob_head)
     )
-    values = stage("values", lambda: ppo_step.compute_values(m.critic, batch, planner, budget))
+    values = stage("values", lambda: engine.compute_values(m.critic, batch, planner, budget))
     exp, _ = stage(
         "adv", lambda: experience.build_experience(batch, old, ref, values, algorithm, kl_coef)
     )
     for role, spec in (("critic", m.critic_update), ("actor", m.actor_update)):
         spec = dataclasses.replace(spec, token_budget=budget)
-        stage(f"update_{role}", lambda spec=spec: ppo_step.run_updates(spec, exp, planner))
+        stage(f"update_{role}", lambda spec=spec: engine.run_updates(spec, batch, exp, planner))
     seconds["step"] = sum(seconds.values())
     return seconds
 
@@ -125,8 +126,8 @@ def plain_update_seconds(
 
     `masked_rows`: attend over each whole packed row with a block-diagonal T x T mask (the
     local spec before per-sample attention) instead of per sample."""
-    from rlhf.trainer.heads import token_logprobs
-    from rlhf.trainer.micro_batch import block_causal_mask
+    from rlhf.engine.heads import token_logprobs
+    from rlhf.engine.micro_batch import block_causal_mask
 
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-6)
 
@@ -151,9 +152,10 @@ def plain_update_seconds(
 
 
 def measure(args, model_dir: Path) -> dict:
-    from rlhf.trainer.micro_batch import MicroBatchPlanner
+    from rlhf.engine.build import build_engine
+    from rlhf.engine.micro_batch import MicroBatchPlanner
     from rlhf.trainer.perf import measure_matmul_flops, ppo_step_flops
-    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+    from rlhf.trainer.preflight import load_policy_arch
 
     n_samples = args.samples
     cfg = load_config(
@@ -173,7 +175,7 @@ def measure(args, model_dir: Path) -> dict:
     env = bootstrap.init_parallel("cpu" if not torch.cuda.is_available() else "auto")
     bootstrap.seed_everything(0)
     arch = load_policy_arch(cfg)
-    models = build_ppo_models(cfg, arch, env, total_steps=args.steps + 1)
+    models = build_engine(cfg, arch, env, total_steps=args.steps + 1)
     models = dataclasses.replace(models, planner=MicroBatchPlanner(env, thd=False))
     batch = synthetic_batch(args, arch.vocab_size)
     run_stages(models, batch, cfg.algorithm, args.budget, 0.001)  # warm-up

@@ -54,6 +54,9 @@ def main() -> None:
 
     from rlhf.config.schema import RolloutConfig
     from rlhf.distributed import bootstrap
+    from rlhf.engine.engine import MegatronModel
+    from rlhf.engine.heads import LogprobHead
+    from rlhf.engine.micro_batch import MicroBatchPlanner
     from rlhf.models.builder import build_model, load_hf_weights
     from rlhf.models.families import load_arch
     from rlhf.models.hf_io import HFCheckpointReader
@@ -61,9 +64,6 @@ def main() -> None:
     from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
     from rlhf.rollout.engine import SGLangEngine
     from rlhf.rollout.policy_servers import PolicyServers
-    from rlhf.trainer.heads import LogprobHead
-    from rlhf.trainer.megatron_model import MegatronModel
-    from rlhf.trainer.micro_batch import MicroBatchPlanner
     from rlhf.trainer.ppo_step import ActorWeights
     from rlhf.weight_sync.factory import build_weight_syncer
     from rlhf.weight_sync.gather import SyncTopology

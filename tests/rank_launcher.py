@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 # Imported once in the fork server; a rank forked from it finds them in sys.modules.
-PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers", "rlhf.trainer.setup"]
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers", "rlhf.engine.build"]
 _context: multiprocessing.context.ForkServerContext | None = None
 
 

@@ -131,6 +131,16 @@ def _token_fraction(
     return values.sum() / _denominator(n_tok, values)
 
 
+def clip_range(
+    clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None
+) -> tuple[float, float]:
+    """(eps_low, eps_high): `clip_ratio_low` / `clip_ratio_high`, each `clip_ratio` when unset
+    (verl's defaults; DAPO's clip-higher sets the high one)."""
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    return low, high
+
+
 def _check_clip_range(low: float, high: float) -> None:
     if not (0.0 <= low < 1.0 and high >= 0.0):
         raise ValueError(
@@ -176,8 +186,7 @@ def policy_loss(
     tokens where the dual clip is active; ppo_kl: sum(old_logp - logp) (k1); all / N_tok.
     `weights_bt` (detached, e.g. truncated importance weights) multiplies pg_t.
     """
-    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
-    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    low, high = clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
     _check_clip_range(low, high)
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (or None to disable), got {clip_ratio_c}")

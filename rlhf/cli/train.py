@@ -113,12 +113,14 @@ def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
 def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
     from rlhf.distributed import bootstrap
     from rlhf.trainer.ppo_trainer import PPOTrainer
-    from rlhf.trainer.setup import load_policy_arch
+    from rlhf.trainer.preflight import preflight
 
     world = bootstrap.launched_world_size() or 1
-    arch = load_policy_arch(cfg)  # every model directory checked, once
-    layout = validate_config(cfg, world, arch, bootstrap.launched_local_world_size() or 1)
-    ctx = bootstrap_layout(cfg.trainer.device, layout, world)
+    local = bootstrap.launched_local_world_size() or 1
+    device = bootstrap.pick_device(cfg.trainer.device).type
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    checked = preflight(cfg, world, local, device, is_main)  # before any server starts
+    ctx = bootstrap_layout(cfg.trainer.device, checked.layout, world)
     trainer = None
     try:
         bootstrap.seed_everything(cfg.actor_rollout_ref.actor.megatron.seed)
@@ -127,7 +129,7 @@ def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
             log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
             for note in config_notes(cfg):
                 log.warning("config: %s", note)
-        trainer = PPOTrainer(cfg, ctx, run_dir, arch)
+        trainer = PPOTrainer(cfg, ctx, run_dir, checked)
         last = trainer.fit()
         if ctx.is_main:
             report(run_dir, last)

@@ -33,8 +33,8 @@ def _run(cfg: RewardModelRunConfig, run_dir: Path) -> Path:
     from rlhf.distributed import bootstrap
     from rlhf.models.families import check_transformer_overrides
     from rlhf.models.model_dir import check_model_dir
+    from rlhf.trainer.preflight import check_experts
     from rlhf.trainer.reward_training import EXPORT_DIR, RewardModelTrainer
-    from rlhf.trainer.setup import check_experts
 
     world = bootstrap.launched_world_size() or 1
     arch = check_model_dir(cfg.model.path, "model.path")

@@ -441,7 +441,7 @@ class TrainerConfig:
     resume_accept_changes: list[str] = doc(
         list,
         "keys (or whole sections, e.g. algorithm) whose change from the checkpoint's config a "
-        "resume accepts; other changes to what is trained are refused (trainer/resume_check.py)",
+        "resume accepts; other changes to what is trained are refused (trainer/preflight.py)",
     )
     max_actor_ckpt_to_keep: int | None = doc(
         None, "keep only the newest K checkpoints (null: keep all)", gt=0

@@ -3,7 +3,7 @@
 A micro-batch of variable-length sequences becomes one row of concatenated tokens with
 per-sequence positions and cumulative lengths, so attention never crosses sequences and no
 compute is spent on padding beyond `pad_to_multiple_of` (2 x CP for context parallelism).
-`rlhf.trainer.micro_batch` builds its THD micro-batches with `pack_sequences`; the tests
+`rlhf.engine.micro_batch` builds its THD micro-batches with `pack_sequences`; the tests
 hold the inverse (cut a packed tensor back per sequence) that proves the layout exact.
 """
 

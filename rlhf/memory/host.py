@@ -13,7 +13,7 @@ Per rank, at its peak:
                  are offloaded already
       checkpoint a save's CPU copies of one trained model: its weights, and under the
                  distributed optimizer this rank's master weights and Adam state
-                 (`rlhf.trainer.optimizer_shards.owned_state`); under `trainer.async_save`
+                 (`rlhf.engine.optimizer_shards.owned_state`); under `trainer.async_save`
                  those of every trained model at once, the snapshot its writer process
                  holds until the files are written (`rlhf.checkpoint.background`)
 

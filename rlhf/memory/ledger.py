@@ -5,7 +5,7 @@ servers release and wake their memory, what a build holds) are plain code; the m
 order are the only GPU-only part. The code that decides records here, on the CPU exactly as
 on a GPU, so that the CPU suite can assert the residency of every phase:
 
-- the offload manager (`rlhf.trainer.offload`): each model's `params`, `grads` and
+- the offload manager (`rlhf.engine.offload`): each model's `params`, `grads` and
   `optimizer` (owner "actor", "critic", "ref", ...; bytes: the storages' sizes, expert
   buffers included) when they come onto the device and when they leave it;
 - the colocated servers' sleep and wake (`rlhf.rollout.policy_servers`): SGLang's

@@ -86,7 +86,7 @@ class MoERouter:
     `aux_loss_coeff` of the load-balancing loss (Megatron's "aux_loss" type, per
     micro-batch), `z_loss_coeff` (None: off), token dropping at `capacity_factor` (None:
     none) keeping tokens by `token_drop_policy`; `replay`: the routers can record and
-    replay routes (`rlhf.trainer.route_replay`)."""
+    replay routes (`rlhf.engine.route_replay`)."""
 
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float | None = None

@@ -8,7 +8,7 @@ scored here: the built-in rules in this process; a custom function, or any rules
 picklable).
 Model rows go to `reward.url` when it is set; otherwise they come back as NaN, and the
 trainer scores them with the reward model of `reward.model_path`
-(`rlhf.trainer.reward_model`), which runs on every trainer rank.
+(`rlhf.engine.reward_model`), which runs on every trainer rank.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ single-turn batch those are all the response tokens; in a multi-turn one (`respo
 the tool messages between assistant turns are left out, so that every per-token quantity
 (log-probs, entropies, values, KL, token rewards, advantages, GAE's recursion, importance
 weights, losses) sees the policy's tokens only, in order, and the code computing them is the
-same for both. The models still process the whole sequence; `rlhf.trainer.micro_batch` reads
+same for both. The models still process the whole sequence; `rlhf.engine.micro_batch` reads
 each policy token's output at its position. Which rank processes which sample is decided
 later by the micro-batch plan.
 """

@@ -163,7 +163,7 @@ def generate_and_score(
 ) -> RolloutResult:
     """Generate `params.n` responses per prompt on `engine` and score them with `scorer`
     (rule rows, and model rows when a reward endpoint is set; other model rows stay NaN for
-    the trainer's reward model, `rlhf.trainer.reward_model`).
+    the trainer's reward model, `rlhf.engine.reward_model`).
 
     `uids` and `indices` (the prompts' positions in their dataset) go with each prompt;
     `policy_version` (the weights the engine serves) with the result and every record.

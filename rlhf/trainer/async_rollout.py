@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import PromptDataset
 from rlhf.data.sampler import PromptSampler
+from rlhf.engine.reward_model import RewardModelScorer, score_model_rows
 from rlhf.rollout.generation import RolloutResult, sampling_params
 from rlhf.rollout.policy_servers import PolicyServers, PolicyWeights, WeightLoad
-from rlhf.trainer.reward_model import RewardModelScorer, score_model_rows
 from rlhf.trainer.rollout_strategy import StepBatch, collect_step_batch, prompt_groups
 
 Interval = tuple[float, float]

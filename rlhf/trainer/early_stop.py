@@ -44,20 +44,6 @@ def _number(value: float | None) -> str:
     return "none (no finite score yet)" if value is None else f"{value:.4g}"
 
 
-def should_stop_epochs(approx_kl: float, bound: float | None) -> bool:
-    """True when the PPO epochs of the current step should end now.
-
-    Checked after every mini-batch update: `approx_kl` is the approximate KL between the
-    rollout policy and the policy being updated (`actor/ppo_kl`) on that mini-batch. Once it
-    exceeds `bound`, the remaining mini-batches and epochs of this step are skipped, so one
-    batch cannot move the policy arbitrarily far. A non-finite KL also stops; `bound=None`
-    never stops.
-    """
-    if bound is None:
-        return False
-    return not math.isfinite(approx_kl) or approx_kl > bound
-
-
 class EarlyStopper:
     """Applies the `trainer.early_stop` rules to the numbers of each step and validation.
 

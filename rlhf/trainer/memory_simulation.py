@@ -7,7 +7,7 @@ phase keeps on the device, counted from the real code.
 prints one JSON object (`SimulatedStep`). Why: the memory planner (`rlhf.memory.planner`)
 counts bytes by formula; this runs the trainer's own code for one rank of the config's
 layout and counts what is alive on the device, phase by phase, so that the planner is held
-to the code: the models as `build_ppo_models` builds them (Megatron's local spec, DDP, the
+to the code: the models as `build_engine` builds them (Megatron's local spec, DDP, the
 Megatron optimizer, each offloaded as configured), one step's `learn_from_batch` (old
 log-probs, reference, values, advantages, the critic's and actor's updates) and the weight
 load's device residency and log-prob probe (`PolicyServers.load_weights`), with the device
@@ -60,12 +60,12 @@ import torch
 from rlhf.config import RLHFConfig, load_config
 from rlhf.config.budgets import token_budgets
 from rlhf.config.validate import parallel_layout, uses_critic, uses_reference
+from rlhf.engine.engine import PPOEngine
+from rlhf.engine.micro_batch import row_multiple
 from rlhf.memory.fake_device import LiveBytes, simulated_device
 from rlhf.memory.ledger import ledger, reset
 from rlhf.models.families import ModelArch, arch_from_hf_config
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.trainer.micro_batch import row_multiple
-from rlhf.trainer.setup import PPOModels
 
 AR = "actor_rollout_ref"
 DEVIATIONS = (
@@ -111,7 +111,7 @@ class Meter(Protocol):
     """Records each phase's peak (the step's timer as `learn_from_batch` calls it)."""
 
     peaks: dict[str, PhasePeak]
-    models: PPOModels | None
+    models: PPOEngine | None
 
     def stage(self, name: str) -> AbstractContextManager[None]: ...
 
@@ -126,7 +126,7 @@ class PhasePeaks:
 
     counter: LiveBytes
     peaks: dict[str, PhasePeak] = field(default_factory=dict)
-    models: PPOModels | None = None
+    models: PPOEngine | None = None
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -146,7 +146,7 @@ class MeasuredPeaks:
     allocated above it inside (torch.profiler's allocation events, `rlhf.memory.measure`)."""
 
     peaks: dict[str, PhasePeak] = field(default_factory=dict)
-    models: PPOModels | None = None
+    models: PPOEngine | None = None
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -160,7 +160,7 @@ class MeasuredPeaks:
 
     def live(self) -> int:
         """The storages of the models' parameters, gradient buffers and optimizer state."""
-        from rlhf.trainer.offload import KINDS, StorageOffloader, model_tensors
+        from rlhf.engine.offload import KINDS, StorageOffloader, model_tensors
 
         if self.models is None:
             return 0
@@ -352,11 +352,11 @@ def _init_parallel(layout):
 def _phases(cfg: RLHFConfig, arch: ModelArch, ctx, batch: RolloutBatch, meter: Meter) -> None:
     """The build, two steps' learning and weight loads, each phase in `meter`."""
     from rlhf.algo import build_kl_controller
+    from rlhf.engine.build import build_engine
     from rlhf.trainer.ppo_step import learn_from_batch
-    from rlhf.trainer.setup import build_ppo_models
 
     with meter.stage("build"), ledger().phase("build"):
-        models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+        models = build_engine(cfg, arch, ctx, total_steps=1)
     meter.models = models
     if ctx.pp_size > 1:  # every micro-batch holds the same tokens: fixed shapes
         for model in (models.actor, models.critic, models.ref):
@@ -370,7 +370,7 @@ def _phases(cfg: RLHFConfig, arch: ModelArch, ctx, batch: RolloutBatch, meter: M
     meter.peaks["rollout"] = PhasePeak(live, live, 0.0)
 
 
-def _load_weights(cfg: RLHFConfig, models: PPOModels, arch: ModelArch, meter: Meter) -> None:
+def _load_weights(cfg: RLHFConfig, models: PPOEngine, arch: ModelArch, meter: Meter) -> None:
     """`PolicyServers.load_weights`' residency: the actor's weights alone next to sleeping
     colocated servers (its parameters otherwise), the sync, then the log-prob probe."""
     from rlhf.trainer.ppo_step import ActorWeights
@@ -378,7 +378,7 @@ def _load_weights(cfg: RLHFConfig, models: PPOModels, arch: ModelArch, meter: Me
 
     rollout = cfg.actor_rollout_ref.rollout
     sleeps = rollout.server_urls is None and rollout.free_cache_engine
-    policy = ActorWeights(models.actor, models.planner, models.probe_head)
+    policy = ActorWeights(models)
     near_servers = policy.weights_on_device() if sleeps else policy.on_device()
     with ledger().phase("update_weights"), near_servers:
         # during the sync: the gather and buckets (the planner's `sync_bytes`) besides

@@ -22,40 +22,32 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import torch
 from torch import Tensor, nn
 
 from rlhf.algo import masked_mean
 from rlhf.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf.config.algorithm_rules import kl_in_reward
-from rlhf.config.budgets import MicroBatching
 from rlhf.config.schema import RLHFConfig
+from rlhf.engine.engine import PPOEngine
+from rlhf.engine.nonfinite import (
+    NonFiniteError,
+    check_scores,
+    nonfinite_marks,
+    nonfinite_tensors,
+)
 from rlhf.logging import Timer
 from rlhf.memory.ledger import ledger
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import write_step_rollouts
 from rlhf.rollout.policy_servers import PolicyServers, WeightLoad
-from rlhf.trainer.early_stop import should_stop_epochs
 from rlhf.trainer.experience import Experience, build_experience
-from rlhf.trainer.heads import CriticValueHead, LogprobHead
-from rlhf.trainer.megatron_model import MegatronModel
 from rlhf.trainer.metrics import StepMeter, rollout_metrics
-from rlhf.trainer.micro_batch import MicroBatchPlanner
-from rlhf.trainer.nonfinite import (
-    NonFiniteError,
-    check_scores,
-    nonfinite_marks,
-    nonfinite_metrics,
-    nonfinite_tensors,
-)
 from rlhf.trainer.rollout_strategy import RolloutStrategy
-from rlhf.trainer.setup import PPOModels, UpdateSpec
-from rlhf.utils import round_up
 
 log = logging.getLogger(__name__)
 KLController = FixedKLController | AdaptiveKLController
@@ -96,22 +88,20 @@ class ActorWeights:
     """The actor as `PolicyServers.load_weights` sees it: its module, its device context and
     its log-probs of the probe through the training forward path (temperature 1)."""
 
-    actor: MegatronModel
-    planner: MicroBatchPlanner
-    probe_head: LogprobHead
+    engine: PPOEngine
 
     @property
     def module(self) -> nn.Module:
-        return self.actor.module
+        return self.engine.actor.module
 
     def on_device(self) -> AbstractContextManager[None]:
-        return self.actor.on_device(("params",))
+        return self.engine.actor.on_device(("params",))
 
     def weights_on_device(self) -> AbstractContextManager[None]:
-        return self.actor.weights_on_device()
+        return self.engine.actor.weights_on_device()
 
     def probe_logprobs(self, tokens: list[int]) -> Tensor:
-        return probe_logprobs(self.actor, tokens, self.planner, self.probe_head)
+        return self.engine.probe_logprobs(tokens)
 
 
 class PPOStep:
@@ -120,7 +110,7 @@ class PPOStep:
     def __init__(
         self,
         cfg: RLHFConfig,
-        models: PPOModels,
+        engine: PPOEngine,
         servers: PolicyServers,
         rollout: RolloutStrategy,
         kl_ctrl: KLController,
@@ -129,9 +119,9 @@ class PPOStep:
     ):
         """`meter`: the step's performance metrics; `rollouts_dir`: where the main rank writes
         each step's samples (None on the other ranks)."""
-        self.cfg, self.models, self.servers, self.rollout = cfg, models, servers, rollout
+        self.cfg, self.engine, self.servers, self.rollout = cfg, engine, servers, rollout
         self.kl_ctrl, self.meter, self.rollouts_dir = kl_ctrl, meter, rollouts_dir
-        self.policy = ActorWeights(models.actor, models.planner, models.probe_head)
+        self.policy = ActorWeights(engine)
 
     def run(self, step: int) -> StepResult:
         timer, start = Timer(), time.perf_counter()
@@ -148,7 +138,7 @@ class PPOStep:
             write_step_rollouts(records, self.rollouts_dir, step)
         # old/ref log-probs and values -> advantages -> critic update -> actor update
         actor = actor_trains(self.cfg, step)
-        learned = learn_from_batch(self.models, batch, self.cfg, self.kl_ctrl, timer, actor)
+        learned = learn_from_batch(self.engine, batch, self.cfg, self.kl_ctrl, timer, actor)
         # the servers serve the updated actor as version `step`
         with stage(timer, "update_weights"):
             weights = self.rollout.publish(self.policy, step)
@@ -194,7 +184,7 @@ def actor_trains(cfg: RLHFConfig, step: int) -> bool:
 
 
 def learn_from_batch(
-    models: PPOModels,
+    engine: PPOEngine,
     batch: RolloutBatch,
     cfg: RLHFConfig,
     kl_ctrl: KLController,
@@ -205,20 +195,19 @@ def learn_from_batch(
     log-probs and values (when those models exist), advantages, then the critic's and (with
     `update_actor`) the actor's updates. The KL controller moves only when the KL is applied
     in the reward."""
-    m = models
     old: tuple[Tensor, Tensor | None]
     if cfg.algorithm.rollout_correction.bypass_mode:
         old = engine_logprobs(batch)
     else:
         with stage(timer, "old_log_prob"):
-            old = old_logprobs(m, batch)
+            old = engine.logprobs(batch, "actor")
     ref = values = None
-    if m.ref is not None:
-        with stage(timer, "ref"), rollout_routes(m.ref):  # R3: routed as the engine did
-            ref, _ = compute_logprobs(m.ref, batch, m.planner, m.budgets.ref, m.logprob_head)
-    if m.critic is not None:
+    if engine.ref is not None:
+        with stage(timer, "ref"):
+            ref, _ = engine.logprobs(batch, "ref")
+    if engine.critic is not None:
         with stage(timer, "values"):
-            values = compute_values(m.critic, batch, m.planner, m.budgets.critic)
+            values = engine.values(batch)
     with stage(timer, "adv"):
         beta = kl_ctrl.value if kl_in_reward(cfg) else 0.0
         exp, metrics = build_experience(batch, old, ref, values, cfg.algorithm, beta)
@@ -236,16 +225,16 @@ def learn_from_batch(
         assert exp.reward_kl is not None, "the KL in the reward needs the reference"
         kl_ctrl.update(exp.reward_kl, batch.size)
     found: list[str] = []
-    if m.critic_update is not None:
+    if engine.critic is not None:
         with stage(timer, "update_critic"):
-            critic_metrics, critic_bad = run_updates(m.critic_update, exp, m.planner)
-        metrics |= critic_metrics
-        found += critic_bad
+            critic = engine.update("critic", batch, exp)
+        metrics |= critic.metrics
+        found += critic.nonfinite
     if update_actor:
         with stage(timer, "update_actor"):
-            actor_metrics, actor_bad = run_updates(m.actor_update, exp, m.planner)
-        metrics |= actor_metrics
-        found += actor_bad
+            actor = engine.update("actor", batch, exp)
+        metrics |= actor.metrics
+        found += actor.nonfinite
     else:
         metrics["actor/frozen_for_critic_warmup"] = 1.0
     if cfg.actor_rollout_ref.actor.use_kl_loss:
@@ -268,80 +257,6 @@ def engine_logprobs(batch: RolloutBatch) -> tuple[Tensor, None]:
     return logprobs_bt, None
 
 
-def rollout_routes(model: MegatronModel) -> AbstractContextManager[None]:
-    """Inside: with rollout routing replay (R3) `model`'s forwards take the experts the
-    engine routed each token to (`rlhf.trainer.route_replay`); otherwise nothing."""
-    replay = model.route_replay
-    return replay.replaying() if replay is not None and replay.rollout_routes else nullcontext()
-
-
-def old_logprobs(m: PPOModels, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-    """The actor's log-probs and entropies before the update (R3: on the engine's routes);
-    with routing replay R2 on the update's micro-batch plan, recording each micro-batch's
-    routes for the update."""
-    replay = m.actor.route_replay
-    if replay is None or replay.rollout_routes:
-        with rollout_routes(m.actor):
-            return compute_logprobs(
-                m.actor, batch, m.planner, m.budgets.old_log_prob, m.logprob_head
-            )
-    update = m.actor_update
-    keys = ("logprobs", "entropy")
-    with replay.recording():
-        logp, entropy = m.planner.per_sample(
-            m.actor,
-            batch,
-            update.token_budget,
-            m.logprob_head,
-            keys,
-            mini_batch_size=update.mini_batch_samples,
-        )
-    return logp, entropy
-
-
-def compute_logprobs(
-    model: MegatronModel,
-    batch: RolloutBatch,
-    planner: MicroBatchPlanner,
-    budget: int | MicroBatching,
-    head: LogprobHead,
-) -> tuple[Tensor, Tensor]:
-    """[B, R] log-probs and entropies of the response tokens (actor or reference)."""
-    logp, entropy = planner.per_sample(model, batch, budget, head, ("logprobs", "entropy"))
-    return logp, entropy
-
-
-def compute_values(
-    critic: MegatronModel,
-    batch: RolloutBatch,
-    planner: MicroBatchPlanner,
-    budget: int | MicroBatching,
-) -> Tensor:
-    """[B, R] values of the response tokens."""
-    (values,) = planner.per_sample(critic, batch, budget, CriticValueHead(), ("values",))
-    return values
-
-
-def probe_logprobs(
-    actor: MegatronModel, tokens: list[int], planner: MicroBatchPlanner, head: LogprobHead
-) -> Tensor:
-    """log p(token_t | tokens_<t), t >= 1, through the same packed forward as training.
-
-    The probe goes in as one sample per DP rank (every rank's plan needs one).
-    """
-    copies = planner.ctx.dp_size
-    batch = RolloutBatch(
-        prompt_ids=[tokens[:1]] * copies,
-        response_ids=[tokens[1:]] * copies,
-        scores_b=torch.zeros(copies),
-        data_sources=["probe"] * copies,
-        uids=[f"probe-{i}" for i in range(copies)],
-    )
-    budget = round_up(len(tokens), planner.row_multiple)  # padded for Ulysses / Megatron SP
-    logp, _ = compute_logprobs(actor, batch, planner, budget, head)
-    return logp[0]
-
-
 def nonfinite_experience(exp: Experience) -> list[str]:
     """Which of the step's per-token tensors have a NaN/inf on a response token."""
     named = {
@@ -352,76 +267,3 @@ def nonfinite_experience(exp: Experience) -> list[str]:
         "returns": exp.returns_bt,
     }
     return nonfinite_tensors(named, exp.batch.mask_bt())
-
-
-# ---- updates --------------------------------------------------------------------------
-
-
-def run_updates(
-    spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner
-) -> tuple[dict[str, float], list[str]]:
-    """`spec.epochs` passes of one optimizer step per mini-batch: the metrics averaged over
-    the steps taken, and what was not finite in the updates that were skipped.
-
-    grad_norm, lr and the count of skipped updates come back as `<role>/grad_norm`,
-    `<role>/lr` and `<role>/skipped_updates` (the means are over the updates taken), a
-    mixture-of-experts model's routing as `<role>/moe/...` (`rlhf.trainer.router_stats`).
-    """
-    replay = spec.model.route_replay  # R2: the old-log-prob pass's routes; R3: the engine's
-    with spec.model.on_device(), replay.replaying() if replay else nullcontext():
-        return _run_updates(spec, exp, planner)  # (one reload for all mini-batches)
-
-
-def _run_updates(
-    spec: UpdateSpec, exp: Experience, planner: MicroBatchPlanner
-) -> tuple[dict[str, float], list[str]]:
-    minis = planner.plan(exp.batch, spec.token_budget, spec.mini_batch_samples)
-    totals: dict[str, float] = {}
-    steps = skipped = 0
-    stop_note: dict[str, float] = {}
-    found: list[str] = []
-    for epoch in range(spec.epochs):
-        for micro_batches in minis:
-            head = spec.loss.head(exp, planner.mini_batch_counts(micro_batches))
-            update = spec.model.train_mini_batch(micro_batches, head)
-            if update.skipped:
-                skipped += 1
-                found += _nonfinite_update(spec, update.metrics())
-                continue
-            steps += 1
-            for k, v in update.metrics().items():
-                totals[k] = totals.get(k, 0.0) + v
-            kl = spec.loss.ppo_kl(update.outputs)
-            if kl is not None and should_stop_epochs(kl, spec.kl_bound):
-                log.warning(
-                    "early stop of PPO epochs (%s): ppo_kl %.4f > bound %.4f at epoch %d",
-                    spec.loss.name,
-                    kl,
-                    spec.kl_bound,
-                    epoch,
-                )
-                stop_note = {"actor/ppo_kl_stop_after_updates": float(steps)}
-                break
-        if stop_note:
-            break
-    averaged = {k: v / steps for k, v in totals.items()} | stop_note
-    averaged["skipped_updates"] = float(skipped)
-    prefixed = ("grad_norm", "lr", "skipped_updates")
-    named = {
-        (f"{spec.role}/{k}" if k in prefixed or k.startswith("moe/") else k): v
-        for k, v in averaged.items()
-    }
-    return named, sorted(set(found))
-
-
-def _nonfinite_update(spec: UpdateSpec, metrics: dict[str, float]) -> list[str]:
-    """What a mini-batch whose gradients were not finite (no step was taken) found; raises
-    under `trainer.on_nonfinite=stop`."""
-    names = [f"{spec.role}/{n}" if "/" not in n else n for n in nonfinite_metrics(metrics)]
-    names = names or [f"{spec.role}/gradients"]
-    if spec.on_nonfinite == "stop":
-        raise NonFiniteError(
-            f"{spec.role} update ({spec.loss.name}): not finite: {', '.join(names)} "
-            "(trainer.on_nonfinite=stop; skip would skip such updates)"
-        )
-    return names

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -22,43 +21,36 @@ from rlhf.checkpoint import load_trainer_state, save_trainer_state
 from rlhf.checkpoint.background import PendingWrite
 from rlhf.config.loader import dump_yaml
 from rlhf.config.schema import RLHFConfig
-from rlhf.config.stored_rules import prompt_sampler_batch, stored_groups_per_step
-from rlhf.data.prompts import PromptDataset, load_tokenizer, prompt_dataset_from_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
+from rlhf.engine.build import build_engine
+from rlhf.engine.nonfinite import NonFiniteError, check_scores
+from rlhf.engine.reward_model import (
+    RewardModelScorer,
+    score_model_rows,
+)
 from rlhf.logging import StepProfiler
 from rlhf.memory.checkpoint_size import save_hold_text
 from rlhf.memory.ledger import ledger
-from rlhf.memory.report import startup_report, verdict
-from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
-from rlhf.models.model_dir import check_tokenizer_fits
-from rlhf.reward import ground_truth_checker
-from rlhf.reward.scorer import probe_reward_function
 from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.generation import val_sampling_params
-from rlhf.rollout.multi_turn_config import load_configured_tools, tool_schemas
 from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.trainer.async_rollout import AheadRollout
 from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
 from rlhf.trainer.early_stop import Decision, EarlyStopper
 from rlhf.trainer.export import write_model_exports
-from rlhf.trainer.megatron_model import TrainableMegatronModel
 from rlhf.trainer.metrics import StepMeter, model_passes
-from rlhf.trainer.nonfinite import NonFiniteError, check_scores
 from rlhf.trainer.perf import measure_matmul_flops
 from rlhf.trainer.ppo_step import PPOStep, StepResult
 from rlhf.trainer.preemption import PreemptionGuard
-from rlhf.trainer.resume_check import CHECKPOINT_CONFIG, check_resume
-from rlhf.trainer.reward_model import check_model_rows_have_a_scorer, score_model_rows
+from rlhf.trainer.preflight import CHECKPOINT_CONFIG, Preflight, check_resume
 from rlhf.trainer.rollout_strategy import RolloutStrategy, SynchronousRollout
-from rlhf.trainer.setup import build_ppo_models, check_megatron_overrides
-from rlhf.trainer.stored_rollout import MixedRollout, load_stored_groups
+from rlhf.trainer.stored_rollout import MixedRollout
 from rlhf.trainer.tracking import build_tracker, tracker_state
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
-MODEL_KEY = "actor_rollout_ref.model.path"
 
 
 @dataclass(frozen=True)
@@ -73,33 +65,22 @@ class Validation:
 class PPOTrainer:
     """Holds the run: data, models, policy servers, controllers, checkpoints; runs the loop."""
 
-    def __init__(self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path, arch: ModelArch):
-        """`arch`: the policy's, from `rlhf.trainer.setup.load_policy_arch` (which checked
-        every model directory of the run)."""
-        self.cfg, self.ctx, self.run_dir, self.arch = cfg, ctx, run_dir, arch
-        self.tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
-        check_tokenizer_fits(self.tokenizer, arch, cfg.actor_rollout_ref.model.path, MODEL_KEY)
-        self.tools = load_configured_tools(cfg)  # multi-turn rollouts' ({} without)
-        self.train_data = self.prompts("train")
-        self.val_data = self.prompts("val") if cfg.data.val_files else None
-        datasets = {"data.train_files": self.train_data, "data.val_files": self.val_data}
-        check_model_rows_have_a_scorer(cfg, {k: v for k, v in datasets.items() if v is not None})
-        check_megatron_overrides(cfg)
-        rows = (p.row for p in self.train_data.prompts if p.row.style == "rule")
-        if (first_rule_row := next(rows, None)) is not None:
-            probe_reward_function(cfg.reward, first_rule_row)
+    def __init__(self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path, checked: Preflight):
+        """`checked`: what `rlhf.trainer.preflight.preflight` checked and loaded."""
+        self.cfg, self.ctx, self.run_dir, self.arch = cfg, ctx, run_dir, checked.arch
+        self.plan, self.tokenizer, self.tools = checked.plan, checked.tokenizer, checked.tools
+        self.train_data, self.val_data = checked.train_data, checked.val_data
+        self.stored = checked.stored
         rollout = cfg.actor_rollout_ref.rollout
-        self.stored = load_stored_groups(cfg, arch.vocab_size)  # data.rollout_files
         self.sampler = PromptSampler(
-            len(self.train_data), prompt_sampler_batch(cfg), rollout.n, cfg.data.seed
+            len(self.train_data), self.plan.prompts_per_step, rollout.n, cfg.data.seed
         )
         self.total_steps = cfg.trainer.total_training_steps or (
             cfg.trainer.total_epochs * self.steps_per_epoch()
         )
-        self.log_memory_plan()
         # before any server starts: a read-only or too small checkpoint directory fails now
         self.keeper = CheckpointKeeper(
-            cfg, self.arch, run_dir, ctx.is_main, self.total_steps, ctx.dp_sp_size
+            cfg, checked.arch, run_dir, ctx.is_main, self.total_steps, ctx.dp_sp_size
         )
         if ctx.is_main:
             self.log_save_plan()
@@ -116,7 +97,7 @@ class PPOTrainer:
         max_prompts = max(cfg.data.train_batch_size, num_val)
         # SGLang starts loading now; the models are built meanwhile, then wait_ready()
         self.servers = PolicyServers.launch(
-            cfg, ctx, run_dir, self.tokenizer, max_prompts, arch, self.tools
+            cfg, ctx, run_dir, self.tokenizer, max_prompts, checked.arch, self.tools
         )
         try:
             with ledger().phase("build"):
@@ -126,16 +107,16 @@ class PPOTrainer:
             self.servers.shutdown()
             raise
         self.batches = self.rollout_strategy()
-        meter = StepMeter(arch, ctx.world_size, self.peak_flops, model_passes(cfg))
+        meter = StepMeter(checked.arch, ctx.world_size, self.peak_flops, model_passes(cfg))
         rollouts_dir = run_dir / "rollouts" if ctx.is_main else None
         self.ppo_step = PPOStep(
-            cfg, self.models, self.servers, self.batches, self.kl_ctrl, meter, rollouts_dir
+            cfg, self.engine, self.servers, self.batches, self.kl_ctrl, meter, rollouts_dir
         )
 
     def steps_per_epoch(self) -> int:
         """Steps in one pass over the prompts (over the stored groups when every group of a
         step is stored)."""
-        stored = stored_groups_per_step(self.cfg)
+        stored = self.plan.stored_groups_per_step
         if self.stored is not None and stored == self.cfg.data.train_batch_size:
             return len(self.stored) // stored
         return self.sampler.steps_per_epoch
@@ -143,7 +124,7 @@ class PPOTrainer:
     def rollout_strategy(self) -> RolloutStrategy:
         """Where each step's batch comes from (`trainer.rollout_mode`, `data.rollout_files`)."""
         cfg = self.cfg
-        source = (self.servers, self.sampler, self.train_data, cfg, self.models.reward_model)
+        source = (self.servers, self.sampler, self.train_data, cfg, self.reward_model)
         if self.stored is not None:
             return MixedRollout(*source, self.stored, self.tokenizer, self.ctx.is_main)
         if cfg.trainer.rollout_mode == "sync":
@@ -153,7 +134,9 @@ class PPOTrainer:
     def build_training_side(self) -> None:
         """Models, controllers, profiler, the MFU yardstick and the tracker."""
         cfg, ctx = self.cfg, self.ctx
-        self.models = build_ppo_models(cfg, self.arch, ctx, self.total_steps)
+        self.engine = build_engine(cfg, self.arch, ctx, self.total_steps)
+        budget = self.engine.budgets.ref  # the reward model's passes: the reference's
+        self.reward_model = RewardModelScorer.from_config(cfg, ctx, self.engine.planner, budget)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.stopper = EarlyStopper(cfg.trainer.early_stop, cfg.algorithm.kl_ctrl.target_kl)
         self.profiler = StepProfiler.from_config(cfg)
@@ -165,16 +148,6 @@ class PPOTrainer:
         root = self.checkpoints.root
         self.tracker = build_tracker(cfg, self.resume_path, root) if ctx.is_main else None
 
-    def log_memory_plan(self) -> None:
-        """The planner's per-GPU table (rlhf.memory), once, before the models are built."""
-        if not self.ctx.is_main:
-            return
-        device = self.ctx.device.type
-        plan, report = startup_report(self.cfg, self.arch, self.ctx.world_size, device)
-        log.info("memory per GPU (GiB), by role and kind:\n%s", report)
-        if plan.fits is False:
-            log.warning("the memory planner expects this config not to fit: %s", verdict(plan))
-
     def close(self) -> None:
         try:
             self.batches.close()
@@ -182,17 +155,6 @@ class PPOTrainer:
         finally:
             if self.tracker is not None:
                 self.tracker.close()
-
-    def prompts(self, split: Literal["train", "val"]) -> PromptDataset:
-        """`data.{split}_files`, their rule rows checked scorable (they fail here, not mid-run),
-        every row the reward model's under `reward.model_scores_every_row`; with multi-turn
-        rollouts each prompt lists the tools (`rollout.multi_turn.tool_config_path`)."""
-        scorable = ground_truth_checker(self.cfg.reward)
-        tools = tool_schemas(self.tools)
-        data = prompt_dataset_from_config(
-            self.cfg.data, self.tokenizer, split, check_ground_truth=scorable, tools=tools
-        )
-        return data.scored_by_model() if self.cfg.reward.model_scores_every_row else data
 
     def load_weights(self, version: int) -> None:
         """The servers serve the actor's current weights as `version` (through the rollout
@@ -203,7 +165,7 @@ class PPOTrainer:
         assert self.val_data is not None
         prompts = list(self.val_data.prompts)
         result = self.servers.validate(prompts, val_sampling_params(self.cfg))
-        batch = score_model_rows(result, self.models.reward_model).batch
+        batch = score_model_rows(result, self.reward_model).batch
         check_scores(batch)
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         scores = batch.scores_b.tolist()
@@ -222,11 +184,6 @@ class PPOTrainer:
         args = (keeper.size, world_size, keeper.write_rate, device, trainer.async_save)
         log.info("%s", save_hold_text(*args, trainer.preemption_grace_s))
 
-    def trained(self) -> dict[str, TrainableMegatronModel]:
-        """The models a checkpoint holds, by directory name."""
-        critic = {"critic": self.models.critic} if self.models.critic is not None else {}
-        return {"actor": self.models.actor, **critic}
-
     def state_dict(self, step: int) -> dict:
         return {
             "step": step,
@@ -234,17 +191,16 @@ class PPOTrainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "early_stop": self.stopper.state_dict(),
             **tracker_state(self.tracker),
-            **{f"{name}_scheduler": m.scheduler.state_dict() for name, m in self.trained().items()},
+            **self.engine.state_dict(),
         }
 
     def save_checkpoint(self, step: int) -> None:
         """The models, optimizer and trainer state at `step`; never from non-finite weights
         (the previous checkpoint stays the latest); a failed write says what is lost."""
-        for name, model in self.trained().items():
-            if not model.weights_finite():
-                raise NonFiniteError(
-                    f"step {step}: the {name}'s weights are not finite; checkpoint not written"
-                )
+        for name in self.engine.nonfinite_weights():
+            raise NonFiniteError(
+                f"step {step}: the {name}'s weights are not finite; checkpoint not written"
+            )
         if self.cfg.trainer.async_save:
             self.keeper.save_in_background(step, lambda tmp: self._snapshot(step, tmp))
         else:
@@ -252,8 +208,7 @@ class PPOTrainer:
 
     def _write_checkpoint(self, step: int, tmp: Path) -> None:
         self._make_model_dirs(tmp)
-        for name, model in self.trained().items():
-            model.save(tmp / name)
+        self.engine.save(tmp)
         self._write_state(step, tmp)
         self._write_exports(tmp)
 
@@ -261,13 +216,13 @@ class PPOTrainer:
         """The checkpoint of `step` in host memory and the writes of a background save; the
         exports (an HF copy under `trainer.save_hf` reads the written model) come last."""
         self._make_model_dirs(tmp)
-        writes = [w for name, m in self.trained().items() for w in m.save_in_background(tmp / name)]
+        writes = self.engine.save_in_background(tmp)
         self._write_state(step, tmp)
         return [*writes, PendingWrite(None, [lambda: self._write_exports(tmp)])]
 
     def _make_model_dirs(self, tmp: Path) -> None:
         if self.ctx.is_main:
-            for name in self.trained():
+            for name in self.engine.trained():
                 (tmp / name).mkdir()
         if dist.is_initialized():
             dist.barrier()
@@ -279,15 +234,13 @@ class PPOTrainer:
 
     def _write_exports(self, tmp: Path) -> None:
         if self.ctx.is_main:
-            write_model_exports(tmp, self.cfg, self.trained(), Placement.of(self.ctx))
+            write_model_exports(tmp, self.cfg, self.engine.trained(), Placement.of(self.ctx))
 
     def load_models(self, path: Path) -> dict:
         """Actor, critic (model + optimizer + LR schedule) and the trainer state at `path`."""
-        for name, model in self.trained().items():
-            model.load(path / name)
+        self.engine.load(path)
         state = load_trainer_state(path, self.ctx.rank)
-        for name, model in self.trained().items():
-            model.scheduler.load_state_dict(state[f"{name}_scheduler"])
+        self.engine.load_state_dict(state)
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         return state
 

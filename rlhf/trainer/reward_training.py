@@ -35,6 +35,10 @@ from rlhf.config.validate import distributed_optimizer_on, virtual_pipeline_size
 from rlhf.data.files import resolve_files
 from rlhf.data.preference import TokenizedPair, read_preference_pairs, tokenize_pairs
 from rlhf.distributed.context import ParallelContext
+from rlhf.engine.build import offload_kinds, use_thd
+from rlhf.engine.engine import OptimizerSettings, TrainableMegatronModel
+from rlhf.engine.heads import PairLossHead, SequenceScoreHead
+from rlhf.engine.micro_batch import MicroBatchPlanner
 from rlhf.logging import MetricTracker
 from rlhf.models.builder import value_model_from_hf
 from rlhf.models.families import ModelArch, Recompute
@@ -42,10 +46,6 @@ from rlhf.models.mapping import Placement
 from rlhf.models.moe_arch import MoERouter
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.export import export_hf, write_export_files
-from rlhf.trainer.heads import PairLossHead, SequenceScoreHead
-from rlhf.trainer.megatron_model import OptimizerSettings, TrainableMegatronModel
-from rlhf.trainer.micro_batch import MicroBatchPlanner
-from rlhf.trainer.setup import offload_kinds, use_thd
 from rlhf.trainer.tracking import tracker_resume, tracker_state
 from rlhf.utils import DTYPES
 

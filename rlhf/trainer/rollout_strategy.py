@@ -35,12 +35,12 @@ import torch
 from rlhf.config.schema import OverlongBufferConfig, RLHFConfig
 from rlhf.data.prompts import PromptDataset
 from rlhf.data.sampler import PromptSampler
+from rlhf.engine.reward_model import RewardModelScorer, score_model_rows
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult, sampling_params
 from rlhf.rollout.multi_turn import ToolStats
 from rlhf.rollout.policy_servers import PolicyServers, PolicyWeights, WeightLoad
 from rlhf.trainer.metrics import reward_style_metrics
-from rlhf.trainer.reward_model import RewardModelScorer, score_model_rows
 
 
 @dataclass(frozen=True)

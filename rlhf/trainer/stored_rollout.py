@@ -31,11 +31,11 @@ from rlhf.data.files import resolve_files
 from rlhf.data.rollout_files import RolloutChecks, StoredSample, read_rollout_files
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.collectives import broadcast_object
+from rlhf.engine.reward_model import score_model_rows
 from rlhf.reward import check_ground_truth
 from rlhf.reward.scorer import RewardInput
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutRecord, RolloutResult
-from rlhf.trainer.reward_model import score_model_rows
 from rlhf.trainer.rollout_strategy import StepBatch, SynchronousRollout, collect_step_batch
 
 STORED_UID = "stored:"

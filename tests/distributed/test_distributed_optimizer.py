@@ -2,7 +2,7 @@
 
 - At DP2 it gives the weights of the plain optimizer after 3 Adam steps per model (actor
   and critic), and each rank holds half of the Adam state a single rank holds.
-- A run resumed from its checkpoint (rlhf.trainer.optimizer_shards) continues exactly as
+- A run resumed from its checkpoint (rlhf.engine.optimizer_shards) continues exactly as
   the uninterrupted run: same metrics and bit-identical weights, in fp32 and in bf16 (with
   fp32 master weights, which are sharded too). The bf16 checkpoint is written in the
   background (`trainer.async_save`) by a writer that starts only after the next step changed
@@ -14,7 +14,7 @@
 - The checkpoint reshards to another DP size, TP size (TP2 -> TP1 and TP1 -> TP2: the whole
   models in HF's layout and the metrics of the uninterrupted run) and PP size (PP2 -> PP1); a
   plain-optimizer run is refused with an error that says what to do.
-- Offloading (rlhf.trainer.offload, the GPU path forced on CPU) through a whole trainer step
+- Offloading (rlhf.engine.offload, the GPU path forced on CPU) through a whole trainer step
   frees every parameter, gradient and optimizer storage between uses and changes nothing:
   the step's metrics and weights are bit-identical. So does the colocated weight sync's
   view of the actor (`weights_on_device`): inside it only the parameters are held (the

@@ -31,9 +31,10 @@ def ctx():
 def test_between_phases_cuda_holds_what_the_ledger_says(ctx, tiny_qwen2_dir, monkeypatch):
     from rlhf.algo import build_kl_controller
     from rlhf.config import load_config, validate_config
+    from rlhf.engine.build import build_engine
     from rlhf.logging import Timer
     from rlhf.trainer import ppo_step
-    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+    from rlhf.trainer.preflight import load_policy_arch
 
     model = f"actor_rollout_ref.model.path={tiny_qwen2_dir}"
     args = [*SEED_DEFAULTS, model, *COMMON, *OFFLOAD]
@@ -44,7 +45,7 @@ def test_between_phases_cuda_holds_what_the_ledger_says(ctx, tiny_qwen2_dir, mon
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     book = device.reset()
-    models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+    models = build_engine(cfg, arch, ctx, total_steps=1)
     seen = []
     stage = ppo_step.stage
 

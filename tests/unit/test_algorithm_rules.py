@@ -15,11 +15,11 @@ from rlhf.algo.losses import BatchCounts
 from rlhf.config import ConfigError, load_config, validate_config
 from rlhf.config.algorithm_rules import kl_in_reward, uses_reference
 from rlhf.config.validate import config_notes
+from rlhf.engine.heads import PolicyLossHead
+from rlhf.engine.micro_batch import build_micro_batch
 from rlhf.models.logprobs import VocabShard
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.experience import Experience
-from rlhf.trainer.heads import PolicyLossHead
-from rlhf.trainer.micro_batch import build_micro_batch
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
 AR = "actor_rollout_ref"

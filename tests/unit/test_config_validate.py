@@ -306,7 +306,7 @@ def test_expert_parallel_sizes_must_divide_world_size():
 
 
 def test_router_settings_and_expert_sizes_need_a_model_with_experts(tiny_qwen2_dir):
-    from rlhf.trainer.setup import load_policy_arch
+    from rlhf.trainer.preflight import load_policy_arch
 
     prefix = "actor_rollout_ref.actor.megatron"
     model = f"actor_rollout_ref.model.path={tiny_qwen2_dir}"
@@ -319,7 +319,7 @@ def test_router_settings_and_expert_sizes_need_a_model_with_experts(tiny_qwen2_d
 
 
 def test_routing_replay_is_refused_where_it_cannot_work(tiny_qwen2_dir, tmp_path):
-    from rlhf.trainer.setup import load_policy_arch
+    from rlhf.trainer.preflight import load_policy_arch
     from tests.distributed.test_moe_parity import MODELS, save_moe_model
 
     all_sparse = {**MODELS["qwen3_moe"], "mlp_only_layers": []}  # SGLang serves it

@@ -44,9 +44,10 @@ def one_step(ctx, model_dir, *overrides: str):
     returns the models and the ledger."""
     from rlhf.algo import build_kl_controller
     from rlhf.config import load_config, validate_config
+    from rlhf.engine.build import build_engine
     from rlhf.logging import Timer
     from rlhf.trainer.ppo_step import learn_from_batch
-    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+    from rlhf.trainer.preflight import load_policy_arch
 
     model = f"actor_rollout_ref.model.path={model_dir}"
     args = [*SEED_DEFAULTS, model, *COMMON, *OFFLOAD, *overrides]
@@ -55,7 +56,7 @@ def one_step(ctx, model_dir, *overrides: str):
     validate_config(cfg, ctx.world_size, arch)
     book = device.reset()
     with book.phase("build"):
-        models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+        models = build_engine(cfg, arch, ctx, total_steps=1)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
     learn_from_batch(models, synthetic_batch(arch.vocab_size), cfg, kl_ctrl, Timer())
     return models, book
@@ -140,8 +141,8 @@ def test_the_policy_is_loaded_without_a_random_initialisation_first(
     checkpoint's (transformers' own)."""
     from transformers import AutoModelForCausalLM
 
+    from rlhf.engine.build import build_policy
     from rlhf.models.families import load_arch
-    from rlhf.trainer.setup import build_policy
 
     drawn = []
     for name in ("normal_", "uniform_", "kaiming_uniform_", "xavier_normal_"):

@@ -9,7 +9,8 @@ import pytest
 
 from rlhf.config import ConfigError, load_config
 from rlhf.config.schema import EarlyStopConfig
-from rlhf.trainer.early_stop import Decision, EarlyStopper, should_stop_epochs
+from rlhf.engine.engine import should_stop_epochs
+from rlhf.trainer.early_stop import Decision, EarlyStopper
 
 
 def make_stopper(target_kl: float = 0.1, **section) -> EarlyStopper:

@@ -15,13 +15,13 @@ from rlhf.cli import check_env, convert, plot, preprocess, ray_train
 from rlhf.cli.ray_plan import LaunchError
 from rlhf.config import ConfigError
 from rlhf.data.parquet import DataError
+from rlhf.engine.nonfinite import NonFiniteError
 from rlhf.errors import EXTERNAL_ERRORS, USER_ERRORS, ends_in_one_line, one_line
 from rlhf.models.hf_io import CheckpointFileError
 from rlhf.reward.remote import RemoteRewardError
 from rlhf.reward.workers import RewardFunctionError
 from rlhf.rollout.client import GenerateError
 from rlhf.sglang_api import ServerLost, ServerUnavailable, SGLangAPIError
-from rlhf.trainer.nonfinite import NonFiniteError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from rlhf.algo.losses import BatchCounts
 from rlhf.config import load_config
 from rlhf.data.packing import first_fit_bins, plan_micro_batches
+from rlhf.engine.heads import PolicyLossHead, ValueLossHead
+from rlhf.engine.micro_batch import build_micro_batch
 from rlhf.models.logprobs import VocabShard
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.experience import Experience
-from rlhf.trainer.heads import PolicyLossHead, ValueLossHead
-from rlhf.trainer.micro_batch import build_micro_batch
 
 VOCAB = 17
 
@@ -103,7 +103,7 @@ def test_a_filler_micro_batch_is_padding_that_adds_nothing_to_losses_or_metrics(
 
 def test_global_layer_names_go_back_to_a_stages_local_ones_for_format_1():
     """Format /1 optimizer files name a stage's layers from 0: stage 1 of 2 with 4 layers."""
-    from rlhf.trainer.optimizer_shards import local_names
+    from rlhf.engine.optimizer_shards import local_names
 
     names = {
         1: "decoder.layers.2.mlp.linear_fc1.weight",

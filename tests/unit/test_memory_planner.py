@@ -11,6 +11,7 @@ import torch
 
 from rlhf.cli.doctor import main as doctor_main
 from rlhf.config import load_config
+from rlhf.engine.offload import StorageOffloader
 from rlhf.memory.params import GradBuffer, Param
 from rlhf.memory.planner import (
     GIB,
@@ -22,7 +23,6 @@ from rlhf.memory.planner import (
 )
 from rlhf.memory.report import describe, suggestions
 from rlhf.models.families import arch_from_hf_config
-from rlhf.trainer.offload import StorageOffloader
 from tests.helpers import REPO
 
 SHAPES = REPO / "configs" / "model_shapes"

@@ -1,4 +1,4 @@
-"""NaN/inf checks (`rlhf.trainer.nonfinite`, `rlhf.reward.scorer`): which values are caught and
+"""NaN/inf checks (`rlhf.engine.nonfinite`, `rlhf.reward.scorer`): which values are caught and
 what the one-line errors name. Whole runs with an absurd learning rate are in
 tests/e2e/test_reliability.py."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from rlhf.engine.nonfinite import NonFiniteError, check_scores, nonfinite_tensors
 from rlhf.reward.scorer import NonFiniteReward, RewardInput, RewardScorer
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.trainer.nonfinite import NonFiniteError, check_scores, nonfinite_tensors
 
 pytestmark = pytest.mark.reliability
 
@@ -62,7 +62,7 @@ def test_tensors_finite_reads_one_verdict_from_the_device(bad, monkeypatch):
     """A gradient check before every optimizer step: a NaN or inf anywhere in any tensor
     makes it False, and the host waits for the device once (it read one flag per parameter:
     hundreds of host syncs per update on a GPU)."""
-    from rlhf.trainer.nonfinite import tensors_finite
+    from rlhf.engine.nonfinite import tensors_finite
 
     tensors = [torch.randn(4, 5) for _ in range(30)] + [torch.zeros(0)]
     tensors.append(torch.randn(7).to(torch.bfloat16))

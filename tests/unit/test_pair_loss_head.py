@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from rlhf.data.preference import TokenizedPair
-from rlhf.trainer.heads import PairLossHead
-from rlhf.trainer.micro_batch import build_micro_batch
+from rlhf.engine.heads import PairLossHead
+from rlhf.engine.micro_batch import build_micro_batch
 from rlhf.trainer.reward_training import pair_batch
 
 PAIRS = [

@@ -18,11 +18,11 @@ import torch
 from rlhf.algo.losses import global_batch_counts
 from rlhf.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
 from rlhf.config.schema import ActorConfig
+from rlhf.engine.heads import CriticValueHead, LogprobHead, PolicyLossHead
+from rlhf.engine.micro_batch import build_micro_batch
 from rlhf.models.logprobs import VocabShard
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.experience import Experience, build_experience, rollout_correction
-from rlhf.trainer.heads import CriticValueHead, LogprobHead, PolicyLossHead
-from rlhf.trainer.micro_batch import build_micro_batch
 
 VOCAB = 32
 # sample 0: turn 1 (3 tokens), a tool message (2 tokens), turn 2 (2 tokens)

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from rlhf.config import ConfigError, dump_yaml, load_config
-from rlhf.trainer.resume_check import CHECKPOINT_CONFIG, check_resume, is_free
+from rlhf.trainer.preflight import CHECKPOINT_CONFIG, check_resume, is_free
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
 AR = "actor_rollout_ref"
@@ -37,7 +37,7 @@ def resume(path, *overrides: str, prompts: int = PROMPTS, ranks: int = 1) -> Non
 
 def test_layout_and_operations_may_change_and_are_said(tmp_path, caplog):
     path = checkpoint(tmp_path)
-    with caplog.at_level(logging.INFO, logger="rlhf.trainer.resume_check"):
+    with caplog.at_level(logging.INFO, logger="rlhf.trainer.preflight"):
         resume(
             path,
             f"{AR}.actor.megatron.tensor_model_parallel_size=2",

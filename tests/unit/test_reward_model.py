@@ -1,4 +1,4 @@
-"""The trainer's reward model (rlhf.trainer.reward_model) scores the style=model rows of a
+"""The trainer's reward model (rlhf.engine.reward_model) scores the style=model rows of a
 generation result with HF's pooled sequence-classification logit, through the trainer's
 packed Megatron forward (one process, TP = PP = 1), and leaves rule rows as they were."""
 
@@ -11,11 +11,11 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlhf.config import load_config
+from rlhf.engine.micro_batch import MicroBatchPlanner
+from rlhf.engine.reward_model import RewardModelScorer, require_scored
 from rlhf.quickstart.tiny_model import TinyModelSpec, tiny_hf_config
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult
-from rlhf.trainer.micro_batch import MicroBatchPlanner
-from rlhf.trainer.reward_model import RewardModelScorer, require_scored
 
 PAD = 0
 

@@ -20,11 +20,11 @@ from rlhf.data.rollout_files import (
     read_rollout_files,
     write_rollout_file,
 )
+from rlhf.engine.reward_model import RewardModelScorer
 from rlhf.reward import check_ground_truth
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutRecord, RolloutResult
 from rlhf.rollout.offline import RolloutPlan, check_manifest, prompts_digest
-from rlhf.trainer.reward_model import RewardModelScorer
 
 SAMPLES = [
     StoredSample(

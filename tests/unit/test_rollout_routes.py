@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from rlhf.engine.micro_batch import build_micro_batch
+from rlhf.engine.route_replay import rank_routes
 from rlhf.parallel.ulysses import SequenceShard
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.client import GenerateError, decode_routed_experts, parse_response
-from rlhf.trainer.micro_batch import build_micro_batch
-from rlhf.trainer.route_replay import rank_routes
 
 LAYERS, TOPK = 2, 2
 

@@ -249,7 +249,7 @@ def test_a_token_budget_for_fixed_micro_batches_is_refused():
 
 def test_override_transformer_config_reaches_megatron_and_is_checked(tiny_qwen2_dir):
     from rlhf.models.families import load_arch, transformer_config
-    from rlhf.trainer.setup import check_megatron_overrides
+    from rlhf.trainer.preflight import check_megatron_overrides
 
     prefix = "actor_rollout_ref.actor.megatron.override_transformer_config"
     cfg = load_config(

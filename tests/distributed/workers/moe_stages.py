@@ -96,20 +96,21 @@ def config(args, aux: float, z: float | None, capacity: float | None = None, *ex
 
 
 def build(cfg, ctx):
+    from rlhf.engine.build import AR, build_engine
     from rlhf.models.model_dir import read_model_arch
-    from rlhf.trainer.setup import AR, build_ppo_models, check_experts
+    from rlhf.trainer.preflight import check_experts
 
     arch = read_model_arch(cfg.actor_rollout_ref.model.path)
     check_experts(arch, cfg.actor_rollout_ref.actor.megatron, AR)
-    return arch, build_ppo_models(cfg, arch, ctx, total_steps=1)
+    return arch, build_engine(cfg, arch, ctx, total_steps=1)
 
 
 def update_once(models, exp, planner, budget):
     """One actor update (one mini-batch); its metrics and the log-probs after it."""
-    from rlhf.trainer import ppo_step as stages
+    from rlhf.engine import engine as stages
 
     update = dataclasses.replace(models.actor_update, token_budget=budget)
-    metrics, _ = stages.run_updates(update, exp, planner)
+    metrics, _ = stages.run_updates(update, exp.batch, exp, planner)
     after, _ = stages.compute_logprobs(
         models.actor, exp.batch, planner, budget, models.logprob_head
     )
@@ -118,9 +119,9 @@ def update_once(models, exp, planner, budget):
 
 def run(args, cfg, ctx) -> None:
     from rlhf.config.budgets import MicroBatching
-    from rlhf.trainer import ppo_step as stages
+    from rlhf.engine import engine as stages
+    from rlhf.engine.micro_batch import MicroBatchPlanner
     from rlhf.trainer.experience import Experience
-    from rlhf.trainer.micro_batch import MicroBatchPlanner
 
     arch, models = build(cfg, ctx)
     planner = MicroBatchPlanner(ctx, thd=False)
@@ -206,14 +207,14 @@ def replay_r2(args, ctx, exp, planner) -> dict:
     routing anew) and the log-probs after it (own routing); at the updated weights, how
     many token-layer routes differ from the recorded ones when routing anew (`moved`), and
     the log-probs with the recorded routes replayed (`logprobs_replayed`)."""
-    from rlhf.trainer import ppo_step as stages
+    from rlhf.engine import engine as stages
 
     _, models = build(config(args, 0.0, None, None, *R2), ctx)
     replay = models.actor.route_replay
-    old, _ = stages.old_logprobs(models, exp.batch)
+    old, _ = models.logprobs(exp.batch, "actor")
     recorded = dict(replay.routes)
     exp = dataclasses.replace(exp, old_logprobs_bt=old)
-    metrics, _ = stages.run_updates(models.actor_update, exp, planner)
+    metrics, _ = stages.run_updates(models.actor_update, exp.batch, exp, planner)
     with replay.recording():  # the updated weights' own routes
         after = on_update_plan(models, exp.batch, planner)
     moved = sum(
@@ -228,7 +229,7 @@ def replay_r2(args, ctx, exp, planner) -> dict:
         replayed = on_update_plan(models, exp.batch, planner)
     # the same two epochs routing anew
     _, own = build(config(args, 0.0, None, None, *R2[1:]), ctx)
-    own_metrics, _ = stages.run_updates(own.actor_update, exp, planner)
+    own_metrics, _ = stages.run_updates(own.actor_update, exp.batch, exp, planner)
     return {
         "old_logprobs": old,
         "metrics": metrics,
@@ -269,18 +270,19 @@ def replay_r3(args, ctx, exp, planner) -> dict:
     (`learn_from_batch`): its old and reference log-probs, its update's `metrics` and the
     log-probs after it, replaying the routes."""
     from rlhf.algo import build_kl_controller
+    from rlhf.engine import engine as stages
     from rlhf.logging import Timer
-    from rlhf.trainer import ppo_step as stages
+    from rlhf.trainer.ppo_step import learn_from_batch
 
     cfg = config(args, 0.0, None, None, R3)
     _, models = build(cfg, ctx)
     own = dataclasses.replace(exp.batch, routed_experts=hf_routes(args.model, exp.batch, (0, 1)))
     moved = dataclasses.replace(exp.batch, routed_experts=hf_routes(args.model, exp.batch, (1, 2)))
     head = models.logprob_head
-    old_own, _ = stages.old_logprobs(models, own)
+    old_own, _ = models.logprobs(own, "actor")
     not_replayed, _ = stages.compute_logprobs(models.actor, moved, planner, BUDGET, head)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
-    learned = stages.learn_from_batch(models, moved, cfg, kl_ctrl, Timer())
+    learned = learn_from_batch(models, moved, cfg, kl_ctrl, Timer())
     with stages.rollout_routes(models.actor):
         after, _ = stages.compute_logprobs(models.actor, moved, planner, BUDGET, head)
     return {

@@ -190,9 +190,10 @@ def load(models, directory: Path, rank: int) -> None:
 def run(args, ctx) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.config import validate_config
+    from rlhf.engine.build import build_engine
     from rlhf.logging import Timer
     from rlhf.trainer.ppo_step import learn_from_batch
-    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+    from rlhf.trainer.preflight import load_policy_arch
 
     layout = [f"trainer.n_gpus_per_node={ctx.world_size}"]
     layout += [f"{r}.megatron.tensor_model_parallel_size={args.tp}" for r in ROLES]
@@ -203,7 +204,7 @@ def run(args, ctx) -> dict:
     cfg = load_config(None, [*SEED_DEFAULTS, model, *SETTINGS, *layout])
     arch = load_policy_arch(cfg)
     validate_config(cfg, ctx.world_size, arch)
-    models = build_ppo_models(cfg, arch, ctx, total_steps=args.steps)
+    models = build_engine(cfg, arch, ctx, total_steps=args.steps)
     batch = synthetic_batch(arch.vocab_size)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
     first = 1
@@ -262,7 +263,7 @@ def device_bytes(models, device) -> dict[str, int]:
 
 def resident_bytes(model) -> dict[str, int]:
     """Bytes still held by the storages offloading covers (0 when all were offloaded)."""
-    from rlhf.trainer.offload import KINDS, model_tensors
+    from rlhf.engine.offload import KINDS, model_tensors
 
     kinds = KINDS if hasattr(model, "ddps") else ("params",)
     return {k: sum(t.untyped_storage().nbytes() for t in model_tensors(model, k)) for k in kinds}

@@ -84,10 +84,11 @@ def run(args, ctx) -> None:
     import dataclasses
 
     from rlhf.config.budgets import MicroBatching
-    from rlhf.trainer import ppo_step as stages
+    from rlhf.engine import engine as stages
+    from rlhf.engine.build import build_engine
+    from rlhf.engine.micro_batch import MicroBatchPlanner
     from rlhf.trainer.experience import Experience
-    from rlhf.trainer.micro_batch import MicroBatchPlanner
-    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+    from rlhf.trainer.preflight import load_policy_arch
 
     cfg = load_config(
         None,
@@ -104,7 +105,7 @@ def run(args, ctx) -> None:
         ],
     )
     arch = load_policy_arch(cfg)
-    models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+    models = build_engine(cfg, arch, ctx, total_steps=1)
     actor, head = models.actor, models.logprob_head  # rollout temperature 1
     planner = MicroBatchPlanner(ctx, thd=False)
     batch = synthetic_batch(arch.vocab_size, multi_turn=True)
@@ -124,7 +125,7 @@ def run(args, ctx) -> None:
     (fixed_plan,) = padded.plan(batch, fixed)
     fixed_layout = [(mb.sample_ids, mb.tokens.shape[1]) for mb in fixed_plan]
     fixed_padded_gradient = first_gradient(actor, fixed_update, exp, padded)
-    metrics, _ = stages.run_updates(update, exp, planner)
+    metrics, _ = stages.run_updates(update, exp.batch, exp, planner)
     weights_after_first_update = {
         n: p.detach().cpu().float().clone() for p, n in actor.module.global_names().items()
     }
@@ -133,9 +134,9 @@ def run(args, ctx) -> None:
     # ratio leaves 1 after the first optimizer step and clipping engages.
     clipped = dataclasses.replace(update, mini_batch_samples=4, epochs=2)
     exp2 = dataclasses.replace(exp, old_logprobs_bt=after, old_entropy_bt=after_entropy)
-    clipped_metrics, _ = stages.run_updates(clipped, exp2, planner)
+    clipped_metrics, _ = stages.run_updates(clipped, exp2.batch, exp2, planner)
     final, _ = stages.compute_logprobs(actor, batch, planner, budget, head)
-    fresh_actor = lambda: build_ppo_models(cfg, arch, ctx, 1).actor  # noqa: E731
+    fresh_actor = lambda: build_engine(cfg, arch, ctx, 1).actor  # noqa: E731
     round_trip = checkpoint_round_trip(actor, fresh_actor)
     background_round_trip = checkpoint_round_trip(actor, fresh_actor, background=True)
     if ctx.rank == 0:

@@ -98,20 +98,17 @@ def synthetic_batch(vocab_size: int):
 def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = None) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.config import validate_config
+    from rlhf.engine.build import build_engine
+    from rlhf.engine.engine import compute_logprobs
     from rlhf.logging import Timer
-    from rlhf.trainer.ppo_step import (
-        actor_trains,
-        compute_logprobs,
-        learn_from_batch,
-        probe_logprobs,
-    )
-    from rlhf.trainer.setup import build_ppo_models, load_policy_arch
+    from rlhf.trainer.ppo_step import actor_trains, learn_from_batch
+    from rlhf.trainer.preflight import load_policy_arch
 
     model = f"actor_rollout_ref.model.path={model_dir}"
     cfg = load_config(None, [*SEED_DEFAULTS, model, *COMMON, *overrides])
     arch = load_policy_arch(cfg)
     validate_config(cfg, ctx.world_size, arch)
-    models = build_ppo_models(cfg, arch, ctx, total_steps=1)
+    models = build_engine(cfg, arch, ctx, total_steps=1)
     batch = synthetic_batch(arch.vocab_size)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
     kl_before = kl_ctrl.value
@@ -127,9 +124,7 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
         save_actor(models, cfg, arch, ctx, save)
         synced = weight_sync_tensors(models.actor.module, arch, ctx)
     # the weight-sync probe's path: one sample per DP rank, fewer micro-batches than stages
-    probe = probe_logprobs(
-        models.actor, batch.prompt_ids[5] + batch.response_ids[5], models.planner, models.probe_head
-    )
+    probe = models.probe_logprobs(batch.prompt_ids[5] + batch.response_ids[5])
     return {
         "sequence_parallel": models.actor.module.config.sequence_parallel,
         "chunks": len(models.actor.module),

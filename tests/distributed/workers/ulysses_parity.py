@@ -21,7 +21,7 @@ PACKED_LENGTHS = (7, 13, 12)
 
 
 def inputs(vocab: int):
-    from rlhf.trainer.micro_batch import block_causal_mask
+    from rlhf.engine.micro_batch import block_causal_mask
 
     gen = torch.Generator().manual_seed(5)
     padded = torch.randint(3, vocab, (2, SEQ), generator=gen)
@@ -74,11 +74,11 @@ def run(args, ctx) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from rlhf.config.schema import OptimConfig
+    from rlhf.engine.engine import OptimizerSettings, build_optimizer
     from rlhf.models.builder import build_model, load_hf_weights
     from rlhf.models.families import load_arch
     from rlhf.models.hf_io import HFCheckpointReader
     from rlhf.models.mapping import Placement
-    from rlhf.trainer.megatron_model import OptimizerSettings, build_optimizer
 
     arch = load_arch(args.model)
     placement = Placement.of(ctx)

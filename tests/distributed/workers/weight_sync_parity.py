@@ -74,11 +74,10 @@ def make_transport(kind: str, url: str, out_dir: Path, hf_dir: str, plan=None):
 
 def actor_logprobs(model, arch, ctx, tokens: list[int]) -> torch.Tensor:
     """log p(token_t | tokens_<t), t >= 1, through the trainer's packed forward path."""
+    from rlhf.engine.engine import MegatronModel, probe_logprobs
+    from rlhf.engine.heads import LogprobHead
+    from rlhf.engine.micro_batch import MicroBatchPlanner
     from rlhf.models.logprobs import VocabShard
-    from rlhf.trainer.heads import LogprobHead
-    from rlhf.trainer.megatron_model import MegatronModel
-    from rlhf.trainer.micro_batch import MicroBatchPlanner
-    from rlhf.trainer.ppo_step import probe_logprobs
 
     head = LogprobHead(VocabShard.of(ctx, model.padded_vocab_size, arch.vocab_size))
     planner = MicroBatchPlanner(ctx, thd=False)

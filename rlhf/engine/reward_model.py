@@ -14,21 +14,19 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from rlhf.config.budgets import MicroBatching
-from rlhf.config.loader import ConfigError
 from rlhf.config.schema import RLHFConfig
 from rlhf.distributed.context import ParallelContext
+from rlhf.engine.engine import MegatronModel
+from rlhf.engine.heads import SequenceScoreHead
+from rlhf.engine.micro_batch import MicroBatchPlanner
 from rlhf.models.builder import value_model_from_hf
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.mapping import Placement
 from rlhf.rollout.generation import RolloutResult
-from rlhf.trainer.heads import SequenceScoreHead
-from rlhf.trainer.megatron_model import MegatronModel
-from rlhf.trainer.micro_batch import MicroBatchPlanner
 from rlhf.utils import DTYPES
 
 
@@ -117,18 +115,3 @@ def score_model_rows(result: RolloutResult, scorer: RewardModelScorer | None) ->
     """The step's reward-model stage: `result` with its reward_model.style=model rows scored
     by the reward model (collective), or checked to have none left without one."""
     return require_scored(result) if scorer is None else scorer(result)
-
-
-def check_model_rows_have_a_scorer(cfg: RLHFConfig, datasets: dict[str, Any]) -> None:
-    """Fail at startup, not mid-run, when data has style=model rows and nothing scores them.
-
-    `datasets`: config key -> PromptDataset (e.g. {"data.train_files": train})."""
-    if cfg.reward.model_path or cfg.reward.url:
-        return
-    for key, data in datasets.items():
-        rows = [i for i, p in enumerate(data.prompts) if p.row.style == "model"]
-        if rows:
-            raise ConfigError(
-                f"{key}: {len(rows)} prompts have reward_model.style=model (the first is prompt "
-                f"{rows[0]}) but neither reward.model_path nor reward.url is set to score them"
-            )

@@ -1,4 +1,12 @@
-"""One model of the PPO trio on Megatron-Core: schedule-driven forwards, updates, checkpoints.
+"""The training engine: a run's Megatron models behind the calls a PPO step makes.
+
+`PPOEngine` is the face: `logprobs(batch, role)`, `values(batch)`,
+`update(role, batch, targets)` (one optimizer step per mini-batch, `epochs` passes),
+`probe_logprobs(tokens)` (what a weight sync's parity probe compares with) and the
+checkpoint calls. Below it, each model (`MegatronModel`, `TrainableMegatronModel`) runs
+Megatron's schedule; `rlhf.engine.micro_batch` cuts batches into packed micro-batches,
+`rlhf.engine.heads` turns the last stage's output into log-probs, values or losses, and
+`rlhf.engine.build` builds the models a plan needs.
 
 Every forward and backward goes through Megatron's forward-backward schedule, so pipeline
 parallelism works for all three models. Losses arrive already normalised by the *global*
@@ -13,18 +21,33 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from rlhf.checkpoint.background import PendingWrite
+from rlhf.config.budgets import MicroBatching, TokenBudgets
 from rlhf.config.schema import OptimConfig
 from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
+from rlhf.engine.heads import CriticValueHead, Head, LogprobHead, Loss, Targets
+from rlhf.engine.micro_batch import MicroBatch, MicroBatchPlanner
+from rlhf.engine.nonfinite import NonFiniteError, nonfinite_metrics, tensors_finite
+from rlhf.engine.offload import KINDS, ModelOffloader
+from rlhf.engine.optimizer_shards import (
+    OptimizerCoordinate,
+    coordinate,
+    load_optimizer_shards,
+    optimizer_shards_writer,
+    save_optimizer_shards,
+)
+from rlhf.engine.route_replay import RouteReplay
+from rlhf.engine.router_stats import RouterStats
 from rlhf.models.chunks import ModelChunks
 from rlhf.models.dist_ckpt import (
     load_distributed,
@@ -32,29 +55,277 @@ from rlhf.models.dist_ckpt import (
     save_distributed_in_background,
 )
 from rlhf.models.mapping import Placement
-from rlhf.trainer.micro_batch import MicroBatch
-from rlhf.trainer.nonfinite import tensors_finite
-from rlhf.trainer.offload import KINDS, ModelOffloader
-from rlhf.trainer.optimizer_shards import (
-    OptimizerCoordinate,
-    coordinate,
-    load_optimizer_shards,
-    optimizer_shards_writer,
-    save_optimizer_shards,
-)
-from rlhf.trainer.route_replay import RouteReplay
-from rlhf.trainer.router_stats import RouterStats
+from rlhf.rollout.batch import RolloutBatch
+from rlhf.utils import round_up
 
 log = logging.getLogger(__name__)
 
-# (loss or None for forward-only passes, detached per-micro-batch outputs or metrics)
-HeadOutput = tuple[torch.Tensor | None, dict[str, torch.Tensor]]
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """How one trained model is updated every step.
+
+    role: 'actor' or 'critic' (the prefix of its grad_norm and lr metrics); token_budget:
+    tokens per micro-batch; mini_batch_samples: samples per optimizer step; loss: what each
+    mini-batch minimises (`PolicyLoss`, `ValueLoss`); kl_bound: end the step's epochs once
+    a mini-batch's actor/ppo_kl exceeds it (None: never); on_nonfinite:
+    `trainer.on_nonfinite` for a mini-batch whose gradients are not finite.
+    """
+
+    role: str
+    model: TrainableMegatronModel
+    token_budget: int | MicroBatching
+    mini_batch_samples: int
+    epochs: int
+    loss: Loss
+    kl_bound: float | None = None
+    on_nonfinite: str = "stop"  # trainer.on_nonfinite (rlhf.engine.nonfinite)
 
 
-class Head(Protocol):
-    """What the last pipeline stage computes from its output for one micro-batch."""
+class Updated(NamedTuple):
+    """One model's updates of a step: the metrics averaged over the optimizer steps taken,
+    and what was not finite in the mini-batches that were skipped."""
 
-    def __call__(self, output: torch.Tensor, mb: MicroBatch, /) -> HeadOutput: ...
+    metrics: dict[str, float]
+    nonfinite: list[str]
+
+
+@dataclass
+class PPOEngine:
+    """This rank's shards of a PPO run's Megatron models, behind the calls a step makes.
+
+    `logprobs(batch, role)`, `values(batch)`, `update(role, batch, targets)`; the actor's
+    weights for a sync (`weights`); checkpoints (`save`, `save_in_background`, `load`,
+    `state_dict`, `load_state_dict`). ref is None without a KL to the reference; critic and
+    critic_update are None for critic-free estimators. logprob_head: log-probs at the
+    rollout temperature; probe_head: at temperature 1 (SGLang's prompt log-probs are
+    unscaled). The reward model (`rlhf.engine.reward_model`) is the trainer's own stage.
+    """
+
+    actor: TrainableMegatronModel
+    ref: MegatronModel | None
+    critic: TrainableMegatronModel | None
+    actor_update: UpdateSpec
+    critic_update: UpdateSpec | None
+    planner: MicroBatchPlanner
+    budgets: TokenBudgets
+    logprob_head: LogprobHead
+    probe_head: LogprobHead
+
+    # ---- forward passes -------------------------------------------------------------
+
+    def logprobs(self, batch: RolloutBatch, role: str = "actor") -> tuple[Tensor, Tensor]:
+        """[B, R] log-probs and entropies of the response tokens. 'actor': before the update
+        (R3: on the engine's routes; R2: on the update's micro-batch plan, recording each
+        micro-batch's routes for the update); 'ref': the frozen reference's."""
+        if role == "ref":
+            assert self.ref is not None, "no reference in this run"
+            with rollout_routes(self.ref):  # R3: routed as the engine did
+                return compute_logprobs(
+                    self.ref, batch, self.planner, self.budgets.ref, self.logprob_head
+                )
+        replay = self.actor.route_replay
+        if replay is None or replay.rollout_routes:
+            with rollout_routes(self.actor):
+                return compute_logprobs(
+                    self.actor, batch, self.planner, self.budgets.old_log_prob, self.logprob_head
+                )
+        update = self.actor_update
+        with replay.recording():
+            logp, entropy = self.planner.per_sample(
+                self.actor,
+                batch,
+                update.token_budget,
+                self.logprob_head,
+                ("logprobs", "entropy"),
+                mini_batch_size=update.mini_batch_samples,
+            )
+        return logp, entropy
+
+    def values(self, batch: RolloutBatch) -> Tensor:
+        """[B, R] the critic's values of the response tokens."""
+        assert self.critic is not None, "no critic in this run"
+        return compute_values(self.critic, batch, self.planner, self.budgets.critic)
+
+    def probe_logprobs(self, tokens: list[int]) -> Tensor:
+        """The actor's log-probs of a weight sync's probe (`probe_logprobs`), at
+        temperature 1 (SGLang's prompt log-probs are unscaled)."""
+        return probe_logprobs(self.actor, tokens, self.planner, self.probe_head)
+
+    # ---- updates --------------------------------------------------------------------
+
+    def update(self, role: str, batch: RolloutBatch, targets: Targets) -> Updated:
+        """`role`'s update of the step: `epochs` passes of one optimizer step per mini-batch
+        of `batch`, the loss against `targets` (old log-probs, advantages, returns...).
+
+        grad_norm, lr and the count of skipped updates come back as `<role>/grad_norm`,
+        `<role>/lr` and `<role>/skipped_updates` (means over the updates taken), a
+        mixture-of-experts model's routing as `<role>/moe/...` (`rlhf.engine.router_stats`).
+        """
+        spec = self.actor_update if role == "actor" else self.critic_update
+        assert spec is not None, f"no {role} update in this run"
+        return run_updates(spec, batch, targets, self.planner)
+
+    # ---- checkpoints ----------------------------------------------------------------
+
+    def trained(self) -> dict[str, TrainableMegatronModel]:
+        """The models a checkpoint holds, by directory name."""
+        critic = {"critic": self.critic} if self.critic is not None else {}
+        return {"actor": self.actor, **critic}
+
+    def nonfinite_weights(self) -> list[str]:
+        """The trained models whose weights are not finite (none may be checkpointed)."""
+        return [name for name, model in self.trained().items() if not model.weights_finite()]
+
+    def save(self, directory: Path) -> None:
+        """Each trained model (+ optimizer) under `directory/<name>` (all ranks call)."""
+        for name, model in self.trained().items():
+            model.save(directory / name)
+
+    def save_in_background(self, directory: Path) -> list[PendingWrite]:
+        """What `save` writes, snapshotted in host memory now, as background writes."""
+        return [w for n, m in self.trained().items() for w in m.save_in_background(directory / n)]
+
+    def load(self, directory: Path) -> None:
+        """The trained models (+ optimizers) `save` wrote under `directory`."""
+        for name, model in self.trained().items():
+            model.load(directory / name)
+
+    def state_dict(self) -> dict:
+        """The LR schedules (kept in the trainer state beside the models)."""
+        return {f"{name}_scheduler": m.scheduler.state_dict() for name, m in self.trained().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, model in self.trained().items():
+            model.scheduler.load_state_dict(state[f"{name}_scheduler"])
+
+
+def compute_logprobs(
+    model: MegatronModel,
+    batch: RolloutBatch,
+    planner: MicroBatchPlanner,
+    budget: int | MicroBatching,
+    head: LogprobHead,
+) -> tuple[Tensor, Tensor]:
+    """[B, R] log-probs and entropies of `model` over packed micro-batches."""
+    keys = ("logprobs", "entropy")
+    logp, entropy = planner.per_sample(model, batch, budget, head, keys)
+    return logp, entropy
+
+
+def compute_values(
+    critic: MegatronModel,
+    batch: RolloutBatch,
+    planner: MicroBatchPlanner,
+    budget: int | MicroBatching,
+) -> Tensor:
+    """[B, R] values of the response tokens."""
+    (values,) = planner.per_sample(critic, batch, budget, CriticValueHead(), ("values",))
+    return values
+
+
+def probe_logprobs(
+    actor: MegatronModel, tokens: list[int], planner: MicroBatchPlanner, head: LogprobHead
+) -> Tensor:
+    """log p(token_t | tokens_<t), t >= 1, through the same packed forward as training: what
+    the servers' log-probs are compared with after a sync. The probe goes in as one sample
+    per DP rank (every rank's plan needs one)."""
+    copies = planner.ctx.dp_size
+    batch = RolloutBatch(
+        prompt_ids=[tokens[:1]] * copies,
+        response_ids=[tokens[1:]] * copies,
+        scores_b=torch.zeros(copies),
+        data_sources=["probe"] * copies,
+        uids=[f"probe-{i}" for i in range(copies)],
+    )
+    budget = round_up(len(tokens), planner.row_multiple)  # padded for Ulysses / Megatron SP
+    logp, _ = compute_logprobs(actor, batch, planner, budget, head)
+    return logp[0]
+
+
+def run_updates(
+    spec: UpdateSpec, batch: RolloutBatch, targets: Targets, planner: MicroBatchPlanner
+) -> Updated:
+    """`spec`'s updates over `batch` (`PPOEngine.update`), planned by `planner`."""
+    replay = spec.model.route_replay  # R2: the old-log-prob pass's routes; R3: the engine's
+    with spec.model.on_device(), replay.replaying() if replay else nullcontext():
+        return _run_updates(spec, batch, targets, planner)  # (one reload for all)
+
+
+def _run_updates(
+    spec: UpdateSpec, batch: RolloutBatch, targets: Targets, planner: MicroBatchPlanner
+) -> Updated:
+    minis = planner.plan(batch, spec.token_budget, spec.mini_batch_samples)
+    totals: dict[str, float] = {}
+    steps = skipped = 0
+    stop_note: dict[str, float] = {}
+    found: list[str] = []
+    for epoch in range(spec.epochs):
+        for micro_batches in minis:
+            head = spec.loss.head(targets, planner.mini_batch_counts(micro_batches))
+            update = spec.model.train_mini_batch(micro_batches, head)
+            if update.skipped:
+                skipped += 1
+                found += _nonfinite_update(spec, update.metrics())
+                continue
+            steps += 1
+            for k, v in update.metrics().items():
+                totals[k] = totals.get(k, 0.0) + v
+            kl = spec.loss.ppo_kl(update.outputs)
+            if kl is not None and should_stop_epochs(kl, spec.kl_bound):
+                log.warning(
+                    "early stop of PPO epochs (%s): ppo_kl %.4f > bound %.4f at epoch %d",
+                    spec.loss.name,
+                    kl,
+                    spec.kl_bound,
+                    epoch,
+                )
+                stop_note = {"actor/ppo_kl_stop_after_updates": float(steps)}
+                break
+        if stop_note:
+            break
+    averaged = {k: v / steps for k, v in totals.items()} | stop_note
+    averaged["skipped_updates"] = float(skipped)
+    prefixed = ("grad_norm", "lr", "skipped_updates")
+    named = {
+        (f"{spec.role}/{k}" if k in prefixed or k.startswith("moe/") else k): v
+        for k, v in averaged.items()
+    }
+    return Updated(named, sorted(set(found)))
+
+
+def rollout_routes(model: MegatronModel) -> AbstractContextManager[None]:
+    """Inside: with rollout routing replay (R3) `model`'s forwards take the experts the
+    engine routed each token to (`rlhf.engine.route_replay`); otherwise nothing."""
+    replay = model.route_replay
+    return replay.replaying() if replay is not None and replay.rollout_routes else nullcontext()
+
+
+def _nonfinite_update(spec: UpdateSpec, metrics: dict[str, float]) -> list[str]:
+    """What a mini-batch whose gradients were not finite (no step was taken) found; raises
+    under `trainer.on_nonfinite=stop`."""
+    names = [f"{spec.role}/{n}" if "/" not in n else n for n in nonfinite_metrics(metrics)]
+    names = names or [f"{spec.role}/gradients"]
+    if spec.on_nonfinite == "stop":
+        raise NonFiniteError(
+            f"{spec.role} update ({spec.loss.name}): not finite: {', '.join(names)} "
+            "(trainer.on_nonfinite=stop; skip would skip such updates)"
+        )
+    return names
+
+
+def should_stop_epochs(approx_kl: float, bound: float | None) -> bool:
+    """True when the PPO epochs of the current step should end now.
+
+    Checked after every mini-batch update: `approx_kl` is the approximate KL between the
+    rollout policy and the policy being updated (`actor/ppo_kl`) on that mini-batch. Once it
+    exceeds `bound`, the remaining mini-batches and epochs of this step are skipped, so one
+    batch cannot move the policy arbitrarily far. A non-finite KL also stops; `bound=None`
+    never stops.
+    """
+    if bound is None:
+        return False
+    return not math.isfinite(approx_kl) or approx_kl > bound
 
 
 @dataclass(frozen=True)
@@ -83,7 +354,7 @@ def run_schedule(
     interleaved 1F1B runs them, every chunk reading the micro-batches from its own iterator
     (their count is a multiple of PP: `MicroBatchPlanner`). `moe`: the model has
     mixture-of-experts layers (they are told which tokens are padding); `replay`: its
-    routes are recorded or replayed (`rlhf.trainer.route_replay`)."""
+    routes are recorded or replayed (`rlhf.engine.route_replay`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
@@ -166,7 +437,7 @@ class MegatronModel:
     """A frozen model (reference policy): forward passes only.
 
     `offload_between_uses(kinds, owner)` keeps "params", "grads" and/or "optimizer" in CPU
-    memory outside `on_device()` (rlhf.trainer.offload), recorded as `owner` in the device
+    memory outside `on_device()` (rlhf.engine.offload), recorded as `owner` in the device
     ledger; a forward pass brings back the parameters only.
     """
 
@@ -293,7 +564,7 @@ class TrainableMegatronModel(MegatronModel):
         if self.router_stats is not None:  # mixture-of-experts: the routing of this update
             summed |= self.router_stats.collect()
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if not finite:  # no step: weights and optimizer state stay (rlhf.trainer.nonfinite)
+        if not finite:  # no step: weights and optimizer state stay (rlhf.engine.nonfinite)
             return MiniBatchUpdate(summed, lr, math.nan, skipped=True)
         self.scheduler.step(increment=1)
         return MiniBatchUpdate(summed, lr, float(grad_norm), skipped=False)
@@ -311,7 +582,7 @@ class TrainableMegatronModel(MegatronModel):
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
         model_sd = self.module.sharded_state_dict()
-        if self.distributed_optimizer:  # its state goes through rlhf.trainer.optimizer_shards
+        if self.distributed_optimizer:  # its state goes through rlhf.engine.optimizer_shards
             return {"model": model_sd}
         return {
             "model": model_sd,

@@ -59,7 +59,7 @@ class MicroBatch:
     `rlhf.rollout.batch`); mask: [n, R]; sample_ids: the n samples, indices into the
     step's batch; routes: [T, layers x top-k] int16, the experts the rollout engine routed
     each position's token to (-1: none, i.e. padding and each sample's last token), when
-    the batch has them (rollout routing replay, `rlhf.trainer.route_replay`).
+    the batch has them (rollout routing replay, `rlhf.engine.route_replay`).
     """
 
     tokens: Tensor

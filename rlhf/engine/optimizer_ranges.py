@@ -1,4 +1,4 @@
-"""Reading saved distributed-optimizer ranges back (`rlhf.trainer.optimizer_shards`' files):
+"""Reading saved distributed-optimizer ranges back (`rlhf.engine.optimizer_shards`' files):
 the elements one rank owns, cut from the ranges other ranks saved, across DP, PP and TP sizes.
 
 Every saved file is memory-mapped, so a rank reads only the bytes of the ranges it uses. At

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from rlhf.distributed.context import ParallelContext
-from rlhf.trainer.micro_batch import MicroBatch
+from rlhf.engine.micro_batch import MicroBatch
 
 Key = tuple[int, tuple[int, ...]]  # (chunk index, the micro-batch's sample ids)
 

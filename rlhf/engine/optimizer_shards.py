@@ -18,7 +18,7 @@ layout:
     <dir>/pp<P>_tp<T>_dp<D>.pt     {name: {"start", "end", "shape", "step", "param", "exp_avg",
                                            "exp_avg_sq"}}
 
-Loading (`rlhf.trainer.optimizer_ranges`) memory-maps every saved file and builds each range
+Loading (`rlhf.engine.optimizer_ranges`) memory-maps every saved file and builds each range
 this rank owns from the saved ranges, resharding across DP, PP and TP sizes. Files of format
 /1 (local layer names, no shapes) load at the saving run's TP and PP sizes.
 """
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf.checkpoint.manager import write_durable
+from rlhf.engine.optimizer_ranges import SavedShards
 from rlhf.models.mapping import Layout, layer_index, shift_layer
-from rlhf.trainer.optimizer_ranges import SavedShards
 
 FORMAT = "rlhf-distributed-optimizer/2"
 LOCAL_NAMES_FORMAT = "rlhf-distributed-optimizer/1"

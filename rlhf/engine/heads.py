@@ -18,15 +18,23 @@ import torch
 from torch import Tensor
 
 from rlhf.algo import entropy_loss, gspo_policy_loss, kl_loss, policy_loss, value_loss
-from rlhf.algo.losses import BatchCounts, PolicyLossOutput
+from rlhf.algo.losses import BatchCounts, PolicyLossOutput, clip_range
 from rlhf.algo.preference import bradley_terry_loss
 from rlhf.config.schema import ActorConfig, CriticConfig
+from rlhf.engine.micro_batch import MicroBatch
 from rlhf.models.logprobs import VocabShard
-from rlhf.trainer.experience import Experience
-from rlhf.trainer.megatron_model import HeadOutput
-from rlhf.trainer.micro_batch import MicroBatch
 
 PPO_KL = "actor/ppo_kl"  # the policy head's output that the epochs' KL bound reads
+
+
+# (loss or None for forward-only passes, detached per-micro-batch outputs or metrics)
+HeadOutput = tuple[Tensor | None, dict[str, Tensor]]
+
+
+class Head(Protocol):
+    """What the last pipeline stage computes from its output for one micro-batch."""
+
+    def __call__(self, output: Tensor, mb: MicroBatch, /) -> HeadOutput: ...
 
 
 def token_logprobs(
@@ -35,6 +43,29 @@ def token_logprobs(
     """[n, R] log-probs of the response tokens and [n, R] entropies (differentiable)."""
     logp_t, entropy_t = vocab.logprobs_entropy(logits[0], mb.labels[0], temperature)
     return mb.gather(logp_t[None]), mb.gather(entropy_t[None])
+
+
+class Targets(Protocol):
+    """What the loss heads of a step read: [B, R] tensors per response token of its batch
+    (the trainer's `Experience` is one; the engine never sees more of it)."""
+
+    @property
+    def old_logprobs_bt(self) -> Tensor: ...
+
+    @property
+    def advantages_bt(self) -> Tensor: ...
+
+    @property
+    def rollout_is_weights_bt(self) -> Tensor | None: ...
+
+    @property
+    def ref_logprobs_bt(self) -> Tensor | None: ...
+
+    @property
+    def values_bt(self) -> Tensor | None: ...
+
+    @property
+    def returns_bt(self) -> Tensor | None: ...
 
 
 class Aggregation(TypedDict):
@@ -107,7 +138,7 @@ class PolicyLossHead:
     temperature: float
     settings: ActorConfig
     norm_length: int
-    experience: Experience
+    experience: Targets
     counts: BatchCounts
 
     def _aggregation(self) -> Aggregation:
@@ -125,8 +156,7 @@ class PolicyLossHead:
         weights = exp.rollout_is_weights_bt
         w = None if weights is None else mb.select(weights)
         if cfg.policy_loss.loss_mode == "gspo":
-            low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
-            high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+            low, high = clip_range(cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high)
             return gspo_policy_loss(
                 logp, old, adv, mb.mask, low, high, cfg.loss_agg_mode, weights_bt=w, **agg
             )
@@ -172,7 +202,7 @@ class ValueLossHead:
 
     settings: CriticConfig
     norm_length: int
-    experience: Experience
+    experience: Targets
     counts: BatchCounts
 
     def __call__(self, values: Tensor, mb: MicroBatch) -> HeadOutput:
@@ -201,7 +231,7 @@ class Loss(Protocol):
 
     name: ClassVar[str]
 
-    def head(self, experience: Experience, counts: BatchCounts) -> PolicyLossHead | ValueLossHead:
+    def head(self, experience: Targets, counts: BatchCounts) -> PolicyLossHead | ValueLossHead:
         """The loss head of one mini-batch (`counts`: its global token/sequence counts)."""
         ...
 
@@ -224,7 +254,7 @@ class PolicyLoss:
     settings: ActorConfig
     norm_length: int
 
-    def head(self, experience: Experience, counts: BatchCounts) -> PolicyLossHead:
+    def head(self, experience: Targets, counts: BatchCounts) -> PolicyLossHead:
         return PolicyLossHead(
             self.vocab, self.temperature, self.settings, self.norm_length, experience, counts
         )
@@ -241,7 +271,7 @@ class ValueLoss:
     settings: CriticConfig
     norm_length: int
 
-    def head(self, experience: Experience, counts: BatchCounts) -> ValueLossHead:
+    def head(self, experience: Targets, counts: BatchCounts) -> ValueLossHead:
         return ValueLossHead(self.settings, self.norm_length, experience, counts)
 
     def ppo_kl(self, outputs: dict[str, float]) -> None:
