@@ -154,7 +154,7 @@ def plain_update_seconds(
 def measure(args, model_dir: Path) -> dict:
     from rlhf.engine.build import build_engine
     from rlhf.engine.micro_batch import MicroBatchPlanner
-    from rlhf.trainer.perf import measure_matmul_flops, ppo_step_flops
+    from rlhf.trainer.metrics import measure_matmul_flops, ppo_step_flops
     from rlhf.trainer.preflight import load_policy_arch
 
     n_samples = args.samples

@@ -178,7 +178,7 @@ def compute_floor_s(model: Path, tokens: float, samples: int) -> tuple[float, fl
     import torch
 
     from rlhf.models.families import load_arch
-    from rlhf.trainer.perf import measure_matmul_flops, ppo_step_flops
+    from rlhf.trainer.metrics import measure_matmul_flops, ppo_step_flops
 
     arch = load_arch(model)
     # forward-only: generation (one forward per token), old log-probs, reference, values;

@@ -25,7 +25,7 @@ from rlhf.config.hydra_load import grouped, load_with_notes
 from rlhf.config.validate import config_notes
 from rlhf.errors import ends_in_one_line
 from rlhf.rollout.multi_turn_config import load_configured_tools
-from rlhf.trainer.preemption import Preempted
+from rlhf.trainer.stopping import Preempted
 
 log = logging.getLogger("rlhf.cli.train")
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("config: ignored: %s", line)
     try:
         run(cfg)
-    except Preempted as e:  # SIGTERM: ended after a step (rlhf.trainer.preemption)
+    except Preempted as e:  # SIGTERM: ended after a step (rlhf.trainer.stopping)
         if int(os.environ.get("RANK", "0")) == 0:  # every rank ends alike: one line, not N
             print(f"rlhf-train: {e}", file=sys.stderr)
         return 128 + signal.SIGTERM

@@ -2,7 +2,7 @@
 (writable, room for the planned checkpoints), every save timed and a failed one explained
 with the steps it loses, saves written in the background (`trainer.async_save`,
 `rlhf.checkpoint.background`) published when done, and the SIGTERM decision
-(`rlhf.trainer.preemption`) taken with the measured save time."""
+(`rlhf.trainer.stopping`) taken with the measured save time."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rlhf.checkpoint.storage import available_bytes, size_text
 from rlhf.config.schema import RLHFConfig
 from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.models.families import ModelArch
-from rlhf.trainer.preemption import Preempted, PreemptionGuard
+from rlhf.trainer.stopping import Preempted, PreemptionGuard
 
 log = logging.getLogger(__name__)
 

@@ -38,16 +38,19 @@ from rlhf.rollout.generation import val_sampling_params
 from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.trainer.async_rollout import AheadRollout
 from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
-from rlhf.trainer.early_stop import Decision, EarlyStopper
 from rlhf.trainer.export import write_model_exports
-from rlhf.trainer.metrics import StepMeter, model_passes
-from rlhf.trainer.perf import measure_matmul_flops
+from rlhf.trainer.metrics import (
+    StepMeter,
+    build_tracker,
+    measure_matmul_flops,
+    model_passes,
+    tracker_state,
+)
 from rlhf.trainer.ppo_step import PPOStep, StepResult
-from rlhf.trainer.preemption import PreemptionGuard
 from rlhf.trainer.preflight import CHECKPOINT_CONFIG, Preflight, check_resume
 from rlhf.trainer.rollout_strategy import RolloutStrategy, SynchronousRollout
+from rlhf.trainer.stopping import Decision, EarlyStopper, PreemptionGuard
 from rlhf.trainer.stored_rollout import MixedRollout
-from rlhf.trainer.tracking import build_tracker, tracker_state
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from rlhf.models.mapping import Placement
 from rlhf.models.moe_arch import MoERouter
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.export import export_hf, write_export_files
-from rlhf.trainer.tracking import tracker_resume, tracker_state
+from rlhf.trainer.metrics import tracker_resume, tracker_state
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)

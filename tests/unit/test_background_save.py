@@ -20,7 +20,7 @@ from rlhf.config import load_config
 from rlhf.memory.checkpoint_size import save_hold_text
 from rlhf.models.families import load_arch
 from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
-from rlhf.trainer.preemption import Preempted, PreemptionGuard
+from rlhf.trainer.stopping import Preempted, PreemptionGuard
 from tests.helpers import REPO, small_filesystem
 
 pytestmark = pytest.mark.reliability

@@ -19,7 +19,7 @@ from rlhf.config import load_config
 from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.models.families import load_arch
 from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
-from rlhf.trainer.preemption import SAVE_MARGIN, Preempted, PreemptionGuard
+from rlhf.trainer.stopping import SAVE_MARGIN, Preempted, PreemptionGuard
 from tests.helpers import REPO, small_filesystem
 
 pytestmark = pytest.mark.reliability

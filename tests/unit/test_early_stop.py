@@ -10,7 +10,7 @@ import pytest
 from rlhf.config import ConfigError, load_config
 from rlhf.config.schema import EarlyStopConfig
 from rlhf.engine.engine import should_stop_epochs
-from rlhf.trainer.early_stop import Decision, EarlyStopper
+from rlhf.trainer.stopping import Decision, EarlyStopper
 
 
 def make_stopper(target_kl: float = 0.1, **section) -> EarlyStopper:

@@ -1,10 +1,10 @@
-"""The MFU yardstick (rlhf.trainer.perf): the matmul rate a step's FLOPs are divided by."""
+"""The MFU yardstick (rlhf.trainer.metrics): the matmul rate a step's FLOPs are divided by."""
 
 from __future__ import annotations
 
 import torch
 
-from rlhf.trainer.perf import matmul_size, measure_matmul_flops
+from rlhf.trainer.metrics import matmul_size, measure_matmul_flops
 
 H200_BF16_FLOPS = 989e12  # dense, the spec sheet's
 LAUNCH_S = 5e-6  # a kernel launch from Python, about

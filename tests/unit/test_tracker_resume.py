@@ -19,7 +19,7 @@ from rlhf.checkpoint import read_trainer_state, save_trainer_state
 from rlhf.config import load_config
 from rlhf.logging import MetricTracker
 from rlhf.logging.backends import TrackerResume
-from rlhf.trainer.tracking import TRACKERS_KEY, build_tracker, tracker_resume, tracker_state
+from rlhf.trainer.metrics import TRACKERS_KEY, build_tracker, tracker_resume, tracker_state
 from tests.unit.tracker_files import (
     forbid_remote_connections,
     mlflow_runs,
@@ -170,7 +170,7 @@ def test_the_trainers_checkpoint_state_names_the_tracker_runs(tmp_path):
     batches = SimpleNamespace(sampler_state=dict)
     with tracker(tmp_path, TrackerResume(2, {"wandb": "x1"}), loggers=[]) as metrics:
         trainer = SimpleNamespace(
-            batches=batches, kl_ctrl=part, stopper=part, trained=dict, tracker=metrics
+            batches=batches, kl_ctrl=part, stopper=part, engine=part, tracker=metrics
         )
         assert PPOTrainer.state_dict(trainer, 3)[TRACKERS_KEY] == {"wandb": "x1"}
 
