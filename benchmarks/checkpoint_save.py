@@ -20,10 +20,14 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from phase_memory import random_model, single_rank_models, synthetic_batch
+
+# where a 1-rank run's only rank sits (the keeper reads these of a ParallelContext)
+ONE_RANK = SimpleNamespace(is_main=True, rank=0, dp_sp_size=1, world_size=1, tp_size=1, pp_size=1)
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_SHAPE = {
@@ -57,7 +61,7 @@ def measure(args, model_dir: Path, run_dir: Path) -> dict:
     from rlhf.distributed.bootstrap import teardown
     from rlhf.logging import Timer
     from rlhf.memory.checkpoint_size import save_hold_text
-    from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
+    from rlhf.trainer.checkpoints import CheckpointKeeper
     from rlhf.trainer.ppo_step import learn_from_batch
 
     cfg, ctx, arch, models, _ = single_rank_models(
@@ -70,7 +74,7 @@ def measure(args, model_dir: Path, run_dir: Path) -> dict:
         trained = {"actor": models.actor}
         if models.critic is not None:
             trained["critic"] = models.critic
-        keeper = CheckpointKeeper(cfg, arch, run_dir, True, total_steps=4)
+        keeper = CheckpointKeeper(cfg, arch, run_dir, ONE_RANK, total_steps=4)
 
         def make_dirs(tmp: Path) -> None:
             for name in trained:

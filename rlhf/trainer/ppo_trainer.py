@@ -13,12 +13,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf.algo import build_kl_controller
-from rlhf.checkpoint import load_trainer_state, save_trainer_state
-from rlhf.checkpoint.background import PendingWrite
 from rlhf.config.loader import dump_yaml
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.sampler import PromptSampler
@@ -32,13 +29,11 @@ from rlhf.engine.reward_model import (
 from rlhf.logging import StepProfiler
 from rlhf.memory.checkpoint_size import save_hold_text
 from rlhf.memory.ledger import ledger
-from rlhf.models.mapping import Placement
 from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.generation import val_sampling_params
 from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.trainer.async_rollout import AheadRollout
-from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
-from rlhf.trainer.export import write_model_exports
+from rlhf.trainer.checkpoints import CheckpointKeeper
 from rlhf.trainer.metrics import (
     StepMeter,
     build_tracker,
@@ -82,9 +77,7 @@ class PPOTrainer:
             cfg.trainer.total_epochs * self.steps_per_epoch()
         )
         # before any server starts: a read-only or too small checkpoint directory fails now
-        self.keeper = CheckpointKeeper(
-            cfg, checked.arch, run_dir, ctx.is_main, self.total_steps, ctx.dp_sp_size
-        )
+        self.keeper = CheckpointKeeper(cfg, checked.arch, run_dir, ctx, self.total_steps)
         if ctx.is_main:
             self.log_save_plan()
         self.checkpoints = self.keeper.manager
@@ -198,51 +191,12 @@ class PPOTrainer:
         }
 
     def save_checkpoint(self, step: int) -> None:
-        """The models, optimizer and trainer state at `step`; never from non-finite weights
-        (the previous checkpoint stays the latest); a failed write says what is lost."""
-        for name in self.engine.nonfinite_weights():
-            raise NonFiniteError(
-                f"step {step}: the {name}'s weights are not finite; checkpoint not written"
-            )
-        if self.cfg.trainer.async_save:
-            self.keeper.save_in_background(step, lambda tmp: self._snapshot(step, tmp))
-        else:
-            self.keeper.save(step, lambda tmp: self._write_checkpoint(step, tmp))
-
-    def _write_checkpoint(self, step: int, tmp: Path) -> None:
-        self._make_model_dirs(tmp)
-        self.engine.save(tmp)
-        self._write_state(step, tmp)
-        self._write_exports(tmp)
-
-    def _snapshot(self, step: int, tmp: Path) -> list[PendingWrite]:
-        """The checkpoint of `step` in host memory and the writes of a background save; the
-        exports (an HF copy under `trainer.save_hf` reads the written model) come last."""
-        self._make_model_dirs(tmp)
-        writes = self.engine.save_in_background(tmp)
-        self._write_state(step, tmp)
-        return [*writes, PendingWrite(None, [lambda: self._write_exports(tmp)])]
-
-    def _make_model_dirs(self, tmp: Path) -> None:
-        if self.ctx.is_main:
-            for name in self.engine.trained():
-                (tmp / name).mkdir()
-        if dist.is_initialized():
-            dist.barrier()
-
-    def _write_state(self, step: int, tmp: Path) -> None:
-        save_trainer_state(tmp, self.state_dict(step), self.ctx.rank)
-        if self.ctx.is_main:
-            (tmp / CHECKPOINT_CONFIG).write_text(dump_yaml(self.cfg))
-
-    def _write_exports(self, tmp: Path) -> None:
-        if self.ctx.is_main:
-            write_model_exports(tmp, self.cfg, self.engine.trained(), Placement.of(self.ctx))
+        """The models, optimizer and trainer state at `step` (`CheckpointKeeper.save_step`)."""
+        self.keeper.save_step(step, self.engine, lambda: self.state_dict(step))
 
     def load_models(self, path: Path) -> dict:
         """Actor, critic (model + optimizer + LR schedule) and the trainer state at `path`."""
-        self.engine.load(path)
-        state = load_trainer_state(path, self.ctx.rank)
+        state = self.keeper.load_step(path, self.engine)
         self.engine.load_state_dict(state)
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         return state

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,9 +20,12 @@ from rlhf.checkpoint.background import BackgroundSave, CheckpointWriterError, Pe
 from rlhf.config import load_config
 from rlhf.memory.checkpoint_size import save_hold_text
 from rlhf.models.families import load_arch
-from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
+from rlhf.trainer.checkpoints import CheckpointKeeper
 from rlhf.trainer.stopping import Preempted, PreemptionGuard
 from tests.helpers import REPO, small_filesystem
+
+# where a 1-rank run's only rank sits (the keeper reads these of a ParallelContext)
+ONE_RANK = SimpleNamespace(is_main=True, rank=0, dp_sp_size=1, world_size=1, tp_size=1, pp_size=1)
 
 pytestmark = pytest.mark.reliability
 
@@ -30,7 +34,7 @@ def keeper_for(model_dir, run_dir) -> CheckpointKeeper:
     cfg = load_config(
         str(REPO / "configs" / "quickstart_cpu.yaml"), [f"actor_rollout_ref.model.path={model_dir}"]
     )
-    return CheckpointKeeper(cfg, load_arch(model_dir), run_dir, True, total_steps=10)
+    return CheckpointKeeper(cfg, load_arch(model_dir), run_dir, ONE_RANK, total_steps=10)
 
 
 def test_the_writer_writes_the_state_of_the_save_not_the_changed_one(tmp_path):

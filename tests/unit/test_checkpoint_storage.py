@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +19,12 @@ from rlhf.checkpoint.storage import available_bytes
 from rlhf.config import load_config
 from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.models.families import load_arch
-from rlhf.trainer.checkpoint_keeper import CheckpointKeeper
+from rlhf.trainer.checkpoints import CheckpointKeeper
 from rlhf.trainer.stopping import SAVE_MARGIN, Preempted, PreemptionGuard
 from tests.helpers import REPO, small_filesystem
+
+# where a 1-rank run's only rank sits (the keeper reads these of a ParallelContext)
+ONE_RANK = SimpleNamespace(is_main=True, rank=0, dp_sp_size=1, world_size=1, tp_size=1, pp_size=1)
 
 pytestmark = pytest.mark.reliability
 MIB = 1024 * 1024
@@ -124,7 +128,7 @@ def test_keeper_says_what_is_lost_and_decides_the_preemption_save(tiny_qwen2_dir
         str(REPO / "configs" / "quickstart_cpu.yaml"),
         [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"],
     )
-    keeper = CheckpointKeeper(cfg, load_arch(tiny_qwen2_dir), tmp_path, True, total_steps=10)
+    keeper = CheckpointKeeper(cfg, load_arch(tiny_qwen2_dir), tmp_path, ONE_RANK, total_steps=10)
     root = tmp_path / "checkpoints"
     assert keeper.write_rate > 0 and keeper.last_save_s is None
     assert keeper.work_lost(3) == "no checkpoint holds steps 1-3"
@@ -165,7 +169,7 @@ def test_a_directory_turned_read_only_mid_run_says_read_only_and_what_is_lost(
         [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"],
     )
     with small_filesystem(tmp_path / "disk", 4096) as disk:
-        keeper = CheckpointKeeper(cfg, load_arch(tiny_qwen2_dir), disk, True, total_steps=10)
+        keeper = CheckpointKeeper(cfg, load_arch(tiny_qwen2_dir), disk, ONE_RANK, total_steps=10)
         keeper.save(1, lambda tmp: (tmp / "state").write_text("1"))
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
         with pytest.raises(CheckpointStorageError) as err:

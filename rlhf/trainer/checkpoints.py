@@ -12,12 +12,27 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlhf.checkpoint import CheckpointManager, CheckpointStorageError, probe_storage
+import torch.distributed as dist
+
+from rlhf.checkpoint import (
+    CheckpointManager,
+    CheckpointStorageError,
+    load_trainer_state,
+    probe_storage,
+    save_trainer_state,
+)
 from rlhf.checkpoint.background import BackgroundSave, CheckpointWriterError, PendingWrite
 from rlhf.checkpoint.storage import available_bytes, size_text
+from rlhf.config.loader import dump_yaml
 from rlhf.config.schema import RLHFConfig
+from rlhf.distributed.context import ParallelContext
+from rlhf.engine.engine import PPOEngine
+from rlhf.engine.nonfinite import NonFiniteError
 from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.models.families import ModelArch
+from rlhf.models.mapping import Placement
+from rlhf.trainer.export import write_model_exports
+from rlhf.trainer.preflight import CHECKPOINT_CONFIG
 from rlhf.trainer.stopping import Preempted, PreemptionGuard
 
 log = logging.getLogger(__name__)
@@ -31,17 +46,18 @@ class CheckpointKeeper:
         cfg: RLHFConfig,
         arch: ModelArch,
         run_dir: Path,
-        is_main: bool,
+        ctx: ParallelContext,
         total_steps: int,
-        optimizer_group: int = 1,
     ):
-        """`optimizer_group`: the ranks the optimizer state is sharded over (DP x SP)."""
+        """`ctx`: where this rank sits (`is_main`, `rank`; `dp_sp_size`: the ranks the
+        optimizer state is sharded over)."""
         trainer = cfg.trainer
+        self.cfg, self.ctx = cfg, ctx
         # the manager first: it removes what a failed save left before space is counted
         self.manager = CheckpointManager(run_dir / "checkpoints", trainer.max_actor_ckpt_to_keep)
-        self.size = checkpoint_bytes(cfg, arch, optimizer_group)
+        self.size = checkpoint_bytes(cfg, arch, ctx.dp_sp_size)
         saves = total_steps // trainer.save_freq + 1 if trainer.save_freq > 0 else 1
-        self.write_rate = self._probe(saves, trainer.max_actor_ckpt_to_keep) if is_main else 0.0
+        self.write_rate = self._probe(saves, trainer.max_actor_ckpt_to_keep) if ctx.is_main else 0.0
         self.last_save_s: float | None = None  # the last save, until it was published
         self.last_saved_step: int | None = None
         self.pending: BackgroundSave | None = None  # a save being written in the background
@@ -67,6 +83,58 @@ class CheckpointKeeper:
                 size_text(self.size),
             )
         return rate
+
+    def save_step(self, step: int, engine: PPOEngine, state: Callable[[], dict]) -> None:
+        """The models, optimizer and trainer state (`state()`) at `step`, in the background
+        under `trainer.async_save`; never from non-finite weights (the previous checkpoint
+        stays the latest); a failed write says what is lost."""
+        for name in engine.nonfinite_weights():
+            raise NonFiniteError(
+                f"step {step}: the {name}'s weights are not finite; checkpoint not written"
+            )
+        if self.cfg.trainer.async_save:
+            self.save_in_background(step, lambda tmp: self._snapshot(tmp, engine, state))
+        else:
+            self.save(step, lambda tmp: self._write(tmp, engine, state))
+
+    def load_step(self, path: Path, engine: PPOEngine) -> dict:
+        """The models (+ optimizer + LR schedules) at `path` into `engine`; the trainer state."""
+        engine.load(path)
+        state = load_trainer_state(path, self.ctx.rank)
+        engine.load_state_dict(state)
+        return state
+
+    def _write(self, tmp: Path, engine: PPOEngine, state: Callable[[], dict]) -> None:
+        self._make_model_dirs(tmp, engine)
+        engine.save(tmp)
+        self._write_state(tmp, state())
+        self._write_exports(tmp, engine)
+
+    def _snapshot(
+        self, tmp: Path, engine: PPOEngine, state: Callable[[], dict]
+    ) -> list[PendingWrite]:
+        """The checkpoint in host memory and the writes of a background save; the exports
+        (an HF copy under `trainer.save_hf` reads the written model) come last."""
+        self._make_model_dirs(tmp, engine)
+        writes = engine.save_in_background(tmp)
+        self._write_state(tmp, state())
+        return [*writes, PendingWrite(None, [lambda: self._write_exports(tmp, engine)])]
+
+    def _make_model_dirs(self, tmp: Path, engine: PPOEngine) -> None:
+        if self.ctx.is_main:
+            for name in engine.trained():
+                (tmp / name).mkdir()
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _write_state(self, tmp: Path, state: dict) -> None:
+        save_trainer_state(tmp, state, self.ctx.rank)
+        if self.ctx.is_main:
+            (tmp / CHECKPOINT_CONFIG).write_text(dump_yaml(self.cfg))
+
+    def _write_exports(self, tmp: Path, engine: PPOEngine) -> None:
+        if self.ctx.is_main:
+            write_model_exports(tmp, self.cfg, engine.trained(), Placement.of(self.ctx))
 
     def save(self, step: int, write: Callable[[Path], None]) -> None:
         """`write(tmp_dir)` as the checkpoint of `step` (all ranks), timed; a full or
