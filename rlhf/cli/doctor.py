@@ -45,7 +45,7 @@ from rlhf.cli.doctor_checks import (
     check_weight_sync_address,
 )
 from rlhf.cli.doctor_memory import check_memory
-from rlhf.cli.doctor_placement import check_placement, node_gpus
+from rlhf.cli.doctor_placement import LaunchEnvError, check_placement, node_gpus
 from rlhf.cli.doctor_simulate import SHIPPED, check_simulation, check_stored, simulate_shipped
 from rlhf.config import ConfigError, RLHFConfig, load_config
 from rlhf.errors import ends_in_one_line
@@ -58,7 +58,7 @@ def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ConfigError(f"{key}={value!r} is not an integer") from None
+        raise LaunchEnvError(f"{key}={value!r} is not an integer") from None
 
 
 def run_checks(
@@ -157,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         world_size = args.world_size or _env_int(os.environ, "WORLD_SIZE", 0) or None
         checks = run_checks(cfg, world_size, requirements=args.requirements)
-        placement, servers = check_placement(cfg, *node_gpus(args.gpus_per_node, os.environ, cfg))
+        gpus = node_gpus(args.gpus_per_node, os.environ, cfg.trainer)
+        placement, servers = check_placement(cfg.trainer, cfg.actor_rollout_ref.rollout, *gpus)
         memory, report = check_memory(
             cfg, world_size, args.model_config, args.gpu_memory_gb, args.host_memory_gb
         )
         simulation, simulated = _simulation(args)
-    except ConfigError as e:
+    except (ConfigError, LaunchEnvError) as e:
         print(f"rlhf-doctor: config error: {e}", file=sys.stderr)
         return 2
     checks.extend([placement, *memory])

@@ -258,14 +258,10 @@ def check_config(cfg: RLHFConfig, world_size: int | None) -> Check:
     return Check("config", PASS, detail)
 
 
-def _model_problems(cfg: RLHFConfig) -> list[str]:
-    """Each model directory as the trainer checks it before starting servers: config.json of
-    a supported family, readable safetensors headers (each bad directory reported once)."""
-    models = {
-        "actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path,
-        "critic.model.path": cfg.critic.model.path,
-        "reward.model_path": cfg.reward.model_path,
-    }
+def _model_problems(models: dict[str, str | None]) -> list[str]:
+    """Each model directory (by its dotted key) as the trainer checks it before starting
+    servers: config.json of a supported family, readable safetensors headers (each bad
+    directory reported once)."""
     problems, seen = [], set()
     for key, path in models.items():
         if not path or path in seen:
@@ -285,7 +281,13 @@ def _model_problems(cfg: RLHFConfig) -> list[str]:
 
 def check_inputs(cfg: RLHFConfig) -> Check:
     """The model directories are usable and the Parquet files exist."""
-    problems = _model_problems(cfg)
+    problems = _model_problems(
+        {
+            "actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path,
+            "critic.model.path": cfg.critic.model.path,
+            "reward.model_path": cfg.reward.model_path,
+        }
+    )
     specs = {"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files}
     for key, spec in specs.items():
         if spec is None and key == "data.val_files":

@@ -25,10 +25,12 @@ def gpu_memory_bytes(gpu_memory_gb: float | None) -> int | None:
     return None
 
 
-def _arch(cfg: RLHFConfig, model_config: Path | None) -> ModelArch | None:
+def _arch(model_path: str | None, model_config: Path | None) -> ModelArch | None:
+    """The policy's architecture: from --model-config, else the model directory's
+    config.json (`actor_rollout_ref.model.path`); None without either."""
     if model_config is not None:
         return arch_from_hf_config(json.loads(Path(model_config).read_text()))
-    model_dir = Path(cfg.actor_rollout_ref.model.path or ".")
+    model_dir = Path(model_path or ".")
     return load_arch(model_dir) if (model_dir / "config.json").is_file() else None
 
 
@@ -61,7 +63,7 @@ def check_memory(
     """(the checks: GPU memory, and host memory on GPU runs; the planner's report or '')."""
     name = "memory"
     try:
-        arch = _arch(cfg, model_config)
+        arch = _arch(cfg.actor_rollout_ref.model.path, model_config)
     except (OSError, ValueError, KeyError) as e:
         return [Check(name, FAIL, f"cannot read the model's config: {e}", "fix --model-config")], ""
     if arch is None:

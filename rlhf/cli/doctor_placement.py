@@ -7,13 +7,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from rlhf.cli.doctor_checks import FAIL, PASS, SKIP, WARN, Check
-from rlhf.config import ConfigError, RLHFConfig
+from rlhf.config import ConfigError
 from rlhf.config.placement import GPUS_KEY, RolloutPlacement, gpu_ids_text, rollout_placement
+from rlhf.config.schema import RolloutConfig, TrainerConfig
+from rlhf.errors import UserError
 
 NAME = "server placement"
 
 
-def node_gpus(flag: int | None, environ: Mapping[str, str], cfg: RLHFConfig) -> tuple[int, str]:
+class LaunchEnvError(ValueError, UserError):
+    """A launch variable (GPUS_PER_NODE, WORLD_SIZE, MASTER_PORT, ...) that is no integer."""
+
+
+def node_gpus(
+    flag: int | None, environ: Mapping[str, str], trainer: TrainerConfig
+) -> tuple[int, str]:
     """The GPUs of one node and where that number comes from: --gpus-per-node, else
     GPUS_PER_NODE (as launch/torchrun.sh reads it), else trainer.n_gpus_per_node."""
     if flag is not None:
@@ -23,8 +31,8 @@ def node_gpus(flag: int | None, environ: Mapping[str, str], cfg: RLHFConfig) -> 
         try:
             return int(value), "GPUS_PER_NODE"
         except ValueError:
-            raise ConfigError(f"GPUS_PER_NODE={value!r} is not an integer") from None
-    return cfg.trainer.n_gpus_per_node, GPUS_KEY
+            raise LaunchEnvError(f"GPUS_PER_NODE={value!r} is not an integer") from None
+    return trainer.n_gpus_per_node, GPUS_KEY
 
 
 def placement_table(placement: RolloutPlacement) -> str:
@@ -41,9 +49,10 @@ def placement_table(placement: RolloutPlacement) -> str:
     return "\n".join(lines)
 
 
-def check_placement(cfg: RLHFConfig, gpus: int, source: str) -> tuple[Check, str]:
+def check_placement(
+    trainer: TrainerConfig, rollout: RolloutConfig, gpus: int, source: str
+) -> tuple[Check, str]:
     """(the verdict, the report: a heading line and one row per server, or '')."""
-    trainer, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
     if trainer.device == "cpu":
         return Check(NAME, SKIP, "CPU run (trainer.device=cpu): the servers use no GPU"), ""
     try:

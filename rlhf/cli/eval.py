@@ -25,9 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlhf.checkpoint.manager import find_latest
-from rlhf.config import ConfigError, RLHFConfig, load_config
-from rlhf.data.parquet import DataError
-from rlhf.errors import ends_in_one_line
+from rlhf.config import RLHFConfig, load_config
+from rlhf.errors import UserError, ends_in_one_line
 from rlhf.reward.remote import RemoteRewardError
 from rlhf.reward.validation import per_source_table
 from rlhf.rollout.client import GenerateError
@@ -121,7 +120,7 @@ def run(args: argparse.Namespace, cfg: RLHFConfig) -> dict:
 
     data = args.data or cfg.data.val_files
     if not data:
-        raise ConfigError("no data: pass --data FILE.parquet or set data.val_files")
+        raise UserError("no data: pass --data FILE.parquet or set data.val_files")
     data_files = [data] if isinstance(data, str) else list(data)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log_dir = args.output.parent / f"{args.output.stem}_logs"  # the servers' logs
@@ -167,7 +166,7 @@ def exit_code(prog: str, body: Callable[[], object]) -> int:
     inputs one line and 2; an unreachable server or reward endpoint one line and 1."""
     try:
         body()
-    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+    except (UserError, FileNotFoundError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except (GenerateError, TimeoutError, ConnectionError, RemoteRewardError, RuntimeError) as e:

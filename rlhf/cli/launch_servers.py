@@ -36,10 +36,10 @@ from typing import Any
 import yaml
 
 from rlhf.config.engine_args import launched_rollout, server_argv
-from rlhf.config.loader import ConfigError, build, load_config
+from rlhf.config.loader import build, load_config
 from rlhf.config.placement import is_loopback_host
 from rlhf.config.schema import RLHFConfig, RolloutConfig
-from rlhf.errors import ends_in_one_line
+from rlhf.errors import UserError, ends_in_one_line
 from rlhf.rollout.server_group import KEY, ServerGroup
 from rlhf.sglang_api import API_KEY_ENV, api_key
 
@@ -100,7 +100,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for item in args.engine_kwarg:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise ConfigError(f"--engine-kwarg {item!r}: expected NAME=VALUE")
+            raise UserError(f"--engine-kwarg {item!r}: expected NAME=VALUE")
         kwargs[name.strip()] = yaml.safe_load(value)
     return kwargs
 
@@ -124,9 +124,9 @@ def rollout_config(args: argparse.Namespace) -> RolloutConfig:
 
 
 def check_exposure(host: str) -> None:
-    """Refuse a reachable bind address without an API key (ConfigError, one line)."""
+    """Refuse a reachable bind address without an API key (a `UserError`, one line)."""
     if not is_loopback_host(host) and api_key() is None:
-        raise ConfigError(
+        raise UserError(
             f"--host {host} lets other machines reach the servers, whose weight-update routes "
             f"need no key unless {API_KEY_ENV} is set: export {API_KEY_ENV}=<secret> here "
             "and for the trainer, or bind 127.0.0.1"
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_exposure(args.host)
         rollout = rollout_config(args)
-    except ConfigError as e:
+    except UserError as e:
         print(f"launch_servers: error: {e}", file=sys.stderr)
         return 2
     # Installed first: the group's own SIGTERM handler stops the servers, then chains here.

@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 from rlhf.cli.eval import exit_code, policy_hf_dir
-from rlhf.config import ConfigError, RLHFConfig, load_config
-from rlhf.errors import ends_in_one_line
+from rlhf.config import RLHFConfig, load_config
+from rlhf.errors import UserError, ends_in_one_line
 
 AR = "actor_rollout_ref.rollout"
 
@@ -58,7 +58,7 @@ def rollout_config(args: argparse.Namespace) -> RLHFConfig:
     if args.server_url:
         shortcuts.append(f"{AR}.server_urls=[{args.server_url}]")
     if args.batch_size < 1:
-        raise ConfigError(f"--batch-size {args.batch_size}: must be >= 1")
+        raise UserError(f"--batch-size {args.batch_size}: must be >= 1")
     return load_config(args.config, [*shortcuts, *args.overrides])
 
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace, cfg: RLHFConfig) -> None:
 
     data = args.data or cfg.data.train_files
     if not data:
-        raise ConfigError("no prompts: pass --data FILE.parquet or set data.train_files")
+        raise UserError("no prompts: pass --data FILE.parquet or set data.train_files")
     data_files = [data] if isinstance(data, str) else list(data)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory(prefix="rlhf_rollout_") as scratch:

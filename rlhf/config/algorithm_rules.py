@@ -16,29 +16,46 @@ startup.
 
 from __future__ import annotations
 
+from rlhf.config.algorithm import (
+    AlgorithmConfig,
+    FilterGroupsConfig,
+    RolloutCorrectionConfig,
+)
 from rlhf.config.choices import CRITIC_ESTIMATORS, GROUP_ESTIMATORS
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.schema import ActorConfig, OverlongBufferConfig, RLHFConfig
 
 AR = "actor_rollout_ref"
 
 
+def kl_in_reward_on(use_kl_in_reward: bool | None, use_kl_loss: bool) -> bool:
+    """`algorithm.use_kl_in_reward`; null: on unless the actor has a KL loss
+    (`actor.use_kl_loss`)."""
+    if use_kl_in_reward is None:
+        return not use_kl_loss
+    return use_kl_in_reward
+
+
+def reference_on(use_kl_in_reward: bool | None, use_kl_loss: bool) -> bool:
+    """Whether the run builds the frozen reference: for a KL in the reward or as a loss."""
+    return kl_in_reward_on(use_kl_in_reward, use_kl_loss) or use_kl_loss
+
+
 def kl_in_reward(cfg: RLHFConfig) -> bool:
-    """`algorithm.use_kl_in_reward`; null: on unless the actor has a KL loss."""
-    if cfg.algorithm.use_kl_in_reward is None:
-        return not cfg.actor_rollout_ref.actor.use_kl_loss
-    return cfg.algorithm.use_kl_in_reward
+    """`kl_in_reward_on` of a config."""
+    return kl_in_reward_on(cfg.algorithm.use_kl_in_reward, cfg.actor_rollout_ref.actor.use_kl_loss)
 
 
 def uses_reference(cfg: RLHFConfig) -> bool:
-    """Whether the run builds the frozen reference: for a KL in the reward or as a loss."""
-    return kl_in_reward(cfg) or cfg.actor_rollout_ref.actor.use_kl_loss
+    """`reference_on` of a config."""
+    return reference_on(cfg.algorithm.use_kl_in_reward, cfg.actor_rollout_ref.actor.use_kl_loss)
 
 
-def require_off_policy_correction(cfg: RLHFConfig, setting: str, samples: str) -> None:
+def require_off_policy_correction(
+    correction: RolloutCorrectionConfig, setting: str, samples: str
+) -> None:
     """`setting` trains on `samples` (of another policy than the one trained): refused
-    without truncated importance sampling or bypass mode."""
-    correction = cfg.algorithm.rollout_correction
+    without truncated importance sampling or bypass mode (`algorithm.rollout_correction`)."""
     if correction.rollout_is is None and not correction.bypass_mode:
         raise ConfigError(
             f"{setting} trains on {samples}: set algorithm.rollout_correction.rollout_is="
@@ -47,9 +64,10 @@ def require_off_policy_correction(cfg: RLHFConfig, setting: str, samples: str) -
         )
 
 
-def check_algorithm(cfg: RLHFConfig) -> None:
-    """Refuse the settings under which training would do nothing or something else."""
-    estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+def check_algorithm(algorithm: AlgorithmConfig, n: int, critic_warmup: int) -> None:
+    """Refuse an estimator that would train nothing: a group estimator with `rollout.n` < 2,
+    `trainer.critic_warmup` without a critic."""
+    estimator = algorithm.adv_estimator
     if estimator in GROUP_ESTIMATORS and n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={estimator} compares the {AR}.rollout.n samples of each "
@@ -57,18 +75,16 @@ def check_algorithm(cfg: RLHFConfig) -> None:
             "rollout.n >= 2 (GRPO runs use 4-16), or adv_estimator=reinforce_plus_plus for one "
             "sample per prompt"
         )
-    if cfg.trainer.critic_warmup and estimator not in CRITIC_ESTIMATORS:
+    if critic_warmup and estimator not in CRITIC_ESTIMATORS:
         raise ConfigError(
-            f"trainer.critic_warmup={cfg.trainer.critic_warmup} trains only the critic for its "
+            f"trainer.critic_warmup={critic_warmup} trains only the critic for its "
             f"first steps, and adv_estimator={estimator} has no critic: nothing would train; "
             "set trainer.critic_warmup=0 (or adv_estimator=gae)"
         )
-    _check_gspo(cfg)
-    _check_dapo(cfg)
 
 
-def _check_gspo(cfg: RLHFConfig) -> None:
-    actor = cfg.actor_rollout_ref.actor
+def check_gspo(actor: ActorConfig) -> None:
+    """GSPO's sequence-level loss and clip ranges, not the token-level defaults."""
     if actor.policy_loss.loss_mode != "gspo":
         return
     if actor.loss_agg_mode != "seq-mean-token-mean":
@@ -84,23 +100,29 @@ def _check_gspo(cfg: RLHFConfig) -> None:
         )
 
 
-def _check_dapo(cfg: RLHFConfig) -> None:
-    overlong, n = cfg.reward.overlong_buffer, cfg.actor_rollout_ref.rollout.n
-    if overlong.enable and overlong.len >= cfg.data.max_response_length:
+def check_dapo(
+    overlong: OverlongBufferConfig,
+    filter_groups: FilterGroupsConfig,
+    max_response_length: int,
+    n: int,
+) -> None:
+    """DAPO's overlong buffer within `data.max_response_length`; dynamic sampling
+    (`algorithm.filter_groups`) on groups of several samples."""
+    if overlong.enable and overlong.len >= max_response_length:
         raise ConfigError(
             f"reward.overlong_buffer.len ({overlong.len}) must be below "
-            f"data.max_response_length ({cfg.data.max_response_length})"
+            f"data.max_response_length ({max_response_length})"
         )
-    if cfg.algorithm.filter_groups.enable and n < 2:
+    if filter_groups.enable and n < 2:
         raise ConfigError(
             f"algorithm.filter_groups.enable needs {AR}.rollout.n >= 2 (is {n}): a group of "
             "one sample always scores the same and would always be dropped"
         )
 
 
-def algorithm_notes(cfg: RLHFConfig) -> list[str]:
+def algorithm_notes(algorithm: AlgorithmConfig, actor: ActorConfig) -> list[str]:
     """Legal settings worth a line at startup."""
-    if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
+    if algorithm.use_kl_in_reward and actor.use_kl_loss:
         return [
             "the KL to the reference counts twice: in the reward (algorithm.use_kl_in_reward="
             f"true, kl_ctrl) and as a loss ({AR}.actor.use_kl_loss=true, kl_loss_coef); verl's "

@@ -17,17 +17,19 @@ cannot overlap training are refused before anything starts.
 
 from __future__ import annotations
 
+from rlhf.config.algorithm import RolloutCorrectionConfig
 from rlhf.config.algorithm_rules import require_off_policy_correction
 from rlhf.config.loader import ConfigError
 from rlhf.config.rollout import AsyncRolloutConfig
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.schema import ActorRolloutRefConfig, TrainerConfig
 
 AR = "actor_rollout_ref"
 
 
-def check_rollout_mode(cfg: RLHFConfig) -> None:
+def check_rollout_mode(
+    trainer: TrainerConfig, aro: ActorRolloutRefConfig, correction: RolloutCorrectionConfig
+) -> None:
     """Refuse a rollout mode that cannot run as configured (nothing to check for sync)."""
-    trainer = cfg.trainer
     mode = trainer.rollout_mode
     if mode != "async" and trainer.async_rollout != AsyncRolloutConfig():
         raise ConfigError(
@@ -36,23 +38,23 @@ def check_rollout_mode(cfg: RLHFConfig) -> None:
         )
     if mode == "sync":
         return
-    if not cfg.actor_rollout_ref.rollout.server_urls:
+    if not aro.rollout.server_urls:
         raise ConfigError(
             f"trainer.rollout_mode={mode} overlaps generation with training, which needs "
             f"disaggregated servers ({AR}.rollout.server_urls, see launch/sglang_servers.sh); "
             "servers the job launches share the trainer's devices"
         )
     require_off_policy_correction(
-        cfg, f"trainer.rollout_mode={mode}", "samples of older policy versions"
+        correction, f"trainer.rollout_mode={mode}", "samples of older policy versions"
     )
     if mode != "async":
         return
-    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+    if aro.rollout.multi_turn.enable:
         raise ConfigError(
             f"trainer.rollout_mode=async with {AR}.rollout.multi_turn.enable=true: a "
             "conversation cut by a weight update is not continued yet; use one_step_off"
         )
-    if cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
+    if aro.actor.router_replay.mode == "R3":
         raise ConfigError(
             f"trainer.rollout_mode=async with {AR}.actor.router_replay.mode=R3: the routes "
             "of a sample cut by a weight update come from two requests; use one_step_off, "

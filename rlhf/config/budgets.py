@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.schema import ActorRolloutRefConfig, CriticConfig, RLHFConfig
 
 AR = "actor_rollout_ref"
 
@@ -82,12 +82,11 @@ def token_budgets(cfg: RLHFConfig) -> TokenBudgets:
     )
 
 
-def check_micro_batching(cfg: RLHFConfig) -> None:
+def check_micro_batching(aro: ActorRolloutRefConfig, critic: CriticConfig) -> None:
     """A token budget set for a pass that cuts fixed micro-batches would be ignored: refused."""
-    aro = cfg.actor_rollout_ref
     passes = [
         (f"{AR}.actor", aro.actor, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
-        ("critic", cfg.critic, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+        ("critic", critic, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
         (f"{AR}.ref", aro.ref, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
         (
             f"{AR}.rollout",

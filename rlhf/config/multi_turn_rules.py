@@ -15,29 +15,33 @@ with tool calls cannot run are refused before anything starts.
 from __future__ import annotations
 
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.rollout import MultiTurnConfig
+from rlhf.config.schema import ActorConfig, DataConfig
 
 AR = "actor_rollout_ref"
 MULTI_TURN = f"{AR}.rollout.multi_turn"
 
 
-def check_multi_turn(cfg: RLHFConfig) -> None:
-    """Refuse a multi-turn setting that cannot run (nothing to check when it is off)."""
-    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
-    if not multi_turn.enable:
-        return
-    path = multi_turn.tool_config_path
-    if not path:
+def check_tool_config_path(multi_turn: MultiTurnConfig) -> None:
+    """Multi-turn on names the file of its tools."""
+    if multi_turn.enable and not multi_turn.tool_config_path:
         raise ConfigError(
             f"{MULTI_TURN}.enable=true needs {MULTI_TURN}.tool_config_path: a YAML file "
             "listing the tools (tools: [{class_name, config, tool_schema}], rlhf/tools/base.py)"
         )
-    if not cfg.data.apply_chat_template:
+
+
+def check_multi_turn(multi_turn: MultiTurnConfig, data: DataConfig, actor: ActorConfig) -> None:
+    """Refuse a multi-turn setting that cannot run (nothing to check when it is off)."""
+    if not multi_turn.enable:
+        return
+    check_tool_config_path(multi_turn)
+    if not data.apply_chat_template:
         raise ConfigError(
             f"{MULTI_TURN}.enable=true needs data.apply_chat_template=true: the chat template "
             "lists the tools in the prompt and renders their results as tool messages"
         )
-    if cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
+    if actor.router_replay.mode == "R3":
         raise ConfigError(
             f"{MULTI_TURN}.enable=true with {AR}.actor.router_replay.mode=R3: the engine "
             "returns the experts it routed in one /generate request and a conversation is "

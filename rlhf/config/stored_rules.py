@@ -13,9 +13,10 @@ stored samples cannot be trained on are refused before anything starts.
 
 from __future__ import annotations
 
+from rlhf.config.algorithm import AlgorithmConfig
 from rlhf.config.algorithm_rules import require_off_policy_correction
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.schema import ActorConfig, DataConfig, RLHFConfig, TrainerConfig
 
 
 def stored_groups_per_step(cfg: RLHFConfig) -> int:
@@ -31,9 +32,10 @@ def prompt_sampler_batch(cfg: RLHFConfig) -> int:
     return cfg.data.train_batch_size - stored_groups_per_step(cfg) or cfg.data.train_batch_size
 
 
-def check_stored_rollouts(cfg: RLHFConfig) -> None:
+def check_stored_rollouts(
+    data: DataConfig, trainer: TrainerConfig, algorithm: AlgorithmConfig, actor: ActorConfig
+) -> None:
     """Refuse a stored-rollout setting that cannot run (nothing to check without files)."""
-    data = cfg.data
     if not data.rollout_files:
         if data.stored_fraction != 1.0:
             raise ConfigError(
@@ -48,13 +50,13 @@ def check_stored_rollouts(cfg: RLHFConfig) -> None:
             f"{data.train_batch_size} = {groups:g} stored prompt groups per step: it must be "
             "a whole number >= 1"
         )
-    require_off_policy_correction(cfg, "data.rollout_files", "samples of another policy")
+    require_off_policy_correction(
+        algorithm.rollout_correction, "data.rollout_files", "samples of another policy"
+    )
     refused = {
-        "trainer.rollout_mode": cfg.trainer.rollout_mode != "sync",
-        "algorithm.filter_groups.enable": cfg.algorithm.filter_groups.enable,
-        "actor_rollout_ref.actor.router_replay.mode=R3": (
-            cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
-        ),
+        "trainer.rollout_mode": trainer.rollout_mode != "sync",
+        "algorithm.filter_groups.enable": algorithm.filter_groups.enable,
+        "actor_rollout_ref.actor.router_replay.mode=R3": actor.router_replay.mode == "R3",
     }
     for key, on in refused.items():
         if on:

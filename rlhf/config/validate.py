@@ -6,7 +6,8 @@ tool settings (`rlhf.config.multi_turn_rules`), and, when the model's architectu
 given, its attention and KV heads against the TP and Ulysses sizes and its layers against
 the PP size and the recompute settings. Single keys (types, allowed values, ranges) are
 checked earlier by the loader. Each violation is a `ConfigError` naming every key involved
-and the numbers it saw.
+and the numbers it saw. Each rule takes only the config sections it reads; `validate_config`
+and `config_notes` are the entry points that take the whole tree.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlhf.config.algorithm import KLControlConfig
+from rlhf.config.algorithm import KLControlConfig, RolloutCorrectionConfig
 from rlhf.config.algorithm_rules import (
     algorithm_notes,
     check_algorithm,
+    check_dapo,
+    check_gspo,
     kl_in_reward,
     uses_reference,
 )
@@ -30,14 +33,19 @@ from rlhf.config.choices import CRITIC_ESTIMATORS
 from rlhf.config.loader import ConfigError
 from rlhf.config.multi_turn_rules import MULTI_TURN, check_multi_turn
 from rlhf.config.placement import server_gpus, weight_sync_address_problem
-from rlhf.config.rollout import MultiTurnConfig
+from rlhf.config.rollout import MultiTurnConfig, RolloutConfig
 from rlhf.config.schema import (
     ActorConfig,
     CriticConfig,
+    DataConfig,
+    EarlyStopConfig,
     MegatronParallelConfig,
     ModelConfig,
+    ProfilerConfig,
     RefConfig,
+    RewardConfig,
     RLHFConfig,
+    TrainerConfig,
 )
 from rlhf.config.stored_rules import check_stored_rollouts
 
@@ -120,17 +128,11 @@ def check_launch(trainer: Any, world_size: int | None, local_world_size: int | N
         )
 
 
-def _role_section(role: str, cfg: RLHFConfig) -> tuple[ActorConfig | CriticConfig, str]:
-    """The trained model's config section ('actor' or 'critic') and its dotted prefix."""
-    if role == "actor":
-        return cfg.actor_rollout_ref.actor, f"{AR}.actor"
-    return cfg.critic, "critic"
-
-
 def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayout:
     """The parallel layout of `role` ('actor' or 'critic'), checked against the world size."""
-    section, prefix = _role_section(role, cfg)
-    return section_layout(section, prefix, world_size)
+    if role == "actor":
+        return section_layout(cfg.actor_rollout_ref.actor, f"{AR}.actor", world_size)
+    return section_layout(cfg.critic, "critic", world_size)
 
 
 def section_layout(section: Any, prefix: str, world_size: int) -> ParallelLayout:
@@ -186,14 +188,20 @@ def sequence_parallel_on(setting: bool | None, tp_size: int) -> bool:
     return tp_size > 1 and setting is not False
 
 
-def _check_batches(role: str, cfg: RLHFConfig, layout: ParallelLayout) -> None:
-    section, prefix = _role_section(role, cfg)
-    n = cfg.actor_rollout_ref.rollout.n
-    step_samples = cfg.data.train_batch_size * n
+def _check_batches(
+    prefix: str,
+    section: ActorConfig | CriticConfig,
+    data: DataConfig,
+    n: int,
+    layout: ParallelLayout,
+) -> None:
+    """A step's samples (`data.train_batch_size` x `rollout.n`) split into whole mini-batches
+    of `section` (at `prefix`), and each into whole micro-batches of every DP rank."""
+    step_samples = data.train_batch_size * n
     mini_samples = section.ppo_mini_batch_size * n
     if step_samples % mini_samples:
         raise ConfigError(
-            f"data.train_batch_size ({cfg.data.train_batch_size}) x {AR}.rollout.n ({n}) = "
+            f"data.train_batch_size ({data.train_batch_size}) x {AR}.rollout.n ({n}) = "
             f"{step_samples} samples is not divisible by {prefix}.ppo_mini_batch_size "
             f"({section.ppo_mini_batch_size}) x {AR}.rollout.n = {mini_samples} samples"
         )
@@ -209,8 +217,8 @@ def _check_batches(role: str, cfg: RLHFConfig, layout: ParallelLayout) -> None:
         )
 
 
-def _check_ref_layout(cfg: RLHFConfig, actor: ParallelLayout) -> None:
-    ref_sp = cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size
+def _check_ref_layout(ref: RefConfig, actor: ParallelLayout) -> None:
+    ref_sp = ref.ulysses_sequence_parallel_size
     if ref_sp is not None and ref_sp != actor.sp_size:
         raise ConfigError(
             f"{AR}.ref.ulysses_sequence_parallel_size={ref_sp} differs from "
@@ -228,13 +236,12 @@ def _check_critic_layout(actor: ParallelLayout, critic: ParallelLayout) -> None:
         )
 
 
-def _check_rollout_placement(cfg: RLHFConfig) -> None:
+def _check_rollout_placement(rollout: RolloutConfig, trainer: TrainerConfig) -> None:
     """Server URLs look like URLs that servers on other hosts can sync weights from; servers
     launched on GPUs get disjoint GPUs of their node (`rlhf.config.placement`). Servers
     launched on several nodes take any layout: where a node does not hold whole replicas
     (PP across nodes, say), every rank takes part in its node's sync
     (`rlhf.weight_sync.gather.whole_replicas_per_node`)."""
-    rollout, trainer = cfg.actor_rollout_ref.rollout, cfg.trainer
     bad = [u for u in rollout.server_urls or [] if not u.startswith(("http://", "https://"))]
     if bad:
         raise ConfigError(f"{AR}.rollout.server_urls: {bad} are not URLs like http://host:port")
@@ -246,11 +253,6 @@ def _check_rollout_placement(cfg: RLHFConfig) -> None:
         server_gpus(
             rollout.num_servers, rollout.tensor_model_parallel_size, trainer.n_gpus_per_node
         )
-
-
-def _check_recompute(role: str, cfg: RLHFConfig, shape: ModelShape | None) -> None:
-    section, prefix = _role_section(role, cfg)
-    check_recompute(section.megatron, f"{prefix}.megatron", shape)
 
 
 def check_recompute(m: MegatronParallelConfig, key: str, shape: ModelShape | None) -> None:
@@ -378,11 +380,10 @@ def config_notes(cfg: RLHFConfig) -> list[str]:
     tool_keys = _changed(multi_turn, MultiTurnConfig(), MULTI_TURN)
     if not multi_turn.enable and tool_keys:
         notes.append(f"{', '.join(tool_keys)} ignored: {MULTI_TURN}.enable=false")
-    return notes + algorithm_notes(cfg)
+    return notes + algorithm_notes(cfg.algorithm, cfg.actor_rollout_ref.actor)
 
 
-def _check_reward(cfg: RLHFConfig) -> None:
-    reward = cfg.reward
+def _check_reward(reward: RewardConfig, correction: RolloutCorrectionConfig) -> None:
     if reward.url and reward.model_path:
         raise ConfigError(
             f"reward.url ({reward.url}) and reward.model_path ({reward.model_path}) both score "
@@ -400,7 +401,6 @@ def _check_reward(cfg: RLHFConfig) -> None:
         )
     if reward.url and not reward.url.startswith(("http://", "https://")):
         raise ConfigError(f"reward.url: {reward.url!r} is not a URL like http://host:port/path")
-    correction = cfg.algorithm.rollout_correction
     if correction.bypass_mode and correction.rollout_is is not None:
         raise ConfigError(
             "algorithm.rollout_correction.bypass_mode takes the engine's log-probs as the old "
@@ -408,28 +408,29 @@ def _check_reward(cfg: RLHFConfig) -> None:
         )
 
 
-def _check_engine_kwargs(cfg: RLHFConfig) -> None:
-    if cfg.actor_rollout_ref.rollout.engine_kwargs.sglang:
+def _check_engine_kwargs(rollout: RolloutConfig) -> None:
+    if rollout.engine_kwargs.sglang:
         from rlhf.config.engine_args import server_argv
 
-        server_argv(cfg.actor_rollout_ref.rollout.engine_kwargs.sglang)
+        server_argv(rollout.engine_kwargs.sglang)
 
 
-def _check_misc(cfg: RLHFConfig) -> None:
-    for i, step in enumerate(cfg.global_profiler.steps or []):
+def _check_profiler(profiler: ProfilerConfig) -> None:
+    for i, step in enumerate(profiler.steps or []):
         if step < 1:
             raise ConfigError(f"global_profiler.steps[{i}]: steps count from 1, got {step}")
-    if not cfg.actor_rollout_ref.model.path:
+
+
+def _check_policy_path(model: ModelConfig) -> None:
+    if not model.path:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
-    _check_reward(cfg)
-    _check_engine_kwargs(cfg)
-    check_multi_turn(cfg)
-    check_rollout_mode(cfg)
-    check_stored_rollouts(cfg)
-    check_micro_batching(cfg)
-    if cfg.trainer.early_stop.kl_patience and not uses_reference(cfg):
+
+
+def _check_early_stop(early_stop: EarlyStopConfig, reference: bool) -> None:
+    """The KL patience watches the KL to the reference: it needs one (`reference`)."""
+    if early_stop.kl_patience and not reference:
         raise ConfigError(
-            f"trainer.early_stop.kl_patience={cfg.trainer.early_stop.kl_patience} watches the KL "
+            f"trainer.early_stop.kl_patience={early_stop.kl_patience} watches the KL "
             f"to the reference, which this run does not compute: set "
             f"algorithm.use_kl_in_reward=true or {AR}.actor.use_kl_loss=true, or kl_patience=0"
         )
@@ -438,13 +439,10 @@ def _check_misc(cfg: RLHFConfig) -> None:
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def _check_model_paths(cfg: RLHFConfig) -> None:
-    """A model path that is no local directory but reads as a Hugging Face Hub id (verl
-    downloads those) is refused here, before anything starts, with the way to get it."""
-    paths: dict[str, str | None] = {f"{AR}.model.path": cfg.actor_rollout_ref.model.path}
-    if uses_critic(cfg):
-        paths["critic.model.path"] = cfg.critic.model.path
-    paths["reward.model_path"] = cfg.reward.model_path
+def _check_model_paths(paths: dict[str, str | None]) -> None:
+    """A model path (by its dotted key) that is no local directory but reads as a Hugging
+    Face Hub id (verl downloads those) is refused here, before anything starts, with the way
+    to get it."""
     for key, path in paths.items():
         if path and _HUB_ID.fullmatch(path) and not Path(path).exists():
             raise ConfigError(
@@ -467,22 +465,39 @@ def validate_config(
     architecture) enables the rules on attention heads and layers. `local_world_size`, the
     processes launched on this node, checks `trainer.n_gpus_per_node` (`check_launch`).
     """
-    check_algorithm(cfg)
-    _check_model_paths(cfg)
-    check_launch(cfg.trainer, world_size, local_world_size)
-    world = checked_world_size(cfg.trainer, world_size)
-    actor = parallel_layout("actor", cfg, world)
-    _check_batches("actor", cfg, actor)
-    _check_recompute("actor", cfg, shape)
-    _check_ref_layout(cfg, actor)
-    if uses_critic(cfg):
-        critic = parallel_layout("critic", cfg, world)
-        _check_batches("critic", cfg, critic)
-        _check_recompute("critic", cfg, shape)
+    aro, algorithm, data, trainer = cfg.actor_rollout_ref, cfg.algorithm, cfg.data, cfg.trainer
+    n = aro.rollout.n
+    check_algorithm(algorithm, n, trainer.critic_warmup)
+    check_gspo(aro.actor)
+    check_dapo(cfg.reward.overlong_buffer, algorithm.filter_groups, data.max_response_length, n)
+    critic_on = uses_critic(cfg)
+    paths: dict[str, str | None] = {f"{AR}.model.path": aro.model.path}
+    if critic_on:
+        paths["critic.model.path"] = cfg.critic.model.path
+    paths["reward.model_path"] = cfg.reward.model_path
+    _check_model_paths(paths)
+    check_launch(trainer, world_size, local_world_size)
+    world = checked_world_size(trainer, world_size)
+    actor = section_layout(aro.actor, f"{AR}.actor", world)
+    _check_batches(f"{AR}.actor", aro.actor, data, n, actor)
+    check_recompute(aro.actor.megatron, f"{AR}.actor.megatron", shape)
+    _check_ref_layout(aro.ref, actor)
+    if critic_on:
+        critic = section_layout(cfg.critic, "critic", world)
+        _check_batches("critic", cfg.critic, data, n, critic)
+        check_recompute(cfg.critic.megatron, "critic.megatron", shape)
         _check_critic_layout(actor, critic)
-    _check_rollout_placement(cfg)
+    _check_rollout_placement(aro.rollout, trainer)
     if shape is not None:
         check_model_split(actor, shape)
         check_heads(actor, shape)
-    _check_misc(cfg)
+    _check_profiler(cfg.global_profiler)
+    _check_policy_path(aro.model)
+    _check_reward(cfg.reward, algorithm.rollout_correction)
+    _check_engine_kwargs(aro.rollout)
+    check_multi_turn(aro.rollout.multi_turn, data, aro.actor)
+    check_rollout_mode(trainer, aro, algorithm.rollout_correction)
+    check_stored_rollouts(data, trainer, algorithm, aro.actor)
+    check_micro_batching(aro, cfg.critic)
+    _check_early_stop(trainer.early_stop, uses_reference(cfg))
     return actor

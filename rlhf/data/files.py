@@ -6,7 +6,7 @@ hdfs, s3, gcs, memory, ... and says which package a scheme needs), then through 
 own filesystems; local paths and `file://` URIs are read directly. The returned
 `DataFile.filesystem` is what `pyarrow.parquet` takes as `filesystem=` (None for local).
 A spec that is no file name (unset, an empty list, a directory, a URI nothing opens) is a
-`ConfigError` naming its key, a missing file a `FileNotFoundError`: the CLIs print one line.
+`DataFileError` naming its key, a missing file a `FileNotFoundError`: the CLIs print one line.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.config import ConfigError
+from rlhf.errors import UserError
+
+
+class DataFileError(ValueError, UserError):
+    """A data file spec that names no readable file (unset, empty, a directory, a URI nothing
+    opens); the message names its key."""
+
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -41,13 +47,13 @@ class DataFile:
 
 def _as_list(spec: str | Sequence[str] | None, key: str) -> list[str]:
     if spec is None or (isinstance(spec, str) and not spec.strip()):
-        raise ConfigError(f"{key} is not set: give a Parquet path, a list, a glob or a URI")
+        raise DataFileError(f"{key} is not set: give a Parquet path, a list, a glob or a URI")
     items = [spec] if isinstance(spec, str) else list(spec)
     if not items:
-        raise ConfigError(f"{key} is an empty list: give at least one Parquet file")
+        raise DataFileError(f"{key} is an empty list: give at least one Parquet file")
     for item in items:
         if not isinstance(item, str) or not item.strip():
-            raise ConfigError(f"{key}: every entry must be a non-empty path, got {item!r}")
+            raise DataFileError(f"{key}: every entry must be a non-empty path, got {item!r}")
     return items
 
 
@@ -59,7 +65,7 @@ def _local(pattern: str, key: str) -> list[DataFile]:
             raise FileNotFoundError(f"{key}: no file matches the glob {pattern!r}")
         return [DataFile(name=m, path=m) for m in matches]
     if os.path.isdir(path):
-        raise ConfigError(
+        raise DataFileError(
             f"{key}: {pattern!r} is a directory; give a file or a glob such as "
             f"{os.path.join(pattern, '*.parquet')!r}"
         )
@@ -109,7 +115,7 @@ def _remote(uri: str, key: str) -> list[DataFile]:
             if fs.get_file_info(path).type == pafs.FileType.NotFound:
                 raise FileNotFoundError(f"{key}: nothing found at {uri!r}")
             return [DataFile(name=uri, path=path, filesystem=fs)]
-    raise ConfigError(
+    raise DataFileError(
         f"{key}: cannot open {uri!r} ({'; '.join(errors)}); check the URI, or install the "
         f"fsspec package for '{scheme}://' (e.g. s3fs, gcsfs, adlfs)"
     )

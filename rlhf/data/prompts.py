@@ -16,11 +16,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhf.config import ConfigError
 from rlhf.config.choices import Truncation
 from rlhf.data.parquet import GroundTruthCheck, PromptRow, read_prompt_rows
+from rlhf.errors import UserError
 
 log = logging.getLogger(__name__)
+
+
+class PromptError(ValueError, UserError):
+    """Prompts that cannot be used as the config asks: longer than `data.max_prompt_length`,
+    rows no scorer here can score, or a chat template that cannot list the tools."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,7 @@ def check_template_lists_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> N
     the policy: refused."""
     probe = [{"role": "user", "content": "?"}]
     if prompt_text(probe, tokenizer, True, tools) == prompt_text(probe, tokenizer, True):
-        raise ConfigError(
+        raise PromptError(
             "actor_rollout_ref.rollout.multi_turn: the tokenizer's chat template ignores "
             "`tools` (it renders the same without them), so the policy would not see its "
             "tools; use a model whose template lists tools (Qwen2.5, Qwen3, ...)"
@@ -168,7 +173,7 @@ def build_prompt_dataset(
     tools: list[dict[str, Any]] | None = None,
 ) -> PromptDataset:
     """Encode `rows` and apply the length policy (filtering first, then truncation); length
-    problems are `ConfigError`s: data.max_prompt_length does not suit the data. `tools`: the
+    problems are `PromptError`s: data.max_prompt_length does not suit the data. `tools`: the
     tool schemas every prompt lists (`rlhf.rollout.multi_turn_config.tool_schemas`)."""
     if not rows:
         raise ValueError("no prompt rows to encode")
@@ -179,14 +184,14 @@ def build_prompt_dataset(
     lengths = [len(ids) for ids in encoded]
     cut = truncation in ("left", "right") and not filter_overlong_prompts
     if not cut and min(lengths) > max_prompt_length:
-        raise ConfigError(_all_overlong(rows, lengths, max_prompt_length))
+        raise PromptError(_all_overlong(rows, lengths, max_prompt_length))
     for row, ids in zip(rows, encoded):
         if len(ids) > max_prompt_length and filter_overlong_prompts:
             dataset.num_filtered += 1
             continue
         fitted = fit_length(ids, max_prompt_length, truncation)
         if fitted is None:
-            raise ConfigError(
+            raise PromptError(
                 f"{row.file}: row {row.row}, column '{prompt_key}': prompt is {len(ids)} tokens, "
                 f"longer than data.max_prompt_length={max_prompt_length}; set "
                 "data.filter_overlong_prompts=true to drop such prompts or "

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf.config.choices import LOGGERS
-from rlhf.config.loader import ConfigError
+from rlhf.errors import UserError
 from rlhf.logging.backends import BACKENDS, RemoteRun, RunInfo, TrackerResume, start_backend
 from rlhf.logging.names import NameMap
 from rlhf.logging.profiler import stage_range
@@ -46,6 +46,10 @@ CONSOLE_KEYS = (
     "response_length/mean",
     "timing_s/step",
 )
+
+
+class TrackerError(ValueError, UserError):
+    """A tracker of `trainer.logger` that could not start its run; the message names it."""
 
 
 def _scalar(value) -> float:
@@ -220,7 +224,7 @@ def _start(name: str, info: RunInfo, resume: TrackerResume | None, rewind: bool)
     try:
         return start_backend(name, info, resume, rewind)
     except Exception as e:  # any error of the tracker's library, e.g. its server unreachable
-        raise ConfigError(
+        raise TrackerError(
             f"trainer.logger: {name} could not start a run (project {info.project!r}, "
             f"experiment {info.experiment!r}): {_first_line(e)}; fix that or leave {name} "
             "out of trainer.logger"

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf.config import ConfigError
+from rlhf.errors import UserError
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.hf_io import CheckpointFileError, HFCheckpointReader
 from rlhf.models.mapping import expected_hf_shape
 from rlhf.models.moe_arch import sglang_serving_problem
+
+
+class ModelDirError(ValueError, UserError):
+    """A model directory the project cannot use (an unsupported or incomplete config.json, a
+    model SGLang would serve wrongly, a tokenizer larger than the embedding); the message
+    names the directory's config key when given."""
 
 
 def _where(model_dir: str | Path, key: str | None) -> str:
@@ -26,7 +32,7 @@ def _where(model_dir: str | Path, key: str | None) -> str:
 
 def read_model_arch(model_dir: str | Path, key: str | None = None) -> ModelArch:
     """The architecture in `model_dir`/config.json; an unsupported or unreadable config is a
-    `ConfigError` naming `key` and the directory."""
+    `ModelDirError` naming `key` and the directory."""
     if not Path(model_dir, "config.json").is_file():
         raise FileNotFoundError(
             f"{_where(model_dir, key)}: no config.json there (an HF model directory is "
@@ -35,9 +41,9 @@ def read_model_arch(model_dir: str | Path, key: str | None = None) -> ModelArch:
     try:
         return load_arch(model_dir)
     except KeyError as e:
-        raise ConfigError(f"{_where(model_dir, key)}: config.json lacks {e}") from None
+        raise ModelDirError(f"{_where(model_dir, key)}: config.json lacks {e}") from None
     except ValueError as e:  # an unsupported family or setting, or not JSON at all
-        raise ConfigError(f"{_where(model_dir, key)}: {e}") from None
+        raise ModelDirError(f"{_where(model_dir, key)}: {e}") from None
 
 
 def check_model_dir(model_dir: str | Path, key: str | None = None) -> ModelArch:
@@ -81,14 +87,14 @@ def check_servable_policy(arch: ModelArch, model_dir: str | Path, key: str) -> N
     model SGLang would serve wrongly (`sglang_serving_problem`)."""
     problem = sglang_serving_problem(arch.moe, arch.family)
     if problem is not None:
-        raise ConfigError(f"{_where(model_dir, key)}: {problem}")
+        raise ModelDirError(f"{_where(model_dir, key)}: {problem}")
 
 
 def check_tokenizer_fits(tokenizer, arch: ModelArch, model_dir: str | Path, key: str) -> None:
     """A tokenizer with more tokens than the embedding has rows would hand SGLang and the
     trainer ids past the embedding (SGLang crashes on them, and is restarted in vain)."""
     if len(tokenizer) > arch.vocab_size:
-        raise ConfigError(
+        raise ModelDirError(
             f"{_where(model_dir, key)}: the tokenizer has {len(tokenizer)} tokens but the "
             f"model's embedding has {arch.vocab_size} rows (config.json vocab_size): ids "
             f"from {arch.vocab_size} on have no embedding"

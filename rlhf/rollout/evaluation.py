@@ -15,10 +15,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rlhf.config import ConfigError
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.schema import DataConfig, RewardConfig, RLHFConfig
 from rlhf.data.parquet import read_prompt_rows
-from rlhf.data.prompts import PromptDataset, build_prompt_dataset, load_tokenizer
+from rlhf.data.prompts import PromptDataset, PromptError, build_prompt_dataset, load_tokenizer
 from rlhf.reward import ground_truth_checker
 from rlhf.reward.scorer import RewardScorer
 from rlhf.reward.validation import val_samples, validation_metrics
@@ -44,7 +43,8 @@ class EvalResult:
 
 
 def eval_prompts(
-    cfg: RLHFConfig,
+    data: DataConfig,
+    reward: RewardConfig,
     data_files: list[str],
     tokenizer,
     tools: dict[str, Tool],
@@ -53,20 +53,19 @@ def eval_prompts(
     """The prompts of `data_files` under the config's `data.*` length policy; rows whose
     reward is a model need `reward.url` (no reward model runs here) unless
     `unscored_model_rows` (their samples are then left unscored)."""
-    data = cfg.data
     rows = read_prompt_rows(
         data_files,
         prompt_key=data.prompt_key,
         bad_rows=data.bad_rows,
         key="--data",
-        check_ground_truth=ground_truth_checker(cfg.reward),
+        check_ground_truth=ground_truth_checker(reward),
     )
-    if cfg.reward.model_scores_every_row:
+    if reward.model_scores_every_row:
         rows = [r.scored_by_model() for r in rows]
     model_rows = [r for r in rows if r.style == "model"]
-    if model_rows and not cfg.reward.url and not unscored_model_rows:
+    if model_rows and not reward.url and not unscored_model_rows:
         first = model_rows[0]
-        raise ConfigError(
+        raise PromptError(
             f"{first.file}: {len(model_rows)} rows have reward_model.style=model (the first is "
             f"row {first.row}); rlhf-eval scores them only through a reward endpoint: set "
             "reward.url=http://HOST:PORT/score"
@@ -98,7 +97,7 @@ def evaluate(
     score them (a progress bar on stderr once the server is up)."""
     tokenizer = load_tokenizer(model_path)
     tools = load_configured_tools(cfg)
-    prompts = eval_prompts(cfg, data_files, tokenizer, tools).prompts
+    prompts = eval_prompts(cfg.data, cfg.reward, data_files, tokenizer, tools).prompts
     params = val_sampling_params(cfg)
     scorer = RewardScorer.from_config(cfg.reward)
     multi_turn = multi_turn_rollout(cfg, tokenizer, tools)  # conversations with the tools

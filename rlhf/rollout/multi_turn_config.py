@@ -13,19 +13,21 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.config import ConfigError, RLHFConfig
-from rlhf.config.multi_turn_rules import MULTI_TURN
+from rlhf.config.multi_turn_rules import MULTI_TURN, check_tool_config_path
+from rlhf.config.rollout import MultiTurnConfig
 from rlhf.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
 from rlhf.tools.base import Tool, load_tools
 
 
-def multi_turn_settings(cfg: RLHFConfig) -> MultiTurnSettings | None:
+def multi_turn_settings(
+    multi_turn: MultiTurnConfig, max_response_length: int
+) -> MultiTurnSettings | None:
     """The conversation settings of `rollout.multi_turn`, with `data.max_response_length` as
     the budget of every appended token; None when multi-turn is off."""
-    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return None
     return MultiTurnSettings(
-        max_response_length=cfg.data.max_response_length,
+        max_response_length=max_response_length,
         max_assistant_turns=multi_turn.max_assistant_turns,
         max_user_turns=multi_turn.max_user_turns,
         max_parallel_calls=multi_turn.max_parallel_calls,
@@ -42,10 +44,11 @@ def load_configured_tools(cfg: RLHFConfig) -> dict[str, Tool]:
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return {}
-    if not multi_turn.tool_config_path:
-        raise ConfigError(f"{MULTI_TURN}.enable=true needs {MULTI_TURN}.tool_config_path")
+    check_tool_config_path(multi_turn)  # the config rule: rlhf-eval and rlhf-rollout run no other
+    path = multi_turn.tool_config_path
+    assert path is not None  # refused unset by check_tool_config_path
     try:
-        return load_tools(multi_turn.tool_config_path)
+        return load_tools(path)
     except (OSError, ValueError) as e:  # load_tools names the file and the entry
         raise ConfigError(f"{MULTI_TURN}.tool_config_path: {' '.join(str(e).split())}") from None
 
@@ -61,7 +64,9 @@ def multi_turn_rollout(
 ) -> MultiTurnRollout | None:
     """The conversations of `rollout.multi_turn` with `tools` (`load_configured_tools`;
     None when multi-turn is off)."""
-    settings = multi_turn_settings(cfg)
+    settings = multi_turn_settings(
+        cfg.actor_rollout_ref.rollout.multi_turn, cfg.data.max_response_length
+    )
     if settings is None:
         return None
     return MultiTurnRollout(tools, tokenizer, settings)

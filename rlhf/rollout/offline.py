@@ -22,10 +22,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rlhf.config import ConfigError
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.prompts import EncodedPrompt, load_tokenizer
 from rlhf.data.rollout_files import write_rollout_file
+from rlhf.errors import UserError
 from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.engine import SGLangEngine
 from rlhf.rollout.evaluation import eval_prompts
@@ -34,6 +34,10 @@ from rlhf.rollout.multi_turn_config import load_configured_tools, multi_turn_rol
 
 MANIFEST = "rollout.json"
 POLICY_VERSION = 0  # the given weights: version 0, as a training run's initial policy
+
+
+class RolloutDirError(ValueError, UserError):
+    """An output directory holding rollouts generated with other settings."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ def check_manifest(plan: RolloutPlan, out_dir: Path) -> None:
             if found.get(key) != value
         ]
         if changed:
-            raise ConfigError(
+            raise RolloutDirError(
                 f"{out_dir} holds rollouts generated with other settings ({'; '.join(changed)}); "
                 "use another output directory, or the same settings to resume"
             )
@@ -119,7 +123,9 @@ def write_rollouts(
     """Generate, score and store every batch of prompts not stored yet in `out_dir`."""
     tokenizer = load_tokenizer(model_path)
     tools = load_configured_tools(cfg)
-    prompts = eval_prompts(cfg, data_files, tokenizer, tools, unscored_model_rows=True).prompts
+    prompts = eval_prompts(
+        cfg.data, cfg.reward, data_files, tokenizer, tools, unscored_model_rows=True
+    ).prompts
     params = sampling_params(cfg)
     plan = RolloutPlan(
         model_name,

@@ -56,6 +56,18 @@ def test_gspo_needs_the_sequence_mean_and_its_own_clip_range():
     check(f"{AR}.actor.clip_ratio=0.2")  # vanilla PPO keeps token-mean and clip 0.2
 
 
+def test_dapo_needs_room_for_its_overlong_buffer_and_groups_of_several_samples():
+    length = load_config(QUICKSTART).data.max_response_length
+    buffer = ["reward.overlong_buffer.enable=true", f"reward.overlong_buffer.len={length}"]
+    with pytest.raises(ConfigError, match=rf"overlong_buffer.len \({length}\) must be below"):
+        check(*buffer)
+    check(buffer[0], f"reward.overlong_buffer.len={length - 1}")
+    one = [f"{AR}.rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"]
+    one.append(f"{AR}.actor.ppo_micro_batch_size_per_gpu=4")
+    with pytest.raises(ConfigError, match=r"filter_groups.enable needs .*rollout.n >= 2 \(is 1\)"):
+        check("algorithm.filter_groups.enable=true", *one)
+
+
 def test_the_kl_counts_once_unless_both_are_asked_for():
     loss = f"{AR}.actor.use_kl_loss=true"
     default = load_config(QUICKSTART, [])  # sets use_kl_in_reward: true

@@ -8,9 +8,10 @@ import logging
 
 import pytest
 
-from rlhf.config import ConfigError, load_config
+from rlhf.config import load_config
 from rlhf.data.parquet import PromptRow
 from rlhf.data.prompts import (
+    PromptError,
     build_prompt_dataset,
     load_tokenizer,
     prompt_dataset_from_config,
@@ -208,7 +209,7 @@ def test_a_chat_template_that_ignores_tools_is_refused(tokenizer):
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     build_prompt_dataset([prompt_row("hi")], plain, max_prompt_length=64)  # fine without tools
-    with pytest.raises(ConfigError, match=r"chat template ignores `tools`"):
+    with pytest.raises(PromptError, match=r"chat template ignores `tools`"):
         build_prompt_dataset([prompt_row("hi")], plain, max_prompt_length=64, tools=TOOLS)
 
 

@@ -12,21 +12,28 @@ from rlhf.checkpoint.background import CheckpointWriterError
 from rlhf.checkpoint.run_lock import RunDirBusy, RunDirUnusable
 from rlhf.checkpoint.storage import CheckpointStorageError
 from rlhf.cli import check_env, convert, plot, preprocess, ray_train
+from rlhf.cli.doctor_placement import LaunchEnvError
 from rlhf.cli.ray_plan import LaunchError
 from rlhf.config import ConfigError
+from rlhf.data.files import DataFileError
 from rlhf.data.parquet import DataError
+from rlhf.data.prompts import PromptError
 from rlhf.engine.nonfinite import NonFiniteError
 from rlhf.errors import EXTERNAL_ERRORS, USER_ERRORS, ends_in_one_line, one_line
+from rlhf.logging.tracker import TrackerError
 from rlhf.models.hf_io import CheckpointFileError
+from rlhf.models.model_dir import ModelDirError
 from rlhf.reward.remote import RemoteRewardError
 from rlhf.reward.workers import RewardFunctionError
 from rlhf.rollout.client import GenerateError
+from rlhf.rollout.offline import RolloutDirError
 from rlhf.sglang_api import ServerLost, ServerUnavailable, SGLangAPIError
 
 REPO = Path(__file__).resolve().parents[2]
 
 USER = [ConfigError, DataError, CheckpointFileError, RunDirBusy, RunDirUnusable]
 USER += [CheckpointStorageError, CheckpointWriterError, FileNotFoundError, PermissionError]
+USER += [DataFileError, PromptError, ModelDirError, TrackerError, RolloutDirError, LaunchEnvError]
 
 
 @pytest.mark.parametrize("cls", USER, ids=lambda c: c.__name__)

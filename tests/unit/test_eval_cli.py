@@ -90,7 +90,7 @@ def test_multi_turn_evaluation_lists_the_runs_tools_in_every_prompt(tiny_qwen2_d
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
     tools = load_configured_tools(cfg)
-    prompts = eval_prompts(cfg, [str(data)], tokenizer, tools).prompts
+    prompts = eval_prompts(cfg.data, cfg.reward, [str(data)], tokenizer, tools).prompts
     for row, prompt in zip(rows, prompts, strict=True):
         text = tokenizer.apply_chat_template(
             row["prompt"], tools=[CALCULATOR_SCHEMA], add_generation_prompt=True, tokenize=False

@@ -161,7 +161,9 @@ def test_a_valid_multi_turn_config_passes_and_gives_the_rollout_its_settings(too
     )
     validate_config(cfg)
     assert config_notes(cfg) == []
-    assert multi_turn_settings(cfg) == MultiTurnSettings(
+    assert multi_turn_settings(
+        cfg.actor_rollout_ref.rollout.multi_turn, cfg.data.max_response_length
+    ) == MultiTurnSettings(
         max_response_length=77,
         max_assistant_turns=3,
         max_user_turns=2,
@@ -182,7 +184,10 @@ def test_a_valid_multi_turn_config_passes_and_gives_the_rollout_its_settings(too
 def test_off_there_are_no_settings_no_tools_and_set_keys_are_named_as_ignored():
     cfg = load_config(QUICKSTART, [f"{MT}.max_user_turns=3", f"{MT}.tool_config_path=/x.yaml"])
     validate_config(cfg)
-    assert multi_turn_settings(cfg) is None
+    assert (
+        multi_turn_settings(cfg.actor_rollout_ref.rollout.multi_turn, cfg.data.max_response_length)
+        is None
+    )
     assert load_configured_tools(cfg) == {} and tool_schemas({}) is None
     assert config_notes(cfg) == [
         f"{MT}.tool_config_path, {MT}.max_user_turns ignored: {MT}.enable=false"

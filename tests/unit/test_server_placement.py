@@ -11,7 +11,7 @@ import pytest
 
 from rlhf.cli import doctor
 from rlhf.cli.doctor_checks import FAIL, PASS, SKIP, WARN
-from rlhf.cli.doctor_placement import check_placement, node_gpus
+from rlhf.cli.doctor_placement import LaunchEnvError, check_placement, node_gpus
 from rlhf.config import ConfigError, load_config, validate_config
 from rlhf.config.placement import rollout_placement, server_gpus
 from rlhf.config.schema import RolloutConfig
@@ -128,11 +128,11 @@ def test_servers_too_many_for_the_nodes_processes_are_refused_before_any_starts(
 
 def test_doctor_gpus_per_node_from_the_flag_the_launch_environment_or_the_config():
     cfg = load_config(CONFIGS / "gsm8k_8gpu.yaml")
-    assert node_gpus(4, {"GPUS_PER_NODE": "2"}, cfg) == (4, "--gpus-per-node")
-    assert node_gpus(None, {"GPUS_PER_NODE": "2"}, cfg) == (2, "GPUS_PER_NODE")
-    assert node_gpus(None, {}, cfg) == (8, "trainer.n_gpus_per_node")
-    with pytest.raises(ConfigError, match="GPUS_PER_NODE='x'"):
-        node_gpus(None, {"GPUS_PER_NODE": "x"}, cfg)
+    assert node_gpus(4, {"GPUS_PER_NODE": "2"}, cfg.trainer) == (4, "--gpus-per-node")
+    assert node_gpus(None, {"GPUS_PER_NODE": "2"}, cfg.trainer) == (2, "GPUS_PER_NODE")
+    assert node_gpus(None, {}, cfg.trainer) == (8, "trainer.n_gpus_per_node")
+    with pytest.raises(LaunchEnvError, match="GPUS_PER_NODE='x'"):
+        node_gpus(None, {"GPUS_PER_NODE": "x"}, cfg.trainer)
 
 
 @pytest.mark.parametrize(
@@ -146,7 +146,12 @@ def test_doctor_gpus_per_node_from_the_flag_the_launch_environment_or_the_config
 )
 def test_doctor_places_the_servers_of_the_shipped_gpu_configs(name, rows):
     cfg = load_config(CONFIGS / f"{name}.yaml")
-    check, report = check_placement(cfg, cfg.trainer.n_gpus_per_node, "trainer.n_gpus_per_node")
+    check, report = check_placement(
+        cfg.trainer,
+        cfg.actor_rollout_ref.rollout,
+        cfg.trainer.n_gpus_per_node,
+        "trainer.n_gpus_per_node",
+    )
     assert check.status == PASS, check
     assert all(row in report.splitlines() for row in rows), report
     assert report.startswith("disaggregated" if name == "gsm8k_2node" else "colocated")
@@ -154,13 +159,20 @@ def test_doctor_places_the_servers_of_the_shipped_gpu_configs(name, rows):
 
 def test_doctor_fails_an_overlap_warns_crowded_hosts_and_skips_cpu_runs():
     cfg = load_config(CONFIGS / "gsm8k_8gpu.yaml")
-    check, report = check_placement(cfg, 4, "GPUS_PER_NODE")
+    check, report = check_placement(cfg.trainer, cfg.actor_rollout_ref.rollout, 4, "GPUS_PER_NODE")
     assert check.status == FAIL and "a node has 4 (GPUS_PER_NODE)" in check.detail
     assert report == ""
     crowded = load_config(CONFIGS / "gsm8k_2node.yaml")
-    assert check_placement(crowded, 2, "--gpus-per-node")[0].status == WARN  # TP 4 on 2 GPUs
+    assert (
+        check_placement(crowded.trainer, crowded.actor_rollout_ref.rollout, 2, "--gpus-per-node")[
+            0
+        ].status
+        == WARN
+    )  # TP 4 on 2 GPUs
     cpu = load_config(CONFIGS / "quickstart_cpu.yaml")
-    check, report = check_placement(cpu, 1, "trainer.n_gpus_per_node")
+    check, report = check_placement(
+        cpu.trainer, cpu.actor_rollout_ref.rollout, 1, "trainer.n_gpus_per_node"
+    )
     assert check.status == SKIP and report == ""
 
 

@@ -26,6 +26,7 @@ from rlhf.cli import launch_servers
 from rlhf.config.engine_args import server_argv
 from rlhf.config.loader import ConfigError
 from rlhf.config.schema import RolloutConfig
+from rlhf.errors import UserError
 from rlhf.rollout import engine, keyed_launch
 from rlhf.rollout.client import GenerateClient, GenerateError, generate, generate_payload
 from rlhf.rollout.sglang_server import (
@@ -233,7 +234,7 @@ def test_reachable_host_without_a_key_is_refused(monkeypatch, capsys):
     for host in ("127.0.0.1", "localhost", "::1", "127.0.1.1"):
         launch_servers.check_exposure(host)
     for host in ("0.0.0.0", "::", "10.1.2.3", "node07"):
-        with pytest.raises(ConfigError, match=host):
+        with pytest.raises(UserError, match=host):
             launch_servers.check_exposure(host)
     monkeypatch.setenv(sglang_api.API_KEY_ENV, KEY)
     launch_servers.check_exposure("0.0.0.0")

@@ -13,9 +13,9 @@ import logging
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rlhf.config.loader import ConfigError
 from rlhf.logging import MetricTracker
 from rlhf.logging.names import mlflow_name, swanlab_name
+from rlhf.logging.tracker import TrackerError
 from rlhf.reward.validation import ValSample, validation_metrics
 from tests.unit.tracker_files import (
     forbid_remote_connections,
@@ -155,7 +155,7 @@ def test_a_tracker_failure_is_one_line_and_the_run_goes_on(tmp_path, offline, ca
 def test_a_tracker_that_cannot_start_stops_in_one_line(tmp_path, offline, monkeypatch):
     """MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is set."""
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(TrackerError) as error:
         MetricTracker(tmp_path / "run", ["mlflow"], project=PROJECT, experiment="exp")
     message = str(error.value)
     assert "\n" not in message
