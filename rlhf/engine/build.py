@@ -7,13 +7,16 @@ import logging
 
 import torch
 
-from rlhf.config.budgets import MicroBatching, token_budgets
-from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
+from rlhf.config.plan import UpdatePlan, resolve
+from rlhf.config.schema import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    CriticConfig,
+    MegatronParallelConfig,
+    RLHFConfig,
+)
 from rlhf.config.validate import (
-    distributed_optimizer_on,
     sequence_parallel_on,
-    uses_critic,
-    uses_reference,
     virtual_pipeline_size,
 )
 from rlhf.distributed.context import ParallelContext
@@ -40,11 +43,6 @@ from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
 AR = "actor_rollout_ref"
-
-
-def optimizer_steps(cfg: RLHFConfig, total_steps: int, mini_batch_size: int, epochs: int) -> int:
-    """Optimizer steps of the whole run for one model (the LR schedule's horizon)."""
-    return total_steps * epochs * max(1, cfg.data.train_batch_size // mini_batch_size)
 
 
 def use_thd(ctx: ParallelContext) -> bool:
@@ -83,13 +81,21 @@ def build_policy(
     return chunks.to(ctx.device)
 
 
-def _trained(cfg: RLHFConfig, role: str, module, ctx: ParallelContext, total_steps: int):
-    section = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
-    steps = optimizer_steps(cfg, total_steps, section.ppo_mini_batch_size, section.ppo_epochs)
-    distributed = distributed_optimizer_on(section.megatron, ctx.dp_sp_size)
-    settings = OptimizerSettings(section.optim, section.grad_clip, steps, distributed)
+def _trained(
+    section: ActorConfig | CriticConfig,
+    update: UpdatePlan,
+    module,
+    ctx: ParallelContext,
+    total_steps: int,
+) -> TrainableMegatronModel:
+    """`module` with DDP, its optimizer and LR schedule over a run of `total_steps` steps,
+    offloaded between uses as its `megatron.*_offload` say."""
+    steps = update.optimizer_steps(total_steps)
+    settings = OptimizerSettings(
+        section.optim, section.grad_clip, steps, update.distributed_optimizer
+    )
     model = TrainableMegatronModel(module, ctx, settings)
-    model.offload_between_uses(offload_kinds(section.megatron), role)
+    model.offload_between_uses(offload_kinds(section.megatron), update.role)
     return model
 
 
@@ -104,42 +110,45 @@ def offload_kinds(megatron: MegatronParallelConfig) -> tuple[str, ...]:
     return tuple(kind for kind, on in switches.items() if on)
 
 
-def _critic(cfg: RLHFConfig, ctx: ParallelContext, total_steps: int, budget: MicroBatching):
-    """The critic and its update spec, or (None, None) for critic-free estimators."""
-    if not uses_critic(cfg):
-        return None, None
-    read_model_arch(cfg.critic.model.path, "critic.model.path")
+def _critic(
+    section: CriticConfig,
+    update: UpdatePlan,
+    ctx: ParallelContext,
+    total_steps: int,
+    norm_length: int,
+    on_nonfinite: str,
+) -> tuple[TrainableMegatronModel, UpdateSpec]:
+    """The critic and its update spec (`norm_length`: the loss's token normaliser)."""
+    read_model_arch(section.model.path, "critic.model.path")
     module, _ = value_model_from_hf(
-        cfg.critic.model.path,
+        section.model.path,
         Placement.of(ctx),
-        vp_size=virtual_pipeline_size(cfg.critic.megatron),
-        seed=cfg.critic.megatron.seed,
-        params_dtype=DTYPES[cfg.critic.megatron.dtype],
+        vp_size=update.vp_size,
+        seed=section.megatron.seed,
+        params_dtype=DTYPES[section.megatron.dtype],
         sp=ctx.sp_size,
-        recompute=Recompute.of(cfg.critic.megatron),
-        overrides=cfg.critic.megatron.override_transformer_config,
+        recompute=Recompute.of(section.megatron),
+        overrides=section.megatron.override_transformer_config,
         sequence_parallel=ctx.sequence_parallel,
-        router=MoERouter.of(cfg.critic.megatron),
+        router=MoERouter.of(section.megatron),
     )
-    critic = _trained(cfg, "critic", module.to(ctx.device), ctx, total_steps)
-    n, norm = cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length
-    update = UpdateSpec(
+    critic = _trained(section, update, module.to(ctx.device), ctx, total_steps)
+    spec = UpdateSpec(
         "critic",
         critic,
-        budget,
-        cfg.critic.ppo_mini_batch_size * n,
-        cfg.critic.ppo_epochs,
-        ValueLoss(cfg.critic, norm),
-        on_nonfinite=cfg.trainer.on_nonfinite,
+        update.micro_batching,
+        update.mini_batch_samples,
+        update.epochs,
+        ValueLoss(section, norm_length),
+        on_nonfinite=on_nonfinite,
     )
-    return critic, update
+    return critic, spec
 
 
 def _reference(
-    cfg: RLHFConfig, arch: ModelArch, ctx: ParallelContext, router: MoERouter
+    aro: ActorRolloutRefConfig, arch: ModelArch, ctx: ParallelContext, router: MoERouter
 ) -> MegatronModel:
     """The frozen reference, laid out and routed as the actor (R3: on the engine's routes)."""
-    aro = cfg.actor_rollout_ref
     rollout_routes = aro.actor.router_replay.mode == "R3"
     module = build_policy(
         arch,
@@ -161,7 +170,7 @@ def build_engine(
 ) -> PPOEngine:
     """Actor, and when the config needs them reference and critic, on this rank, loaded from
     the HF checkpoints, with their update specs for a run of `total_steps` steps."""
-    aro = cfg.actor_rollout_ref
+    aro, plan = cfg.actor_rollout_ref, resolve(cfg, ctx.world_size)
     wanted = sequence_parallel_on(aro.actor.megatron.sequence_parallel, ctx.tp_size)
     if ctx.sequence_parallel != wanted:
         raise ValueError(
@@ -170,7 +179,7 @@ def build_engine(
             f"TP {ctx.tp_size}: pass the config's layout to init_parallel"
         )
     policy_dtype = DTYPES[aro.actor.megatron.dtype]
-    vp_size = virtual_pipeline_size(aro.actor.megatron)
+    vp_size = plan.actor.vp_size
     overrides = aro.actor.megatron.override_transformer_config
     router = MoERouter.of(aro.actor.megatron)  # the reference's too (same token dropping)
     mode = aro.actor.router_replay.mode
@@ -185,26 +194,28 @@ def build_engine(
         overrides,
         dataclasses.replace(router, replay=replays),
     )
-    actor = _trained(cfg, "actor", actor_module, ctx, total_steps)
+    actor = _trained(aro.actor, plan.actor, actor_module, ctx, total_steps)
     if mode == "R2":  # the update replays the old-log-prob pass's routes
         actor.route_replay = RouteReplay(actor.module)
     elif mode == "R3":  # every pass replays the engine's routes
         actor.route_replay = RolloutRouteReplay(actor.module, ctx)
-    ref = _reference(cfg, arch, ctx, router) if uses_reference(cfg) else None
-    budgets = token_budgets(cfg)
-    critic, critic_update = _critic(cfg, ctx, total_steps, budgets.critic)
+    ref = _reference(aro, arch, ctx, router) if plan.reference else None
+    norm, on_nonfinite = cfg.data.max_response_length, cfg.trainer.on_nonfinite
+    critic = critic_update = None
+    if plan.critic is not None:
+        args = (ctx, total_steps, norm, on_nonfinite)
+        critic, critic_update = _critic(cfg.critic, plan.critic, *args)
     vocab = VocabShard.of(ctx, actor_module.padded_vocab_size, arch.vocab_size)
     temperature = aro.rollout.temperature if aro.rollout.temperature > 0 else 1.0
-    n, norm = aro.rollout.n, cfg.data.max_response_length
     actor_update = UpdateSpec(
         "actor",
         actor,
-        budgets.actor,
-        aro.actor.ppo_mini_batch_size * n,
-        aro.actor.ppo_epochs,
+        plan.actor.micro_batching,
+        plan.actor.mini_batch_samples,
+        plan.actor.epochs,
         PolicyLoss(vocab, temperature, aro.actor, norm),
         kl_bound=cfg.trainer.early_stop.ppo_kl_bound,
-        on_nonfinite=cfg.trainer.on_nonfinite,
+        on_nonfinite=on_nonfinite,
     )
     padded = not cfg.data.use_sequence_packing
     planner = MicroBatchPlanner(ctx, use_thd(ctx), interleaved=vp_size > 1, padded=padded)
@@ -215,7 +226,7 @@ def build_engine(
         actor_update,
         critic_update,
         planner,
-        budgets,
+        plan.budgets,
         LogprobHead(vocab, temperature),
         LogprobHead(vocab, 1.0),
     )

@@ -41,7 +41,13 @@ from rlhf.checkpoint.state import TRAINER_STATE_FILE
 from rlhf.config import validate_config
 from rlhf.config.loader import ConfigError, all_keys, dump_yaml
 from rlhf.config.plan import RunPlan, resolve
-from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
+from rlhf.config.schema import (
+    ActorConfig,
+    DataConfig,
+    MegatronParallelConfig,
+    RewardConfig,
+    RLHFConfig,
+)
 from rlhf.config.stored_rules import prompt_sampler_batch
 from rlhf.config.validate import (
     ParallelLayout,
@@ -175,9 +181,10 @@ def check_resume(
     prompts; `optimizer_group`: the ranks its optimizer state is sharded over (DP x SP)."""
     accepted = cfg.trainer.resume_accept_changes
     _check_accept_list(accepted)
-    _check_structure(cfg, checkpoint, num_prompts)
+    critic = cfg.algorithm.adv_estimator if uses_critic(cfg) else None
+    _check_structure(checkpoint, critic, num_prompts, prompt_sampler_batch(cfg))
     _check_world_size(checkpoint, world_size)
-    _check_optimizer_format(cfg, checkpoint, optimizer_group)
+    _check_optimizer_format(trained_megatron(cfg), checkpoint, optimizer_group)
     path = checkpoint / CHECKPOINT_CONFIG
     if not path.is_file():
         log.warning("%s has no %s (an older checkpoint): settings not compared", checkpoint, path)
@@ -196,12 +203,15 @@ def check_resume(
         log.info("resuming from %s with changed settings: %s", checkpoint, _shown(changes))
 
 
-def _check_structure(cfg: RLHFConfig, checkpoint: Path, num_prompts: int) -> None:
-    """The changes no acceptance makes work."""
+def _check_structure(
+    checkpoint: Path, critic: str | None, num_prompts: int, prompts_per_step: int
+) -> None:
+    """The changes no acceptance makes work (`critic`: the estimator that trains one, None
+    without a critic)."""
     fresh = "start fresh (trainer.resume_mode=disable, or another trainer.default_local_dir)"
-    if uses_critic(cfg) and not (checkpoint / "critic").is_dir():
+    if critic is not None and not (checkpoint / "critic").is_dir():
         raise ConfigError(
-            f"resume from {checkpoint}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+            f"resume from {checkpoint}: algorithm.adv_estimator={critic} "
             f"trains a critic and the checkpoint holds none (it was written without one): {fresh}"
         )
     state_file = checkpoint / TRAINER_STATE_FILE
@@ -212,7 +222,7 @@ def _check_structure(cfg: RLHFConfig, checkpoint: Path, num_prompts: int) -> Non
         ("num_prompts", num_prompts, "training prompts (data.train_files)"),
         (
             "batch_size",
-            prompt_sampler_batch(cfg),
+            prompts_per_step,
             "prompts per step (data.train_batch_size, less data.rollout_files' groups)",
         ),
     ):
@@ -223,11 +233,13 @@ def _check_structure(cfg: RLHFConfig, checkpoint: Path, num_prompts: int) -> Non
             )
 
 
-def _check_optimizer_format(cfg: RLHFConfig, checkpoint: Path, optimizer_group: int) -> None:
+def _check_optimizer_format(
+    trained: dict[str, MegatronParallelConfig], checkpoint: Path, optimizer_group: int
+) -> None:
     """The distributed optimizer's state (sharded files) and the plain one's (inside the
     model checkpoint) do not load into each other: a 1-rank checkpoint resumed on several
     data-parallel ranks, where the distributed optimizer is on by default, is one case."""
-    for role, megatron in trained_megatron(cfg).items():
+    for role, megatron in trained.items():
         saved = (checkpoint / role / "optimizer").is_dir()
         if not (checkpoint / role).is_dir() or saved == distributed_optimizer_on(
             megatron, optimizer_group
@@ -261,28 +273,24 @@ def _check_world_size(checkpoint: Path, world_size: int) -> None:
 # ---- models and data -------------------------------------------------------------
 
 
-def model_dirs(cfg: RLHFConfig) -> dict[str, str]:
-    """Config key -> HF directory of every model the run loads."""
-    dirs = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
-    if uses_critic(cfg):
-        dirs["critic.model.path"] = cfg.critic.model.path
-    if cfg.reward.model_path:
-        dirs["reward.model_path"] = cfg.reward.model_path
-    return dirs
-
-
 def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     """The policy's architecture (`actor_rollout_ref.model.path`), once every model directory
     of the run has passed `check_model_dir`: this runs before any server starts, so a model
     the trainer cannot load fails in one line instead of after SGLang has loaded it."""
-    arches = {key: check_model_dir(path, key) for key, path in model_dirs(cfg).items()}
-    check_experts(arches["actor_rollout_ref.model.path"], cfg.actor_rollout_ref.actor.megatron, AR)
+    aro = cfg.actor_rollout_ref
+    dirs = {MODEL_KEY: aro.model.path}  # config key -> HF directory of each model loaded
+    if uses_critic(cfg):
+        dirs["critic.model.path"] = cfg.critic.model.path
+    if cfg.reward.model_path:
+        dirs["reward.model_path"] = cfg.reward.model_path
+    arches = {key: check_model_dir(path, key) for key, path in dirs.items()}
+    check_experts(arches[MODEL_KEY], aro.actor.megatron, AR)
     if uses_critic(cfg):
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
-    policy = "actor_rollout_ref.model.path"
-    check_router_replay(cfg, arches[policy])
-    check_servable_policy(arches[policy], cfg.actor_rollout_ref.model.path, policy)
-    return arches[policy]
+    bypass = cfg.algorithm.rollout_correction.bypass_mode
+    check_router_replay(aro.actor, bypass, arches[MODEL_KEY])
+    check_servable_policy(arches[MODEL_KEY], aro.model.path, MODEL_KEY)
+    return arches[MODEL_KEY]
 
 
 def check_experts(arch: ModelArch, megatron: MegatronParallelConfig, prefix: str) -> None:
@@ -301,18 +309,17 @@ def check_experts(arch: ModelArch, megatron: MegatronParallelConfig, prefix: str
         )
 
 
-def check_router_replay(cfg: RLHFConfig, arch: ModelArch) -> None:
+def check_router_replay(actor: ActorConfig, bypass_mode: bool, arch: ModelArch) -> None:
     """`actor.router_replay.mode`: R2 and R3 need experts and no activation recompute
     (`rlhf.engine.route_replay`); R2 the old-log-prob pass it records from. R3 works with
     `bypass_mode` (the engine's log-probs, computed on the routes the updates replay)."""
-    actor = cfg.actor_rollout_ref.actor
     mode = actor.router_replay.mode
     key = f"{AR}.actor.router_replay.mode={mode}"
     if mode == "disabled":
         return
     if arch.moe is None:
         raise ConfigError(f"{key}: {arch.family} has no experts to route")
-    if mode == "R2" and cfg.algorithm.rollout_correction.bypass_mode:
+    if mode == "R2" and bypass_mode:
         raise ConfigError(
             f"{key}: algorithm.rollout_correction.bypass_mode skips the old-log-prob pass "
             "whose routes R2 replays"
@@ -325,14 +332,12 @@ def check_router_replay(cfg: RLHFConfig, arch: ModelArch) -> None:
         )
 
 
-def check_megatron_overrides(cfg: RLHFConfig) -> None:
-    """Every `megatron.override_transformer_config` field of the trained models is one of
-    Megatron's TransformerConfig that the model and this system's keys leave free (before any
-    server starts)."""
-    roles = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor.megatron}
-    if uses_critic(cfg):
-        roles["critic"] = cfg.critic.megatron
-    for prefix, megatron in roles.items():
+def check_megatron_overrides(trained: dict[str, MegatronParallelConfig]) -> None:
+    """Every `megatron.override_transformer_config` field of the trained models (by role,
+    `rlhf.config.validate.trained_megatron`) is one of Megatron's TransformerConfig that the
+    model and this system's keys leave free (before any server starts)."""
+    for role, megatron in trained.items():
+        prefix = f"{AR}.actor" if role == "actor" else role
         key = f"{prefix}.megatron.override_transformer_config"
         try:
             check_transformer_overrides(megatron.override_transformer_config, key)
@@ -340,11 +345,11 @@ def check_megatron_overrides(cfg: RLHFConfig) -> None:
             raise ConfigError(str(e)) from None
 
 
-def check_model_rows_have_a_scorer(cfg: RLHFConfig, datasets: dict[str, Any]) -> None:
+def check_model_rows_have_a_scorer(reward: RewardConfig, datasets: dict[str, Any]) -> None:
     """Fail at startup, not mid-run, when data has style=model rows and nothing scores them.
 
     `datasets`: config key -> PromptDataset (e.g. {"data.train_files": train})."""
-    if cfg.reward.model_path or cfg.reward.url:
+    if reward.model_path or reward.url:
         return
     for key, data in datasets.items():
         rows = [i for i, p in enumerate(data.prompts) if p.row.style == "model"]
@@ -386,40 +391,40 @@ def preflight(
     device type the run trains on (the memory plan's), logged by the `is_main` process."""
     arch = load_policy_arch(cfg)  # every model directory checked, once
     layout = validate_config(cfg, world_size, arch, local_world_size)
-    check_megatron_overrides(cfg)
+    check_megatron_overrides(trained_megatron(cfg))
     path = cfg.actor_rollout_ref.model.path
     tokenizer = load_tokenizer(path)
     check_tokenizer_fits(tokenizer, arch, path, MODEL_KEY)
     tools = load_configured_tools(cfg)
-    train = _prompts(cfg, tokenizer, tools, "train")
-    val = _prompts(cfg, tokenizer, tools, "val") if cfg.data.val_files else None
+    train = _prompts(cfg.data, cfg.reward, tokenizer, tools, "train")
+    val = _prompts(cfg.data, cfg.reward, tokenizer, tools, "val") if cfg.data.val_files else None
     datasets = {"data.train_files": train, "data.val_files": val}
-    check_model_rows_have_a_scorer(cfg, {k: v for k, v in datasets.items() if v is not None})
+    present = {k: v for k, v in datasets.items() if v is not None}
+    check_model_rows_have_a_scorer(cfg.reward, present)
     rows = (p.row for p in train.prompts if p.row.style == "rule")
     if (first_rule_row := next(rows, None)) is not None:
         probe_reward_function(cfg.reward, first_rule_row)
     stored = load_stored_groups(cfg, arch.vocab_size)  # data.rollout_files
-    if is_main:
-        _log_memory_plan(cfg, arch, world_size, device)
+    if is_main:  # the planner's per-GPU table (rlhf.memory), before the models are built
+        memory, report = startup_report(cfg, arch, world_size, device)
+        log.info("memory per GPU (GiB), by role and kind:\n%s", report)
+        if memory.fits is False:
+            log.warning("the memory planner expects this config not to fit: %s", verdict(memory))
     return Preflight(arch, layout, resolve(cfg, world_size), tokenizer, tools, train, val, stored)
 
 
 def _prompts(
-    cfg: RLHFConfig, tokenizer: Any, tools: dict, split: Literal["train", "val"]
+    data: DataConfig,
+    reward: RewardConfig,
+    tokenizer: Any,
+    tools: dict,
+    split: Literal["train", "val"],
 ) -> PromptDataset:
     """`data.{split}_files`, their rule rows checked scorable (they fail here, not mid-run),
     every row the reward model's under `reward.model_scores_every_row`; with multi-turn
     rollouts each prompt lists the tools (`rollout.multi_turn.tool_config_path`)."""
-    scorable = ground_truth_checker(cfg.reward)
-    data = prompt_dataset_from_config(
-        cfg.data, tokenizer, split, check_ground_truth=scorable, tools=tool_schemas(tools)
+    scorable = ground_truth_checker(reward)
+    prompts = prompt_dataset_from_config(
+        data, tokenizer, split, check_ground_truth=scorable, tools=tool_schemas(tools)
     )
-    return data.scored_by_model() if cfg.reward.model_scores_every_row else data
-
-
-def _log_memory_plan(cfg: RLHFConfig, arch: ModelArch, world_size: int, device: str) -> None:
-    """The planner's per-GPU table (rlhf.memory), once, before the models are built."""
-    plan, report = startup_report(cfg, arch, world_size, device)
-    log.info("memory per GPU (GiB), by role and kind:\n%s", report)
-    if plan.fits is False:
-        log.warning("the memory planner expects this config not to fit: %s", verdict(plan))
+    return prompts.scored_by_model() if reward.model_scores_every_row else prompts

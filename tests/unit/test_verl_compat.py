@@ -248,6 +248,7 @@ def test_a_token_budget_for_fixed_micro_batches_is_refused():
 
 
 def test_override_transformer_config_reaches_megatron_and_is_checked(tiny_qwen2_dir):
+    from rlhf.config.validate import trained_megatron
     from rlhf.models.families import load_arch, transformer_config
     from rlhf.trainer.preflight import check_megatron_overrides
 
@@ -266,7 +267,7 @@ def test_override_transformer_config_reaches_megatron_and_is_checked(tiny_qwen2_
         "attention_dropout": 0.25,
         "apply_rope_fusion": False,
     }
-    check_megatron_overrides(cfg)
+    check_megatron_overrides(trained_megatron(cfg))
     config = transformer_config(load_arch(tiny_qwen2_dir), overrides={"attention_dropout": 0.25})
     assert config.attention_dropout == 0.25 and config.hidden_dropout == 0.0
     for field, said in (
@@ -275,7 +276,7 @@ def test_override_transformer_config_reaches_megatron_and_is_checked(tiny_qwen2_
         ("apply_rope_fusin=true", "not a field of Megatron-Core's TransformerConfig; did you mean"),
     ):
         with pytest.raises(ConfigError, match=said):
-            check_megatron_overrides(load_config(None, [f"+{prefix}.{field}"]))
+            check_megatron_overrides(trained_megatron(load_config(None, [f"+{prefix}.{field}"])))
 
 
 def test_verl_moe_keys_mean_this_systems_expert_keys():
