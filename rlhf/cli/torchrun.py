@@ -2,7 +2,7 @@
 signal ending it like the workers it waited for instead of in a traceback.
 
 SLURM (and Kubernetes) signal every process of a job: the workers end after their step,
-with a checkpoint when it fits (`rlhf.trainer.preemption`), each saying so in one line, and
+with a checkpoint when it fits (`rlhf.trainer.stopping`), each saying so in one line, and
 torchrun waits for them (`launch/torchrun.sh` sets `--shutdown-timeout`); torchrun itself
 then raised `SignalException` with a 30-line traceback and exited 1. Here it exits 128 + the
 signal, as the workers do, after one line. Everything else is torchrun's own behaviour.
