@@ -20,8 +20,7 @@ from typing import Any, NoReturn
 
 from rlhf.checkpoint.run_lock import RunDirLock
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, validate_config
-from rlhf.config.compose import VERL_TRAINER_CONFIGS
-from rlhf.config.hydra_load import grouped, load_with_notes
+from rlhf.config.hydra_load import grouped, load_command_line
 from rlhf.config.validate import config_notes
 from rlhf.errors import ends_in_one_line
 from rlhf.rollout.multi_turn_config import load_configured_tools
@@ -51,31 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)  # overrides before and after the options
 
 
-def load(args: argparse.Namespace) -> Any:
-    """The config and its ignored keys (`rlhf.config.loader.Loaded`): `--config`, or Hydra's
-    `--config-path/--config-name`. verl's trainer configs, when the directory does not hold
-    them (verl's scripts name verl's package directory), are this system's defaults."""
-    if args.config_name is None:
-        if args.config_path is not None:
-            raise ConfigError("--config-path needs --config-name (the config to compose)")
-        return load_with_notes(args.config, args.overrides)
-    if args.config is not None:
-        raise ConfigError("give --config FILE or --config-path/--config-name, not both")
-    root, name = Path(args.config_path or "."), args.config_name.removesuffix(".yaml")
-    if (root / f"{name}.yaml").is_file():
-        return load_with_notes(None, args.overrides, config_dir=root, config_name=name)
-    if name in VERL_TRAINER_CONFIGS:
-        log.info("%s not found: this system's defaults stand in for verl's", root / f"{name}.yaml")
-        return load_with_notes(None, args.overrides)
-    raise ConfigError(f"config file {root / name}.yaml does not exist (--config-name {name})")
-
-
 def resolve(args: argparse.Namespace) -> tuple[RLHFConfig, list[str]]:
     """Load + validate (and load the multi-turn tools, which the config layer cannot); the
     world size comes from torchrun when launched by it. The config and its ignored keys."""
     from rlhf.distributed.bootstrap import launched_local_world_size, launched_world_size
 
-    loaded = load(args)
+    loaded = load_command_line(args.config, args.config_path, args.config_name, args.overrides)
     cfg = loaded.config
     validate_config(cfg, launched_world_size(), local_world_size=launched_local_world_size())
     load_configured_tools(cfg)

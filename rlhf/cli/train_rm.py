@@ -31,22 +31,11 @@ def run(cfg: RewardModelRunConfig) -> Path:
 
 def _run(cfg: RewardModelRunConfig, run_dir: Path) -> Path:
     from rlhf.distributed import bootstrap
-    from rlhf.models.families import check_transformer_overrides
-    from rlhf.models.model_dir import check_model_dir
-    from rlhf.trainer.preflight import check_experts
+    from rlhf.trainer.preflight import preflight_reward_model
     from rlhf.trainer.reward_training import EXPORT_DIR, RewardModelTrainer
 
     world = bootstrap.launched_world_size() or 1
-    arch = check_model_dir(cfg.model.path, "model.path")
-    check_experts(arch, cfg.model.megatron, "model")
-    try:
-        check_transformer_overrides(
-            cfg.model.megatron.override_transformer_config,
-            "model.megatron.override_transformer_config",
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    layout = validate_reward_training(cfg, world, arch)
+    arch, layout = preflight_reward_model(cfg, world)  # before the process groups
     ctx = bootstrap_layout(cfg.trainer.device, layout, world)
     trainer = None
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlhf.config.compose import ComposeError, compose, leaves
+from rlhf.config.compose import VERL_TRAINER_CONFIGS, ComposeError, compose, leaves
 from rlhf.config.inherit import CRITIC_FROM_ACTOR, inherit
 from rlhf.config.loader import (
     ConfigError,
@@ -44,6 +45,8 @@ from rlhf.config.schema import RLHFConfig
 from rlhf.config.tree import MISSING, get, pop, put
 from rlhf.config.verl_keys import VERL_KEYS, VERL_SECTIONS, VerlKeyError, translate
 from rlhf.config.yaml_file import load_text, read_yaml
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,27 @@ def load_with_notes(
     cfg, ignored = load_composed(Path(config_dir or "."), config_name, overrides or [], schema)
     _resolve_references(cfg)
     return Loaded(cfg, ignored)
+
+
+def load_command_line(
+    config: str | None, config_path: str | None, config_name: str | None, overrides: list[str]
+) -> Loaded:
+    """What `rlhf-train`'s command line names: `--config FILE`, or Hydra's
+    `--config-path/--config-name`. verl's trainer configs, when the directory does not hold
+    them (verl's scripts name verl's package directory), are this system's defaults."""
+    if config_name is None:
+        if config_path is not None:
+            raise ConfigError("--config-path needs --config-name (the config to compose)")
+        return load_with_notes(config, overrides)
+    if config is not None:
+        raise ConfigError("give --config FILE or --config-path/--config-name, not both")
+    root, name = Path(config_path or "."), config_name.removesuffix(".yaml")
+    if (root / f"{name}.yaml").is_file():
+        return load_with_notes(None, overrides, config_dir=root, config_name=name)
+    if name in VERL_TRAINER_CONFIGS:
+        log.info("%s not found: this system's defaults stand in for verl's", root / f"{name}.yaml")
+        return load_with_notes(None, overrides)
+    raise ConfigError(f"config file {root / name}.yaml does not exist (--config-name {name})")
 
 
 def parse_hydra_override(item: str) -> tuple[str, str, str | None]:

@@ -4,7 +4,7 @@ prompt's chat template (`rlhf.data.prompts`, `tools=`).
 
 The config's own rules (`rlhf.config.multi_turn_rules`) cannot load the tool config file:
 the config layer sits below the tools. `load_configured_tools` does, and turns any mistake
-in the file into a `ConfigError` naming the key, the file and the entry; `rlhf-train` and
+in the file into a `ToolConfigError` naming the key, the file and the entry; `rlhf-train` and
 `rlhf-doctor` call it right after `validate_config`.
 """
 
@@ -12,11 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.config import ConfigError, RLHFConfig
+from rlhf.config import RLHFConfig
 from rlhf.config.multi_turn_rules import MULTI_TURN, check_tool_config_path
 from rlhf.config.rollout import MultiTurnConfig
+from rlhf.errors import UserError
 from rlhf.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
 from rlhf.tools.base import Tool, load_tools
+
+
+class ToolConfigError(ValueError, UserError):
+    """`rollout.multi_turn.tool_config_path` names a file that does not load (a config
+    error to the user: the line says so)."""
+
+    kind = "config error"
 
 
 def multi_turn_settings(
@@ -40,7 +48,7 @@ def multi_turn_settings(
 
 def load_configured_tools(cfg: RLHFConfig) -> dict[str, Tool]:
     """The tools of `multi_turn.tool_config_path` by name, in the file's order ({} when
-    multi-turn is off); a file that does not load is a one-line `ConfigError`."""
+    multi-turn is off); a file that does not load is a one-line `ToolConfigError`."""
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return {}
@@ -50,7 +58,9 @@ def load_configured_tools(cfg: RLHFConfig) -> dict[str, Tool]:
     try:
         return load_tools(path)
     except (OSError, ValueError) as e:  # load_tools names the file and the entry
-        raise ConfigError(f"{MULTI_TURN}.tool_config_path: {' '.join(str(e).split())}") from None
+        raise ToolConfigError(
+            f"{MULTI_TURN}.tool_config_path: {' '.join(str(e).split())}"
+        ) from None
 
 
 def tool_schemas(tools: dict[str, Tool]) -> list[dict[str, Any]] | None:

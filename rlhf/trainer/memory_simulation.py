@@ -249,8 +249,8 @@ def simulation_config(
 def _weights_not_read() -> Iterator[None]:
     """`load_hf_weights` does nothing inside: the simulated directory has no weights (the
     parameters are on the host then; they reach the device with `.to(device)` after it)."""
-    from rlhf.models import builder
     from rlhf.engine import build as setup
+    from rlhf.models import builder
 
     loaders = builder.load_hf_weights, setup.load_hf_weights
     builder.load_hf_weights = setup.load_hf_weights = lambda *args, **kwargs: None

@@ -41,6 +41,7 @@ from rlhf.checkpoint.state import TRAINER_STATE_FILE
 from rlhf.config import validate_config
 from rlhf.config.loader import ConfigError, all_keys, dump_yaml
 from rlhf.config.plan import RunPlan, resolve
+from rlhf.config.reward_training import RewardModelRunConfig, validate_reward_training
 from rlhf.config.schema import (
     ActorConfig,
     DataConfig,
@@ -428,3 +429,41 @@ def _prompts(
         data, tokenizer, split, check_ground_truth=scorable, tools=tool_schemas(tools)
     )
     return prompts.scored_by_model() if reward.model_scores_every_row else prompts
+
+
+# ---- rlhf-train-rm ------------------------------------------------------------------
+
+
+def preflight_reward_model(
+    cfg: RewardModelRunConfig, world_size: int
+) -> tuple[ModelArch, ParallelLayout]:
+    """`rlhf-train-rm`'s checks before its process groups: the model directory, the experts'
+    split, the Megatron overrides, then the run's rules (`validate_reward_training`)."""
+    arch = check_model_dir(cfg.model.path, "model.path")
+    check_experts(arch, cfg.model.megatron, "model")
+    check_megatron_overrides({"model": cfg.model.megatron})
+    return arch, validate_reward_training(cfg, world_size, arch)
+
+
+def check_pairs_fill_a_batch(batch_size: int, num_pairs: int) -> None:
+    """A reward model's step takes `data.train_batch_size` preference pairs."""
+    if batch_size > num_pairs:
+        raise ConfigError(
+            f"data.train_batch_size={batch_size} is more than the {num_pairs} training pairs"
+        )
+
+
+def check_pair_order(checkpoint: Path, saved: dict, order: dict) -> None:
+    """A reward model's resume continues the pairs' order only when what decides it (the
+    pairs, `data.train_batch_size`, `data.seed`: `order`) is the checkpoint's (`saved`)."""
+    changed = [
+        f"{key} {saved.get(key)} -> {value}"
+        for key, value in order.items()
+        if saved.get(key) != value
+    ]
+    if changed:
+        raise ConfigError(
+            f"resuming from {checkpoint}: the training pairs' order would differ "
+            f"({', '.join(changed)}); use the same data, data.train_batch_size and "
+            "data.seed, or trainer.resume_mode=disable"
+        )

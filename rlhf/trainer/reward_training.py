@@ -29,7 +29,6 @@ import torch
 
 from rlhf.checkpoint import CheckpointManager
 from rlhf.checkpoint.state import load_trainer_state, read_trainer_state, save_trainer_state
-from rlhf.config.loader import ConfigError
 from rlhf.config.reward_training import RewardModelRunConfig, token_budget
 from rlhf.config.validate import distributed_optimizer_on, virtual_pipeline_size
 from rlhf.data.files import resolve_files
@@ -47,6 +46,7 @@ from rlhf.models.moe_arch import MoERouter
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.export import export_hf, write_export_files
 from rlhf.trainer.metrics import tracker_resume, tracker_state
+from rlhf.trainer.preflight import check_pair_order, check_pairs_fill_a_batch
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
@@ -104,11 +104,7 @@ class RewardModelTrainer:
         self.val_pairs = load_pairs(cfg, "val_files", tokenizer) if cfg.data.val_files else []
         size = cfg.data.train_batch_size
         self.steps_per_epoch = len(self.train_pairs) // size
-        if not self.steps_per_epoch:
-            raise ConfigError(
-                f"data.train_batch_size={size} is more than the {len(self.train_pairs)} "
-                "training pairs"
-            )
+        check_pairs_fill_a_batch(size, len(self.train_pairs))
         epochs = cfg.trainer.total_epochs
         self.total_steps = cfg.trainer.total_training_steps or epochs * self.steps_per_epoch
         self.model = self._build_model()
@@ -227,18 +223,7 @@ class RewardModelTrainer:
         path = self.resume_path
         if path is None:
             return 0
-        saved = read_trainer_state(path)
-        changed = [
-            f"{key} {saved.get(key)} -> {value}"
-            for key, value in self.order_state().items()
-            if saved.get(key) != value
-        ]
-        if changed:
-            raise ConfigError(
-                f"resuming from {path}: the training pairs' order would differ "
-                f"({', '.join(changed)}); use the same data, data.train_batch_size and "
-                "data.seed, or trainer.resume_mode=disable"
-            )
+        check_pair_order(path, read_trainer_state(path), self.order_state())
         self.model.load(path / MODEL_DIR)
         state = load_trainer_state(path, self.ctx.rank)
         self.model.scheduler.load_state_dict(state["scheduler"])

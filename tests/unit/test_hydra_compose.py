@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlhf.cli.train import load, main, parse_args
+from rlhf.cli.train import main, parse_args
 from rlhf.config.compose import HydraLoader, compose
-from rlhf.config.hydra_load import load_with_notes
+from rlhf.config.hydra_load import load_command_line, load_with_notes
 from rlhf.config.loader import ConfigError, all_keys
 from rlhf.config.verl_keys import VERL_KEYS, VERL_SECTIONS
 from rlhf.config.yaml_file import read_yaml
@@ -149,7 +149,7 @@ def test_verls_scripts_load_against_verls_composed_config(name, tmp_path, capsys
     assert hub.count("\n") == 1 and "is a Hugging Face Hub id, not a local directory" in hub
     overrides = [_local(o, tmp_path) for o in overrides]  # as downloaded first
     args = [*config, *overrides]
-    loaded = load(parse_args(args))
+    loaded = load_args(parse_args(args))
     code, printed = main([*args, "--print-config"]), capsys.readouterr()
     assert code == 0, printed.err  # the critic takes the actor's layout (rlhf.config.inherit)
     assert "# ignored: actor_rollout_ref.model.lora.{" in printed.out  # grouped per section
@@ -159,7 +159,7 @@ def test_verls_scripts_load_against_verls_composed_config(name, tmp_path, capsys
         mapped = key in OURS or key in VERL_KEYS or key.startswith(VERL_SECTIONS)
         assert mapped or any(line.startswith(key) for line in loaded.ignored), item
     fallback = ["--config-path=config", "--config-name=ppo_megatron_trainer.yaml", *overrides]
-    loaded = load(parse_args(fallback))  # verl's package directory absent: our defaults
+    loaded = load_args(parse_args(fallback))  # verl's package directory absent: our defaults
     assert loaded.ignored == [] and loaded.config.actor_rollout_ref.model.path
     capsys.readouterr()
     assert main([*fallback, "--print-config"]) == 0, capsys.readouterr().err
@@ -196,3 +196,8 @@ def test_a_config_beside_verls_scripts_finds_its_trainer_config_or_stands_in(sea
     assert loaded.config.data.max_response_length == 48
     stand_in = [line for line in loaded.ignored if line.startswith("ppo_trainer: ")]
     assert bool(stand_in) == (search == "absent"), loaded.ignored
+
+
+def load_args(args):
+    """What rlhf-train loads for its parsed command line."""
+    return load_command_line(args.config, args.config_path, args.config_name, args.overrides)

@@ -13,6 +13,7 @@ from rlhf.config import ConfigError, load_config, validate_config
 from rlhf.config.validate import config_notes
 from rlhf.rollout.multi_turn import MultiTurnSettings
 from rlhf.rollout.multi_turn_config import (
+    ToolConfigError,
     load_configured_tools,
     multi_turn_settings,
     tool_schemas,
@@ -124,7 +125,7 @@ def test_enable_needs_a_tool_config_that_exists(tmp_path):
     missing = tmp_path / "nowhere.yaml"
     cfg = load_config(QUICKSTART, [f"{MT}.enable=true", f"{MT}.tool_config_path={missing}"])
     validate_config(cfg)  # like data files, checked when the run loads it
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ToolConfigError) as err:
         load_configured_tools(cfg)
     assert str(err.value) == f"{MT}.tool_config_path: tool config {missing} does not exist"
 
@@ -217,7 +218,7 @@ def test_a_tool_config_that_does_not_load_is_a_one_line_config_error(
 ):
     tool_config.write_text(text)
     overrides = [f"{MT}.enable=true", f"{MT}.tool_config_path={tool_config}"]
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ToolConfigError) as err:
         load_configured_tools(load_config(QUICKSTART, overrides))
     assert str(err.value).startswith(f"{MT}.tool_config_path: tool config {tool_config}")
     assert said in str(err.value)
