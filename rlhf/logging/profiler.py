@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from rlhf.config.schema import ProfilerConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -45,9 +47,9 @@ class StepProfiler:
         self.trace_dir = Path(out_dir) / "profile"
 
     @classmethod
-    def from_config(cls, cfg) -> StepProfiler:
-        """`global_profiler.steps`, traces under `trainer.default_local_dir`."""
-        return cls(cfg.global_profiler.steps, cfg.trainer.default_local_dir)
+    def from_config(cls, profiler: ProfilerConfig, run_dir: str | Path) -> StepProfiler:
+        """`global_profiler.steps`, traces under the run directory."""
+        return cls(profiler.steps, run_dir)
 
     def trace_path(self, step: int) -> Path:
         return self.trace_dir / f"step_{step}.json"

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf.config.choices import LOGGERS
+from rlhf.config.schema import TrainerConfig
 from rlhf.errors import UserError
 from rlhf.logging.backends import BACKENDS, RemoteRun, RunInfo, TrackerResume, start_backend
 from rlhf.logging.names import NameMap
@@ -98,17 +99,17 @@ class MetricTracker:
         self._missed: dict[str, list[int]] = {name: [] for name in self._remote}
 
     @classmethod
-    def from_config(cls, cfg, resume: TrackerResume | None = None) -> MetricTracker:
-        """The tracker for a run: `trainer.logger` backends in `trainer.default_local_dir`."""
-        from rlhf.config.loader import config_to_dict
-
-        trainer = cfg.trainer
+    def from_config(
+        cls, trainer: TrainerConfig, config: dict, resume: TrackerResume | None = None
+    ) -> MetricTracker:
+        """The tracker for a run: `trainer.logger` backends in `trainer.default_local_dir`;
+        `config`: the run's whole config as a dict (what each backend records)."""
         return cls(
             trainer.default_local_dir,
             trainer.logger,
             project=trainer.project_name,
             experiment=trainer.experiment_name,
-            config=config_to_dict(cfg),
+            config=config,
             resume=resume,
         )
 

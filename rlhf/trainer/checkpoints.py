@@ -134,7 +134,16 @@ class CheckpointKeeper:
 
     def _write_exports(self, tmp: Path, engine: PPOEngine) -> None:
         if self.ctx.is_main:
-            write_model_exports(tmp, self.cfg, engine.trained(), Placement.of(self.ctx))
+            cfg = self.cfg
+            sources = {
+                "actor": (
+                    cfg.actor_rollout_ref.model.path,
+                    cfg.actor_rollout_ref.actor.megatron.dtype,
+                ),
+                "critic": (cfg.critic.model.path, cfg.critic.megatron.dtype),
+            }
+            placement = Placement.of(self.ctx)
+            write_model_exports(tmp, engine.trained(), sources, cfg.trainer.save_hf, placement)
 
     def save(self, step: int, write: Callable[[Path], None]) -> None:
         """`write(tmp_dir)` as the checkpoint of `step` (all ranks), timed; a full or

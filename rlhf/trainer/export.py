@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.schema import RLHFConfig
 from rlhf.models.convert import copy_hf_side_files, write_meta
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.mapping import Placement
@@ -70,21 +69,26 @@ def export_hf(model_dir: Path, out_dir: Path) -> None:
         raise RuntimeError(f"exporting {model_dir} to HF failed:\n{proc.stderr[-3000:]}")
 
 
-def write_model_exports(checkpoint: Path, cfg: RLHFConfig, trained: dict, placement: Placement):
+def write_model_exports(
+    checkpoint: Path,
+    trained: dict,
+    sources: dict[str, tuple[str, str]],
+    save_hf: bool,
+    placement: Placement,
+):
     """Rank 0, inside the checkpoint being written: each trained model's export files (and
-    its HF copy under `trainer.save_hf`). `trained`: directory name -> TrainableMegatronModel."""
+    its HF copy under `trainer.save_hf`). `trained`: directory name -> TrainableMegatronModel;
+    `sources`: directory name -> (its HF model directory, its training dtype)."""
     for name, model in trained.items():
-        section = cfg.actor_rollout_ref if name == "actor" else cfg.critic
-        megatron = cfg.actor_rollout_ref.actor.megatron if name == "actor" else cfg.critic.megatron
-        path = section.model.path
+        path, dtype = sources[name]
         write_export_files(
             checkpoint / name,
             path,
             load_arch(path),
             model.module.padded_vocab_size,
-            DTYPES[megatron.dtype],
+            DTYPES[dtype],
             placement,
             "lm" if name == "actor" else "value",
         )
-        if cfg.trainer.save_hf:
+        if save_hf:
             export_hf(checkpoint / name, checkpoint / f"{name}_hf")

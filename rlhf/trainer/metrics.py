@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from rlhf.checkpoint import read_trainer_state
-from rlhf.config.schema import RLHFConfig
-from rlhf.config.validate import uses_critic, uses_reference
+from rlhf.config.plan import RunPlan
+from rlhf.config.schema import TrainerConfig
 from rlhf.logging import MetricTracker
 from rlhf.logging.backends import TrackerResume
 from rlhf.models.families import ModelArch
@@ -60,18 +60,17 @@ def rollout_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, 
     }
 
 
-def model_passes(cfg: RLHFConfig) -> tuple[int, int]:
+def model_passes(plan: RunPlan) -> tuple[int, int]:
     """(forward-only passes, update epochs) of one step over its batch, all models."""
-    critic = uses_critic(cfg)
-    forwards = 1 + int(uses_reference(cfg)) + int(critic)
-    epochs = cfg.actor_rollout_ref.actor.ppo_epochs + (cfg.critic.ppo_epochs if critic else 0)
+    forwards = 1 + int(plan.reference) + int(plan.critic is not None)
+    epochs = plan.actor.epochs + (plan.critic.epochs if plan.critic is not None else 0)
     return forwards, epochs
 
 
 @dataclass(frozen=True)
 class StepMeter:
     """A step's performance yardsticks: tokens, tokens/s per rank, and MFU against
-    `peak_flops` (measured per rank) for `passes` = `model_passes(cfg)`."""
+    `peak_flops` (measured per rank) for `passes` = `model_passes(plan)`."""
 
     arch: ModelArch
     world_size: int
@@ -169,8 +168,9 @@ def tracker_resume(resume_path: Path | None, checkpoint_root: Path) -> TrackerRe
 
 
 def build_tracker(
-    cfg: RLHFConfig, resume_path: Path | None, checkpoint_root: Path
+    trainer: TrainerConfig, config: dict, resume_path: Path | None, checkpoint_root: Path
 ) -> MetricTracker:
     """The run's tracker (main rank only): `trainer.logger` backends, continuing the tracker
-    runs of the checkpoint it resumes from."""
-    return MetricTracker.from_config(cfg, tracker_resume(resume_path, checkpoint_root))
+    runs of the checkpoint it resumes from; `config`: the run's config as a dict."""
+    resume = tracker_resume(resume_path, checkpoint_root)
+    return MetricTracker.from_config(trainer, config, resume)

@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rlhf.algo import build_kl_controller
-from rlhf.config.loader import dump_yaml
+from rlhf.config.loader import config_to_dict, dump_yaml
 from rlhf.config.schema import RLHFConfig
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
@@ -103,7 +103,7 @@ class PPOTrainer:
             self.servers.shutdown()
             raise
         self.batches = self.rollout_strategy()
-        meter = StepMeter(checked.arch, ctx.world_size, self.peak_flops, model_passes(cfg))
+        meter = StepMeter(checked.arch, ctx.world_size, self.peak_flops, model_passes(self.plan))
         rollouts_dir = run_dir / "rollouts" if ctx.is_main else None
         self.ppo_step = PPOStep(
             cfg, self.engine, self.servers, self.batches, self.kl_ctrl, meter, rollouts_dir
@@ -135,14 +135,18 @@ class PPOTrainer:
         self.reward_model = RewardModelScorer.from_config(cfg, ctx, self.engine.planner, budget)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.stopper = EarlyStopper(cfg.trainer.early_stop, cfg.algorithm.kl_ctrl.target_kl)
-        self.profiler = StepProfiler.from_config(cfg)
+        self.profiler = StepProfiler.from_config(cfg.global_profiler, cfg.trainer.default_local_dir)
         self.peak_flops = measure_matmul_flops(
             ctx.device, DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
         )
         # on resume it continues the tracker runs of the checkpoint (and drops the rows of
         # later steps from metrics.jsonl: they are redone)
         root = self.checkpoints.root
-        self.tracker = build_tracker(cfg, self.resume_path, root) if ctx.is_main else None
+        self.tracker = (
+            build_tracker(cfg.trainer, config_to_dict(cfg), self.resume_path, root)
+            if ctx.is_main
+            else None
+        )
 
     def close(self) -> None:
         try:

@@ -29,6 +29,7 @@ import torch
 
 from rlhf.checkpoint import CheckpointManager
 from rlhf.checkpoint.state import load_trainer_state, read_trainer_state, save_trainer_state
+from rlhf.config.loader import config_to_dict
 from rlhf.config.reward_training import RewardModelRunConfig, token_budget
 from rlhf.config.validate import distributed_optimizer_on, virtual_pipeline_size
 from rlhf.data.files import resolve_files
@@ -117,7 +118,7 @@ class RewardModelTrainer:
         self.tracker = None
         if ctx.is_main:
             resume = tracker_resume(self.resume_path, self.manager.root)
-            self.tracker = MetricTracker.from_config(cfg, resume)
+            self.tracker = MetricTracker.from_config(cfg.trainer, config_to_dict(cfg), resume)
 
     def _build_model(self) -> TrainableMegatronModel:
         cfg, ctx = self.cfg, self.ctx

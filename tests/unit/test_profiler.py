@@ -44,7 +44,7 @@ def test_from_config_reads_steps_and_run_dir(tmp_path):
         global_profiler=SimpleNamespace(steps=[1, 5]),
         trainer=SimpleNamespace(default_local_dir=str(tmp_path)),
     )
-    profiler = StepProfiler.from_config(cfg)
+    profiler = StepProfiler.from_config(cfg.global_profiler, cfg.trainer.default_local_dir)
     assert profiler.steps == {1, 5}
     assert profiler.trace_path(5) == tmp_path / "profile" / "step_5.json"
 

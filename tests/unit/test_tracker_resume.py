@@ -17,6 +17,7 @@ import pytest
 
 from rlhf.checkpoint import read_trainer_state, save_trainer_state
 from rlhf.config import load_config
+from rlhf.config.loader import config_to_dict
 from rlhf.logging import MetricTracker
 from rlhf.logging.backends import TrackerResume
 from rlhf.trainer.metrics import TRACKERS_KEY, build_tracker, tracker_resume, tracker_state
@@ -121,12 +122,12 @@ def test_the_checkpoint_keeps_the_ids_and_its_resume_continues_them(tmp_path, of
     cfg = load_config("configs/quickstart_cpu.yaml", overrides)
     root = run_dir / "checkpoints"
     checkpoint = root / "global_step_2"
-    with build_tracker(cfg, None, root) as first:
+    with build_tracker(cfg.trainer, config_to_dict(cfg), None, root) as first:
         log_steps(first, [1, 2])
         save_trainer_state(checkpoint, {"step": 2, **tracker_state(first)}, rank=0)
         ids = first.run_ids()
     assert read_trainer_state(checkpoint)[TRACKERS_KEY] == ids
-    with build_tracker(cfg, checkpoint, root) as resumed:
+    with build_tracker(cfg.trainer, config_to_dict(cfg), checkpoint, root) as resumed:
         log_steps(resumed, [3])
 
     for name in ("mlflow", "wandb"):
