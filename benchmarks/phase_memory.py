@@ -142,7 +142,7 @@ def single_rank_models(config: str, model: str, overrides: list[str], port: int)
 def measure(args) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.distributed.bootstrap import teardown
-    from rlhf.memory.planner import GPU_RUNTIME_BYTES, plan_memory
+    from rlhf.memory.planner import GPU_RUNTIME_BYTES, PlanInputs, plan_memory
     from rlhf.trainer.ppo_step import learn_from_batch
 
     cfg, ctx, arch, models, meter = single_rank_models(
@@ -157,7 +157,7 @@ def measure(args) -> dict:
         teardown()
     cuda = ctx.device.type == "cuda"
     gpu = torch.cuda.get_device_properties(0).total_memory if cuda else None
-    plan = plan_memory(cfg, arch, 1, device=ctx.device.type, gpu_bytes=gpu)
+    plan = plan_memory(PlanInputs.from_config(cfg, arch, 1, ctx.device.type), gpu)
     stages = {}
     for name, peak in meter.peaks.items():
         if name not in STAGES:  # advantages: no model runs

@@ -48,7 +48,11 @@ from rlhf.cli.doctor_memory import check_memory
 from rlhf.cli.doctor_placement import LaunchEnvError, check_placement, node_gpus
 from rlhf.cli.doctor_simulate import SHIPPED, check_simulation, check_stored, simulate_shipped
 from rlhf.config import ConfigError, RLHFConfig, load_config
+from rlhf.config.validate import ParallelLayout, config_notes, validate_config
 from rlhf.errors import ends_in_one_line
+from rlhf.memory.planner import PlanInputs
+from rlhf.models.families import ModelArch
+from rlhf.rollout.multi_turn_config import load_configured_tools
 
 DEFAULT_REQUIREMENTS = Path("requirements")  # a checkout's, when run from its root
 
@@ -68,7 +72,8 @@ def run_checks(
     requirements: Path = DEFAULT_REQUIREMENTS,
 ) -> list[Check]:
     """Every check for `cfg`, under the launch environment `environ`; installed packages
-    are compared with `requirements`/cpu.lock (and gpu.txt on a GPU machine)."""
+    are compared with `requirements`/cpu.lock (and gpu.txt on a GPU machine). The doctor's
+    one reader of the whole config: each check gets its sections."""
     node_rank = _env_int(environ, "NODE_RANK", 0)
     port = _env_int(environ, "MASTER_PORT", 29500)
     addr = environ.get("MASTER_ADDR") or "127.0.0.1"
@@ -76,6 +81,12 @@ def run_checks(
     gpu_txt = requirements / "gpu.txt" if torch.cuda.is_available() else None
     model_path = cfg.actor_rollout_ref.model.path
     model_dir = Path(model_path) if model_path else None
+
+    def validated(shape: ModelArch | None) -> tuple[ParallelLayout, list[str]]:
+        layout = validate_config(cfg, world_size, shape)
+        load_configured_tools(cfg)
+        return layout, config_notes(cfg)
+
     return [
         check_packages(requirements / "cpu.lock", gpu_txt),
         check_cuda(trainer.device, trainer.n_gpus_per_node),
@@ -88,8 +99,8 @@ def run_checks(
             rollout.weight_sync_transport,
             rollout.weight_sync_master_address,
         ),
-        check_config(cfg, world_size),
-        check_inputs(cfg),
+        check_config(model_path, validated),
+        check_inputs(model_path, cfg.critic.model.path, cfg.reward.model_path, cfg.data),
     ]
 
 
@@ -159,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         checks = run_checks(cfg, world_size, requirements=args.requirements)
         gpus = node_gpus(args.gpus_per_node, os.environ, cfg.trainer)
         placement, servers = check_placement(cfg.trainer, cfg.actor_rollout_ref.rollout, *gpus)
+        device = "cpu" if cfg.trainer.device == "cpu" else "cuda"
         memory, report = check_memory(
-            cfg, world_size, args.model_config, args.gpu_memory_gb, args.host_memory_gb
+            cfg.actor_rollout_ref.model.path,
+            lambda arch: PlanInputs.from_config(cfg, arch, world_size, device),
+            args.model_config,
+            args.gpu_memory_gb,
+            args.host_memory_gb,
         )
         simulation, simulated = _simulation(args)
     except (ConfigError, LaunchEnvError) as e:

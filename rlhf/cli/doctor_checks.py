@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -22,12 +23,12 @@ import torch.distributed as dist
 
 from rlhf import sglang_api
 from rlhf.cli.check_env import lock_problems, read_pins
-from rlhf.config import RLHFConfig, validate
 from rlhf.config.placement import weight_sync_address_problem
+from rlhf.config.schema import DataConfig
+from rlhf.config.validate import ParallelLayout
 from rlhf.data.files import resolve_files
-from rlhf.models.families import load_arch
+from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.model_dir import check_model_dir, check_servable_policy
-from rlhf.rollout.multi_turn_config import load_configured_tools
 
 PASS, WARN, SKIP, FAIL = "PASS", "WARN", "SKIP", "FAIL"
 CORE_PACKAGES = ("torch", "megatron-core", "sglang", "sglang-router", "transformers")
@@ -242,18 +243,22 @@ def check_weight_sync_address(urls: list[str] | None, transport: str, address: s
     return Check(name, PASS, f"{address}, for {len(remote)} server(s) on other hosts")
 
 
-def check_config(cfg: RLHFConfig, world_size: int | None) -> Check:
-    """Every cross-field rule for this world size (validate_config), with the model's
-    shape (heads, layers) when its config.json is there; the multi-turn tools load."""
-    model_dir = Path(cfg.actor_rollout_ref.model.path or ".")
+ConfigValidation = Callable[[ModelArch | None], tuple[ParallelLayout, list[str]]]
+
+
+def check_config(model_path: str | None, validated: ConfigValidation) -> Check:
+    """The config's own validation of the run (`validated`, bound by `run_checks`: every
+    cross-field rule for its world size, the multi-turn tools loaded; the layout and the
+    notes on keys without effect), with the model's shape (heads, layers) when its
+    config.json is at `model_path`."""
+    model_dir = Path(model_path or ".")
     try:
         shape = load_arch(model_dir) if (model_dir / "config.json").is_file() else None
-        layout = validate.validate_config(cfg, world_size, shape)
-        load_configured_tools(cfg)
+        layout, notes = validated(shape)
     except ValueError as e:  # ConfigError, or a model config this project cannot read
         return Check("config", FAIL, str(e), "fix the keys named, or launch that many processes")
     detail = f"world size {layout.world_size}: {layout.describe()}"
-    if notes := validate.config_notes(cfg):
+    if notes:
         return Check("config", WARN, f"{detail}; " + "; ".join(notes), "remove the keys named")
     return Check("config", PASS, detail)
 
@@ -279,16 +284,19 @@ def _model_problems(models: dict[str, str | None]) -> list[str]:
     return problems
 
 
-def check_inputs(cfg: RLHFConfig) -> Check:
-    """The model directories are usable and the Parquet files exist."""
+def check_inputs(
+    policy: str | None, critic: str | None, reward: str | None, data: DataConfig
+) -> Check:
+    """The model directories (the policy's, the critic's, the reward model's paths) are
+    usable and the Parquet files of `data` exist."""
     problems = _model_problems(
         {
-            "actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path,
-            "critic.model.path": cfg.critic.model.path,
-            "reward.model_path": cfg.reward.model_path,
+            "actor_rollout_ref.model.path": policy,
+            "critic.model.path": critic,
+            "reward.model_path": reward,
         }
     )
-    specs = {"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files}
+    specs = {"data.train_files": data.train_files, "data.val_files": data.val_files}
     for key, spec in specs.items():
         if spec is None and key == "data.val_files":
             continue

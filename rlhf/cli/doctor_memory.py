@@ -4,12 +4,12 @@ and the host RAM a node needs for its trainer ranks against the node's."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from rlhf.cli.doctor_checks import FAIL, PASS, WARN, Check
-from rlhf.config import RLHFConfig
 from rlhf.config.loader import ConfigError
 from rlhf.memory.planner import GIB, MemoryPlan, PlanInputs
 from rlhf.memory.report import describe
@@ -54,29 +54,30 @@ def check_host_memory(plan: MemoryPlan, host_gb: float | None) -> Check:
 
 
 def check_memory(
-    cfg: RLHFConfig,
-    world_size: int | None,
+    model_path: str | None,
+    plan_inputs: Callable[[ModelArch], PlanInputs],
     model_config: Path | None,
     gpu_gb: float | None,
     host_gb: float | None = None,
 ) -> tuple[list[Check], str]:
-    """(the checks: GPU memory, and host memory on GPU runs; the planner's report or '')."""
+    """(the checks: GPU memory, and host memory on GPU runs; the planner's report or '').
+    The policy's shape from `model_config`, else from `model_path`; `plan_inputs`: the
+    planner's inputs for it (`PlanInputs.from_config`, bound by the doctor's `main`)."""
     name = "memory"
     try:
-        arch = _arch(cfg.actor_rollout_ref.model.path, model_config)
+        arch = _arch(model_path, model_config)
     except (OSError, ValueError, KeyError) as e:
         return [Check(name, FAIL, f"cannot read the model's config: {e}", "fix --model-config")], ""
     if arch is None:
         fix = "download the model, or pass --model-config (see configs/model_shapes)"
         return [Check(name, WARN, "no model config.json: memory not planned", fix)], ""
-    device = "cpu" if cfg.trainer.device == "cpu" else "cuda"
-    world = world_size or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    gpu_bytes = None if device == "cpu" else gpu_memory_bytes(gpu_gb)
     try:
-        plan, report = describe(PlanInputs.from_config(cfg, arch, world, device), gpu_bytes)
+        inputs = plan_inputs(arch)
+        gpu_bytes = None if inputs.device == "cpu" else gpu_memory_bytes(gpu_gb)
+        plan, report = describe(inputs, gpu_bytes)
     except (ConfigError, ValueError) as e:
         return [Check(name, FAIL, str(e), "fix the parallel sizes")], ""
-    if device == "cpu":
+    if inputs.device == "cpu":
         detail = f"peak {plan.peak / GIB:.2f} GiB per GPU (CPU run: no GPU memory to fit)"
         return [Check(name, PASS, detail)], report
     return [_gpu_verdict(plan, gpu_bytes), check_host_memory(plan, host_gb)], report

@@ -1,12 +1,13 @@
 """Will a config fit? Per-GPU memory by role and by kind, before anything is launched.
 
-`plan_memory(cfg, arch, world_size)` counts, for the pipeline stage that needs the most, the
-bytes each role keeps on one GPU: the weights, gradient buffer, fp32 master weights and Adam
-state of actor and critic (`rlhf.memory.params`: Megatron's buffer layout, sharded by the
-distributed optimizer), the reference's weights, the activations of one micro-batch at the
-configured token budget (`rlhf.memory.activations`) and communication buffers (the
-weight-sync bucket), and SGLang's share (`rollout.gpu_memory_utilization` of the GPU: its
-weights and KV cache). The GPU's peak is the largest phase of a step, or of the build:
+`plan_memory(PlanInputs.from_config(cfg, arch, world_size))` counts, for the pipeline stage
+that needs the most, the bytes each role keeps on one GPU: the weights, gradient buffer,
+fp32 master weights and Adam state of actor and critic (`rlhf.memory.params`: Megatron's
+buffer layout, sharded by the distributed optimizer), the reference's weights, the
+activations of one micro-batch at the configured token budget (`rlhf.memory.activations`)
+and communication buffers (the weight-sync bucket), and SGLang's share
+(`rollout.gpu_memory_utilization` of the GPU: its weights and KV cache). The GPU's peak is
+the largest phase of a step, or of the build:
 
     build          the models built one by one (each at its build peak: DDP's parameter
                    and gradient buffers next to the loaded parameters, then next to the
@@ -41,14 +42,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from rlhf.config.budgets import token_budgets
-from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
+from rlhf.config.plan import RunPlan, resolve
+from rlhf.config.rollout import RolloutConfig
+from rlhf.config.schema import (
+    ActorRolloutRefConfig,
+    MegatronParallelConfig,
+    RLHFConfig,
+    TrainerConfig,
+)
 from rlhf.config.validate import (
     distributed_optimizer_on,
-    parallel_layout,
     sequence_parallel_on,
-    uses_critic,
-    uses_reference,
     virtual_pipeline_size,
 )
 from rlhf.memory.activations import (
@@ -353,29 +357,49 @@ class PlanInputs:
 
     @classmethod
     def from_config(
-        cls, cfg: RLHFConfig, arch: ModelArch, world_size: int, device: str
+        cls, cfg: RLHFConfig, arch: ModelArch, world_size: int | None = None, device: str = "cuda"
     ) -> PlanInputs:
-        aro, budgets = cfg.actor_rollout_ref, token_budgets(cfg)
+        """The planner's one reader of the whole config: its run plan for `world_size` ranks
+        (default: nnodes x n_gpus_per_node; a clear error for sizes that do not divide) and
+        the sections the plan does not hold."""
+        world = world_size or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        plan = resolve(cfg, world)
+        return cls.of(plan, arch, device, cfg.actor_rollout_ref, cfg.critic.megatron, cfg.trainer)
+
+    @classmethod
+    def of(
+        cls,
+        plan: RunPlan,
+        arch: ModelArch,
+        device: str,
+        aro: ActorRolloutRefConfig,
+        critic: MegatronParallelConfig,
+        trainer: TrainerConfig,
+    ) -> PlanInputs:
+        """From the run plan (which models, their token budgets, the world and SP sizes) and
+        the sections it does not resolve: the actor's and critic's Megatron settings, the
+        reference's offload, the rollout's share of the GPU, the node size, async saves."""
+        budgets = plan.budgets
         # forward-only passes (old log-probs, values) have phases of their own
         actor = TrainedRole(
             "actor", aro.actor.megatron, budgets.actor.tokens, False, budgets.old_log_prob.tokens
         )
         roles = [actor]
-        if uses_critic(cfg):
-            roles.append(TrainedRole("critic", cfg.critic.megatron, budgets.critic.tokens, True))
+        if plan.critic is not None:
+            roles.append(TrainedRole("critic", critic, budgets.critic.tokens, True))
         reference = (
             TrainedRole("reference", aro.actor.megatron, budgets.ref.tokens)
-            if uses_reference(cfg)
+            if plan.reference
             else None
         )
-        rollout = aro.rollout
+        rollout, world = aro.rollout, plan.layout.world_size
         return cls(
             arch,
             tuple(roles),
             reference,
             aro.ref.param_offload,
-            world_size,
-            aro.actor.ulysses_sequence_parallel_size,
+            world,
+            plan.layout.sp_size,
             rollout.tensor_model_parallel_size,
             rollout.dtype,
             rollout.gpu_memory_utilization,
@@ -383,8 +407,8 @@ class PlanInputs:
             rollout.free_cache_engine and device != "cpu",
             rollout.update_weights_bucket_megabytes * 1024**2,
             device,
-            min(world_size, cfg.trainer.n_gpus_per_node),
-            cfg.trainer.async_save,
+            min(world, trainer.n_gpus_per_node),
+            trainer.async_save,
         )
 
 
@@ -420,16 +444,20 @@ def _rank_rows(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> list[Ro
         offloaded = frozenset({"weights"}) if inputs.ref_offload else frozenset()
         rows.append(replace(ref, offloaded=offloaded))
     if inputs.colocated:
-        rows.append(_rollout_row(inputs, gpu_bytes))
+        fraction = inputs.rollout_fraction
+        tp, dtype = inputs.rollout_tp, inputs.rollout_dtype
+        rows.append(rollout_memory(inputs.arch, tp, dtype, fraction, gpu_bytes))
     return rows
 
 
-def _rollout_row(inputs: PlanInputs, gpu_bytes: int | None) -> RoleMemory:
-    """A colocated SGLang server's share of the GPU: its weights on one of its TP ranks,
-    the rest KV cache."""
-    arch, tp, element = inputs.arch, inputs.rollout_tp, DTYPE_BYTES[inputs.rollout_dtype]
+def rollout_memory(
+    arch: ModelArch, tp: int, dtype: str, fraction: float, gpu_bytes: int | None
+) -> RoleMemory:
+    """A colocated SGLang server's share of the GPU (`fraction` of `gpu_bytes`): its weights
+    on one of its `tp` ranks in `dtype`, the rest KV cache."""
+    element = DTYPE_BYTES[dtype]
     weights = rollout_weight_bytes(arch, tp, element)
-    share = int(inputs.rollout_fraction * gpu_bytes) if gpu_bytes else weights
+    share = int(fraction * gpu_bytes) if gpu_bytes else weights
     experts = expert_param_count(arch) * element // tp
     return RoleMemory(
         "rollout", weights=weights, activations=max(0, share - weights), experts=experts
@@ -529,24 +557,11 @@ def plan_stage(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> MemoryP
     return MemoryPlan(tuple(rows), _phases(rows, inputs), gpu_bytes, host)
 
 
-def plan_inputs(inputs: PlanInputs, gpu_bytes: int | None) -> MemoryPlan:
-    """The plan of the pipeline stage with the highest peak."""
+def plan_memory(inputs: PlanInputs, gpu_bytes: int | None = None) -> MemoryPlan:
+    """Per-GPU memory of `inputs` (`PlanInputs.from_config`) on GPUs of `gpu_bytes`: the
+    plan of the pipeline stage with the highest peak."""
     pp = inputs.roles[0].megatron.pipeline_model_parallel_size
     return max((plan_stage(inputs, s, gpu_bytes) for s in range(pp)), key=lambda p: p.peak)
-
-
-def plan_memory(
-    cfg: RLHFConfig,
-    arch: ModelArch,
-    world_size: int | None = None,
-    *,
-    device: str = "cuda",
-    gpu_bytes: int | None = None,
-) -> MemoryPlan:
-    """Per-GPU memory of `cfg` on `world_size` GPUs (default: nnodes x n_gpus_per_node)."""
-    world = world_size or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    parallel_layout("actor", cfg, world)  # a clear error for sizes that do not divide
-    return plan_inputs(PlanInputs.from_config(cfg, arch, world, device), gpu_bytes)
 
 
 def kv_cache_bytes_per_token(arch: ModelArch, rollout_tp: int, dtype: str) -> int:
@@ -556,13 +571,11 @@ def kv_cache_bytes_per_token(arch: ModelArch, rollout_tp: int, dtype: str) -> in
     return 2 * arch.num_layers * heads * arch.head_dim * DTYPE_BYTES[dtype]
 
 
-def planned_kv_cache_tokens(
-    cfg: RLHFConfig, arch: ModelArch, world_size: int, gpu_bytes: int
-) -> int:
+def planned_kv_cache_tokens(rollout: RolloutConfig, arch: ModelArch, gpu_bytes: int) -> int:
     """The KV-cache tokens a colocated server gets in the plan: its share of the GPU
-    (`rollout.gpu_memory_utilization`) less its weights, per token; given to SGLang as
-    `--max-total-tokens`, so the cache does not depend on what is free when it starts."""
-    rollout = cfg.actor_rollout_ref.rollout
-    plan = plan_memory(cfg, arch, world_size, device="cuda", gpu_bytes=gpu_bytes)
-    per_token = kv_cache_bytes_per_token(arch, rollout.tensor_model_parallel_size, rollout.dtype)
-    return plan.row("rollout").activations // per_token
+    (`rollout.gpu_memory_utilization`) less its weights, per token (the plan's rollout row);
+    given to SGLang as `--max-total-tokens`, so the cache does not depend on what is free when
+    it starts."""
+    tp, dtype = rollout.tensor_model_parallel_size, rollout.dtype
+    row = rollout_memory(arch, tp, dtype, rollout.gpu_memory_utilization, gpu_bytes)
+    return row.activations // kv_cache_bytes_per_token(arch, tp, dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from rlhf.memory.planner import GIB, KINDS, MemoryPlan, PlanInputs, expert_sizes, plan_inputs
+from rlhf.memory.planner import GIB, KINDS, MemoryPlan, PlanInputs, expert_sizes, plan_memory
 
 AR = "actor_rollout_ref"
 
@@ -101,7 +101,7 @@ def suggestions(inputs: PlanInputs, plan: MemoryPlan) -> list[Suggestion]:
         changed = apply(inputs)
         if changed is None or changed == inputs:
             continue
-        peak = plan_inputs(changed, plan.gpu_bytes).peak
+        peak = plan_memory(changed, plan.gpu_bytes).peak
         if peak < plan.peak:
             found.append(Suggestion(change, peak))
     return sorted(found, key=lambda s: s.peak)
@@ -162,17 +162,17 @@ def verdict(plan: MemoryPlan) -> str:
 
 def describe(inputs: PlanInputs, gpu_bytes: int | None) -> tuple[MemoryPlan, str]:
     """The plan and its report (with suggestions when it does not fit)."""
-    plan = plan_inputs(inputs, gpu_bytes)
+    plan = plan_memory(inputs, gpu_bytes)
     hints = suggestions(inputs, plan) if plan.fits is False else []
     return plan, format_plan(plan, hints, expert_text(inputs, plan))
 
 
-def startup_report(cfg, arch, world_size: int, device: str) -> tuple[MemoryPlan, str]:
-    """What the trainer logs before building its models: the plan for this machine's GPU."""
+def startup_report(inputs: PlanInputs) -> tuple[MemoryPlan, str]:
+    """What the trainer logs before building its models: the plan for this machine's GPU
+    (`inputs`: `PlanInputs.from_config` for the run's world size and device)."""
     import torch
 
     gpu_bytes = None
-    if device == "cuda" and torch.cuda.is_available():
+    if inputs.device == "cuda" and torch.cuda.is_available():
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    inputs = PlanInputs.from_config(cfg, arch, world_size, device)
     return describe(inputs, gpu_bytes)

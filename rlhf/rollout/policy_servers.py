@@ -123,7 +123,7 @@ def server_kv_cache_tokens(
     if ctx.device.type == "cpu":
         return kv_cache_tokens(cfg, max_prompts)
     gpu_bytes = torch.cuda.get_device_properties(ctx.device).total_memory
-    return planned_kv_cache_tokens(cfg, arch, ctx.world_size, gpu_bytes)
+    return planned_kv_cache_tokens(cfg.actor_rollout_ref.rollout, arch, gpu_bytes)
 
 
 def wait_for_servers(engine: SGLangEngine | None) -> None:

@@ -25,6 +25,7 @@ from rlhf.checkpoint.background import BackgroundSave, CheckpointWriterError, Pe
 from rlhf.checkpoint.storage import available_bytes, size_text
 from rlhf.config.loader import dump_yaml
 from rlhf.config.schema import RLHFConfig
+from rlhf.config.validate import trained_megatron
 from rlhf.distributed.context import ParallelContext
 from rlhf.engine.engine import PPOEngine
 from rlhf.engine.nonfinite import NonFiniteError
@@ -55,7 +56,8 @@ class CheckpointKeeper:
         self.cfg, self.ctx = cfg, ctx
         # the manager first: it removes what a failed save left before space is counted
         self.manager = CheckpointManager(run_dir / "checkpoints", trainer.max_actor_ckpt_to_keep)
-        self.size = checkpoint_bytes(cfg, arch, ctx.dp_sp_size)
+        trained = trained_megatron(cfg).values()
+        self.size = checkpoint_bytes(trained, arch, trainer.save_hf, ctx.dp_sp_size)
         saves = total_steps // trainer.save_freq + 1 if trainer.save_freq > 0 else 1
         self.write_rate = self._probe(saves, trainer.max_actor_ckpt_to_keep) if ctx.is_main else 0.0
         self.last_save_s: float | None = None  # the last save, until it was published

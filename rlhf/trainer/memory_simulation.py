@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,8 +58,11 @@ from typing import Protocol
 import torch
 
 from rlhf.config import RLHFConfig, load_config
-from rlhf.config.budgets import token_budgets
-from rlhf.config.validate import parallel_layout, uses_critic, uses_reference
+from rlhf.config.plan import RunPlan, resolve
+from rlhf.config.rollout import RolloutConfig
+from rlhf.config.schema import DataConfig
+from rlhf.config.validate import ParallelLayout
+from rlhf.distributed.context import ParallelContext
 from rlhf.engine.engine import PPOEngine
 from rlhf.engine.micro_batch import row_multiple
 from rlhf.memory.fake_device import LiveBytes, simulated_device
@@ -196,26 +199,29 @@ class SyntheticBatch:
         )
 
 
-def synthetic_batch(cfg: RLHFConfig, dp_size: int, multiple: int, pp_size: int):
+def synthetic_batch(plan: RunPlan, data: DataConfig) -> SyntheticBatch:
     """Equal samples whose length divides the token budget of every pass that runs (at most
-    the config's prompt plus response length, a multiple of the row's `multiple`), enough
-    on each rank to fill a whole number of micro-batches of every pass, PP of them at least
-    (a pipeline keeps PP micro-batches in flight), and a whole number of GRPO groups."""
-    budgets = token_budgets(cfg)
+    `data`'s prompt plus response length, a multiple of what a packed row's length must be
+    under the plan's layout), enough on each DP rank to fill a whole number of micro-batches
+    of every pass, PP of them at least (a pipeline keeps PP micro-batches in flight), and a
+    whole number of GRPO groups."""
+    layout, budgets = plan.layout, plan.budgets
+    multiple = row_multiple(layout.sp_size, layout.tp_size if layout.sequence_parallel else 1)
+    dp_size, pp_size = layout.dp_size, layout.pp_size
     passes = [budgets.actor, budgets.old_log_prob]
-    passes += [budgets.critic] if uses_critic(cfg) else []
-    passes += [budgets.ref] if uses_reference(cfg) else []
+    passes += [budgets.critic] if plan.critic is not None else []
+    passes += [budgets.ref] if plan.reference else []
     tokens = [b.tokens for b in passes]
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    longest = data.max_prompt_length + data.max_response_length
     fitting = [n for n in range(multiple, longest + 1, multiple) if math.gcd(*tokens) % n == 0]
     if not fitting:
         raise ValueError(f"no sample length up to {longest} divides the budgets {tokens}")
     length, whole = max(fitting), math.lcm(*tokens)
     per_rank_tokens = whole * -(-pp_size * max(tokens) // whole)
-    per_rank, group = per_rank_tokens // length, cfg.actor_rollout_ref.rollout.n
+    per_rank, group = per_rank_tokens // length, plan.samples_per_prompt
     while (per_rank * dp_size) % group:
         per_rank += whole // length
-    response = min(cfg.data.max_response_length, length // 2)
+    response = min(data.max_response_length, length // 2)
     return SyntheticBatch(length, length - response, per_rank, dp_size, group)
 
 
@@ -277,12 +283,16 @@ def simulate(
         moe = arch.moe is not None
         cfg = simulation_config(config, overrides or [], model_dir, None, moe)
         world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-        layout = parallel_layout("actor", cfg, world)
-        multiple = row_multiple(layout.sp_size, layout.tp_size if layout.sequence_parallel else 1)
-        batch = synthetic_batch(cfg, layout.dp_size, multiple, layout.pp_size)
+        plan = resolve(cfg, world)
+        layout = plan.layout
+        batch = synthetic_batch(plan, cfg.data)
         cfg = simulation_config(config, overrides or [], model_dir, batch, moe)
         rank = simulated_rank(world, layout.pp_size) if rank is None else rank
-        peaks, ledger_table, stage = _run_step(cfg, arch, layout, world, rank, batch)
+
+        def step(ctx: ParallelContext, meter: Meter) -> None:
+            _phases(cfg, arch, ctx, batch.batch(), meter)  # the batch on the simulated device
+
+        peaks, ledger_table, stage = _run_step(layout, world, rank, step)
     deviations = list(DEVIATIONS)
     if arch.moe is not None:
         deviations.append(MOE_DEVIATION)
@@ -308,8 +318,9 @@ def measure(
     hf_config = json.loads(Path(model_dir, "config.json").read_text())
     arch = arch_from_hf_config(hf_config)
     cfg = simulation_config(config, overrides or [], Path(model_dir), None, arch.moe is not None)
-    layout = parallel_layout("actor", cfg, 1)
-    batch = synthetic_batch(cfg, 1, 1, 1)
+    plan = resolve(cfg, 1)
+    layout = plan.layout
+    batch = synthetic_batch(plan, cfg.data)
     cfg = simulation_config(config, overrides or [], Path(model_dir), batch, arch.moe is not None)
     from rlhf.distributed import bootstrap
 
@@ -324,7 +335,14 @@ def measure(
     return SimulatedStep(config, 0, 0, meter.peaks, ("measured on the CPU",), seconds, "")
 
 
-def _run_step(cfg: RLHFConfig, arch: ModelArch, layout, world: int, rank: int, batch):
+def _run_step(
+    layout: ParallelLayout,
+    world: int,
+    rank: int,
+    step: Callable[[ParallelContext, Meter], None],
+) -> tuple[dict[str, PhasePeak], str, int]:
+    """`step` on rank `rank` of a fake world of `world` ranks in `layout`, on the simulated
+    device: its phases' peaks, the device ledger's table and the rank's pipeline stage."""
     from rlhf.distributed import bootstrap
     from rlhf.distributed.fake_world import fake_world
 
@@ -335,7 +353,7 @@ def _run_step(cfg: RLHFConfig, arch: ModelArch, layout, world: int, rank: int, b
             reset()
             with simulated_device() as counter, _weights_not_read():
                 meter = PhasePeaks(counter)
-                _phases(cfg, arch, ctx, batch.batch(), meter)
+                step(ctx, meter)
             return meter.peaks, ledger().table(), ctx.pp_rank
         finally:
             bootstrap.teardown()
@@ -349,8 +367,12 @@ def _init_parallel(layout):
     return ctx
 
 
-def _phases(cfg: RLHFConfig, arch: ModelArch, ctx, batch: RolloutBatch, meter: Meter) -> None:
-    """The build, two steps' learning and weight loads, each phase in `meter`."""
+def _phases(
+    cfg: RLHFConfig, arch: ModelArch, ctx: ParallelContext, batch: RolloutBatch, meter: Meter
+) -> None:
+    """The build, two steps' learning and weight loads, each phase in `meter`: the
+    simulation's one reader of the whole config (`build_engine` and `learn_from_batch` take
+    it)."""
     from rlhf.algo import build_kl_controller
     from rlhf.engine.build import build_engine
     from rlhf.trainer.ppo_step import learn_from_batch
@@ -365,18 +387,17 @@ def _phases(cfg: RLHFConfig, arch: ModelArch, ctx, batch: RolloutBatch, meter: M
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
     for _ in range(2):  # the second step's phases: Adam's state exists, as from then on
         learn_from_batch(models, batch, cfg, kl_ctrl, meter)
-        _load_weights(cfg, models, arch, meter)
+        _load_weights(cfg.actor_rollout_ref.rollout, models, arch, meter)
     live = meter.live()
     meter.peaks["rollout"] = PhasePeak(live, live, 0.0)
 
 
-def _load_weights(cfg: RLHFConfig, models: PPOEngine, arch: ModelArch, meter: Meter) -> None:
+def _load_weights(rollout: RolloutConfig, models: PPOEngine, arch: ModelArch, meter: Meter) -> None:
     """`PolicyServers.load_weights`' residency: the actor's weights alone next to sleeping
     colocated servers (its parameters otherwise), the sync, then the log-prob probe."""
     from rlhf.trainer.ppo_step import ActorWeights
     from rlhf.weight_sync.probe import probe_tokens
 
-    rollout = cfg.actor_rollout_ref.rollout
     sleeps = rollout.server_urls is None and rollout.free_cache_engine
     policy = ActorWeights(models)
     near_servers = policy.weights_on_device() if sleeps else policy.on_device()

@@ -58,6 +58,7 @@ from rlhf.config.validate import (
 )
 from rlhf.data.prompts import PromptDataset, load_tokenizer, prompt_dataset_from_config
 from rlhf.data.rollout_files import StoredSample
+from rlhf.memory.planner import PlanInputs
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.families import ModelArch, check_transformer_overrides
 from rlhf.models.model_dir import check_model_dir, check_servable_policy, check_tokenizer_fits
@@ -407,7 +408,7 @@ def preflight(
         probe_reward_function(cfg.reward, first_rule_row)
     stored = load_stored_groups(cfg, arch.vocab_size)  # data.rollout_files
     if is_main:  # the planner's per-GPU table (rlhf.memory), before the models are built
-        memory, report = startup_report(cfg, arch, world_size, device)
+        memory, report = startup_report(PlanInputs.from_config(cfg, arch, world_size, device))
         log.info("memory per GPU (GiB), by role and kind:\n%s", report)
         if memory.fits is False:
             log.warning("the memory planner expects this config not to fit: %s", verdict(memory))

@@ -19,6 +19,7 @@ import pytest
 
 from rlhf.checkpoint import complete_steps_in
 from rlhf.config import load_config
+from rlhf.config.validate import trained_megatron
 from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.models.families import load_arch
 from rlhf.quickstart.data import write_quickstart_data
@@ -95,7 +96,9 @@ def test_sigterm_checkpoints_the_step_then_the_run_resumes(tiny_qwen2_dir, sglan
     )
     assert complete_steps_in(run_dir / "checkpoints") == [step]
     on_disk = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
-    planned = checkpoint_bytes(load_config(CONFIG, args), load_arch(tiny_qwen2_dir), 2)
+    cfg = load_config(CONFIG, args)
+    trained = trained_megatron(cfg).values()
+    planned = checkpoint_bytes(trained, load_arch(tiny_qwen2_dir), cfg.trainer.save_hf, 2)
     assert 0.8 * planned < on_disk < 1.25 * planned, (on_disk, planned)
 
     second, line = sigterm_after_a_step([*args, "trainer.preemption_grace_s=0"], run_dir, nproc=2)

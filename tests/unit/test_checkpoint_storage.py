@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from rlhf.checkpoint import CheckpointManager, CheckpointStorageError, probe_storage
 from rlhf.checkpoint.storage import available_bytes
 from rlhf.config import load_config
+from rlhf.config.validate import trained_megatron
 from rlhf.memory.checkpoint_size import checkpoint_bytes
 from rlhf.models.families import load_arch
 from rlhf.trainer.checkpoints import CheckpointKeeper
@@ -82,10 +83,10 @@ def test_planned_checkpoint_size_counts_weights_and_adam(tiny_qwen2_dir):
     arch = load_arch(tiny_qwen2_dir)
     config = str(REPO / "configs" / "quickstart_cpu.yaml")
     cfg = load_config(config, [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"])
-    assert checkpoint_bytes(cfg, arch) == 2 * params * (4 + 8)
+    assert planned_bytes(cfg, arch) == 2 * params * (4 + 8)
     # the distributed optimizer (on by default over 2 data-parallel ranks) keeps fp32 master
     # weights in its shards even when training in fp32
-    assert checkpoint_bytes(cfg, arch, optimizer_group=2) == 2 * params * (4 + 4 + 8)
+    assert planned_bytes(cfg, arch, optimizer_group=2) == 2 * params * (4 + 4 + 8)
     grpo = load_config(
         config,
         [
@@ -94,7 +95,13 @@ def test_planned_checkpoint_size_counts_weights_and_adam(tiny_qwen2_dir):
             "actor_rollout_ref.actor.megatron.dtype=bfloat16",
         ],
     )
-    assert checkpoint_bytes(grpo, arch) == params * (2 * 2 + 4 + 8)
+    assert planned_bytes(grpo, arch) == params * (2 * 2 + 4 + 8)
+
+
+def planned_bytes(cfg, arch, optimizer_group: int = 1) -> int:
+    """`checkpoint_bytes` of the models `cfg` trains, as `CheckpointKeeper` asks it."""
+    trained = trained_megatron(cfg).values()
+    return checkpoint_bytes(trained, arch, cfg.trainer.save_hf, optimizer_group)
 
 
 def test_sigterm_is_recorded_and_later_ones_do_not_kill():

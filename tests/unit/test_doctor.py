@@ -21,7 +21,6 @@ from rlhf.cli.doctor_checks import (
     PASS,
     SKIP,
     WARN,
-    check_config,
     check_cuda,
     check_inputs,
     check_master_addr,
@@ -157,16 +156,29 @@ def test_packages(tmp_path):
     assert result.status == FAIL and "transformer-engine: pinned 2.11.0" in result.detail
 
 
+def config_check(cfg, world_size: int | None, tmp_path: Path):
+    """The config row of `run_checks` (which binds the config's validation for it)."""
+    from rlhf.cli.doctor import run_checks
+
+    checks = run_checks(cfg, world_size, {"MASTER_PORT": "0"}, requirements=tmp_path / "none")
+    return next(c for c in checks if c.name == "config")
+
+
+def inputs_check(cfg):
+    aro = cfg.actor_rollout_ref
+    return check_inputs(aro.model.path, cfg.critic.model.path, cfg.reward.model_path, cfg.data)
+
+
 def test_config_for_the_world_size_and_inputs(tmp_path, tiny_qwen2_dir):
     cfg = load_config(QUICKSTART, [f"actor_rollout_ref.model.path={tmp_path / 'none'}"])
-    assert check_config(cfg, world_size=1).status == PASS
-    wrong = check_config(cfg, world_size=2)
+    assert config_check(cfg, 1, tmp_path).status == PASS
+    wrong = config_check(cfg, 2, tmp_path)
     assert wrong.status == FAIL and "WORLD_SIZE" in wrong.detail
-    inputs = check_inputs(cfg)
+    inputs = inputs_check(cfg)
     assert inputs.status == FAIL and "no config.json" in inputs.detail
 
     cfg = load_config(QUICKSTART, _overrides(tmp_path, tiny_qwen2_dir))
-    assert check_inputs(cfg).status == PASS
+    assert inputs_check(cfg).status == PASS
 
 
 def test_a_mixture_of_experts_policy_with_dense_layers_is_refused(tmp_path, tiny_qwen2_dir):
@@ -186,7 +198,7 @@ def test_a_mixture_of_experts_policy_with_dense_layers_is_refused(tmp_path, tiny
             "qwen3_moe", vocab_size=vocab, mlp_only_layers=dense, **shape, **experts
         )
         AutoModelForCausalLM.from_config(config).save_pretrained(moe_dir)
-        inputs = check_inputs(load_config(QUICKSTART, _overrides(tmp_path, moe_dir)))
+        inputs = inputs_check(load_config(QUICKSTART, _overrides(tmp_path, moe_dir)))
         assert inputs.status == status, inputs.detail
         if status == FAIL:
             assert "dense layers [1] among its mixture-of-experts layers" in inputs.detail

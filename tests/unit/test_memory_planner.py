@@ -17,7 +17,6 @@ from rlhf.memory.planner import (
     GIB,
     PlanInputs,
     hf_param_count,
-    plan_inputs,
     plan_memory,
     planned_kv_cache_tokens,
 )
@@ -28,6 +27,12 @@ from tests.helpers import REPO
 SHAPES = REPO / "configs" / "model_shapes"
 CONFIG_8GPU = REPO / "configs" / "gsm8k_8gpu.yaml"
 AR = "actor_rollout_ref"
+
+
+def planned(cfg, arch, world_size=None, *, device="cuda", gpu_bytes=None):
+    """The plan of a config: `PlanInputs.from_config` (default world: the config's), then
+    `plan_memory`."""
+    return plan_memory(PlanInputs.from_config(cfg, arch, world_size, device), gpu_bytes)
 
 
 def shape(name: str):
@@ -54,7 +59,7 @@ def test_distributed_optimizer_buffer_layout_by_hand():
 def test_tp2_bf16_actor_bytes_by_hand():
     arch = shape("Qwen2.5-7B")
     cfg = load_config(CONFIG_8GPU, [f"{AR}.actor.megatron.use_distributed_optimizer=false"])
-    actor = plan_memory(cfg, arch, device="cuda").row("actor")
+    actor = planned(cfg, arch, device="cuda").row("actor")
     h, f, layers, d, vocab = 3584, 18944, 28, 128, 152064  # vocab: a multiple of 128 x TP2
     qkv = (28 + 2 * 4) * d  # query heads and key/value groups, x head_dim
     sharded = h * 28 * d + qkv * h + qkv + 3 * f * h  # proj, qkv (+ bias), fc1 (2f), fc2
@@ -73,8 +78,8 @@ def test_offload_moves_exactly_the_offloaded_kinds_out_of_the_other_phases():
         f"{AR}.actor.megatron.optimizer_offload=false",
         "critic.megatron.optimizer_offload=false",
     ]
-    kept = plan_memory(load_config(CONFIG_8GPU, base + off), arch, gpu_bytes=80 * GIB)
-    offloaded = plan_memory(load_config(CONFIG_8GPU, base), arch, gpu_bytes=80 * GIB)
+    kept = planned(load_config(CONFIG_8GPU, base + off), arch, gpu_bytes=80 * GIB)
+    offloaded = planned(load_config(CONFIG_8GPU, base), arch, gpu_bytes=80 * GIB)
     moved = sum(
         r.master_weights + r.optimizer_state for r in kept.rows if r.role in ("actor", "critic")
     )
@@ -99,13 +104,13 @@ def test_a_config_that_does_not_fit_gets_suggestions_that_are_real_config_change
     inputs = PlanInputs.from_config(
         load_config(CONFIG_8GPU, budgets + no_recompute), arch, 8, "cuda"
     )
-    plan = plan_inputs(inputs, 80 * GIB)
+    plan = plan_memory(inputs, 80 * GIB)
     assert plan.fits is False
     found = suggestions(inputs, plan)
     assert found and [s.peak for s in found] == sorted(s.peak for s in found)
     assert all(s.peak < plan.peak for s in found)
     recompute = next(s for s in found if "recompute_granularity=full" in s.change)
-    with_recompute = plan_memory(load_config(CONFIG_8GPU, budgets), arch, gpu_bytes=80 * GIB)
+    with_recompute = planned(load_config(CONFIG_8GPU, budgets), arch, gpu_bytes=80 * GIB)
     assert recompute.peak == with_recompute.peak  # the same change made in the config
     _, report = describe(inputs, 80 * GIB)
     assert "does NOT fit" in report and "try megatron.recompute_granularity=full" in report
@@ -155,12 +160,15 @@ def test_colocated_servers_get_the_plans_kv_cache_by_hand():
     cfg = load_config(CONFIG_8GPU, [])
     share = int(0.6 * 80 * GIB) - 7_615_616_512 * 2 // 2
     per_token = 2 * 28 * (4 // 2) * 128 * 2
-    assert planned_kv_cache_tokens(cfg, shape("Qwen2.5-7B"), 8, 80 * GIB) == share // per_token
+    kv = planned_kv_cache_tokens(cfg.actor_rollout_ref.rollout, shape("Qwen2.5-7B"), 80 * GIB)
+    assert kv == share // per_token
+    rollout = planned(cfg, shape("Qwen2.5-7B"), gpu_bytes=80 * GIB).row("rollout")
+    assert kv == rollout.activations // per_token  # the plan's rollout row
 
 
 def test_colocated_weight_sync_holds_only_the_actors_weights_next_to_sglangs():
     cfg = load_config(CONFIG_8GPU, [])
-    plan = plan_memory(cfg, shape("Qwen2.5-7B"), gpu_bytes=80 * GIB)
+    plan = planned(cfg, shape("Qwen2.5-7B"), gpu_bytes=80 * GIB)
     actor, rollout = plan.row("actor"), plan.row("rollout")
     others = sum(r.resident for r in plan.rows if r.role not in ("actor", "rollout"))
     runtime = 2 * GIB
@@ -180,7 +188,7 @@ def test_host_memory_of_a_node_by_hand_and_the_doctors_verdict(capsys):
     # state) and the reference's weights: every rank keeps pinned copies of all but the
     # gradients (freed, not copied) in the rollout phase, and a checkpoint copies one trained
     # model's weights, master weights and Adam state to the host; 4 GiB for the process.
-    plan = plan_memory(load_config(CONFIG_8GPU, []), shape("Qwen2.5-7B"), gpu_bytes=80 * GIB)
+    plan = planned(load_config(CONFIG_8GPU, []), shape("Qwen2.5-7B"), gpu_bytes=80 * GIB)
     actor, critic, ref = plan.row("actor"), plan.row("critic"), plan.row("reference")
     copied = [actor.weights, actor.master_weights, actor.optimizer_state]
     copied += [critic.weights, critic.master_weights, critic.optimizer_state, ref.weights]
@@ -191,7 +199,7 @@ def test_host_memory_of_a_node_by_hand_and_the_doctors_verdict(capsys):
     assert plan.host_bytes == 8 * (4 * GIB + sum(copied) + checkpoint)
     # a background save's writer holds both models' snapshots until it is done
     cfg = load_config(CONFIG_8GPU, ["trainer.async_save=true"])
-    both = plan_memory(cfg, shape("Qwen2.5-7B"), gpu_bytes=80 * GIB).host_bytes
+    both = planned(cfg, shape("Qwen2.5-7B"), gpu_bytes=80 * GIB).host_bytes
     snapshot = sum(copied[:3]) + sum(copied[3:6])
     assert both == 8 * (4 * GIB + sum(copied) + snapshot)
     args = ["--config", str(CONFIG_8GPU), "--model-config", str(SHAPES / "Qwen2.5-7B.json")]

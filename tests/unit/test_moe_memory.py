@@ -19,7 +19,6 @@ from rlhf.memory.planner import (
     PlanInputs,
     TrainedRole,
     hf_param_count,
-    plan_inputs,
     plan_memory,
     planned_kv_cache_tokens,
     sync_bytes,
@@ -55,6 +54,12 @@ SMALL_MOE = {
 SMALL_ARCH = arch_from_hf_config(SMALL_MOE)
 
 
+def planned(cfg, arch, world_size=None, *, device="cuda", gpu_bytes=None):
+    """The plan of a config: `PlanInputs.from_config` (default world: the config's), then
+    `plan_memory`."""
+    return plan_memory(PlanInputs.from_config(cfg, arch, world_size, device), gpu_bytes)
+
+
 def small_moe_cfg(*overrides: str):
     return load_config(
         None,
@@ -88,7 +93,7 @@ def test_expert_parameters_per_ep_rank_and_their_optimizer_shards_by_hand():
     dense_buffer = -(-dense // 384) * 384
     dense_share, expert_share = dense_buffer // 3, experts // 2
     last_dense_share = dense_share - (dense_buffer - dense)  # the padding is rank 2's
-    actor = plan_memory(small_moe_cfg(), SMALL_ARCH, 6).row("actor")
+    actor = planned(small_moe_cfg(), SMALL_ARCH, 6).row("actor")
     assert actor.weights == 2 * (dense_buffer + experts)  # bf16
     assert actor.gradients == 4 * (dense_buffer + experts)  # fp32
     assert actor.master_weights == 4 * (dense_share + expert_share)
@@ -100,10 +105,14 @@ def test_expert_parameters_per_ep_rank_and_their_optimizer_shards_by_hand():
 
 
 def test_expert_grid_that_does_not_divide_the_world_is_a_clear_error():
-    """rlhf-doctor plans straight from the config (`PlanInputs.from_config`)."""
+    """rlhf-doctor plans straight from the config (`PlanInputs.from_config`: the config's
+    run plan, whose layout rule names the keys); the planner's own count refuses it too."""
     cfg = small_moe_cfg(f"{ACTOR}.expert_model_parallel_size=6")  # 6 x 1 x 1 ranks on 4
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size \(6\) x .* = 6 does not"):
+        plan_memory(PlanInputs.from_config(cfg, SMALL_ARCH, 4, "cuda"), None)
+    role = TrainedRole("actor", cfg.actor_rollout_ref.actor.megatron, 1024)
     with pytest.raises(ValueError, match=r"expert-TP \(1\) x EP \(6\) x PP \(1\) does not"):
-        plan_inputs(PlanInputs.from_config(cfg, SMALL_ARCH, 4, "cuda"), None)
+        trained_memory(SMALL_ARCH, role, dp=2, sp=1, device="cuda", stage=0)  # 2 x TP 2
 
 
 def moe_shape(moe_layers: int) -> ActivationShape:
@@ -178,11 +187,11 @@ def test_sglang_holds_the_experts_over_its_tp_and_every_router_whole_by_hand():
     arch = arch_from_hf_config(json.loads((SHAPES / "Qwen3-30B-A3B.json").read_text()))
     routers = 48 * 128 * 2048
     weights = (30_532_122_624 - routers) * 2 // 4 + routers * 2
-    rollout = plan_memory(cfg, arch, gpu_bytes=80 * GIB).row("rollout")
+    rollout = planned(cfg, arch, gpu_bytes=80 * GIB).row("rollout")
     assert rollout.weights == weights
     assert rollout.experts == 48 * 128 * 3 * 768 * 2048 * 2 // 4
     per_token = 2 * 48 * 1 * 128 * 2  # K and V, 48 layers, 4 KV heads / TP4, bf16
-    kv = planned_kv_cache_tokens(cfg, arch, 8, 80 * GIB)
+    kv = planned_kv_cache_tokens(cfg.actor_rollout_ref.rollout, arch, 80 * GIB)
     assert kv == (int(0.6 * 80 * GIB) - weights) // per_token
 
 

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from rlhf.cli import train
-from rlhf.cli.doctor_checks import FAIL, check_config
+from rlhf.cli.doctor import run_checks
+from rlhf.cli.doctor_checks import FAIL
 from rlhf.config import ConfigError, load_config, validate_config
 from rlhf.config.validate import config_notes
 from rlhf.rollout.multi_turn import MultiTurnSettings
@@ -226,7 +227,9 @@ def test_a_tool_config_that_does_not_load_is_a_one_line_config_error(
     assert train.main(["--config", QUICKSTART, *overrides, "--print-config"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line == f"rlhf-train: config error: {err.value}"
-    check = check_config(load_config(QUICKSTART, overrides), None)
+    none = tool_config.parent / "none"  # no requirements to compare packages with
+    checks = run_checks(load_config(QUICKSTART, overrides), None, {"MASTER_PORT": "0"}, none)
+    check = next(c for c in checks if c.name == "config")
     assert (check.status, check.detail) == (FAIL, str(err.value))
 
 

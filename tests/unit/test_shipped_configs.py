@@ -17,7 +17,7 @@ from rlhf.memory.planner import (
     GIB,
     PlanInputs,
     kv_cache_bytes_per_token,
-    plan_inputs,
+    plan_memory,
     rollout_weight_bytes,
 )
 from rlhf.models.families import arch_from_hf_config
@@ -139,7 +139,7 @@ def model_shape(name: str):
 def gpu_plan(name: str):
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    return plan_inputs(PlanInputs.from_config(cfg, model_shape(name), world, "cuda"), 80 * GIB)
+    return plan_memory(PlanInputs.from_config(cfg, model_shape(name), world, "cuda"), 80 * GIB)
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
