@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -72,7 +73,7 @@ def export_hf(model_dir: Path, out_dir: Path) -> None:
 def write_model_exports(
     checkpoint: Path,
     trained: dict,
-    sources: dict[str, tuple[str, str]],
+    sources: Mapping[str, tuple[str, str]],
     save_hf: bool,
     placement: Placement,
 ):
