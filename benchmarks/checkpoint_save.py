@@ -62,7 +62,7 @@ def measure(args, model_dir: Path, run_dir: Path) -> dict:
     from rlhf.logging import Timer
     from rlhf.memory.checkpoint_size import save_hold_text
     from rlhf.trainer.checkpoints import CheckpointKeeper
-    from rlhf.trainer.ppo_step import learn_from_batch
+    from rlhf.trainer.step import learn_from_batch
 
     cfg, ctx, arch, models, _ = single_rank_models(
         args.config, str(model_dir), args.overrides, 29533

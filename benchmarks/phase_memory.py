@@ -143,7 +143,7 @@ def measure(args) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.distributed.bootstrap import teardown
     from rlhf.memory.planner import GPU_RUNTIME_BYTES, PlanInputs, plan_memory
-    from rlhf.trainer.ppo_step import learn_from_batch
+    from rlhf.trainer.step import learn_from_batch
 
     cfg, ctx, arch, models, meter = single_rank_models(
         args.config, args.model, args.overrides, 29531

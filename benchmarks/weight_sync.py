@@ -64,7 +64,7 @@ def main() -> None:
     from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
     from rlhf.rollout.engine import SGLangEngine
     from rlhf.rollout.policy_servers import PolicyServers
-    from rlhf.trainer.ppo_step import ActorWeights
+    from rlhf.trainer.step import ActorWeights
     from rlhf.weight_sync.factory import build_weight_syncer
     from rlhf.weight_sync.gather import SyncTopology
 

@@ -92,7 +92,7 @@ def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
 
 def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
     from rlhf.distributed import bootstrap
-    from rlhf.trainer.ppo_trainer import PPOTrainer
+    from rlhf.trainer.loop import PPOTrainer
     from rlhf.trainer.preflight import preflight
 
     world = bootstrap.launched_world_size() or 1

@@ -39,7 +39,7 @@ Logger = Literal["console", "tensorboard", "wandb", "mlflow", "swanlab"]
 OnNonFinite = Literal["stop", "skip"]
 ToolCallFormat = Literal["hermes"]  # how a turn writes tool calls (rlhf/tools/parser.py)
 TruncateSide = Literal["left", "right", "middle"]  # where an overlong tool result is cut
-# when a step's batch is generated (rlhf/trainer/async_rollout.py)
+# when a step's batch is generated (rlhf/trainer/rollouts.py)
 RolloutMode = Literal["sync", "one_step_off", "async"]
 
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)

@@ -167,7 +167,7 @@ class RolloutConfig:
 
 @dataclass
 class AsyncRolloutConfig:
-    """Asynchronous rollout (`trainer.rollout_mode=async`, rlhf/trainer/async_rollout.py)."""
+    """Asynchronous rollout (`trainer.rollout_mode=async`, rlhf/trainer/rollouts.py)."""
 
     max_staleness: int = doc(
         1,

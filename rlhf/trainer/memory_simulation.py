@@ -375,7 +375,7 @@ def _phases(
     it)."""
     from rlhf.algo import build_kl_controller
     from rlhf.engine.build import build_engine
-    from rlhf.trainer.ppo_step import learn_from_batch
+    from rlhf.trainer.step import learn_from_batch
 
     with meter.stage("build"), ledger().phase("build"):
         models = build_engine(cfg, arch, ctx, total_steps=1)
@@ -395,7 +395,7 @@ def _phases(
 def _load_weights(rollout: RolloutConfig, models: PPOEngine, arch: ModelArch, meter: Meter) -> None:
     """`PolicyServers.load_weights`' residency: the actor's weights alone next to sleeping
     colocated servers (its parameters otherwise), the sync, then the log-prob probe."""
-    from rlhf.trainer.ppo_step import ActorWeights
+    from rlhf.trainer.step import ActorWeights
     from rlhf.weight_sync.probe import probe_tokens
 
     sleeps = rollout.server_urls is None and rollout.free_cache_engine

@@ -66,7 +66,7 @@ from rlhf.models.moe_arch import MoERouter, expert_split_problem
 from rlhf.reward import ground_truth_checker
 from rlhf.reward.scorer import probe_reward_function
 from rlhf.rollout.multi_turn_config import load_configured_tools, tool_schemas
-from rlhf.trainer.stored_rollout import load_stored_groups
+from rlhf.trainer.rollouts import load_stored_groups
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from rlhf.engine.heads import PolicyLossHead
 from rlhf.engine.micro_batch import build_micro_batch
 from rlhf.models.logprobs import VocabShard
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.trainer.experience import Experience
+from rlhf.trainer.step import Experience
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
 AR = "actor_rollout_ref"

@@ -22,7 +22,7 @@ from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult
 from rlhf.rollout.partial import first_and_last_version
-from rlhf.trainer.async_rollout import AheadRollout, fresh_groups, overlap
+from rlhf.trainer.rollouts import AheadRollout, fresh_groups, overlap
 
 N = 2  # samples per prompt
 BATCH = 2  # prompts per step
@@ -247,7 +247,7 @@ def test_truncated_is_on_a_stale_partial_sample_by_hand():
     second token and finished by version 4, trained at version 4 (staleness 1): its first two
     tokens are weighted by min(pi_4 / pi_3, C), the rest by exactly 1 (same policy)."""
     from rlhf.config.algorithm import RolloutCorrectionConfig
-    from rlhf.trainer.experience import rollout_correction
+    from rlhf.trainer.step import rollout_correction
 
     v3 = [-0.2, -1.5]  # what version 3 gave its tokens (the engine's log-probs)
     v4 = [-0.9, -0.1, -0.7, -2.0]  # what version 4 (the trainer's old log-probs) gives them

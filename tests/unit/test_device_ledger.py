@@ -46,8 +46,8 @@ def one_step(ctx, model_dir, *overrides: str):
     from rlhf.config import load_config, validate_config
     from rlhf.engine.build import build_engine
     from rlhf.logging import Timer
-    from rlhf.trainer.ppo_step import learn_from_batch
     from rlhf.trainer.preflight import load_policy_arch
+    from rlhf.trainer.step import learn_from_batch
 
     model = f"actor_rollout_ref.model.path={model_dir}"
     args = [*SEED_DEFAULTS, model, *COMMON, *OFFLOAD, *overrides]

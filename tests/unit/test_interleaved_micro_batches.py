@@ -14,7 +14,7 @@ from rlhf.engine.heads import PolicyLossHead, ValueLossHead
 from rlhf.engine.micro_batch import build_micro_batch
 from rlhf.models.logprobs import VocabShard
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.trainer.experience import Experience
+from rlhf.trainer.step import Experience
 
 VOCAB = 17
 

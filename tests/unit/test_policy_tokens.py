@@ -22,7 +22,7 @@ from rlhf.engine.heads import CriticValueHead, LogprobHead, PolicyLossHead
 from rlhf.engine.micro_batch import build_micro_batch
 from rlhf.models.logprobs import VocabShard
 from rlhf.rollout.batch import RolloutBatch
-from rlhf.trainer.experience import Experience, build_experience, rollout_correction
+from rlhf.trainer.step import Experience, build_experience, rollout_correction
 
 VOCAB = 32
 # sample 0: turn 1 (3 tokens), a tool message (2 tokens), turn 2 (2 tokens)

@@ -16,7 +16,7 @@ from rlhf.config import load_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult
-from rlhf.trainer.rollout_strategy import (
+from rlhf.trainer.rollouts import (
     SynchronousRollout,
     informative_groups,
     overlong_penalties,

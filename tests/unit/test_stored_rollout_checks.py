@@ -11,7 +11,7 @@ import pytest
 from rlhf.config import load_config
 from rlhf.data.parquet import DataError
 from rlhf.data.rollout_files import StoredSample, write_rollout_file
-from rlhf.trainer.stored_rollout import load_stored_groups
+from rlhf.trainer.rollouts import load_stored_groups
 
 SAMPLE = StoredSample(
     uid="g0",

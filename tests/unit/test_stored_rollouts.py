@@ -22,7 +22,7 @@ from rlhf.data.sampler import PromptSampler
 from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.generation import RolloutResult
-from rlhf.trainer.stored_rollout import MixedRollout
+from rlhf.trainer.rollouts import MixedRollout
 
 N, BATCH, PROMPTS, GROUPS = 2, 4, 12, 6
 TIS = "algorithm.rollout_correction.rollout_is=token"

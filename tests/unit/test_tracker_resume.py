@@ -165,7 +165,7 @@ def test_ids_of_backends_not_used_now_stay_for_a_later_resume(tmp_path):
 
 def test_the_trainers_checkpoint_state_names_the_tracker_runs(tmp_path):
     """`PPOTrainer.state_dict` (what `save_trainer_state` writes) carries the run ids."""
-    from rlhf.trainer.ppo_trainer import PPOTrainer
+    from rlhf.trainer.loop import PPOTrainer
 
     part = SimpleNamespace(state_dict=dict)
     batches = SimpleNamespace(sampler_state=dict)

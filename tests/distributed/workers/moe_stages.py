@@ -121,7 +121,7 @@ def run(args, cfg, ctx) -> None:
     from rlhf.config.budgets import MicroBatching
     from rlhf.engine import engine as stages
     from rlhf.engine.micro_batch import MicroBatchPlanner
-    from rlhf.trainer.experience import Experience
+    from rlhf.trainer.step import Experience
 
     arch, models = build(cfg, ctx)
     planner = MicroBatchPlanner(ctx, thd=False)
@@ -272,7 +272,7 @@ def replay_r3(args, ctx, exp, planner) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.engine import engine as stages
     from rlhf.logging import Timer
-    from rlhf.trainer.ppo_step import learn_from_batch
+    from rlhf.trainer.step import learn_from_batch
 
     cfg = config(args, 0.0, None, None, R3)
     _, models = build(cfg, ctx)

@@ -192,8 +192,8 @@ def run(args, ctx) -> dict:
     from rlhf.config import validate_config
     from rlhf.engine.build import build_engine
     from rlhf.logging import Timer
-    from rlhf.trainer.ppo_step import learn_from_batch
     from rlhf.trainer.preflight import load_policy_arch
+    from rlhf.trainer.step import learn_from_batch
 
     layout = [f"trainer.n_gpus_per_node={ctx.world_size}"]
     layout += [f"{r}.megatron.tensor_model_parallel_size={args.tp}" for r in ROLES]

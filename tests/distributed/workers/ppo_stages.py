@@ -87,8 +87,8 @@ def run(args, ctx) -> None:
     from rlhf.engine import engine as stages
     from rlhf.engine.build import build_engine
     from rlhf.engine.micro_batch import MicroBatchPlanner
-    from rlhf.trainer.experience import Experience
     from rlhf.trainer.preflight import load_policy_arch
+    from rlhf.trainer.step import Experience
 
     cfg = load_config(
         None,

@@ -1,4 +1,4 @@
-"""Worker: full trainer steps (`rlhf.trainer.ppo_step.learn_from_batch`) per algorithm variant.
+"""Worker: full trainer steps (`rlhf.trainer.step.learn_from_batch`) per algorithm variant.
 
 For each variant (an advantage estimator and where the KL goes), the models the config asks
 for are built from the HF checkpoint and a fixed synthetic batch (two prompts x four samples,
@@ -101,8 +101,8 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     from rlhf.engine.build import build_engine
     from rlhf.engine.engine import compute_logprobs
     from rlhf.logging import Timer
-    from rlhf.trainer.ppo_step import actor_trains, learn_from_batch
     from rlhf.trainer.preflight import load_policy_arch
+    from rlhf.trainer.step import actor_trains, learn_from_batch
 
     model = f"actor_rollout_ref.model.path={model_dir}"
     cfg = load_config(None, [*SEED_DEFAULTS, model, *COMMON, *overrides])

@@ -1,7 +1,7 @@
 """The PPO run: build everything once, then the loop of steps, validation and checkpoints.
 
 SPMD: every rank runs this loop. One step (generate -> score -> log-probs/values ->
-advantages -> updates -> weights to the servers) is `rlhf.trainer.ppo_step.PPOStep`;
+advantages -> updates -> weights to the servers) is `rlhf.trainer.step.PPOStep`;
 `PolicyServers` generates on the ranks that own SGLang engines and hands every rank the
 same batch. Every decision (early stop, rollback, checkpoint) is computed from the step's
 typed result, identical on all ranks, so all take it together.
@@ -32,7 +32,6 @@ from rlhf.memory.ledger import ledger
 from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.generation import val_sampling_params
 from rlhf.rollout.policy_servers import PolicyServers
-from rlhf.trainer.async_rollout import AheadRollout
 from rlhf.trainer.checkpoints import CheckpointKeeper
 from rlhf.trainer.metrics import (
     StepMeter,
@@ -41,11 +40,10 @@ from rlhf.trainer.metrics import (
     model_passes,
     tracker_state,
 )
-from rlhf.trainer.ppo_step import PPOStep, StepResult
 from rlhf.trainer.preflight import CHECKPOINT_CONFIG, Preflight, check_resume
-from rlhf.trainer.rollout_strategy import RolloutStrategy, SynchronousRollout
+from rlhf.trainer.rollouts import AheadRollout, MixedRollout, RolloutStrategy, SynchronousRollout
+from rlhf.trainer.step import PPOStep, StepResult
 from rlhf.trainer.stopping import Decision, EarlyStopper, PreemptionGuard
-from rlhf.trainer.stored_rollout import MixedRollout
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
