@@ -54,7 +54,7 @@ def main() -> None:
 
     from rlhf.config.schema import RolloutConfig
     from rlhf.distributed import bootstrap
-    from rlhf.engine.engine import MegatronModel
+    from rlhf.engine.engine import MegatronModel, probe_logprobs
     from rlhf.engine.heads import LogprobHead
     from rlhf.engine.micro_batch import MicroBatchPlanner
     from rlhf.models.builder import build_model, load_hf_weights
@@ -63,8 +63,7 @@ def main() -> None:
     from rlhf.models.logprobs import VocabShard
     from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
     from rlhf.rollout.engine import SGLangEngine
-    from rlhf.rollout.policy_servers import PolicyServers
-    from rlhf.trainer.step import ActorWeights
+    from rlhf.rollout.policy_servers import PolicyServers, PolicyWeights
     from rlhf.weight_sync.factory import build_weight_syncer
     from rlhf.weight_sync.gather import SyncTopology
 
@@ -111,7 +110,9 @@ def main() -> None:
                 syncs = []
                 for _ in range(args.repeats):
                     version += 1
-                    loaded = servers.load_weights(ActorWeights(actor, planner, head), version)
+                    probe = probe_logprobs(actor, servers.probe_tokens, planner, head)
+                    weights = PolicyWeights(actor.module, probe)
+                    loaded = servers.load_weights(weights, version)
                     syncs.append((loaded.stats, loaded.logprob_diff_max))
                 results[kind] = transport_report(syncs, memcpy_s)
                 syncer.close()

@@ -115,8 +115,8 @@ def format_table(table: dict[str, dict[str, float]], prompts: dict[str, int]) ->
 def run(args: argparse.Namespace, cfg: RLHFConfig) -> dict:
     import torch
 
+    from rlhf.rollout.batch import write_records
     from rlhf.rollout.evaluation import evaluate
-    from rlhf.rollout.generation import write_records
 
     data = args.data or cfg.data.val_files
     if not data:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,6 +57,7 @@ from rlhf.models.dist_ckpt import (
 )
 from rlhf.models.mapping import Placement
 from rlhf.rollout.batch import RolloutBatch
+from rlhf.rollout.policy_servers import PolicyWeights
 from rlhf.utils import round_up
 
 log = logging.getLogger(__name__)
@@ -151,6 +153,17 @@ class PPOEngine:
         """The actor's log-probs of a weight sync's probe (`probe_logprobs`), at
         temperature 1 (SGLang's prompt log-probs are unscaled)."""
         return probe_logprobs(self.actor, tokens, self.planner, self.probe_head)
+
+    @contextmanager
+    def serving(self, probe_tokens: list[int], weights_only: bool) -> Iterator[PolicyWeights]:
+        """Inside: the actor as a weight sync serves it (`PolicyServers.load_weights`), its
+        weights on the device and its log-probs of the sync's probe computed
+        (`probe_logprobs`). `weights_only`: next to sleeping colocated servers only its
+        weights stay on the device (its gradients and optimizer state off it)."""
+        actor = self.actor
+        near = actor.weights_on_device() if weights_only else actor.on_device(("params",))
+        with near:
+            yield PolicyWeights(actor.module, self.probe_logprobs(probe_tokens))
 
     # ---- updates --------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from rlhf.engine.micro_batch import MicroBatchPlanner
 from rlhf.models.builder import value_model_from_hf
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.mapping import Placement
-from rlhf.rollout.generation import RolloutResult
+from rlhf.rollout.batch import RolloutResult
 from rlhf.utils import DTYPES
 
 

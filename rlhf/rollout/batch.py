@@ -15,10 +15,17 @@ later by the micro-batch plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from rlhf.data.rollout_files import StoredSample, write_rollout_file
+from rlhf.rollout.multi_turn import ToolStats
 
 
 @dataclass(frozen=True)
@@ -202,3 +209,95 @@ class RolloutBatch:
             routed_experts=obj.get("routed_experts"),
             response_masks=obj.get("response_masks"),
         )
+
+
+# ---- a round of generation: its scored samples ------------------------------------
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    """One scored sample as written to `rollouts/step_<N>.jsonl` (for reading, not training)."""
+
+    prompt_index: int
+    uid: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str
+    response_text: str
+    score: float
+    policy_version: int | None = None  # the weight version the servers held (RolloutResult)
+    turns: int | None = None  # multi-turn: assistant turns
+    response_mask: list[int] | None = None  # multi-turn: 1 on the policy's tokens
+    tool_calls: list[dict] | None = None  # multi-turn: each call, its result and error
+    # continued across pauses (trainer.rollout_mode=async): (version, start, end) spans
+    weight_versions: list[tuple[str, int, int]] | None = None
+    # what its reward function reads (the prompt row's), for stored rollouts
+    data_source: str = ""
+    reward_style: str = "rule"
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def stored(self, step: int | None = None) -> StoredSample:
+        """This sample as a stored rollout (`rlhf.data.rollout_files`) of `step`."""
+        return StoredSample(
+            uid=self.uid,
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            rollout_logprobs=self.response_logprobs,
+            data_source=self.data_source,
+            response_mask=self.response_mask,
+            reward_style=self.reward_style,
+            ground_truth=self.ground_truth,
+            extra_info=self.extra_info,
+            score=self.score,
+            policy_version=self.policy_version,
+            step=step,
+            prompt_index=self.prompt_index,
+        )
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """One round of generation and scoring, as every rank receives it from `PolicyServers`.
+
+    batch: the scored samples (identical on every rank); records: the same samples with their
+    texts and SGLang log-probs (on the main rank; empty elsewhere); reward_s: seconds spent
+    in the reward function (the slowest engine's, when several engines generated);
+    policy_version: the weight version the servers held while generating (None: unknown,
+    external servers before the first weight load). This is where a sample's policy
+    version is recorded (docs/architecture.md). tool_stats: what the conversations of a
+    multi-turn round did (on every rank; None for single-turn rounds).
+    """
+
+    batch: RolloutBatch
+    records: list[RolloutRecord]
+    reward_s: float
+    policy_version: int | None = None
+    tool_stats: ToolStats | None = None  # multi-turn rounds: turns and tool calls
+    # per sample (oldest, newest) weight version of its tokens, when they may differ
+    # (samples continued across pauses: trainer.rollout_mode=async); else None
+    sample_versions: list[tuple[int | None, int | None]] | None = None
+
+    def select(self, indices: list[int]) -> RolloutResult:
+        """The samples at `indices` (records too, on the rank that has them)."""
+        versions = self.sample_versions
+        return dataclasses.replace(
+            self,
+            batch=self.batch.select(indices),
+            records=[self.records[i] for i in indices] if self.records else [],
+            sample_versions=None if versions is None else [versions[i] for i in indices],
+        )
+
+
+def write_records(records: list[RolloutRecord], path: Path) -> None:
+    """One JSON object per sample, for reading (rollouts/step_N.jsonl)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(asdict(r), default=str) + "\n" for r in records))
+
+
+def write_step_rollouts(records: list[RolloutRecord], rollouts_dir: Path, step: int) -> None:
+    """A step's samples, to read (`step_N.jsonl`) and to train from again (`step_N.parquet`,
+    the stored-rollout format of `rlhf.data.rollout_files`)."""
+    write_records(records, rollouts_dir / f"step_{step}.jsonl")
+    write_rollout_file([r.stored(step) for r in records], rollouts_dir / f"step_{step}.parquet")

@@ -21,15 +21,11 @@ from rlhf.data.prompts import PromptDataset, PromptError, build_prompt_dataset, 
 from rlhf.reward import ground_truth_checker
 from rlhf.reward.scorer import RewardScorer
 from rlhf.reward.validation import val_samples, validation_metrics
+from rlhf.rollout.batch import RolloutRecord
 from rlhf.rollout.engine import SGLangEngine
-from rlhf.rollout.generation import (
-    RolloutRecord,
-    generate_and_score,
-    kv_cache_tokens,
-    val_sampling_params,
-)
 from rlhf.rollout.multi_turn import ToolStats
 from rlhf.rollout.multi_turn_config import load_configured_tools, multi_turn_rollout, tool_schemas
+from rlhf.rollout.policy_servers import generate_and_score, kv_cache_tokens, val_sampling_params
 from rlhf.tools.base import Tool
 
 
@@ -98,10 +94,14 @@ def evaluate(
     tokenizer = load_tokenizer(model_path)
     tools = load_configured_tools(cfg)
     prompts = eval_prompts(cfg.data, cfg.reward, data_files, tokenizer, tools).prompts
-    params = val_sampling_params(cfg)
+    params = val_sampling_params(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length)
     scorer = RewardScorer.from_config(cfg.reward)
     multi_turn = multi_turn_rollout(cfg, tokenizer, tools)  # conversations with the tools
-    cpu_tokens = kv_cache_tokens(cfg, batch_size) if device == "cpu" else None
+    cpu_tokens = (
+        kv_cache_tokens(cfg.data, cfg.actor_rollout_ref.rollout, batch_size)
+        if device == "cpu"
+        else None
+    )
     engine = None
     try:
         engine = SGLangEngine(

@@ -29,8 +29,8 @@ from rlhf.errors import UserError
 from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.engine import SGLangEngine
 from rlhf.rollout.evaluation import eval_prompts
-from rlhf.rollout.generation import generate_and_score, kv_cache_tokens, sampling_params
 from rlhf.rollout.multi_turn_config import load_configured_tools, multi_turn_rollout
+from rlhf.rollout.policy_servers import generate_and_score, kv_cache_tokens, sampling_params
 
 MANIFEST = "rollout.json"
 POLICY_VERSION = 0  # the given weights: version 0, as a training run's initial policy
@@ -126,7 +126,9 @@ def write_rollouts(
     prompts = eval_prompts(
         cfg.data, cfg.reward, data_files, tokenizer, tools, unscored_model_rows=True
     ).prompts
-    params = sampling_params(cfg)
+    aro = cfg.actor_rollout_ref
+    r3 = aro.actor.router_replay.mode == "R3"
+    params = sampling_params(aro.rollout, cfg.data.max_response_length, r3)
     plan = RolloutPlan(
         model_name,
         data_files,
@@ -157,7 +159,9 @@ def write_rollouts(
             log_dir=out_dir / "logs",
             device=device,
             seed=cfg.data.seed,
-            max_total_tokens=kv_cache_tokens(cfg, batch_size) if device == "cpu" else None,
+            max_total_tokens=kv_cache_tokens(cfg.data, cfg.actor_rollout_ref.rollout, batch_size)
+            if device == "cpu"
+            else None,
         )
         multi_turn = multi_turn_rollout(cfg, tokenizer, tools)
         for b in todo:

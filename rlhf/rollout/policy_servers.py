@@ -29,10 +29,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,25 +40,19 @@ from torch import Tensor, nn
 
 from rlhf import sglang_api
 from rlhf.config.engine_args import launched_rollout
-from rlhf.config.schema import RLHFConfig, RolloutConfig
+from rlhf.config.schema import DataConfig, RLHFConfig, RolloutConfig
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
 from rlhf.distributed.context import ParallelContext
 from rlhf.memory.ledger import ledger
 from rlhf.memory.planner import planned_kv_cache_tokens
 from rlhf.models.families import ModelArch
-from rlhf.reward.scorer import RewardScorer
-from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.engine import SamplingParams, SGLangEngine
-from rlhf.rollout.generation import (
-    PauseHandling,
-    RolloutResult,
-    generate_and_score,
-    kv_cache_tokens,
-)
-from rlhf.rollout.multi_turn import MultiTurnRollout, ToolStats
+from rlhf.reward.scorer import RewardInput, RewardScorer
+from rlhf.rollout.batch import RolloutBatch, RolloutRecord, RolloutResult
+from rlhf.rollout.engine import RolloutEngine, RolloutSample, SamplingParams, SGLangEngine
+from rlhf.rollout.multi_turn import Conversation, MultiTurnRollout, ToolStats
 from rlhf.rollout.multi_turn_config import multi_turn_rollout
-from rlhf.rollout.partial import end_of_sample_ids
+from rlhf.rollout.partial import end_of_sample_ids, first_and_last_version
 from rlhf.rollout.sglang_server import check_servable
 from rlhf.sglang_api import ServerLost
 from rlhf.tools.base import Tool
@@ -75,26 +69,54 @@ CACHE_TAGS = ["kv_cache", "cuda_graph"]
 SGLANG = "sglang"  # the servers' owner name in the device ledger
 
 
-class PolicyWeights(Protocol):
-    """What `load_weights` needs of the trained policy (the trainer's actor)."""
+@dataclass(frozen=True)
+class PauseHandling:
+    """How samples cut by a pause are finished (`SGLangEngine.generate_through_pauses`):
+    `stop_ids` end a sample; `keep_tokens`: go on from its tokens, else start again."""
 
-    @property
-    def module(self) -> nn.Module:
-        """This rank's shard of the model."""
-        ...
+    stop_ids: frozenset[int]
+    keep_tokens: bool = True
 
-    def on_device(self) -> AbstractContextManager[None]:
-        """The weights on the device inside this context (an offloaded actor)."""
-        ...
 
-    def weights_on_device(self) -> AbstractContextManager[None]:
-        """Only the weights on the device inside this context: the policy's gradients and
-        optimizer state off it (next to colocated servers that wake)."""
-        ...
+def sampling_params(
+    rollout: RolloutConfig, max_response_length: int, routed_experts: bool = False
+) -> SamplingParams:
+    """Training sampling: `actor_rollout_ref.rollout` and `data.max_response_length`; the
+    routed experts come back with rollout routing replay (`router_replay.mode=R3`)."""
+    params = SamplingParams.from_config(rollout, max_response_length, rollout.sampling_seed)
+    return dataclasses.replace(params, routed_experts=routed_experts)
 
-    def probe_logprobs(self, tokens: list[int]) -> Tensor:
-        """log p(token_t | tokens_<t), t >= 1, through the training forward path."""
-        ...
+
+def val_sampling_params(rollout: RolloutConfig, max_response_length: int) -> SamplingParams:
+    """Validation sampling (`rollout.val_kwargs`); greedy unless do_sample."""
+    kw = rollout.val_kwargs
+    return SamplingParams(
+        n=kw.n,
+        temperature=kw.temperature if kw.do_sample else 0.0,
+        top_p=kw.top_p if kw.do_sample else 1.0,
+        top_k=kw.top_k if kw.do_sample else -1,
+        max_new_tokens=max_response_length,
+        seed=rollout.sampling_seed if kw.do_sample else None,
+    )
+
+
+def kv_cache_tokens(data: DataConfig, rollout: RolloutConfig, num_prompts: int) -> int:
+    """Tokens of KV cache the largest generation needs (CPU servers are sized to this)."""
+    per_sample = data.max_prompt_length + data.max_response_length
+    n = max(rollout.n, rollout.val_kwargs.n)
+    return max(2048, num_prompts * n * per_sample)
+
+
+@dataclass(frozen=True)
+class PolicyWeights:
+    """What `load_weights` serves: this rank's shard of the trained policy (`module`, its
+    weights on the device: the caller's residency, `PPOEngine.serving`) and what the
+    servers' log-probs are compared with after the sync: the policy's
+    log p(token_t | tokens_<t), t >= 1, of `PolicyServers.probe_tokens` through its training
+    forward path (`probe_logprobs`, computed by the trainer; nothing here calls back)."""
+
+    module: nn.Module
+    probe_logprobs: Tensor
 
 
 @dataclass(frozen=True)
@@ -121,7 +143,7 @@ def server_kv_cache_tokens(
     """The KV cache a launched server gets: on CPU what the largest generation needs; on
     GPU the memory plan's share (`rlhf.memory.planner.planned_kv_cache_tokens`)."""
     if ctx.device.type == "cpu":
-        return kv_cache_tokens(cfg, max_prompts)
+        return kv_cache_tokens(cfg.data, cfg.actor_rollout_ref.rollout, max_prompts)
     gpu_bytes = torch.cuda.get_device_properties(ctx.device).total_memory
     return planned_kv_cache_tokens(cfg.actor_rollout_ref.rollout, arch, gpu_bytes)
 
@@ -344,22 +366,20 @@ class PolicyServers:
         aborted and answered with the tokens it has; `generate_through_pauses` sends it
         again once the sync is done) and the probe runs among the continued requests.
 
-        Colocated GPU servers that slept while training wake in two steps, with only the
-        policy's weights on the device (its gradients and optimizer state off it for the
-        whole load): SGLang's weights wake and the sync runs; then its KV cache and CUDA
-        graphs wake for the probe. The allocator's cache is emptied before each wake. What
-        the config keeps resident comes back afterwards, next to the woken servers (the
-        planner's rollout phase)."""
-        near_servers = policy.weights_on_device() if self.sleeps else policy.on_device()
-        with near_servers:
-            self.wake(WEIGHT_TAGS)
-            paused = self._pause() if pause else contextlib.nullcontext()
-            with paused:
-                stats = self.syncer.sync(policy.module, version)
-                for url in stats.lost:
-                    self._recover(url)
-            self.wake(CACHE_TAGS)
-            diff = self.probe(policy)
+        Colocated GPU servers that slept while training wake in two steps (the caller holds
+        only the policy's weights on the device meanwhile, `sleeps`: its gradients and
+        optimizer state off it for the whole load): SGLang's weights wake and the sync runs;
+        then its KV cache and CUDA graphs wake for the probe. The allocator's cache is
+        emptied before each wake. What the config keeps resident comes back afterwards,
+        next to the woken servers (the planner's rollout phase)."""
+        self.wake(WEIGHT_TAGS)
+        paused = self._pause() if pause else contextlib.nullcontext()
+        with paused:
+            stats = self.syncer.sync(policy.module, version)
+            for url in stats.lost:
+                self._recover(url)
+        self.wake(CACHE_TAGS)
+        diff = self.probe(policy)
         self.weights_released = False
         return WeightLoad(version, stats, diff)
 
@@ -371,9 +391,8 @@ class PolicyServers:
         """rollout/logprob_diff_max: the largest |server - policy| log-prob of the probe
         sequence over this node's servers, the same on every rank; raises above the
         threshold. A server lost meanwhile is recovered and asked again."""
-        actor_logprobs = policy.probe_logprobs(self.probe_tokens)
         diff = logprob_diff_max(
-            actor_logprobs,
+            policy.probe_logprobs,
             self._server_logprobs,
             self.server_urls,
             self.syncer.topology.is_sender,
@@ -517,3 +536,141 @@ def _share(result: RolloutResult | None) -> RolloutResult:
     assert received is not None, "rank 0 generated"
     objects, others = received
     return RolloutResult(RolloutBatch.from_objects(objects), [], **others)
+
+
+# ---- generation and scoring on one engine ------------------------------------------
+
+
+def generate_and_score(
+    engine: RolloutEngine,
+    tokenizer,
+    scorer: RewardScorer,
+    prompts: list[EncodedPrompt],
+    uids: list[str],
+    indices: list[int],
+    params: SamplingParams,
+    policy_version: int | None = None,
+    multi_turn: MultiTurnRollout | None = None,
+    pauses: PauseHandling | None = None,
+) -> RolloutResult:
+    """Generate `params.n` responses per prompt on `engine` and score them with `scorer`
+    (rule rows, and model rows when a reward endpoint is set; other model rows stay NaN for
+    the trainer's reward model, `rlhf.engine.reward_model`).
+
+    `uids` and `indices` (the prompts' positions in their dataset) go with each prompt;
+    `policy_version` (the weights the engine serves) with the result and every record.
+    With `multi_turn`, each sample is a conversation with its tools (created from the
+    row's `extra_info.tools_kwargs`); its reward is the rule reward of the whole response
+    text (tool messages included: the answer is read from the last turn) plus the tools'
+    step rewards, and the batch carries which tokens the policy generated. With `pauses`,
+    samples cut by a pause are finished under the weights that follow it, and each
+    records the versions of its tokens.
+    """
+    params = params.for_prompts(uids)  # seeded requests: each prompt's seeds from its uid
+    samples, conversations = generate_samples(engine, prompts, params, multi_turn, pauses)
+    start = time.perf_counter()
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    inputs = [
+        _reward_input(prompts[s.prompt_index], text, tokenizer) for s, text in zip(samples, texts)
+    ]
+    scores = scorer(inputs)
+    if conversations is not None:
+        scores = [
+            s + sum(c.reward for c in conv.tool_calls) for s, conv in zip(scores, conversations)
+        ]
+    records = [
+        RolloutRecord(
+            prompt_index=indices[sample.prompt_index],
+            uid=uids[sample.prompt_index],
+            prompt_ids=prompts[sample.prompt_index].input_ids,
+            response_ids=sample.response_ids,
+            response_logprobs=sample.logprobs,
+            finish_reason=sample.finish_reason,
+            response_text=item.response_text,
+            score=score,
+            policy_version=policy_version,
+            data_source=item.data_source,
+            reward_style=item.style,
+            ground_truth=item.ground_truth,
+            extra_info=item.extra_info,
+        )
+        for sample, score, item in zip(samples, scores, inputs)
+    ]
+    if conversations is not None:
+        records = [with_conversation(r, c) for r, c in zip(records, conversations)]
+    versions = None
+    if pauses is not None:
+        records = [
+            dataclasses.replace(r, weight_versions=list(s.weight_versions))
+            for r, s in zip(records, samples)
+        ]
+        versions = [first_and_last_version(s.weight_versions, policy_version) for s in samples]
+    batch = RolloutBatch(
+        prompt_ids=[r.prompt_ids for r in records],
+        response_ids=[r.response_ids for r in records],
+        scores_b=torch.tensor(scores, dtype=torch.float32),
+        data_sources=[prompts[s.prompt_index].row.data_source for s in samples],
+        uids=[r.uid for r in records],
+        rollout_logprobs=[r.response_logprobs for r in records],
+        reward_styles=[item.style for item in inputs],
+        routed_experts=_routed_experts(samples),
+        response_masks=None if conversations is None else [c.response_mask for c in conversations],
+    )
+    stats = None if conversations is None else ToolStats.of(conversations)
+    reward_s = time.perf_counter() - start
+    return RolloutResult(batch, records, reward_s, policy_version, stats, versions)
+
+
+def generate_samples(
+    engine: RolloutEngine,
+    prompts: list[EncodedPrompt],
+    params: SamplingParams,
+    multi_turn: MultiTurnRollout | None,
+    pauses: PauseHandling | None,
+) -> tuple[list[RolloutSample], list[Conversation] | None]:
+    """The samples of `generate_and_score` (and the conversations of multi-turn ones)."""
+    ids = [p.input_ids for p in prompts]
+    if pauses is not None:
+        assert isinstance(engine, SGLangEngine), "only SGLang servers pause"
+        stop_ids = set(pauses.stop_ids)
+        return engine.generate_through_pauses(ids, params, stop_ids, pauses.keep_tokens), None
+    if multi_turn is None:
+        return engine.generate(ids, params), None
+    assert isinstance(engine, SGLangEngine), "multi-turn rollouts run on SGLang servers"
+    kwargs = [p.row.tools_kwargs for p in prompts]
+    conversations = engine.converse(ids, params, multi_turn, kwargs)
+    samples = [
+        RolloutSample(k // params.n, c.response_ids, c.logprobs, c.finish_reason)
+        for k, c in enumerate(conversations)
+    ]
+    return samples, conversations
+
+
+def with_conversation(record: RolloutRecord, conv: Conversation) -> RolloutRecord:
+    """`record` with what its conversation did: turns, policy-token mask, tool calls."""
+    calls = [dataclasses.asdict(c) for c in conv.tool_calls]
+    return dataclasses.replace(
+        record, turns=conv.turns, response_mask=conv.response_mask, tool_calls=calls
+    )
+
+
+def _routed_experts(samples: list[RolloutSample]) -> list[torch.Tensor] | None:
+    """Each sample's routed experts when the engine returned them (not in the records)."""
+    routes = [s.routed_experts for s in samples]
+    return None if any(r is None for r in routes) else [r for r in routes if r is not None]
+
+
+def _reward_input(prompt: EncodedPrompt, response_text: str, tokenizer) -> RewardInput:
+    row = prompt.row
+    prompt_text = ""
+    if row.style == "model":  # what a remote judge reads
+        prompt_text = tokenizer.decode(prompt.input_ids, skip_special_tokens=True)
+    return RewardInput(
+        row.data_source,
+        response_text,
+        row.ground_truth,
+        row.extra_info,
+        row.style,
+        prompt_text,
+        row.origin,
+    )

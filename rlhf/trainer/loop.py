@@ -30,8 +30,7 @@ from rlhf.logging import StepProfiler
 from rlhf.memory.checkpoint_size import save_hold_text
 from rlhf.memory.ledger import ledger
 from rlhf.reward.validation import val_samples, validation_metrics
-from rlhf.rollout.generation import val_sampling_params
-from rlhf.rollout.policy_servers import PolicyServers
+from rlhf.rollout.policy_servers import PolicyServers, val_sampling_params
 from rlhf.trainer.checkpoints import CheckpointKeeper
 from rlhf.trainer.metrics import (
     StepMeter,
@@ -157,12 +156,17 @@ class PPOTrainer:
     def load_weights(self, version: int) -> None:
         """The servers serve the actor's current weights as `version` (through the rollout
         strategy: generating servers are waited for or paused)."""
-        self.batches.publish(self.ppo_step.policy, version)
+        self.batches.publish(self.engine, version)
 
     def validate(self) -> Validation:
         assert self.val_data is not None
         prompts = list(self.val_data.prompts)
-        result = self.servers.validate(prompts, val_sampling_params(self.cfg))
+        result = self.servers.validate(
+            prompts,
+            val_sampling_params(
+                self.cfg.actor_rollout_ref.rollout, self.cfg.data.max_response_length
+            ),
+        )
         batch = score_model_rows(result, self.reward_model).batch
         check_scores(batch)
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)

@@ -395,18 +395,17 @@ def _phases(
 def _load_weights(rollout: RolloutConfig, models: PPOEngine, arch: ModelArch, meter: Meter) -> None:
     """`PolicyServers.load_weights`' residency: the actor's weights alone next to sleeping
     colocated servers (its parameters otherwise), the sync, then the log-prob probe."""
-    from rlhf.trainer.step import ActorWeights
     from rlhf.weight_sync.probe import probe_tokens
 
     sleeps = rollout.server_urls is None and rollout.free_cache_engine
-    policy = ActorWeights(models)
-    near_servers = policy.weights_on_device() if sleeps else policy.on_device()
+    actor = models.actor  # as `PPOEngine.serving` holds it: the probe's forward, then the sync
+    near_servers = actor.weights_on_device() if sleeps else actor.on_device(("params",))
     with ledger().phase("update_weights"), near_servers:
+        with meter.stage("probe"):
+            models.probe_logprobs(probe_tokens(arch.vocab_size))
         # during the sync: the gather and buckets (the planner's `sync_bytes`) besides
         live = meter.live()
         meter.peaks["sync"] = PhasePeak(live, live, 0.0)
-        with meter.stage("probe"):
-            policy.probe_logprobs(probe_tokens(arch.vocab_size))
 
 
 def simulate_in_subprocess(

@@ -91,12 +91,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from rlhf.config.schema import OverlongBufferConfig, RLHFConfig
+from rlhf.config.schema import ActorRolloutRefConfig, DataConfig, OverlongBufferConfig, RLHFConfig
 from rlhf.config.stored_rules import stored_groups_per_step
 from rlhf.data.files import resolve_files
 from rlhf.data.prompts import PromptDataset
@@ -106,11 +107,26 @@ from rlhf.distributed.collectives import broadcast_object
 from rlhf.engine.reward_model import RewardModelScorer, score_model_rows
 from rlhf.reward import check_ground_truth
 from rlhf.reward.scorer import RewardInput
-from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.generation import RolloutRecord, RolloutResult, sampling_params
+from rlhf.rollout.batch import RolloutBatch, RolloutRecord, RolloutResult
+from rlhf.rollout.engine import SamplingParams
 from rlhf.rollout.multi_turn import ToolStats
-from rlhf.rollout.policy_servers import PolicyServers, PolicyWeights, WeightLoad
+from rlhf.rollout.policy_servers import PolicyServers, PolicyWeights, WeightLoad, sampling_params
 from rlhf.trainer.metrics import reward_style_metrics
+
+
+class Policy(Protocol):
+    """The trained policy as a strategy publishes it (the engine, `PPOEngine.weights`)."""
+
+    def serving(
+        self, probe_tokens: list[int], weights_only: bool
+    ) -> AbstractContextManager[PolicyWeights]: ...
+
+
+def training_sampling(aro: ActorRolloutRefConfig, data: DataConfig) -> SamplingParams:
+    """How a step's responses are sampled (`rollout`, `data.max_response_length`); the
+    engine returns the routed experts under rollout routing replay (R3)."""
+    r3 = aro.actor.router_replay.mode == "R3"
+    return sampling_params(aro.rollout, data.max_response_length, r3)
 
 
 @dataclass(frozen=True)
@@ -135,7 +151,7 @@ class RolloutStrategy(Protocol):
 
     def next_batch(self, step: int) -> StepBatch: ...
 
-    def publish(self, policy: PolicyWeights, version: int) -> WeightLoad: ...
+    def publish(self, policy: Policy, version: int) -> WeightLoad: ...
 
     def sampler_state(self) -> dict[str, Any]:
         """Where the prompts of the next step not yet generated begin (for checkpoints)."""
@@ -165,13 +181,14 @@ class SynchronousRollout:
         """The next prompts of the sampler, generated and scored now."""
         sampled = self.sampler.next_batch()  # every rank advances its sampler identically
         prompts = [self.data[i] for i in sampled.prompt_indices]
-        params = sampling_params(self.cfg)
+        params = training_sampling(self.cfg.actor_rollout_ref, self.cfg.data)
         generated = self.servers.generate(prompts, sampled.uids, sampled.prompt_indices, params)
         return score_model_rows(generated, self.reward_model)
 
-    def publish(self, policy: PolicyWeights, version: int) -> WeightLoad:
+    def publish(self, policy: Policy, version: int) -> WeightLoad:
         """The servers are idle between steps: load the weights."""
-        return self.servers.load_weights(policy, version)
+        with policy.serving(self.servers.probe_tokens, self.servers.sleeps) as weights:
+            return self.servers.load_weights(weights, version)
 
     def sampler_state(self) -> dict[str, Any]:
         return self.sampler.state_dict()
@@ -349,7 +366,12 @@ class AheadRollout:
         """Draw the next prompts (every rank, identically) and start generating them."""
         sampled = self.sampler.next_batch()
         prompts = [self.data[i] for i in sampled.prompt_indices]
-        args = (prompts, sampled.uids, sampled.prompt_indices, sampling_params(self.cfg))
+        args = (
+            prompts,
+            sampled.uids,
+            sampled.prompt_indices,
+            training_sampling(self.cfg.actor_rollout_ref, self.cfg.data),
+        )
         interval: list[float] = []
 
         def generate() -> RolloutResult | None:
@@ -407,13 +429,14 @@ class AheadRollout:
         self.busy_since = time.time()
         return StepBatch(got.batch, got.rounds, got.metrics | self.account.metrics())
 
-    def publish(self, policy: PolicyWeights, version: int) -> WeightLoad:
+    def publish(self, policy: Policy, version: int) -> WeightLoad:
         """Load `version` (one_step_off: once every round ahead is complete; async: pausing
         the servers around the sync), then top the rounds ahead up."""
         if not self.pause:
             for round_ in self.queue:
                 round_.future.result()
-        loaded = self.servers.load_weights(policy, version, pause=self.pause)
+        with policy.serving(self.servers.probe_tokens, self.servers.sleeps) as weights:
+            loaded = self.servers.load_weights(weights, version, pause=self.pause)
         self.top_up(version)
         return loaded
 

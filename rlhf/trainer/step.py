@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from rlhf.algo import compute_advantages, kl_penalty, masked_mean, token_level_rewards
 from rlhf.algo.kl import AdaptiveKLController, FixedKLController
@@ -48,8 +48,7 @@ from rlhf.engine.nonfinite import (
 )
 from rlhf.logging import Timer
 from rlhf.memory.ledger import ledger
-from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.generation import write_step_rollouts
+from rlhf.rollout.batch import RolloutBatch, write_step_rollouts
 from rlhf.rollout.policy_servers import PolicyServers, WeightLoad
 from rlhf.trainer.metrics import StepMeter, rollout_metrics
 from rlhf.trainer.rollouts import RolloutStrategy
@@ -88,27 +87,6 @@ class StepResult:
     metrics: dict[str, float]
 
 
-@dataclass(frozen=True)
-class ActorWeights:
-    """The actor as `PolicyServers.load_weights` sees it: its module, its device context and
-    its log-probs of the probe through the training forward path (temperature 1)."""
-
-    engine: PPOEngine
-
-    @property
-    def module(self) -> nn.Module:
-        return self.engine.actor.module
-
-    def on_device(self) -> AbstractContextManager[None]:
-        return self.engine.actor.on_device(("params",))
-
-    def weights_on_device(self) -> AbstractContextManager[None]:
-        return self.engine.actor.weights_on_device()
-
-    def probe_logprobs(self, tokens: list[int]) -> Tensor:
-        return self.engine.probe_logprobs(tokens)
-
-
 class PPOStep:
     """The step of a run: its models, servers, rollout strategy and KL controller."""
 
@@ -126,7 +104,6 @@ class PPOStep:
         each step's samples (None on the other ranks)."""
         self.cfg, self.engine, self.servers, self.rollout = cfg, engine, servers, rollout
         self.kl_ctrl, self.meter, self.rollouts_dir = kl_ctrl, meter, rollouts_dir
-        self.policy = ActorWeights(engine)
 
     def run(self, step: int) -> StepResult:
         timer, start = Timer(), time.perf_counter()
@@ -146,7 +123,7 @@ class PPOStep:
         learned = learn_from_batch(self.engine, batch, self.cfg, self.kl_ctrl, timer, actor)
         # the servers serve the updated actor as version `step`
         with stage(timer, "update_weights"):
-            weights = self.rollout.publish(self.policy, step)
+            weights = self.rollout.publish(self.engine, step)
         step_s = time.perf_counter() - start
         exp = learned.experience
         metrics = learned.metrics | scored.metrics | weights.metrics()

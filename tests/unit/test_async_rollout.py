@@ -8,6 +8,7 @@ in flight) run the same strategy in tests/e2e/test_async_rollout.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import Counter
@@ -19,8 +20,7 @@ import torch
 from rlhf.config import load_config
 from rlhf.config.loader import ConfigError
 from rlhf.data.sampler import PromptSampler
-from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.generation import RolloutResult
+from rlhf.rollout.batch import RolloutBatch, RolloutResult
 from rlhf.rollout.partial import first_and_last_version
 from rlhf.trainer.rollouts import AheadRollout, fresh_groups, overlap
 
@@ -29,6 +29,18 @@ BATCH = 2  # prompts per step
 PROMPTS = 12
 EXTERNAL = "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:1]"
 TIS = "algorithm.rollout_correction.rollout_is=token"
+
+
+class Policy:
+    """The trained policy as a strategy publishes it: these servers take any weights."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def serving(probe_tokens, weights_only):
+        yield None
+
+
+POLICY = Policy()
 
 
 @dataclass
@@ -44,6 +56,8 @@ class ScriptedServers:
 
     held_round: int | None = None  # this round answers only once `release` is set
     release: threading.Event = field(default_factory=threading.Event)
+    probe_tokens: tuple[int, ...] = ()  # what a policy's probe log-probs are of
+    sleeps: bool = False
 
     def generate_here(self, prompts, uids, indices, params) -> RolloutResult:
         with self.lock:
@@ -99,7 +113,7 @@ def run_steps(rollout: AheadRollout, first: int, last: int) -> list[list[str]]:
     uids = []
     for step in range(first, last + 1):
         uids.append(rollout.next_batch(step).batch.uids)
-        rollout.publish(None, step)  # type: ignore[arg-type]
+        rollout.publish(POLICY, step)
     return uids
 
 
@@ -150,7 +164,7 @@ def test_every_round_is_trained_once_in_draw_order(mode, ahead):
     servers = ScriptedServers()
     extra = [f"trainer.async_rollout.max_staleness={ahead}"] if mode == "async" else []
     rollout = strategy(mode, servers, *extra)
-    rollout.publish(None, 0)  # type: ignore[arg-type]  # the trainer's first load
+    rollout.publish(POLICY, 0)  # the trainer's first load
     got = run_steps(rollout, 1, 4)
     assert got == sampler_draws(4)  # each step trains the next draw, none twice or skipped
     assert len(rollout.queue) == 1 + ahead  # and 1 + ahead rounds are ahead after the load
@@ -169,9 +183,9 @@ def test_every_round_is_trained_once_in_draw_order(mode, ahead):
 def test_one_step_off_waits_for_the_rounds_ahead_before_loading():
     servers = ScriptedServers(held_round=1)  # the round of step 2 generates until released
     rollout = strategy("one_step_off", servers)
-    rollout.publish(None, 0)  # type: ignore[arg-type]
+    rollout.publish(POLICY, 0)
     rollout.next_batch(1)
-    load = threading.Thread(target=rollout.publish, args=(None, 1))
+    load = threading.Thread(target=rollout.publish, args=(POLICY, 1))
     load.start()
     load.join(timeout=0.5)
     assert load.is_alive() and ("load", 1, False) not in servers.calls  # no sync under it
@@ -187,7 +201,7 @@ def test_dynamic_sampling_takes_the_next_rounds_and_resume_redraws_those_ahead()
     servers = ScriptedServers(all_same_rounds={1})  # step 2's first round has no signal
     filtering = "algorithm.filter_groups.enable=true"
     rollout = strategy("async", servers, filtering, "trainer.async_rollout.max_staleness=2")
-    rollout.publish(None, 0)  # type: ignore[arg-type]
+    rollout.publish(POLICY, 0)
     got = run_steps(rollout, 1, 2)
     draws = sampler_draws(6)
     assert got == [draws[0], draws[2]]  # round 1 (index) dropped whole, round 2 took its place
@@ -197,7 +211,7 @@ def test_dynamic_sampling_takes_the_next_rounds_and_resume_redraws_those_ahead()
     resumed_sampler = PromptSampler(PROMPTS, BATCH, N, seed=3)
     resumed_sampler.load_state_dict(state)
     resumed = strategy("async", ScriptedServers(version=2), filtering, sampler=resumed_sampler)
-    resumed.publish(None, 2)  # type: ignore[arg-type]
+    resumed.publish(POLICY, 2)
     assert run_steps(resumed, 3, 4) == [draws[3], draws[4]]
     resumed.close()
 
@@ -207,7 +221,7 @@ def test_stale_groups_are_dropped_and_counted():
     old = [(0, 0), (-2, 0), (0, 0), (0, 0)]
     servers = ScriptedServers(versions={0: old})
     rollout = strategy("async", servers)
-    rollout.publish(None, 0)  # type: ignore[arg-type]
+    rollout.publish(POLICY, 0)
     step = rollout.next_batch(1)
     first, second = sampler_draws(2)
     assert step.batch.uids == first[N:] + second[:N]  # group 0 dropped, the next filled in
@@ -235,7 +249,7 @@ def test_versions_of_spans_and_overlap_by_hand():
 def test_the_trained_account_matches_the_draws():
     servers = ScriptedServers()
     rollout = strategy("async", servers, "trainer.async_rollout.max_staleness=2")
-    rollout.publish(None, 0)  # type: ignore[arg-type]
+    rollout.publish(POLICY, 0)
     trained = Counter(uid for uids in run_steps(rollout, 1, 5) for uid in uids)
     drawn = Counter(uid for uids in sampler_draws(5) for uid in uids)
     assert trained == drawn
@@ -271,7 +285,7 @@ def test_truncated_is_on_a_stale_partial_sample_by_hand():
 def test_nothing_is_generated_ahead_for_steps_after_the_last():
     servers = ScriptedServers()
     rollout = strategy("async", servers, "trainer.async_rollout.max_staleness=3", last_step=4)
-    rollout.publish(None, 0)  # type: ignore[arg-type]
+    rollout.publish(POLICY, 0)
     assert run_steps(rollout, 1, 4) == sampler_draws(4)
     assert not rollout.queue  # the last step's load submits nothing
     assert sum(c[0] == "generate" for c in servers.calls) == 4

@@ -14,8 +14,7 @@ from rlhf.config import load_config
 from rlhf.engine.micro_batch import MicroBatchPlanner
 from rlhf.engine.reward_model import RewardModelScorer, require_scored
 from rlhf.quickstart.tiny_model import TinyModelSpec, tiny_hf_config
-from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.generation import RolloutResult
+from rlhf.rollout.batch import RolloutBatch, RolloutResult
 
 PAD = 0
 

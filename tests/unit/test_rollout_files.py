@@ -22,8 +22,7 @@ from rlhf.data.rollout_files import (
 )
 from rlhf.engine.reward_model import RewardModelScorer
 from rlhf.reward import check_ground_truth
-from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.generation import RolloutRecord, RolloutResult
+from rlhf.rollout.batch import RolloutBatch, RolloutRecord, RolloutResult
 from rlhf.rollout.offline import RolloutPlan, check_manifest, prompts_digest
 
 SAMPLES = [

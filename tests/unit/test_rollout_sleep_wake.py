@@ -24,6 +24,7 @@ from rlhf.memory import ledger
 from rlhf.rollout import policy_servers
 from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.rollout.sglang_server import build_server_args
+from rlhf.trainer.rollouts import SynchronousRollout
 from rlhf.weight_sync.syncer import SyncStats
 
 
@@ -59,7 +60,7 @@ def fleet_over(urls: list[str], sleeps: bool, device: str = "cuda") -> PolicySer
     fleet = object.__new__(PolicyServers)
     fleet.engine, fleet.sleeps, fleet.asleep = SimpleNamespace(server_urls=urls), sleeps, set()
     fleet.ctx, fleet.colocated = SimpleNamespace(device=torch.device(device)), True
-    fleet.weights_released = False
+    fleet.weights_released, fleet.probe_tokens = False, [1, 2, 3]
     return fleet
 
 
@@ -127,7 +128,8 @@ def test_on_the_cpu_the_same_decisions_run_and_only_the_ledger_records_them(serv
 
 
 class RecordingPolicy:
-    """Records which of its states the weight load puts on the device."""
+    """The trained policy as a rollout strategy publishes it (`PPOEngine.serving`): records
+    which of its states it holds on the device around the load."""
 
     module = "the policy's module"
 
@@ -135,21 +137,17 @@ class RecordingPolicy:
         self.trace = trace
 
     @contextmanager
-    def weights_on_device(self):
-        self.trace.append("policy: weights only on the device")
-        yield
-        self.trace.append("policy: state back")
-
-    @contextmanager
-    def on_device(self):
-        self.trace.append("policy: all on the device")
-        yield
+    def serving(self, probe_tokens, weights_only: bool):
+        held = "weights only" if weights_only else "all"
+        self.trace.append(f"policy: {held} on the device, probe log-probs computed")
+        yield SimpleNamespace(module=self.module, probe_logprobs=torch.zeros(len(probe_tokens)))
         self.trace.append("policy: state back")
 
 
 def recorded_load(urls, calls, monkeypatch, sleeps: bool) -> list:
-    """The sequence of one `load_weights(policy, 3)`: the recorder's routes (one entry per
-    route and tags, for both servers) among the policy's, the syncer's and the cache's."""
+    """The sequence of one weight load as the synchronous strategy publishes version 3: the
+    recorder's routes (one entry per route and tags, for both servers) among the policy's,
+    the syncer's and the cache's."""
     fleet = fleet_over(urls, sleeps)
     fleet.release_memory()
     calls.clear()
@@ -162,7 +160,7 @@ def recorded_load(urls, calls, monkeypatch, sleeps: bool) -> list:
 
     fleet.syncer = SimpleNamespace(sync=sync)
     fleet.probe = lambda policy: calls.append("probe") or 0.0
-    fleet.load_weights(RecordingPolicy(calls), 3)
+    SynchronousRollout.publish(SimpleNamespace(servers=fleet), RecordingPolicy(calls), 3)
     sequence = []
     for call in calls:
         if isinstance(call, tuple):
@@ -175,7 +173,7 @@ def recorded_load(urls, calls, monkeypatch, sleeps: bool) -> list:
 def test_a_colocated_weight_load_wakes_the_kv_cache_only_after_the_sync(servers, monkeypatch):
     urls, calls = servers
     assert recorded_load(urls, calls, monkeypatch, sleeps=True) == [
-        "policy: weights only on the device",
+        "policy: weights only on the device, probe log-probs computed",
         "empty cache",
         "resume_memory_occupation ['weights']",
         "sync v3",
@@ -190,7 +188,7 @@ def test_a_colocated_weight_load_wakes_the_kv_cache_only_after_the_sync(servers,
 def test_servers_that_do_not_sleep_get_the_weights_with_the_policy_on_device(servers, monkeypatch):
     urls, calls = servers
     assert recorded_load(urls, calls, monkeypatch, sleeps=False) == [
-        "policy: all on the device",
+        "policy: all on the device, probe log-probs computed",
         "sync v3",
         "probe",
         "policy: state back",

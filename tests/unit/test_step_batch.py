@@ -14,8 +14,7 @@ import torch
 
 from rlhf.config import load_config
 from rlhf.data.sampler import PromptSampler
-from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.generation import RolloutResult
+from rlhf.rollout.batch import RolloutBatch, RolloutResult
 from rlhf.trainer.rollouts import (
     SynchronousRollout,
     informative_groups,

@@ -20,8 +20,7 @@ from rlhf.config.validate import validate_config
 from rlhf.data.rollout_files import StoredSample
 from rlhf.data.sampler import PromptSampler
 from rlhf.reward.scorer import RewardScorer
-from rlhf.rollout.batch import RolloutBatch
-from rlhf.rollout.generation import RolloutResult
+from rlhf.rollout.batch import RolloutBatch, RolloutResult
 from rlhf.trainer.rollouts import MixedRollout
 
 N, BATCH, PROMPTS, GROUPS = 2, 4, 12, 6

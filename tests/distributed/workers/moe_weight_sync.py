@@ -22,9 +22,8 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.distributed import bootstrap
 from rlhf.models.mapping import sequential_expert_name
 from tests.distributed.workers.weight_sync_parity import (
-    PolicyModule,
-    actor_logprobs,
     make_transport,
+    policy_weights,
 )
 
 PROMPTS = [[5, 17, 33, 2, 90, 41], [12, 7, 7, 64, 11]]
@@ -73,7 +72,7 @@ def sync_once(ctx, topo, model, arch, args, transport: str, version: int) -> dic
     syncer = WeightSyncer(moved, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
     rollout = RolloutConfig(server_urls=[args.server_url], logprob_diff_threshold=None)
     servers = PolicyServers(ctx, None, syncer, rollout)
-    policy = PolicyModule(model, lambda tokens: actor_logprobs(model, arch, ctx, tokens))
+    policy = policy_weights(model, arch, ctx, servers.probe_tokens)
     loaded = servers.load_weights(policy, version)
     exported = [t for bucket in iter_buckets(model, arch, topo, 1 << 30) for t in bucket]
     servers.shutdown()

@@ -6,11 +6,8 @@ SGLang's sampled log-probs."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,16 +17,13 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.distributed import bootstrap
 
 
-@dataclass(frozen=True)
-class PolicyModule:
+def policy_weights(model, arch, ctx, probe_tokens: list[int]):
     """A bare Megatron module as `PolicyServers.load_weights` takes a policy (always on its
-    device; its probe log-probs through the trainer's packed forward)."""
+    device), with its log-probs of the probe through the trainer's packed forward."""
+    from rlhf.rollout.policy_servers import PolicyWeights
 
-    module: torch.nn.Module
-    probe_logprobs: Callable[[list[int]], torch.Tensor]
-
-    def on_device(self):
-        return contextlib.nullcontext()
+    probe = actor_logprobs(model, arch, ctx, probe_tokens)
+    return PolicyWeights(model, probe)
 
 
 def perturb(model, placement, version: int) -> None:
@@ -143,7 +137,7 @@ def main() -> None:
     syncer = WeightSyncer(transport, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
     rollout = RolloutConfig(server_urls=[args.server_url], logprob_diff_threshold=None)
     servers = PolicyServers(ctx, None, syncer, rollout)  # the owner's load, on every rank
-    policy = PolicyModule(model, lambda tokens: actor_logprobs(model, arch, ctx, tokens))
+    policy = policy_weights(model, arch, ctx, servers.probe_tokens)
     loaded = servers.load_weights(policy, args.version)
     report = {
         "handles_from": args.handles_from,

@@ -14,9 +14,8 @@ from pathlib import Path
 from rlhf.config.schema import RolloutConfig
 from rlhf.distributed import bootstrap
 from tests.distributed.workers.weight_sync_parity import (
-    PolicyModule,
-    actor_logprobs,
     perturbed_actor,
+    policy_weights,
 )
 
 
@@ -36,7 +35,6 @@ def main() -> None:
 
     topo = SyncTopology.of(ctx)
     model, arch = perturbed_actor(args.hf_dir, topo, version=7)
-    policy = PolicyModule(model, lambda tokens: actor_logprobs(model, arch, ctx, tokens))
     rollout = RolloutConfig(
         dtype="float32",
         max_server_restarts=1,
@@ -51,6 +49,7 @@ def main() -> None:
             rollout, [url], arch, topo, run_dir=out, model_path=args.hf_dir
         )
         servers = PolicyServers(ctx, engine, syncer, rollout)  # registers the restart hook
+        policy = policy_weights(model, arch, ctx, servers.probe_tokens)
         before = servers.load_weights(policy, 7).logprob_diff_max
         probe = servers.probe_tokens
         os.killpg(engine.group.servers[0].proc.pid, signal.SIGKILL)
