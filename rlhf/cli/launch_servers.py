@@ -93,7 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The run config's `engine_kwargs.sglang` (as the trainer launches it), updated by
     --engine-kwarg NAME=VALUE."""
     kwargs = (
-        dict(launched_rollout(load_config(args.config)).engine_kwargs.sglang)
+        dict(launched_rollout(load_config(args.config).actor_rollout_ref).engine_kwargs.sglang)
         if (args.config)
         else {}
     )

@@ -23,7 +23,7 @@ from rlhf.config.algorithm import (
 )
 from rlhf.config.choices import CRITIC_ESTIMATORS, GROUP_ESTIMATORS
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import ActorConfig, OverlongBufferConfig, RLHFConfig
+from rlhf.config.schema import ActorConfig, OverlongBufferConfig
 
 AR = "actor_rollout_ref"
 
@@ -41,14 +41,14 @@ def reference_on(use_kl_in_reward: bool | None, use_kl_loss: bool) -> bool:
     return kl_in_reward_on(use_kl_in_reward, use_kl_loss) or use_kl_loss
 
 
-def kl_in_reward(cfg: RLHFConfig) -> bool:
-    """`kl_in_reward_on` of a config."""
-    return kl_in_reward_on(cfg.algorithm.use_kl_in_reward, cfg.actor_rollout_ref.actor.use_kl_loss)
+def kl_in_reward(algorithm: AlgorithmConfig, actor: ActorConfig) -> bool:
+    """`kl_in_reward_on` of the algorithm and actor sections."""
+    return kl_in_reward_on(algorithm.use_kl_in_reward, actor.use_kl_loss)
 
 
-def uses_reference(cfg: RLHFConfig) -> bool:
-    """`reference_on` of a config."""
-    return reference_on(cfg.algorithm.use_kl_in_reward, cfg.actor_rollout_ref.actor.use_kl_loss)
+def uses_reference(algorithm: AlgorithmConfig, actor: ActorConfig) -> bool:
+    """`reference_on` of the algorithm and actor sections."""
+    return reference_on(algorithm.use_kl_in_reward, actor.use_kl_loss)
 
 
 def require_off_policy_correction(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import ActorRolloutRefConfig, CriticConfig, RLHFConfig
+from rlhf.config.schema import ActorRolloutRefConfig, CriticConfig, DataConfig
 
 AR = "actor_rollout_ref"
 
@@ -47,11 +47,12 @@ def _pass(dynamic: bool, tokens: int | None, samples: int, longest: tuple[int, i
     return MicroBatching(tokens or default_token_budget(samples, *longest))
 
 
-def token_budgets(cfg: RLHFConfig) -> TokenBudgets:
+def token_budgets(
+    aro: ActorRolloutRefConfig, critic: CriticConfig, data: DataConfig
+) -> TokenBudgets:
     """Each pass's micro-batching (`MicroBatching`), from its role's keys."""
-    longest = (cfg.data.max_prompt_length, cfg.data.max_response_length)
-    actor, critic, ref = cfg.actor_rollout_ref.actor, cfg.critic, cfg.actor_rollout_ref.ref
-    rollout = cfg.actor_rollout_ref.rollout
+    longest = (data.max_prompt_length, data.max_response_length)
+    actor, ref, rollout = aro.actor, aro.ref, aro.rollout
     update = _pass(
         actor.use_dynamic_bsz,
         actor.ppo_max_token_len_per_gpu,

@@ -19,7 +19,7 @@ import functools
 from typing import Any
 
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import RLHFConfig, RolloutConfig
+from rlhf.config.schema import ActorRolloutRefConfig, RolloutConfig
 
 KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang"
 AR = "actor_rollout_ref"
@@ -44,11 +44,11 @@ OWNED = {
 ROUTES_FLAG = "enable_return_routed_experts"  # SGLang's: each token's experts in meta_info
 
 
-def launched_rollout(cfg: RLHFConfig) -> RolloutConfig:
+def launched_rollout(aro: ActorRolloutRefConfig) -> RolloutConfig:
     """The rollout section the launched servers get: with rollout routing replay
     (`actor.router_replay.mode=R3`) SGLang returns the experts it routed each token to."""
-    rollout = cfg.actor_rollout_ref.rollout
-    if cfg.actor_rollout_ref.actor.router_replay.mode != "R3":
+    rollout = aro.rollout
+    if aro.actor.router_replay.mode != "R3":
         return rollout
     if rollout.engine_kwargs.sglang.get(ROUTES_FLAG) is False:
         raise ConfigError(f"{KEY}.{ROUTES_FLAG}=false: {AR}.actor.router_replay.mode=R3 needs it")

@@ -13,12 +13,12 @@ from typing import Literal
 
 from rlhf.config.algorithm_rules import kl_in_reward, uses_reference
 from rlhf.config.budgets import MicroBatching, TokenBudgets, token_budgets
-from rlhf.config.schema import MegatronParallelConfig, RLHFConfig
+from rlhf.config.schema import ActorConfig, CriticConfig, RLHFConfig
 from rlhf.config.stored_rules import prompt_sampler_batch, stored_groups_per_step
 from rlhf.config.validate import (
     ParallelLayout,
     distributed_optimizer_on,
-    parallel_layout,
+    section_layout,
     uses_critic,
     virtual_pipeline_size,
 )
@@ -84,43 +84,36 @@ class RunPlan:
 
 def _update(
     role: Literal["actor", "critic"],
-    section,
-    megatron: MegatronParallelConfig,
+    section: ActorConfig | CriticConfig,
     layout: ParallelLayout,
     micro_batching: MicroBatching,
-    cfg: RLHFConfig,
+    samples_per_prompt: int,
+    train_batch_size: int,
 ) -> UpdatePlan:
     mini = section.ppo_mini_batch_size
     return UpdatePlan(
         role,
-        mini * cfg.actor_rollout_ref.rollout.n,
+        mini * samples_per_prompt,
         section.ppo_epochs,
         micro_batching,
-        max(1, cfg.data.train_batch_size // mini),
-        distributed_optimizer_on(megatron, layout.dp_size * layout.sp_size),
-        virtual_pipeline_size(megatron),
+        max(1, train_batch_size // mini),
+        distributed_optimizer_on(section.megatron, layout.dp_size * layout.sp_size),
+        virtual_pipeline_size(section.megatron),
     )
 
 
 def resolve(cfg: RLHFConfig, world_size: int) -> RunPlan:
     """The plan of a config that passed `validate_config` for `world_size` ranks."""
-    budgets = token_budgets(cfg)
-    layout = parallel_layout("actor", cfg, world_size)
-    actor = _update(
-        "actor",
-        cfg.actor_rollout_ref.actor,
-        cfg.actor_rollout_ref.actor.megatron,
-        layout,
-        budgets.actor,
-        cfg,
-    )
+    aro, data = cfg.actor_rollout_ref, cfg.data
+    budgets = token_budgets(aro, cfg.critic, data)
+    batch = (aro.rollout.n, data.train_batch_size)
+    layout = section_layout(aro.actor, "actor_rollout_ref.actor", world_size)
+    actor = _update("actor", aro.actor, layout, budgets.actor, *batch)
     critic = critic_layout = None
-    if uses_critic(cfg):
-        critic_layout = parallel_layout("critic", cfg, world_size)
-        critic = _update(
-            "critic", cfg.critic, cfg.critic.megatron, critic_layout, budgets.critic, cfg
-        )
-    in_reward, as_loss = kl_in_reward(cfg), cfg.actor_rollout_ref.actor.use_kl_loss
+    if uses_critic(cfg.algorithm):
+        critic_layout = section_layout(cfg.critic, "critic", world_size)
+        critic = _update("critic", cfg.critic, critic_layout, budgets.critic, *batch)
+    in_reward, as_loss = kl_in_reward(cfg.algorithm, aro.actor), aro.actor.use_kl_loss
     places: dict[tuple[bool, bool], KLPlacement] = {
         (True, True): "both",
         (True, False): "reward",
@@ -132,10 +125,10 @@ def resolve(cfg: RLHFConfig, world_size: int) -> RunPlan:
         actor,
         critic,
         critic_layout,
-        uses_reference(cfg),
+        uses_reference(cfg.algorithm, cfg.actor_rollout_ref.actor),
         places[(in_reward, as_loss)],
         budgets,
         cfg.actor_rollout_ref.rollout.n,
-        prompt_sampler_batch(cfg),
-        stored_groups_per_step(cfg),
+        prompt_sampler_batch(cfg.data),
+        stored_groups_per_step(cfg.data),
     )

@@ -16,20 +16,20 @@ from __future__ import annotations
 from rlhf.config.algorithm import AlgorithmConfig
 from rlhf.config.algorithm_rules import require_off_policy_correction
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import ActorConfig, DataConfig, RLHFConfig, TrainerConfig
+from rlhf.config.schema import ActorConfig, DataConfig, TrainerConfig
 
 
-def stored_groups_per_step(cfg: RLHFConfig) -> int:
+def stored_groups_per_step(data: DataConfig) -> int:
     """Prompt groups per step taken from `data.rollout_files` (0 without them)."""
-    if not cfg.data.rollout_files:
+    if not data.rollout_files:
         return 0
-    return round(cfg.data.stored_fraction * cfg.data.train_batch_size)
+    return round(data.stored_fraction * data.train_batch_size)
 
 
-def prompt_sampler_batch(cfg: RLHFConfig) -> int:
+def prompt_sampler_batch(data: DataConfig) -> int:
     """Prompts the prompt sampler draws per step: those not taken from stored rollouts
     (all of them when every group is stored: that sampler then never draws)."""
-    return cfg.data.train_batch_size - stored_groups_per_step(cfg) or cfg.data.train_batch_size
+    return data.train_batch_size - stored_groups_per_step(data) or data.train_batch_size
 
 
 def check_stored_rollouts(

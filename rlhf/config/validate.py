@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlhf.config.algorithm import KLControlConfig, RolloutCorrectionConfig
+from rlhf.config.algorithm import AlgorithmConfig, KLControlConfig, RolloutCorrectionConfig
 from rlhf.config.algorithm_rules import (
     algorithm_notes,
     check_algorithm,
@@ -36,6 +36,7 @@ from rlhf.config.placement import server_gpus, weight_sync_address_problem
 from rlhf.config.rollout import MultiTurnConfig, RolloutConfig
 from rlhf.config.schema import (
     ActorConfig,
+    ActorRolloutRefConfig,
     CriticConfig,
     DataConfig,
     EarlyStopConfig,
@@ -126,13 +127,6 @@ def check_launch(trainer: Any, world_size: int | None, local_world_size: int | N
             "LOCAL_WORLD_SIZE; 1 and 1 when no launcher started rlhf-train): launch it with "
             "launch/torchrun.sh, which starts what the keys say, or set them to the launch"
         )
-
-
-def parallel_layout(role: str, cfg: RLHFConfig, world_size: int) -> ParallelLayout:
-    """The parallel layout of `role` ('actor' or 'critic'), checked against the world size."""
-    if role == "actor":
-        return section_layout(cfg.actor_rollout_ref.actor, f"{AR}.actor", world_size)
-    return section_layout(cfg.critic, "critic", world_size)
 
 
 def section_layout(section: Any, prefix: str, world_size: int) -> ParallelLayout:
@@ -338,16 +332,18 @@ def distributed_optimizer_on(megatron: MegatronParallelConfig, optimizer_group: 
     return megatron.use_distributed_optimizer
 
 
-def uses_critic(cfg: RLHFConfig) -> bool:
+def uses_critic(algorithm: AlgorithmConfig) -> bool:
     """Whether the run builds, trains and checkpoints a critic (only GAE needs values)."""
-    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    return algorithm.adv_estimator in CRITIC_ESTIMATORS
 
 
-def trained_megatron(cfg: RLHFConfig) -> dict[str, MegatronParallelConfig]:
+def trained_megatron(
+    aro: ActorRolloutRefConfig, critic: CriticConfig, algorithm: AlgorithmConfig
+) -> dict[str, MegatronParallelConfig]:
     """The Megatron settings of each model the run trains and checkpoints, by role."""
-    trained = {"actor": cfg.actor_rollout_ref.actor.megatron}
-    if uses_critic(cfg):
-        trained["critic"] = cfg.critic.megatron
+    trained = {"actor": aro.actor.megatron}
+    if uses_critic(algorithm):
+        trained["critic"] = critic.megatron
     return trained
 
 
@@ -367,14 +363,14 @@ def config_notes(cfg: RLHFConfig) -> list[str]:
     and per legal setting worth a word (`algorithm_notes`)."""
     notes = []
     critic_default = CriticConfig(model=ModelConfig(path=cfg.actor_rollout_ref.model.path))
-    if not uses_critic(cfg) and (keys := _changed(cfg.critic, critic_default, "critic")):
+    if not uses_critic(cfg.algorithm) and (keys := _changed(cfg.critic, critic_default, "critic")):
         estimator = cfg.algorithm.adv_estimator
         notes.append(f"{', '.join(keys)} ignored: adv_estimator={estimator} trains no critic")
     kl_ctrl = _changed(cfg.algorithm.kl_ctrl, KLControlConfig(), "algorithm.kl_ctrl")
-    if not kl_in_reward(cfg) and kl_ctrl:
+    if not kl_in_reward(cfg.algorithm, cfg.actor_rollout_ref.actor) and kl_ctrl:
         notes.append(f"{', '.join(kl_ctrl)} ignored: algorithm.use_kl_in_reward=false")
     ref_keys = _changed(cfg.actor_rollout_ref.ref, RefConfig(), f"{AR}.ref")
-    if not uses_reference(cfg) and ref_keys:
+    if not uses_reference(cfg.algorithm, cfg.actor_rollout_ref.actor) and ref_keys:
         notes.append(f"{', '.join(ref_keys)} ignored: no reference model (no KL in reward or loss)")
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     tool_keys = _changed(multi_turn, MultiTurnConfig(), MULTI_TURN)
@@ -470,7 +466,7 @@ def validate_config(
     check_algorithm(algorithm, n, trainer.critic_warmup)
     check_gspo(aro.actor)
     check_dapo(cfg.reward.overlong_buffer, algorithm.filter_groups, data.max_response_length, n)
-    critic_on = uses_critic(cfg)
+    critic_on = uses_critic(cfg.algorithm)
     paths: dict[str, str | None] = {f"{AR}.model.path": aro.model.path}
     if critic_on:
         paths["critic.model.path"] = cfg.critic.model.path
@@ -499,5 +495,7 @@ def validate_config(
     check_rollout_mode(trainer, aro, algorithm.rollout_correction)
     check_stored_rollouts(data, trainer, algorithm, aro.actor)
     check_micro_batching(aro, cfg.critic)
-    _check_early_stop(trainer.early_stop, uses_reference(cfg))
+    _check_early_stop(
+        trainer.early_stop, uses_reference(cfg.algorithm, cfg.actor_rollout_ref.actor)
+    )
     return actor

@@ -234,7 +234,7 @@ class PolicyServers:
                 keep = cfg.trainer.async_rollout.partial_rollout
                 pauses = PauseHandling(frozenset(stop_ids), keep)
             engine = SGLangEngine(
-                launched_rollout(cfg),
+                launched_rollout(cfg.actor_rollout_ref),
                 cfg.actor_rollout_ref.model.path,
                 log_dir=node_dir / "logs",
                 device=ctx.device.type,

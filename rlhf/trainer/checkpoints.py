@@ -56,7 +56,7 @@ class CheckpointKeeper:
         self.cfg, self.ctx = cfg, ctx
         # the manager first: it removes what a failed save left before space is counted
         self.manager = CheckpointManager(run_dir / "checkpoints", trainer.max_actor_ckpt_to_keep)
-        trained = trained_megatron(cfg).values()
+        trained = trained_megatron(cfg.actor_rollout_ref, cfg.critic, cfg.algorithm).values()
         self.size = checkpoint_bytes(trained, arch, trainer.save_hf, ctx.dp_sp_size)
         saves = total_steps // trainer.save_freq + 1 if trainer.save_freq > 0 else 1
         self.write_rate = self._probe(saves, trainer.max_actor_ckpt_to_keep) if ctx.is_main else 0.0

@@ -183,10 +183,14 @@ def check_resume(
     prompts; `optimizer_group`: the ranks its optimizer state is sharded over (DP x SP)."""
     accepted = cfg.trainer.resume_accept_changes
     _check_accept_list(accepted)
-    critic = cfg.algorithm.adv_estimator if uses_critic(cfg) else None
-    _check_structure(checkpoint, critic, num_prompts, prompt_sampler_batch(cfg))
+    critic = cfg.algorithm.adv_estimator if uses_critic(cfg.algorithm) else None
+    _check_structure(checkpoint, critic, num_prompts, prompt_sampler_batch(cfg.data))
     _check_world_size(checkpoint, world_size)
-    _check_optimizer_format(trained_megatron(cfg), checkpoint, optimizer_group)
+    _check_optimizer_format(
+        trained_megatron(cfg.actor_rollout_ref, cfg.critic, cfg.algorithm),
+        checkpoint,
+        optimizer_group,
+    )
     path = checkpoint / CHECKPOINT_CONFIG
     if not path.is_file():
         log.warning("%s has no %s (an older checkpoint): settings not compared", checkpoint, path)
@@ -281,13 +285,13 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     the trainer cannot load fails in one line instead of after SGLang has loaded it."""
     aro = cfg.actor_rollout_ref
     dirs = {MODEL_KEY: aro.model.path}  # config key -> HF directory of each model loaded
-    if uses_critic(cfg):
+    if uses_critic(cfg.algorithm):
         dirs["critic.model.path"] = cfg.critic.model.path
     if cfg.reward.model_path:
         dirs["reward.model_path"] = cfg.reward.model_path
     arches = {key: check_model_dir(path, key) for key, path in dirs.items()}
     check_experts(arches[MODEL_KEY], aro.actor.megatron, AR)
-    if uses_critic(cfg):
+    if uses_critic(cfg.algorithm):
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
     bypass = cfg.algorithm.rollout_correction.bypass_mode
     check_router_replay(aro.actor, bypass, arches[MODEL_KEY])
@@ -393,7 +397,7 @@ def preflight(
     device type the run trains on (the memory plan's), logged by the `is_main` process."""
     arch = load_policy_arch(cfg)  # every model directory checked, once
     layout = validate_config(cfg, world_size, arch, local_world_size)
-    check_megatron_overrides(trained_megatron(cfg))
+    check_megatron_overrides(trained_megatron(cfg.actor_rollout_ref, cfg.critic, cfg.algorithm))
     path = cfg.actor_rollout_ref.model.path
     tokenizer = load_tokenizer(path)
     check_tokenizer_fits(tokenizer, arch, path, MODEL_KEY)

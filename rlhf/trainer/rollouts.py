@@ -476,7 +476,7 @@ def load_stored_groups(cfg: RLHFConfig, vocab_size: int) -> list[list[StoredSamp
     groups: dict[str, list[StoredSample]] = {}
     for sample in read_rollout_files(files, checks=checks):
         groups.setdefault(sample.uid, []).append(sample)
-    k = stored_groups_per_step(cfg)
+    k = stored_groups_per_step(cfg.data)
     if len(groups) < k:
         raise ValueError(
             f"data.rollout_files hold {len(groups)} prompt groups; each step takes {k} "
@@ -495,7 +495,7 @@ class MixedRollout(SynchronousRollout):
 
     def __post_init__(self) -> None:
         assert self.groups is not None, "MixedRollout needs the stored groups"
-        self.per_step = stored_groups_per_step(self.cfg)
+        self.per_step = stored_groups_per_step(self.cfg.data)
         self.generated = self.cfg.data.train_batch_size - self.per_step
         self.stored_sampler = PromptSampler(len(self.groups), self.per_step, 1, self.cfg.data.seed)
 

@@ -191,7 +191,7 @@ def learn_from_batch(
         with stage(timer, "values"):
             values = engine.values(batch)
     with stage(timer, "adv"):
-        beta = kl_ctrl.value if kl_in_reward(cfg) else 0.0
+        beta = kl_ctrl.value if kl_in_reward(cfg.algorithm, cfg.actor_rollout_ref.actor) else 0.0
         exp, metrics = build_experience(batch, old, ref, values, cfg.algorithm, beta)
     bad = nonfinite_experience(exp)
     if bad:  # identical on every rank: all skip or all stop
@@ -203,7 +203,7 @@ def learn_from_batch(
         return Learned(
             exp, True, bad, finite | {"training/skipped_step": 1.0} | nonfinite_marks(bad)
         )
-    if kl_in_reward(cfg):
+    if kl_in_reward(cfg.algorithm, cfg.actor_rollout_ref.actor):
         assert exp.reward_kl is not None, "the KL in the reward needs the reference"
         kl_ctrl.update(exp.reward_kl, batch.size)
     found: list[str] = []

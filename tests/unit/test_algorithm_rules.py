@@ -71,18 +71,26 @@ def test_dapo_needs_room_for_its_overlong_buffer_and_groups_of_several_samples()
 def test_the_kl_counts_once_unless_both_are_asked_for():
     loss = f"{AR}.actor.use_kl_loss=true"
     default = load_config(QUICKSTART, [])  # sets use_kl_in_reward: true
-    assert kl_in_reward(default) and uses_reference(default)
-    assert not kl_in_reward(load_config(None, []))  # verl's default: off
+    assert kl_on(default) and uses_reference(default.algorithm, default.actor_rollout_ref.actor)
+    assert not kl_in_reward(
+        *(lambda c: (c.algorithm, c.actor_rollout_ref.actor))(load_config(None, []))
+    )  # verl's default: off
     verl_grpo = load_config(None, ["algorithm.adv_estimator=grpo", loss])
-    assert not kl_in_reward(verl_grpo) and uses_reference(verl_grpo)
+    assert not kl_in_reward(verl_grpo.algorithm, verl_grpo.actor_rollout_ref.actor) and ref_on(
+        verl_grpo
+    )
     assert not any("twice" in note for note in config_notes(verl_grpo))
     unset = load_config(QUICKSTART, [loss, "algorithm.use_kl_in_reward=null"])
-    assert not kl_in_reward(unset)  # null: on unless the actor has a KL loss
+    assert not kl_in_reward(
+        unset.algorithm, unset.actor_rollout_ref.actor
+    )  # null: on unless the actor has a KL loss
     both = load_config(QUICKSTART, [loss])
-    assert kl_in_reward(both)
+    assert kl_on(both)
     assert any("the KL to the reference counts twice" in note for note in config_notes(both))
     neither = load_config(QUICKSTART, ["algorithm.use_kl_in_reward=false"])
-    assert not kl_in_reward(neither) and not uses_reference(neither)
+    assert not kl_in_reward(neither.algorithm, neither.actor_rollout_ref.actor) and not ref_on(
+        neither
+    )
 
 
 def test_grpo_gives_a_group_of_equal_scores_zero_advantages_not_nan():
@@ -162,3 +170,13 @@ def _token_logprobs(logits: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
             out[i, t] = logp_all[start + len(prompt) + t - 1, token]
         start += len(prompt) + len(response)
     return out
+
+
+def kl_on(cfg) -> bool:
+    """Whether a loaded config puts the KL in the reward."""
+    return kl_in_reward(cfg.algorithm, cfg.actor_rollout_ref.actor)
+
+
+def ref_on(cfg) -> bool:
+    """Whether a loaded config builds the reference."""
+    return uses_reference(cfg.algorithm, cfg.actor_rollout_ref.actor)

@@ -100,7 +100,7 @@ def test_planned_checkpoint_size_counts_weights_and_adam(tiny_qwen2_dir):
 
 def planned_bytes(cfg, arch, optimizer_group: int = 1) -> int:
     """`checkpoint_bytes` of the models `cfg` trains, as `CheckpointKeeper` asks it."""
-    trained = trained_megatron(cfg).values()
+    trained = trained_megatron(cfg.actor_rollout_ref, cfg.critic, cfg.algorithm).values()
     return checkpoint_bytes(trained, arch, cfg.trainer.save_hf, optimizer_group)
 
 

@@ -244,7 +244,9 @@ def test_critic_free_estimators_skip_the_critic_rules_and_name_ignored_critic_ke
     grpo = ["algorithm.adv_estimator=grpo", "critic.ulysses_sequence_parallel_size=3"]
     cfg = load_config(QUICKSTART, grpo)
     assert validate_config(cfg).sp_size == 1
-    assert not uses_critic(cfg) and uses_reference(cfg)
+    assert not uses_critic(cfg.algorithm) and uses_reference(
+        cfg.algorithm, cfg.actor_rollout_ref.actor
+    )
     (note,) = config_notes(cfg)
     assert "critic.ulysses_sequence_parallel_size" in note and "adv_estimator=grpo" in note
     # The quickstart's own critic settings are named too; a GAE run ignores nothing.
@@ -257,10 +259,10 @@ def test_no_reference_without_a_kl_and_kl_settings_named_when_unused():
 
     no_kl = ["algorithm.use_kl_in_reward=false"]
     cfg = load_config(QUICKSTART, [*no_kl, "algorithm.kl_ctrl.kl_coef=0.01"])
-    assert not uses_reference(cfg)
+    assert not uses_reference(cfg.algorithm, cfg.actor_rollout_ref.actor)
     assert any("algorithm.kl_ctrl.kl_coef" in note for note in config_notes(cfg))
     kl_loss = load_config(QUICKSTART, [*no_kl, "actor_rollout_ref.actor.use_kl_loss=true"])
-    assert uses_reference(kl_loss)
+    assert uses_reference(kl_loss.algorithm, kl_loss.actor_rollout_ref.actor)
 
 
 def test_kl_early_stop_needs_a_reference():
@@ -363,13 +365,13 @@ def test_rollout_routing_replay_asks_the_launched_servers_for_routes():
     mode = "actor_rollout_ref.actor.router_replay.mode"
     kwargs = "actor_rollout_ref.rollout.engine_kwargs.sglang"
     plain = load_config(None, [])
-    assert launched_rollout(plain) == plain.actor_rollout_ref.rollout
+    assert launched_rollout(plain.actor_rollout_ref) == plain.actor_rollout_ref.rollout
     assert not training_sampling(plain.actor_rollout_ref, plain.data).routed_experts
     r3 = load_config(None, [f"{mode}=R3", f"{kwargs}.chunked_prefill_size=64"])
-    argv = server_argv(launched_rollout(r3).engine_kwargs.sglang)
+    argv = server_argv(launched_rollout(r3.actor_rollout_ref).engine_kwargs.sglang)
     assert argv == ["--chunked-prefill-size", "64", "--enable-return-routed-experts"]
     assert r3.actor_rollout_ref.rollout.engine_kwargs.sglang == {"chunked_prefill_size": 64}
     assert training_sampling(r3.actor_rollout_ref, r3.data).routed_experts
     off = load_config(None, [f"{mode}=R3", f"{kwargs}.enable_return_routed_experts=false"])
     with pytest.raises(ConfigError, match="mode=R3 needs it"):
-        launched_rollout(off)
+        launched_rollout(off.actor_rollout_ref)

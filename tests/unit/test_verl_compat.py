@@ -14,6 +14,7 @@ import yaml
 from rlhf.config import load_config, validate_config
 from rlhf.config.budgets import MicroBatching, token_budgets
 from rlhf.config.loader import ConfigError, all_keys, nearest_key
+from rlhf.config.validate import trained_megatron
 
 EXAMPLES = Path(__file__).with_name("verl_examples")
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.sh"))
@@ -222,19 +223,19 @@ def test_did_you_mean_follows_the_key_path(typed, meant):
 def test_the_old_log_prob_budget_follows_verls_rollout_keys():
     base = ["data.max_prompt_length=100", "data.max_response_length=28"]
     base.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
-    budgets = token_budgets(load_config(None, base))
+    budgets = budgets_of(load_config(None, base))
     assert budgets.actor == budgets.old_log_prob == MicroBatching(2 * 128)  # the update's
     micro = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"
-    budgets = token_budgets(load_config(None, [*base, micro]))
+    budgets = budgets_of(load_config(None, [*base, micro]))
     assert (budgets.actor.tokens, budgets.old_log_prob.tokens) == (256, 8 * 128)
     tokens = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=3000"
-    assert token_budgets(load_config(None, [*base, micro, tokens])).old_log_prob.tokens == 3000
+    assert budgets_of(load_config(None, [*base, micro, tokens])).old_log_prob.tokens == 3000
     fixed_actor = [*base, "actor_rollout_ref.actor.use_dynamic_bsz=false"]
-    fixed = token_budgets(load_config(None, fixed_actor))
+    fixed = budgets_of(load_config(None, fixed_actor))
     assert fixed.actor == fixed.old_log_prob == MicroBatching(256, samples=2)
     assert fixed.ref == MicroBatching(4 * 128, samples=4)  # the ref follows the actor's switch
     assert fixed.critic == MicroBatching(256, samples=2)  # unset: the actor's switch (verl's)
-    own = token_budgets(load_config(None, [*fixed_actor, "critic.use_dynamic_bsz=true"]))
+    own = budgets_of(load_config(None, [*fixed_actor, "critic.use_dynamic_bsz=true"]))
     assert own.critic == MicroBatching(256)  # set: its own
 
 
@@ -267,7 +268,7 @@ def test_override_transformer_config_reaches_megatron_and_is_checked(tiny_qwen2_
         "attention_dropout": 0.25,
         "apply_rope_fusion": False,
     }
-    check_megatron_overrides(trained_megatron(cfg))
+    check_megatron_overrides(trained_megatron(cfg.actor_rollout_ref, cfg.critic, cfg.algorithm))
     config = transformer_config(load_arch(tiny_qwen2_dir), overrides={"attention_dropout": 0.25})
     assert config.attention_dropout == 0.25 and config.hidden_dropout == 0.0
     for field, said in (
@@ -276,7 +277,7 @@ def test_override_transformer_config_reaches_megatron_and_is_checked(tiny_qwen2_
         ("apply_rope_fusin=true", "not a field of Megatron-Core's TransformerConfig; did you mean"),
     ):
         with pytest.raises(ConfigError, match=said):
-            check_megatron_overrides(trained_megatron(load_config(None, [f"+{prefix}.{field}"])))
+            check_megatron_overrides(trained_of(load_config(None, [f"+{prefix}.{field}"])))
 
 
 def test_verl_moe_keys_mean_this_systems_expert_keys():
@@ -299,3 +300,13 @@ def test_verl_moe_keys_mean_this_systems_expert_keys():
     assert megatron.override_transformer_config == {}
     with pytest.raises(ConfigError, match="expert_model_parallel_size"):
         load_config(None, ["actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"])
+
+
+def budgets_of(cfg):
+    """Each pass's micro-batching of a loaded config."""
+    return token_budgets(cfg.actor_rollout_ref, cfg.critic, cfg.data)
+
+
+def trained_of(cfg):
+    """The trained models' Megatron sections of a loaded config."""
+    return trained_megatron(cfg.actor_rollout_ref, cfg.critic, cfg.algorithm)

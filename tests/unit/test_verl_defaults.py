@@ -19,7 +19,7 @@ AR = "actor_rollout_ref"
 def test_unset_keys_mean_what_they_mean_in_verl():
     cfg = load_config(None, [])
     assert cfg.algorithm.kl_ctrl.type == "fixed"
-    assert not kl_in_reward(cfg)
+    assert not kl_in_reward(cfg.algorithm, cfg.actor_rollout_ref.actor)
     assert cfg.actor_rollout_ref.rollout.n == 1
     assert cfg.data.max_response_length == 512
     val = cfg.actor_rollout_ref.rollout.val_kwargs
@@ -102,4 +102,7 @@ def test_verls_files_give_the_critic_its_own_layout_which_follows_the_actors_her
 )
 def test_the_ppo_configs_keep_adaptive_kl_in_the_reward(config):
     cfg = load_config(f"configs/{config}.yaml")
-    assert kl_in_reward(cfg) and cfg.algorithm.kl_ctrl.type == "adaptive"
+    assert (
+        kl_in_reward(cfg.algorithm, cfg.actor_rollout_ref.actor)
+        and cfg.algorithm.kl_ctrl.type == "adaptive"
+    )
