@@ -62,7 +62,7 @@ def measure(args, model_dir: Path, run_dir: Path) -> dict:
     from rlhf.logging import Timer
     from rlhf.memory.checkpoint_size import save_hold_text
     from rlhf.trainer.checkpoints import CheckpointKeeper
-    from rlhf.trainer.step import learn_from_batch
+    from rlhf.trainer.step import Learning, learn_from_batch
 
     cfg, ctx, arch, models, _ = single_rank_models(
         args.config, str(model_dir), args.overrides, 29533
@@ -70,7 +70,13 @@ def measure(args, model_dir: Path, run_dir: Path) -> dict:
     try:
         aro = cfg.actor_rollout_ref
         batch = synthetic_batch(cfg, arch.vocab_size, aro.actor.ppo_mini_batch_size * aro.rollout.n)
-        learn_from_batch(models, batch, cfg, build_kl_controller(cfg.algorithm.kl_ctrl), Timer())
+        learn_from_batch(
+            models,
+            batch,
+            Learning.of(cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.trainer),
+            build_kl_controller(cfg.algorithm.kl_ctrl),
+            Timer(),
+        )
         trained = {"actor": models.actor}
         if models.critic is not None:
             trained["critic"] = models.critic

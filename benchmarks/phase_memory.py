@@ -143,7 +143,7 @@ def measure(args) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.distributed.bootstrap import teardown
     from rlhf.memory.planner import GPU_RUNTIME_BYTES, PlanInputs, plan_memory
-    from rlhf.trainer.step import learn_from_batch
+    from rlhf.trainer.step import Learning, learn_from_batch
 
     cfg, ctx, arch, models, meter = single_rank_models(
         args.config, args.model, args.overrides, 29531
@@ -152,7 +152,13 @@ def measure(args) -> dict:
         aro = cfg.actor_rollout_ref
         samples = args.samples or aro.actor.ppo_mini_batch_size * aro.rollout.n
         batch = synthetic_batch(cfg, arch.vocab_size, samples)
-        learn_from_batch(models, batch, cfg, build_kl_controller(cfg.algorithm.kl_ctrl), meter)
+        learn_from_batch(
+            models,
+            batch,
+            Learning.of(cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.trainer),
+            build_kl_controller(cfg.algorithm.kl_ctrl),
+            meter,
+        )
     finally:
         teardown()
     cuda = ctx.device.type == "cuda"

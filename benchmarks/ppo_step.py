@@ -88,7 +88,7 @@ def run_stages(models, batch, algorithm, budget: int, kl_coef: float) -> dict[st
     import dataclasses
 
     from rlhf.engine import engine
-    from rlhf.trainer import experience
+    from rlhf.trainer import step as experience
 
     seconds: dict[str, float] = {}
 

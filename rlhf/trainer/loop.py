@@ -40,8 +40,14 @@ from rlhf.trainer.metrics import (
     tracker_state,
 )
 from rlhf.trainer.preflight import CHECKPOINT_CONFIG, Preflight, check_resume
-from rlhf.trainer.rollouts import AheadRollout, MixedRollout, RolloutStrategy, SynchronousRollout
-from rlhf.trainer.step import PPOStep, StepResult
+from rlhf.trainer.rollouts import (
+    AheadRollout,
+    BatchShaping,
+    MixedRollout,
+    RolloutStrategy,
+    SynchronousRollout,
+)
+from rlhf.trainer.step import Learning, PPOStep, StepResult
 from rlhf.trainer.stopping import Decision, EarlyStopper, PreemptionGuard
 from rlhf.utils import DTYPES
 
@@ -102,8 +108,16 @@ class PPOTrainer:
         self.batches = self.rollout_strategy()
         meter = StepMeter(checked.arch, ctx.world_size, self.peak_flops, model_passes(self.plan))
         rollouts_dir = run_dir / "rollouts" if ctx.is_main else None
+        learning = Learning.of(cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.trainer)
         self.ppo_step = PPOStep(
-            cfg, self.engine, self.servers, self.batches, self.kl_ctrl, meter, rollouts_dir
+            learning,
+            cfg.data.max_response_length,
+            self.engine,
+            self.servers,
+            self.batches,
+            self.kl_ctrl,
+            meter,
+            rollouts_dir,
         )
 
     def steps_per_epoch(self) -> int:
@@ -117,12 +131,13 @@ class PPOTrainer:
     def rollout_strategy(self) -> RolloutStrategy:
         """Where each step's batch comes from (`trainer.rollout_mode`, `data.rollout_files`)."""
         cfg = self.cfg
-        source = (self.servers, self.sampler, self.train_data, cfg, self.reward_model)
+        shaping = BatchShaping.of(cfg.actor_rollout_ref, cfg.data, cfg.algorithm, cfg.reward)
+        source = (self.servers, self.sampler, self.train_data, shaping, self.reward_model)
         if self.stored is not None:
             return MixedRollout(*source, self.stored, self.tokenizer, self.ctx.is_main)
         if cfg.trainer.rollout_mode == "sync":
             return SynchronousRollout(*source)
-        return AheadRollout(*source, last_step=self.total_steps)
+        return AheadRollout(*source, cfg.trainer, last_step=self.total_steps)
 
     def build_training_side(self) -> None:
         """Models, controllers, profiler, the MFU yardstick and the tracker."""

@@ -375,7 +375,7 @@ def _phases(
     it)."""
     from rlhf.algo import build_kl_controller
     from rlhf.engine.build import build_engine
-    from rlhf.trainer.step import learn_from_batch
+    from rlhf.trainer.step import Learning, learn_from_batch
 
     with meter.stage("build"), ledger().phase("build"):
         models = build_engine(cfg, arch, ctx, total_steps=1)
@@ -386,7 +386,13 @@ def _phases(
                 model.module.config.variable_seq_lengths = False
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
     for _ in range(2):  # the second step's phases: Adam's state exists, as from then on
-        learn_from_batch(models, batch, cfg, kl_ctrl, meter)
+        learn_from_batch(
+            models,
+            batch,
+            Learning.of(cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.trainer),
+            kl_ctrl,
+            meter,
+        )
         _load_weights(cfg.actor_rollout_ref.rollout, models, arch, meter)
     live = meter.live()
     meter.peaks["rollout"] = PhasePeak(live, live, 0.0)

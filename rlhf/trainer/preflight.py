@@ -410,7 +410,8 @@ def preflight(
     rows = (p.row for p in train.prompts if p.row.style == "rule")
     if (first_rule_row := next(rows, None)) is not None:
         probe_reward_function(cfg.reward, first_rule_row)
-    stored = load_stored_groups(cfg, arch.vocab_size)  # data.rollout_files
+    n = cfg.actor_rollout_ref.rollout.n
+    stored = load_stored_groups(cfg.data, cfg.reward, n, arch.vocab_size)  # data.rollout_files
     if is_main:  # the planner's per-GPU table (rlhf.memory), before the models are built
         memory, report = startup_report(PlanInputs.from_config(cfg, arch, world_size, device))
         log.info("memory per GPU (GiB), by role and kind:\n%s", report)

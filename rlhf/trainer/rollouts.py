@@ -97,7 +97,14 @@ from typing import Any, Protocol
 
 import torch
 
-from rlhf.config.schema import ActorRolloutRefConfig, DataConfig, OverlongBufferConfig, RLHFConfig
+from rlhf.config.algorithm import AlgorithmConfig, FilterGroupsConfig
+from rlhf.config.schema import (
+    ActorRolloutRefConfig,
+    DataConfig,
+    OverlongBufferConfig,
+    RewardConfig,
+    TrainerConfig,
+)
 from rlhf.config.stored_rules import stored_groups_per_step
 from rlhf.data.files import resolve_files
 from rlhf.data.prompts import PromptDataset
@@ -127,6 +134,40 @@ def training_sampling(aro: ActorRolloutRefConfig, data: DataConfig) -> SamplingP
     engine returns the routed experts under rollout routing replay (R3)."""
     r3 = aro.actor.router_replay.mode == "R3"
     return sampling_params(aro.rollout, data.max_response_length, r3)
+
+
+@dataclass(frozen=True)
+class BatchShaping:
+    """How the strategies make a step's batch: `train_batch_size` prompt groups, responses
+    sampled with `params` (at most `max_response_length` tokens), DAPO's dynamic sampling
+    (`filter_groups`) and overlong shaping (`overlong`); with stored rollouts,
+    `stored_per_step` of the groups come from them, in an order seeded by `seed`."""
+
+    train_batch_size: int
+    max_response_length: int
+    params: SamplingParams
+    filter_groups: FilterGroupsConfig
+    overlong: OverlongBufferConfig
+    stored_per_step: int = 0
+    seed: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        aro: ActorRolloutRefConfig,
+        data: DataConfig,
+        algorithm: AlgorithmConfig,
+        reward: RewardConfig,
+    ) -> BatchShaping:
+        return cls(
+            data.train_batch_size,
+            data.max_response_length,
+            training_sampling(aro, data),
+            algorithm.filter_groups,
+            reward.overlong_buffer,
+            stored_groups_per_step(data),
+            data.seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -171,17 +212,17 @@ class SynchronousRollout:
     servers: PolicyServers
     sampler: PromptSampler
     data: PromptDataset
-    cfg: RLHFConfig
+    shaping: BatchShaping
     reward_model: RewardModelScorer | None  # scores the reward_model.style=model rows
 
     def next_batch(self, step: int) -> StepBatch:
-        return collect_step_batch(self.generate_round, self.cfg)
+        return collect_step_batch(self.generate_round, self.shaping)
 
     def generate_round(self) -> RolloutResult:
         """The next prompts of the sampler, generated and scored now."""
         sampled = self.sampler.next_batch()  # every rank advances its sampler identically
         prompts = [self.data[i] for i in sampled.prompt_indices]
-        params = training_sampling(self.cfg.actor_rollout_ref, self.cfg.data)
+        params = self.shaping.params
         generated = self.servers.generate(prompts, sampled.uids, sampled.prompt_indices, params)
         return score_model_rows(generated, self.reward_model)
 
@@ -214,12 +255,12 @@ def informative_groups(batch: RolloutBatch, values_b: torch.Tensor) -> list[list
     return [g for g in prompt_groups(batch) if len({values[i] for i in g}) > 1]
 
 
-def filter_metric(batch: RolloutBatch, cfg: RLHFConfig) -> torch.Tensor:
+def filter_metric(batch: RolloutBatch, shaping: BatchShaping) -> torch.Tensor:
     """[B] what dynamic sampling compares (`algorithm.filter_groups.metric`): the reward
     functions' score, or (seq_reward) the score after overlong shaping."""
-    overlong = cfg.reward.overlong_buffer
-    if cfg.algorithm.filter_groups.metric == "seq_reward" and overlong.enable:
-        return batch.scores_b + overlong_penalties(batch, cfg.data.max_response_length, overlong)
+    overlong = shaping.overlong
+    if shaping.filter_groups.metric == "seq_reward" and overlong.enable:
+        return batch.scores_b + overlong_penalties(batch, shaping.max_response_length, overlong)
     return batch.scores_b
 
 
@@ -230,11 +271,11 @@ def overlong_penalties(batch: RolloutBatch, max_length: int, cfg: OverlongBuffer
     return ((start - lengths) / cfg.len).clamp(max=0) * cfg.penalty_factor
 
 
-def collect_step_batch(next_round: Callable[[], RolloutResult], cfg: RLHFConfig) -> StepBatch:
+def collect_step_batch(next_round: Callable[[], RolloutResult], shaping: BatchShaping) -> StepBatch:
     """Take scored rounds of prompts from `next_round` until the step has
     `data.train_batch_size` prompt groups."""
-    wanted = cfg.data.train_batch_size
-    filtering = cfg.algorithm.filter_groups
+    wanted = shaping.train_batch_size
+    filtering = shaping.filter_groups
     results: list[RolloutResult] = []
     kept: list[list[int]] = []  # groups, as indices into the concatenation of the rounds
     offset = dropped = 0
@@ -249,7 +290,7 @@ def collect_step_batch(next_round: Callable[[], RolloutResult], cfg: RLHFConfig)
         results.append(next_round())
         batch = results[-1].batch
         if filtering.enable:
-            groups = informative_groups(batch, filter_metric(batch, cfg))
+            groups = informative_groups(batch, filter_metric(batch, shaping))
         else:
             groups = prompt_groups(batch)
         kept += [[offset + i for i in g] for g in groups]
@@ -267,10 +308,8 @@ def collect_step_batch(next_round: Callable[[], RolloutResult], cfg: RLHFConfig)
             "dynamic_sampling/dropped_groups": float(dropped),
             "dynamic_sampling/kept_groups": float(len(kept)),
         }
-    if cfg.reward.overlong_buffer.enable:
-        penalty = overlong_penalties(
-            batch, cfg.data.max_response_length, cfg.reward.overlong_buffer
-        )
+    if shaping.overlong.enable:
+        penalty = overlong_penalties(batch, shaping.max_response_length, shaping.overlong)
         batch = dataclasses.replace(batch, scores_b=batch.scores_b + penalty)
         metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
     return StepBatch(batch, results, metrics)
@@ -340,17 +379,19 @@ class AheadRollout:
         servers: PolicyServers,
         sampler: PromptSampler,
         data: PromptDataset,
-        cfg: RLHFConfig,
+        shaping: BatchShaping,
         reward_model: RewardModelScorer | None,
+        trainer: TrainerConfig,
         last_step: int | None = None,
     ):
-        """`last_step`: the run's last step (no round is generated ahead for later ones)."""
-        self.servers, self.sampler, self.data, self.cfg = servers, sampler, data, cfg
+        """`trainer`: its `rollout_mode` and `async_rollout`; `last_step`: the run's last
+        step (no round is generated ahead for later ones)."""
+        self.servers, self.sampler, self.data, self.shaping = servers, sampler, data, shaping
         self.reward_model, self.last_step = reward_model, last_step
-        mode = cfg.trainer.rollout_mode
+        mode = trainer.rollout_mode
         assert mode in ("one_step_off", "async"), mode
         self.pause = mode == "async"
-        self.ahead = cfg.trainer.async_rollout.max_staleness if self.pause else 1
+        self.ahead = trainer.async_rollout.max_staleness if self.pause else 1
         self.queue: deque[Round] = deque()
         # two rounds at a time, oldest first: the one the next step waits for, and the next,
         # whose samples fill the server while the first one's longest samples finish
@@ -370,7 +411,7 @@ class AheadRollout:
             prompts,
             sampled.uids,
             sampled.prompt_indices,
-            training_sampling(self.cfg.actor_rollout_ref, self.cfg.data),
+            self.shaping.params,
         )
         interval: list[float] = []
 
@@ -425,7 +466,7 @@ class AheadRollout:
         self.account = StepAccount()
         if not self.queue:
             self.top_up()
-        got = collect_step_batch(self.next_round, self.cfg)
+        got = collect_step_batch(self.next_round, self.shaping)
         self.busy_since = time.time()
         return StepBatch(got.batch, got.rounds, got.metrics | self.account.metrics())
 
@@ -457,26 +498,28 @@ class AheadRollout:
 STORED_UID = "stored:"
 
 
-def load_stored_groups(cfg: RLHFConfig, vocab_size: int) -> list[list[StoredSample]] | None:
+def load_stored_groups(
+    data: DataConfig, reward: RewardConfig, group_size: int, vocab_size: int
+) -> list[list[StoredSample]] | None:
     """The samples of `data.rollout_files` grouped by uid, in file order (None without),
     checked whole before anything starts (`rlhf.data.rollout_files.RolloutChecks`): token
     ids in the policy's vocabulary, the run's length limits, `rollout.n` samples a group,
-    and every unscored row scorable by this run's reward."""
-    if not cfg.data.rollout_files:
+    and every unscored row scorable by this run's reward (`group_size`: `rollout.n`)."""
+    if not data.rollout_files:
         return None
-    files = resolve_files(cfg.data.rollout_files, "data.rollout_files")
+    files = resolve_files(data.rollout_files, "data.rollout_files")
     checks = RolloutChecks(
         vocab_size=vocab_size,
-        max_lengths=(cfg.data.max_prompt_length, cfg.data.max_response_length),
-        group_size=cfg.actor_rollout_ref.rollout.n,
+        max_lengths=(data.max_prompt_length, data.max_response_length),
+        group_size=group_size,
         # stored rule rows are scored by the rules (or reward.custom_fn, which scores all)
-        scorable=None if cfg.reward.custom_fn else check_ground_truth,
-        model_scorer=bool(cfg.reward.model_path),
+        scorable=None if reward.custom_fn else check_ground_truth,
+        model_scorer=bool(reward.model_path),
     )
     groups: dict[str, list[StoredSample]] = {}
     for sample in read_rollout_files(files, checks=checks):
         groups.setdefault(sample.uid, []).append(sample)
-    k = stored_groups_per_step(cfg.data)
+    k = stored_groups_per_step(data)
     if len(groups) < k:
         raise ValueError(
             f"data.rollout_files hold {len(groups)} prompt groups; each step takes {k} "
@@ -495,12 +538,12 @@ class MixedRollout(SynchronousRollout):
 
     def __post_init__(self) -> None:
         assert self.groups is not None, "MixedRollout needs the stored groups"
-        self.per_step = stored_groups_per_step(self.cfg.data)
-        self.generated = self.cfg.data.train_batch_size - self.per_step
-        self.stored_sampler = PromptSampler(len(self.groups), self.per_step, 1, self.cfg.data.seed)
+        self.per_step = self.shaping.stored_per_step
+        self.generated = self.shaping.train_batch_size - self.per_step
+        self.stored_sampler = PromptSampler(len(self.groups), self.per_step, 1, self.shaping.seed)
 
     def next_batch(self, step: int) -> StepBatch:
-        got = collect_step_batch(self.mixed_round, self.cfg)
+        got = collect_step_batch(self.mixed_round, self.shaping)
         stored = sum(uid.startswith(STORED_UID) for uid in got.batch.uids)
         counts = {"stored/groups": float(self.per_step), "stored/samples": float(stored)}
         return StepBatch(got.batch, got.rounds, got.metrics | counts)

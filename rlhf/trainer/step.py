@@ -38,7 +38,7 @@ from rlhf.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf.algo.rollout_correction import mismatch_metrics, truncated_is_weights
 from rlhf.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
 from rlhf.config.algorithm_rules import kl_in_reward
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.schema import ActorConfig, TrainerConfig
 from rlhf.engine.engine import PPOEngine
 from rlhf.engine.nonfinite import (
     NonFiniteError,
@@ -87,12 +87,37 @@ class StepResult:
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True)
+class Learning:
+    """What a step's learning reads of the config: the algorithm section (advantages,
+    rollout correction), whether the KL goes into the reward, the actor's KL-loss
+    coefficient (None without a KL loss), `trainer.on_nonfinite` and
+    `trainer.critic_warmup`."""
+
+    algorithm: AlgorithmConfig
+    kl_in_reward: bool
+    kl_loss_coef: float | None
+    on_nonfinite: str = "stop"
+    critic_warmup: int = 0
+
+    @classmethod
+    def of(cls, algorithm: AlgorithmConfig, actor: ActorConfig, trainer: TrainerConfig) -> Learning:
+        coef = actor.kl_loss_coef if actor.use_kl_loss else None
+        in_reward = kl_in_reward(algorithm, actor)
+        return cls(algorithm, in_reward, coef, trainer.on_nonfinite, trainer.critic_warmup)
+
+    def actor_trains(self, step: int) -> bool:
+        """Whether step `step` (from 1) updates the actor: not in `trainer.critic_warmup`."""
+        return step > self.critic_warmup
+
+
 class PPOStep:
     """The step of a run: its models, servers, rollout strategy and KL controller."""
 
     def __init__(
         self,
-        cfg: RLHFConfig,
+        learning: Learning,
+        max_response_length: int,
         engine: PPOEngine,
         servers: PolicyServers,
         rollout: RolloutStrategy,
@@ -100,9 +125,11 @@ class PPOStep:
         meter: StepMeter,
         rollouts_dir: Path | None,
     ):
-        """`meter`: the step's performance metrics; `rollouts_dir`: where the main rank writes
-        each step's samples (None on the other ranks)."""
-        self.cfg, self.engine, self.servers, self.rollout = cfg, engine, servers, rollout
+        """`max_response_length`: `data.max_response_length` (the rollout metrics' clip
+        length); `meter`: the step's performance metrics; `rollouts_dir`: where the main rank
+        writes each step's samples (None on the other ranks)."""
+        self.learning, self.max_response_length = learning, max_response_length
+        self.engine, self.servers, self.rollout = engine, servers, rollout
         self.kl_ctrl, self.meter, self.rollouts_dir = kl_ctrl, meter, rollouts_dir
 
     def run(self, step: int) -> StepResult:
@@ -119,15 +146,15 @@ class PPOStep:
             records = [record for r in scored.rounds for record in r.records]
             write_step_rollouts(records, self.rollouts_dir, step)
         # old/ref log-probs and values -> advantages -> critic update -> actor update
-        actor = actor_trains(self.cfg, step)
-        learned = learn_from_batch(self.engine, batch, self.cfg, self.kl_ctrl, timer, actor)
+        actor = self.learning.actor_trains(step)
+        learned = learn_from_batch(self.engine, batch, self.learning, self.kl_ctrl, timer, actor)
         # the servers serve the updated actor as version `step`
         with stage(timer, "update_weights"):
             weights = self.rollout.publish(self.engine, step)
         step_s = time.perf_counter() - start
         exp = learned.experience
         metrics = learned.metrics | scored.metrics | weights.metrics()
-        metrics |= rollout_metrics(batch, self.cfg.data.max_response_length)
+        metrics |= rollout_metrics(batch, self.max_response_length)
         metrics |= timer.metrics() | {"timing_s/step": step_s}
         metrics |= self.meter.metrics(batch, step_s)
         if exp.old_entropy_bt is not None:  # not under rollout_correction.bypass_mode
@@ -160,15 +187,10 @@ def stage(timer: StageTimer, name: str) -> Iterator[None]:
         yield
 
 
-def actor_trains(cfg: RLHFConfig, step: int) -> bool:
-    """Whether step `step` (from 1) updates the actor: not in `trainer.critic_warmup`."""
-    return step > cfg.trainer.critic_warmup
-
-
 def learn_from_batch(
     engine: PPOEngine,
     batch: RolloutBatch,
-    cfg: RLHFConfig,
+    learning: Learning,
     kl_ctrl: KLController,
     timer: StageTimer,
     update_actor: bool = True,
@@ -178,7 +200,7 @@ def learn_from_batch(
     `update_actor`) the actor's updates. The KL controller moves only when the KL is applied
     in the reward."""
     old: tuple[Tensor, Tensor | None]
-    if cfg.algorithm.rollout_correction.bypass_mode:
+    if learning.algorithm.rollout_correction.bypass_mode:
         old = engine_logprobs(batch)
     else:
         with stage(timer, "old_log_prob"):
@@ -191,11 +213,11 @@ def learn_from_batch(
         with stage(timer, "values"):
             values = engine.values(batch)
     with stage(timer, "adv"):
-        beta = kl_ctrl.value if kl_in_reward(cfg.algorithm, cfg.actor_rollout_ref.actor) else 0.0
-        exp, metrics = build_experience(batch, old, ref, values, cfg.algorithm, beta)
+        beta = kl_ctrl.value if learning.kl_in_reward else 0.0
+        exp, metrics = build_experience(batch, old, ref, values, learning.algorithm, beta)
     bad = nonfinite_experience(exp)
     if bad:  # identical on every rank: all skip or all stop
-        if cfg.trainer.on_nonfinite == "stop":
+        if learning.on_nonfinite == "stop":
             raise NonFiniteError(
                 f"not finite before the updates: {', '.join(bad)} (trainer.on_nonfinite=stop)"
             )
@@ -203,7 +225,7 @@ def learn_from_batch(
         return Learned(
             exp, True, bad, finite | {"training/skipped_step": 1.0} | nonfinite_marks(bad)
         )
-    if kl_in_reward(cfg.algorithm, cfg.actor_rollout_ref.actor):
+    if learning.kl_in_reward:
         assert exp.reward_kl is not None, "the KL in the reward needs the reference"
         kl_ctrl.update(exp.reward_kl, batch.size)
     found: list[str] = []
@@ -219,8 +241,8 @@ def learn_from_batch(
         found += actor.nonfinite
     else:
         metrics["actor/frozen_for_critic_warmup"] = 1.0
-    if cfg.actor_rollout_ref.actor.use_kl_loss:
-        metrics["actor/kl_coef"] = cfg.actor_rollout_ref.actor.kl_loss_coef
+    if learning.kl_loss_coef is not None:
+        metrics["actor/kl_coef"] = learning.kl_loss_coef
     return Learned(exp, False, found, metrics | nonfinite_marks(found))
 
 

@@ -33,8 +33,9 @@ def test_between_phases_cuda_holds_what_the_ledger_says(ctx, tiny_qwen2_dir, mon
     from rlhf.config import load_config, validate_config
     from rlhf.engine.build import build_engine
     from rlhf.logging import Timer
-    from rlhf.trainer import ppo_step
+    from rlhf.trainer import step as ppo_step
     from rlhf.trainer.preflight import load_policy_arch
+    from rlhf.trainer.step import Learning
 
     model = f"actor_rollout_ref.model.path={tiny_qwen2_dir}"
     args = [*SEED_DEFAULTS, model, *COMMON, *OFFLOAD]
@@ -60,7 +61,13 @@ def test_between_phases_cuda_holds_what_the_ledger_says(ctx, tiny_qwen2_dir, mon
 
     monkeypatch.setattr(ppo_step, "stage", measured)
     kl = build_kl_controller(cfg.algorithm.kl_ctrl)
-    ppo_step.learn_from_batch(models, synthetic_batch(arch.vocab_size), cfg, kl, Timer())
+    ppo_step.learn_from_batch(
+        models,
+        synthetic_batch(arch.vocab_size),
+        Learning.of(cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.trainer),
+        kl,
+        Timer(),
+    )
     assert book.nbytes == 0 and torch.cuda.memory_allocated() - base < SLACK
     for name, edge, cuda_bytes, ledger_bytes in seen:
         if edge == "start":

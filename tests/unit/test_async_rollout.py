@@ -22,7 +22,7 @@ from rlhf.config.loader import ConfigError
 from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch, RolloutResult
 from rlhf.rollout.partial import first_and_last_version
-from rlhf.trainer.rollouts import AheadRollout, fresh_groups, overlap
+from rlhf.trainer.rollouts import AheadRollout, BatchShaping, fresh_groups, overlap
 
 N = 2  # samples per prompt
 BATCH = 2  # prompts per step
@@ -105,7 +105,8 @@ def strategy(mode: str, servers: ScriptedServers, *overrides: str, sampler=None,
     cfg = config(mode, *overrides)
     sampler = sampler or PromptSampler(PROMPTS, BATCH, N, seed=3)
     data = list(range(PROMPTS))
-    return AheadRollout(servers, sampler, data, cfg, None, last_step)  # type: ignore[arg-type]
+    shaping = BatchShaping.of(cfg.actor_rollout_ref, cfg.data, cfg.algorithm, cfg.reward)
+    return AheadRollout(servers, sampler, data, shaping, None, cfg.trainer, last_step)  # type: ignore[arg-type]
 
 
 def run_steps(rollout: AheadRollout, first: int, last: int) -> list[list[str]]:

@@ -47,7 +47,7 @@ def one_step(ctx, model_dir, *overrides: str):
     from rlhf.engine.build import build_engine
     from rlhf.logging import Timer
     from rlhf.trainer.preflight import load_policy_arch
-    from rlhf.trainer.step import learn_from_batch
+    from rlhf.trainer.step import Learning, learn_from_batch
 
     model = f"actor_rollout_ref.model.path={model_dir}"
     args = [*SEED_DEFAULTS, model, *COMMON, *OFFLOAD, *overrides]
@@ -58,7 +58,13 @@ def one_step(ctx, model_dir, *overrides: str):
     with book.phase("build"):
         models = build_engine(cfg, arch, ctx, total_steps=1)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
-    learn_from_batch(models, synthetic_batch(arch.vocab_size), cfg, kl_ctrl, Timer())
+    learn_from_batch(
+        models,
+        synthetic_batch(arch.vocab_size),
+        Learning.of(cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.trainer),
+        kl_ctrl,
+        Timer(),
+    )
     return models, book
 
 

@@ -16,6 +16,7 @@ from rlhf.config import load_config
 from rlhf.data.sampler import PromptSampler
 from rlhf.rollout.batch import RolloutBatch, RolloutResult
 from rlhf.trainer.rollouts import (
+    BatchShaping,
     SynchronousRollout,
     informative_groups,
     overlong_penalties,
@@ -58,7 +59,8 @@ def config(*overrides: str):
 def collect(fleet: ScriptedFleet, *overrides: str):
     cfg = config(*overrides)
     sampler = PromptSampler(8, cfg.data.train_batch_size, 2, seed=0)
-    strategy = SynchronousRollout(fleet, sampler, list(range(8)), cfg, None)  # type: ignore[arg-type]
+    shaping = BatchShaping.of(cfg.actor_rollout_ref, cfg.data, cfg.algorithm, cfg.reward)
+    strategy = SynchronousRollout(fleet, sampler, list(range(8)), shaping, None)  # type: ignore[arg-type]
     got = strategy.next_batch(1)
     return got.batch, got.rounds, got.metrics
 

@@ -51,14 +51,14 @@ def test_groups_of_one_sample_are_refused_under_rollout_n(tmp_path, estimator):
     path = groups_of(tmp_path, size=1)
     cfg = run_config(path, "actor_rollout_ref.rollout.n=4", f"algorithm.adv_estimator={estimator}")
     with pytest.raises(DataError) as e:
-        load_stored_groups(cfg, vocab_size=16)
+        stored_groups(cfg)
     assert f"{path}: row 0, column 'uid': group 'g0' has 1 samples, not " in str(e.value)
     assert "actor_rollout_ref.rollout.n=4" in str(e.value) and len(e.value.problems) == 2
 
 
 def test_groups_of_rollout_n_samples_load(tmp_path):
     cfg = run_config(groups_of(tmp_path, size=4), "actor_rollout_ref.rollout.n=4")
-    groups = load_stored_groups(cfg, vocab_size=16)
+    groups = stored_groups(cfg)
     assert groups is not None and [len(g) for g in groups] == [4, 4]
 
 
@@ -68,7 +68,7 @@ def test_an_unscored_row_of_an_unknown_data_source_is_refused_at_load(tmp_path):
     path = groups_of(tmp_path, size=2, data_source="gsm8k_typo")
     cfg = run_config(path, "actor_rollout_ref.rollout.n=2")
     with pytest.raises(DataError) as e:
-        load_stored_groups(cfg, vocab_size=16)
+        stored_groups(cfg)
     assert f"{path}: row 0, column 'data_source': no rule reward for data_source 'gsm8k_typo'" in (
         str(e.value)
     )
@@ -79,13 +79,18 @@ def test_an_unscored_row_of_an_unknown_data_source_is_refused_at_load(tmp_path):
     with_custom = run_config(
         path, "actor_rollout_ref.rollout.n=2", f"reward.custom_fn={custom}:score"
     )
-    assert load_stored_groups(with_custom, vocab_size=16) is not None
+    assert stored_groups(with_custom) is not None
     scored = groups_of(tmp_path, size=2, data_source="gsm8k_typo", score=1.0)
-    assert load_stored_groups(run_config(scored, "actor_rollout_ref.rollout.n=2"), 16) is not None
+    assert stored_groups(run_config(scored, "actor_rollout_ref.rollout.n=2")) is not None
 
 
 def test_an_unscored_model_row_needs_a_reward_model(tmp_path):
     path = groups_of(tmp_path, size=2, reward_style="model")
     cfg = run_config(path, "actor_rollout_ref.rollout.n=2")
     with pytest.raises(DataError, match=r"row 0, column 'score': is null on a reward_style"):
-        load_stored_groups(cfg, vocab_size=16)
+        stored_groups(cfg)
+
+
+def stored_groups(cfg):
+    """`data.rollout_files` grouped as the run loads them (a 16-token vocabulary)."""
+    return load_stored_groups(cfg.data, cfg.reward, cfg.actor_rollout_ref.rollout.n, 16)

@@ -21,7 +21,7 @@ from rlhf.data.rollout_files import StoredSample
 from rlhf.data.sampler import PromptSampler
 from rlhf.reward.scorer import RewardScorer
 from rlhf.rollout.batch import RolloutBatch, RolloutResult
-from rlhf.trainer.rollouts import MixedRollout
+from rlhf.trainer.rollouts import BatchShaping, MixedRollout
 
 N, BATCH, PROMPTS, GROUPS = 2, 4, 12, 6
 TIS = "algorithm.rollout_correction.rollout_is=token"
@@ -87,7 +87,9 @@ def strategy(*overrides: str, fleet=None, make_group=group) -> MixedRollout:
     sampler = PromptSampler(PROMPTS, fresh, N, seed=cfg.data.seed)
     groups = [make_group(g) for g in range(GROUPS)]
     data = list(range(PROMPTS))
-    return MixedRollout(fleet or Fleet(), sampler, data, cfg, None, groups, Tokenizer(), True)  # type: ignore[arg-type]
+    shaping = BatchShaping.of(cfg.actor_rollout_ref, cfg.data, cfg.algorithm, cfg.reward)
+    fleet = fleet or Fleet()
+    return MixedRollout(fleet, sampler, data, shaping, None, groups, Tokenizer(), True)  # type: ignore[arg-type]
 
 
 def test_each_step_takes_exactly_its_share_of_stored_groups():

@@ -272,7 +272,7 @@ def replay_r3(args, ctx, exp, planner) -> dict:
     from rlhf.algo import build_kl_controller
     from rlhf.engine import engine as stages
     from rlhf.logging import Timer
-    from rlhf.trainer.step import learn_from_batch
+    from rlhf.trainer.step import Learning, learn_from_batch
 
     cfg = config(args, 0.0, None, None, R3)
     _, models = build(cfg, ctx)
@@ -282,7 +282,13 @@ def replay_r3(args, ctx, exp, planner) -> dict:
     old_own, _ = models.logprobs(own, "actor")
     not_replayed, _ = stages.compute_logprobs(models.actor, moved, planner, BUDGET, head)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
-    learned = learn_from_batch(models, moved, cfg, kl_ctrl, Timer())
+    learned = learn_from_batch(
+        models,
+        moved,
+        Learning.of(cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.trainer),
+        kl_ctrl,
+        Timer(),
+    )
     with stages.rollout_routes(models.actor):
         after, _ = stages.compute_logprobs(models.actor, moved, planner, BUDGET, head)
     return {

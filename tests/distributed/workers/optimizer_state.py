@@ -193,7 +193,7 @@ def run(args, ctx) -> dict:
     from rlhf.engine.build import build_engine
     from rlhf.logging import Timer
     from rlhf.trainer.preflight import load_policy_arch
-    from rlhf.trainer.step import learn_from_batch
+    from rlhf.trainer.step import Learning, learn_from_batch
 
     layout = [f"trainer.n_gpus_per_node={ctx.world_size}"]
     layout += [f"{r}.megatron.tensor_model_parallel_size={args.tp}" for r in ROLES]
@@ -207,6 +207,7 @@ def run(args, ctx) -> dict:
     models = build_engine(cfg, arch, ctx, total_steps=args.steps)
     batch = synthetic_batch(arch.vocab_size)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
+    learning = Learning.of(cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.trainer)
     first = 1
     if args.resume:
         load(models, Path(args.resume), ctx.rank)
@@ -220,7 +221,7 @@ def run(args, ctx) -> dict:
         if args.weights_only and step == 2:  # the colocated weight sync's view of the actor
             with models.actor.weights_on_device():
                 freed = {"actor": resident_bytes(models.actor)}
-        metrics[step] = learn_from_batch(models, batch, cfg, kl_ctrl, Timer()).metrics
+        metrics[step] = learn_from_batch(models, batch, learning, kl_ctrl, Timer()).metrics
         if args.offload and step == 2:
             freed = {role: resident_bytes(getattr(models, role)) for role in ROLE_MODELS}
             freed["device_bytes"] = device_bytes(models, ctx.device)

@@ -102,7 +102,7 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     from rlhf.engine.engine import compute_logprobs
     from rlhf.logging import Timer
     from rlhf.trainer.preflight import load_policy_arch
-    from rlhf.trainer.step import actor_trains, learn_from_batch
+    from rlhf.trainer.step import Learning, learn_from_batch
 
     model = f"actor_rollout_ref.model.path={model_dir}"
     cfg = load_config(None, [*SEED_DEFAULTS, model, *COMMON, *overrides])
@@ -112,9 +112,10 @@ def run_variant(model_dir: str, overrides: list[str], ctx, save: Path | None = N
     batch = synthetic_batch(arch.vocab_size)
     kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
     kl_before = kl_ctrl.value
-    learn_from_batch(models, batch, cfg, kl_ctrl, Timer(), actor_trains(cfg, 1))
+    learning = Learning.of(cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.trainer)
+    learn_from_batch(models, batch, learning, kl_ctrl, Timer(), learning.actor_trains(1))
     timer = Timer()
-    learned = learn_from_batch(models, batch, cfg, kl_ctrl, timer, actor_trains(cfg, 2))
+    learned = learn_from_batch(models, batch, learning, kl_ctrl, timer, learning.actor_trains(2))
     exp, metrics = learned.experience, learned.metrics
     after, _ = compute_logprobs(
         models.actor, batch, models.planner, models.budgets.actor, models.logprob_head
