@@ -80,7 +80,9 @@ def measure(args, model_dir: Path, run_dir: Path) -> dict:
         trained = {"actor": models.actor}
         if models.critic is not None:
             trained["critic"] = models.critic
-        keeper = CheckpointKeeper(cfg, arch, run_dir, ONE_RANK, total_steps=4)
+        keeper = CheckpointKeeper(
+            cfg.trainer, planned_bytes(cfg, arch), run_dir, ONE_RANK, total_steps=4
+        )
 
         def make_dirs(tmp: Path) -> None:
             for name in trained:
@@ -135,3 +137,12 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def planned_bytes(cfg, arch) -> int:
+    """A checkpoint's planned bytes on disk for a 1-rank run of `cfg`."""
+    from rlhf.config.validate import trained_megatron
+    from rlhf.memory.checkpoint_size import checkpoint_bytes
+
+    trained = trained_megatron(cfg.actor_rollout_ref, cfg.critic, cfg.algorithm)
+    return checkpoint_bytes(trained.values(), arch, cfg.trainer.save_hf, 1)

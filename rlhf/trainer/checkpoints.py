@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,14 +23,10 @@ from rlhf.checkpoint import (
 )
 from rlhf.checkpoint.background import BackgroundSave, CheckpointWriterError, PendingWrite
 from rlhf.checkpoint.storage import available_bytes, size_text
-from rlhf.config.loader import dump_yaml
-from rlhf.config.schema import RLHFConfig
-from rlhf.config.validate import trained_megatron
+from rlhf.config.schema import TrainerConfig
 from rlhf.distributed.context import ParallelContext
 from rlhf.engine.engine import PPOEngine
 from rlhf.engine.nonfinite import NonFiniteError
-from rlhf.memory.checkpoint_size import checkpoint_bytes
-from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
 from rlhf.trainer.export import write_model_exports
 from rlhf.trainer.preflight import CHECKPOINT_CONFIG
@@ -44,20 +40,23 @@ class CheckpointKeeper:
 
     def __init__(
         self,
-        cfg: RLHFConfig,
-        arch: ModelArch,
+        trainer: TrainerConfig,
+        size: int,
         run_dir: Path,
         ctx: ParallelContext,
         total_steps: int,
+        config_yaml: str = "",
+        sources: Mapping[str, tuple[str, str]] | None = None,
     ):
-        """`ctx`: where this rank sits (`is_main`, `rank`; `dp_sp_size`: the ranks the
-        optimizer state is sharded over)."""
-        trainer = cfg.trainer
-        self.cfg, self.ctx = cfg, ctx
+        """`trainer`: the checkpoint keys; `size`: a checkpoint's planned bytes on disk
+        (`rlhf.memory.checkpoint_size`); `ctx`: where this rank sits (`is_main`, `rank`);
+        `config_yaml`: the run's config, written into each checkpoint; `sources`: each
+        trained model's HF directory and dtype (its exports, `rlhf.trainer.export`)."""
+        self.trainer, self.ctx = trainer, ctx
+        self.config_yaml, self.sources = config_yaml, dict(sources or {})
         # the manager first: it removes what a failed save left before space is counted
         self.manager = CheckpointManager(run_dir / "checkpoints", trainer.max_actor_ckpt_to_keep)
-        trained = trained_megatron(cfg.actor_rollout_ref, cfg.critic, cfg.algorithm).values()
-        self.size = checkpoint_bytes(trained, arch, trainer.save_hf, ctx.dp_sp_size)
+        self.size = size
         saves = total_steps // trainer.save_freq + 1 if trainer.save_freq > 0 else 1
         self.write_rate = self._probe(saves, trainer.max_actor_ckpt_to_keep) if ctx.is_main else 0.0
         self.last_save_s: float | None = None  # the last save, until it was published
@@ -94,7 +93,7 @@ class CheckpointKeeper:
             raise NonFiniteError(
                 f"step {step}: the {name}'s weights are not finite; checkpoint not written"
             )
-        if self.cfg.trainer.async_save:
+        if self.trainer.async_save:
             self.save_in_background(step, lambda tmp: self._snapshot(tmp, engine, state))
         else:
             self.save(step, lambda tmp: self._write(tmp, engine, state))
@@ -132,20 +131,13 @@ class CheckpointKeeper:
     def _write_state(self, tmp: Path, state: dict) -> None:
         save_trainer_state(tmp, state, self.ctx.rank)
         if self.ctx.is_main:
-            (tmp / CHECKPOINT_CONFIG).write_text(dump_yaml(self.cfg))
+            (tmp / CHECKPOINT_CONFIG).write_text(self.config_yaml)
 
     def _write_exports(self, tmp: Path, engine: PPOEngine) -> None:
         if self.ctx.is_main:
-            cfg = self.cfg
-            sources = {
-                "actor": (
-                    cfg.actor_rollout_ref.model.path,
-                    cfg.actor_rollout_ref.actor.megatron.dtype,
-                ),
-                "critic": (cfg.critic.model.path, cfg.critic.megatron.dtype),
-            }
             placement = Placement.of(self.ctx)
-            write_model_exports(tmp, engine.trained(), sources, cfg.trainer.save_hf, placement)
+            trained = engine.trained()
+            write_model_exports(tmp, trained, self.sources, self.trainer.save_hf, placement)
 
     def save(self, step: int, write: Callable[[Path], None]) -> None:
         """`write(tmp_dir)` as the checkpoint of `step` (all ranks), timed; a full or

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from rlhf.algo import build_kl_controller
 from rlhf.config.loader import config_to_dict, dump_yaml
 from rlhf.config.schema import RLHFConfig
+from rlhf.config.validate import trained_megatron
 from rlhf.data.sampler import PromptSampler
 from rlhf.distributed.context import ParallelContext
 from rlhf.engine.build import build_engine
@@ -27,7 +28,7 @@ from rlhf.engine.reward_model import (
     score_model_rows,
 )
 from rlhf.logging import StepProfiler
-from rlhf.memory.checkpoint_size import save_hold_text
+from rlhf.memory.checkpoint_size import checkpoint_bytes, save_hold_text
 from rlhf.memory.ledger import ledger
 from rlhf.reward.validation import val_samples, validation_metrics
 from rlhf.rollout.policy_servers import PolicyServers, val_sampling_params
@@ -80,7 +81,16 @@ class PPOTrainer:
             cfg.trainer.total_epochs * self.steps_per_epoch()
         )
         # before any server starts: a read-only or too small checkpoint directory fails now
-        self.keeper = CheckpointKeeper(cfg, checked.arch, run_dir, ctx, self.total_steps)
+        aro = cfg.actor_rollout_ref
+        trained = trained_megatron(aro, cfg.critic, cfg.algorithm)
+        size = checkpoint_bytes(trained.values(), checked.arch, cfg.trainer.save_hf, ctx.dp_sp_size)
+        sources = {
+            "actor": (aro.model.path, aro.actor.megatron.dtype),
+            "critic": (cfg.critic.model.path, cfg.critic.megatron.dtype),
+        }
+        self.keeper = CheckpointKeeper(
+            cfg.trainer, size, run_dir, ctx, self.total_steps, dump_yaml(cfg), sources
+        )
         if ctx.is_main:
             self.log_save_plan()
         self.checkpoints = self.keeper.manager

@@ -23,6 +23,7 @@ from rlhf.models.families import load_arch
 from rlhf.trainer.checkpoints import CheckpointKeeper
 from rlhf.trainer.stopping import Preempted, PreemptionGuard
 from tests.helpers import REPO, small_filesystem
+from tests.unit.test_checkpoint_storage import planned_bytes
 
 # where a 1-rank run's only rank sits (the keeper reads these of a ParallelContext)
 ONE_RANK = SimpleNamespace(is_main=True, rank=0, dp_sp_size=1, world_size=1, tp_size=1, pp_size=1)
@@ -34,7 +35,9 @@ def keeper_for(model_dir, run_dir) -> CheckpointKeeper:
     cfg = load_config(
         str(REPO / "configs" / "quickstart_cpu.yaml"), [f"actor_rollout_ref.model.path={model_dir}"]
     )
-    return CheckpointKeeper(cfg, load_arch(model_dir), run_dir, ONE_RANK, total_steps=10)
+    return CheckpointKeeper(
+        cfg.trainer, planned_bytes(cfg, load_arch(model_dir)), run_dir, ONE_RANK, total_steps=10
+    )
 
 
 def test_the_writer_writes_the_state_of_the_save_not_the_changed_one(tmp_path):

@@ -135,7 +135,13 @@ def test_keeper_says_what_is_lost_and_decides_the_preemption_save(tiny_qwen2_dir
         str(REPO / "configs" / "quickstart_cpu.yaml"),
         [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"],
     )
-    keeper = CheckpointKeeper(cfg, load_arch(tiny_qwen2_dir), tmp_path, ONE_RANK, total_steps=10)
+    keeper = CheckpointKeeper(
+        cfg.trainer,
+        planned_bytes(cfg, load_arch(tiny_qwen2_dir)),
+        tmp_path,
+        ONE_RANK,
+        total_steps=10,
+    )
     root = tmp_path / "checkpoints"
     assert keeper.write_rate > 0 and keeper.last_save_s is None
     assert keeper.work_lost(3) == "no checkpoint holds steps 1-3"
@@ -176,7 +182,13 @@ def test_a_directory_turned_read_only_mid_run_says_read_only_and_what_is_lost(
         [f"actor_rollout_ref.model.path={tiny_qwen2_dir}"],
     )
     with small_filesystem(tmp_path / "disk", 4096) as disk:
-        keeper = CheckpointKeeper(cfg, load_arch(tiny_qwen2_dir), disk, ONE_RANK, total_steps=10)
+        keeper = CheckpointKeeper(
+            cfg.trainer,
+            planned_bytes(cfg, load_arch(tiny_qwen2_dir)),
+            disk,
+            ONE_RANK,
+            total_steps=10,
+        )
         keeper.save(1, lambda tmp: (tmp / "state").write_text("1"))
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
         with pytest.raises(CheckpointStorageError) as err:
