@@ -14,7 +14,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -62,18 +63,13 @@ def resolve(args: argparse.Namespace) -> tuple[RLHFConfig, list[str]]:
     return cfg, loaded.ignored
 
 
-def run(cfg: RLHFConfig) -> Path:
-    """Lock the run directory (main rank), check the config against the launched world and
-    the model, bootstrap, then train."""
-    return locked(Path(cfg.trainer.default_local_dir), _run, cfg)
-
-
-def locked(run_dir: Path, body: Callable[[Any, Path], Path], cfg: Any) -> Path:
-    """`body(cfg, run_dir)` with the run directory locked by the main rank (one run at a
-    time writes into it: `rlhf.checkpoint.run_lock`)."""
+@contextmanager
+def locked(run_dir: Path) -> Iterator[None]:
+    """Inside: the run directory locked by the main rank (one run at a time writes into it:
+    `rlhf.checkpoint.run_lock`)."""
     lock = RunDirLock(run_dir).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
     try:
-        return body(cfg, run_dir)
+        yield
     finally:
         if lock is not None:
             lock.release()
@@ -90,34 +86,38 @@ def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
     return bootstrap.init_layout(device, layout)
 
 
-def _run(cfg: RLHFConfig, run_dir: Path) -> Path:
+def run(cfg: RLHFConfig) -> Path:
+    """Lock the run directory (main rank), check the config against the launched world and
+    the model (`rlhf.trainer.preflight`), bootstrap, then train."""
     from rlhf.distributed import bootstrap
     from rlhf.trainer.loop import PPOTrainer
     from rlhf.trainer.preflight import preflight
 
-    world = bootstrap.launched_world_size() or 1
-    local = bootstrap.launched_local_world_size() or 1
-    device = bootstrap.pick_device(cfg.trainer.device).type
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    checked = preflight(cfg, world, local, device, is_main)  # before any server starts
-    ctx = bootstrap_layout(cfg.trainer.device, checked.layout, world)
-    trainer = None
-    try:
-        bootstrap.seed_everything(cfg.actor_rollout_ref.actor.megatron.seed)
-        if ctx.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
-            for note in config_notes(cfg):
-                log.warning("config: %s", note)
-        trainer = PPOTrainer(cfg, ctx, run_dir, checked)
-        last = trainer.fit()
-        if ctx.is_main:
-            report(run_dir, last)
-    finally:
-        if trainer is not None:
-            trainer.close()
-        bootstrap.teardown()
-    return run_dir
+    run_dir = Path(cfg.trainer.default_local_dir)
+    with locked(run_dir):
+        world = bootstrap.launched_world_size() or 1
+        local = bootstrap.launched_local_world_size() or 1
+        device = bootstrap.pick_device(cfg.trainer.device).type
+        is_main = int(os.environ.get("RANK", "0")) == 0
+        checked = preflight(cfg, world, local, device, is_main)  # before any server starts
+        ctx = bootstrap_layout(cfg.trainer.device, checked.layout, world)
+        trainer = None
+        try:
+            bootstrap.seed_everything(cfg.actor_rollout_ref.actor.megatron.seed)
+            if ctx.is_main:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
+                for note in config_notes(cfg):
+                    log.warning("config: %s", note)
+            trainer = PPOTrainer(cfg, ctx, run_dir, checked)
+            last = trainer.fit()
+            if ctx.is_main:
+                report(run_dir, last)
+        finally:
+            if trainer is not None:
+                trainer.close()
+            bootstrap.teardown()
+        return run_dir
 
 
 def report(run_dir: Path, step: int) -> None:

@@ -26,33 +26,31 @@ log = logging.getLogger("rlhf.cli.train_rm")
 
 def run(cfg: RewardModelRunConfig) -> Path:
     """Lock the run directory (main rank), check the model, bootstrap, train, export."""
-    return locked(Path(cfg.trainer.default_local_dir), _run, cfg)
-
-
-def _run(cfg: RewardModelRunConfig, run_dir: Path) -> Path:
     from rlhf.distributed import bootstrap
     from rlhf.trainer.preflight import preflight_reward_model
     from rlhf.trainer.reward_training import EXPORT_DIR, RewardModelTrainer
 
-    world = bootstrap.launched_world_size() or 1
-    arch, layout = preflight_reward_model(cfg, world)  # before the process groups
-    ctx = bootstrap_layout(cfg.trainer.device, layout, world)
-    trainer = None
-    try:
-        bootstrap.seed_everything(cfg.model.megatron.seed)
-        if ctx.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-            log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
-        trainer = RewardModelTrainer(cfg, ctx, run_dir, arch)
-        last = trainer.fit()
-        if ctx.is_main:
-            report(run_dir, last, run_dir / EXPORT_DIR)
-    finally:
-        if trainer is not None:
-            trainer.close()
-        bootstrap.teardown()
-    return run_dir
+    run_dir = Path(cfg.trainer.default_local_dir)
+    with locked(run_dir):
+        world = bootstrap.launched_world_size() or 1
+        arch, layout = preflight_reward_model(cfg, world)  # before the process groups
+        ctx = bootstrap_layout(cfg.trainer.device, layout, world)
+        trainer = None
+        try:
+            bootstrap.seed_everything(cfg.model.megatron.seed)
+            if ctx.is_main:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+                log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
+            trainer = RewardModelTrainer(cfg, ctx, run_dir, arch)
+            last = trainer.fit()
+            if ctx.is_main:
+                report(run_dir, last, run_dir / EXPORT_DIR)
+        finally:
+            if trainer is not None:
+                trainer.close()
+            bootstrap.teardown()
+        return run_dir
 
 
 def report(run_dir: Path, step: int, exported: Path) -> None:
