@@ -85,7 +85,7 @@ GPU_RUNTIME_BYTES = 2 * GIB
 LOCAL_SPEC = "local"
 # the forward-only pass of each trained model: a phase of its own (`_phases`)
 FORWARD_PHASES = {"actor": "old_log_prob", "critic": "values"}
-BUILD_ORDER = ("actor", "reference", "critic")  # as `build_ppo_models` builds them
+BUILD_ORDER = ("actor", "reference", "critic")  # as `build_engine` builds them
 
 
 @dataclass(frozen=True)
