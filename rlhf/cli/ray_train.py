@@ -261,8 +261,10 @@ def load_run(trainer_args: list[str]) -> Any:
     """The trainer's config, checked for the world the launch will start (one line on error)."""
     from rlhf.cli import train
     from rlhf.config import validate_config
+    from rlhf.config.hydra_load import load_command_line
 
-    cfg = train.load(train.parse_args(trainer_args)).config
+    args = train.parse_args(trainer_args)
+    cfg = load_command_line(args.config, args.config_path, args.config_name, args.overrides).config
     t = cfg.trainer
     validate_config(cfg, t.nnodes * t.n_gpus_per_node, local_world_size=t.n_gpus_per_node)
     return cfg

@@ -22,12 +22,12 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 from rlhf.config.choices import LOGGERS
-from rlhf.config.schema import TrainerConfig
 from rlhf.errors import UserError
 from rlhf.logging.backends import BACKENDS, RemoteRun, RunInfo, TrackerResume, start_backend
 from rlhf.logging.names import NameMap
@@ -56,6 +56,22 @@ class TrackerError(ValueError, UserError):
 def _scalar(value) -> float:
     """Plain float of a number or a 0-d/1-element tensor."""
     return float(value.item() if hasattr(value, "item") else value)
+
+
+class TrackedRun(Protocol):
+    """The trainer section's keys a tracker reads (rlhf-train's and rlhf-train-rm's)."""
+
+    @property
+    def default_local_dir(self) -> str: ...
+
+    @property
+    def logger(self) -> Sequence[str]: ...
+
+    @property
+    def project_name(self) -> str: ...
+
+    @property
+    def experiment_name(self) -> str: ...
 
 
 class MetricTracker:
@@ -100,7 +116,7 @@ class MetricTracker:
 
     @classmethod
     def from_config(
-        cls, trainer: TrainerConfig, config: dict, resume: TrackerResume | None = None
+        cls, trainer: TrackedRun, config: dict, resume: TrackerResume | None = None
     ) -> MetricTracker:
         """The tracker for a run: `trainer.logger` backends in `trainer.default_local_dir`;
         `config`: the run's whole config as a dict (what each backend records)."""
