@@ -9,8 +9,11 @@ raises the log-probs of positive-advantage responses relative to negative ones.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,9 @@ import torch
 from tests.distributed.workers.trainer_step import SCORES
 from tests.helpers import run_worker_layouts
 
+# The numerics guard: the 1-rank steps of every variant as the code before the issue-53
+# renovation computed them (same tiny model, same seeds); a refactor must reproduce them.
+REFERENCE = Path(__file__).parent / "data" / "trainer_step_reference.json"
 GSPO = ("gspo", "vanilla_gspo_settings")
 GRPO_LIKE = ("grpo", "dr_grpo", "grpo_tis", "grpo_seq_is", "grpo_bypass", *GSPO)  # KL in reward
 BETA = 0.05  # algorithm.kl_ctrl.kl_coef in the worker
@@ -28,6 +34,45 @@ GROUPS = [list(range(0, 4)), list(range(4, 8))]
 def steps(tiny_qwen2_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer_step")
     return run_worker_layouts("trainer_step.py", {"one": (1, [])}, tiny_qwen2_dir, out)["one"]
+
+
+def test_the_steps_reproduce_the_stored_run(steps):
+    """Every variant's two steps (log-probs before and after, reference log-probs, values,
+    advantages, returns, importance weights, the probe, the synced tensors, metrics, the KL
+    coefficient) equal the stored run to 1e-6 (on this machine and torch: the same bits)."""
+    stored = json.loads(REFERENCE.read_text())
+    assert sorted(stored) == sorted(steps)
+    differences = list(_differences(stored, steps, ""))
+    assert not differences, f"{len(differences)} values moved, e.g. {differences[:3]}"
+
+
+def _differences(stored, now, path: str) -> Iterator[str]:
+    """Where `now` (a worker's result) is not `stored` (its JSON form)."""
+    if isinstance(now, dict):
+        if sorted(map(str, now)) != sorted(stored):
+            yield f"{path}: keys {sorted(map(str, now))} != {sorted(stored)}"
+            return
+        for key, value in now.items():
+            yield from _differences(stored[str(key)], value, f"{path}/{key}")
+    elif isinstance(now, torch.Tensor):
+        expected = torch.tensor(stored["tensor"], dtype=torch.float64)
+        got = now.double()
+        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=0, atol=1e-6):
+            yield path
+    elif isinstance(now, (list, tuple)):
+        if len(now) != len(stored):
+            yield f"{path}: {len(now)} items != {len(stored)}"
+            return
+        for i, (a, b) in enumerate(zip(stored, now)):
+            yield from _differences(a, b, f"{path}[{i}]")
+    elif isinstance(now, float) and math.isnan(now):
+        if not (isinstance(stored, float) and math.isnan(stored)):
+            yield path
+    elif isinstance(now, float):
+        if not math.isclose(now, stored, rel_tol=0, abs_tol=1e-6):
+            yield f"{path}: {now} != {stored}"
+    elif now != stored:
+        yield f"{path}: {now!r} != {stored!r}"
 
 
 def per_token(values: list[float], mask: torch.Tensor) -> torch.Tensor:
