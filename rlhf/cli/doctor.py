@@ -84,7 +84,7 @@ def run_checks(
 
     def validated(shape: ModelArch | None) -> tuple[ParallelLayout, list[str]]:
         layout = validate_config(cfg, world_size, shape)
-        load_configured_tools(cfg)
+        load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
         return layout, config_notes(cfg)
 
     return [

@@ -112,12 +112,14 @@ def format_table(table: dict[str, dict[str, float]], prompts: dict[str, int]) ->
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, cfg: RLHFConfig) -> dict:
+def run(args: argparse.Namespace) -> dict:
+    """The evaluation the command line asks for (`evaluate`), its table and JSON."""
     import torch
 
     from rlhf.rollout.batch import write_records
     from rlhf.rollout.evaluation import evaluate
 
+    cfg = eval_config(args)
     data = args.data or cfg.data.val_files
     if not data:
         raise UserError("no data: pass --data FILE.parquet or set data.val_files")
@@ -178,7 +180,7 @@ def exit_code(prog: str, body: Callable[[], object]) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
-    return exit_code("rlhf-eval", lambda: run(args, eval_config(args)))
+    return exit_code("rlhf-eval", lambda: run(args))
 
 
 main = ends_in_one_line("rlhf-eval")(main)  # rlhf.errors: one line, exit 2 or 1

@@ -62,11 +62,13 @@ def rollout_config(args: argparse.Namespace) -> RLHFConfig:
     return load_config(args.config, [*shortcuts, *args.overrides])
 
 
-def run(args: argparse.Namespace, cfg: RLHFConfig) -> None:
+def run(args: argparse.Namespace) -> None:
+    """The stored rollouts the command line asks for (`write_rollouts`)."""
     import torch
 
     from rlhf.rollout.offline import write_rollouts
 
+    cfg = rollout_config(args)
     data = args.data or cfg.data.train_files
     if not data:
         raise UserError("no prompts: pass --data FILE.parquet or set data.train_files")
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace, cfg: RLHFConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
-    return exit_code("rlhf-rollout", lambda: run(args, rollout_config(args)))
+    return exit_code("rlhf-rollout", lambda: run(args))
 
 
 main = ends_in_one_line("rlhf-rollout")(main)  # rlhf.errors: one line, exit 2 or 1

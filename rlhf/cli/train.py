@@ -59,7 +59,7 @@ def resolve(args: argparse.Namespace) -> tuple[RLHFConfig, list[str]]:
     loaded = load_command_line(args.config, args.config_path, args.config_name, args.overrides)
     cfg = loaded.config
     validate_config(cfg, launched_world_size(), local_world_size=launched_local_world_size())
-    load_configured_tools(cfg)
+    load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
     return cfg, loaded.ignored
 
 

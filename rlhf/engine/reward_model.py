@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhf.config.budgets import MicroBatching
-from rlhf.config.schema import RLHFConfig
+from rlhf.config.schema import RewardConfig
 from rlhf.distributed.context import ParallelContext
 from rlhf.engine.engine import MegatronModel
 from rlhf.engine.heads import SequenceScoreHead
@@ -59,12 +59,15 @@ class RewardModelScorer:
     @classmethod
     def from_config(
         cls,
-        cfg: RLHFConfig,
+        reward: RewardConfig,
+        dtype_name: str,
         ctx: ParallelContext,
         planner: MicroBatchPlanner,
         token_budget: int | MicroBatching,
     ) -> RewardModelScorer | None:
-        path = cfg.reward.model_path
+        """The reward model of `reward.model_path` (None without one), in the policy's
+        training dtype (`dtype_name`), scoring with `planner` at `token_budget`."""
+        path = reward.model_path
         if not path:
             return None
         if not (Path(path) / "config.json").is_file():
@@ -74,7 +77,7 @@ class RewardModelScorer:
                 f"reward.model_path: {path} has no 'score.weight'; a reward model must be an "
                 "HF *ForSequenceClassification checkpoint with num_labels=1"
             )
-        dtype = DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
+        dtype = DTYPES[dtype_name]
         module, _ = value_model_from_hf(
             path,
             Placement.of(ctx),

@@ -92,11 +92,13 @@ def evaluate(
     `model_path` (its tokenizer encodes the prompts), `batch_size` prompts at a time, and
     score them (a progress bar on stderr once the server is up)."""
     tokenizer = load_tokenizer(model_path)
-    tools = load_configured_tools(cfg)
+    tools = load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
     prompts = eval_prompts(cfg.data, cfg.reward, data_files, tokenizer, tools).prompts
     params = val_sampling_params(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length)
     scorer = RewardScorer.from_config(cfg.reward)
-    multi_turn = multi_turn_rollout(cfg, tokenizer, tools)  # conversations with the tools
+    multi_turn = multi_turn_rollout(
+        cfg.actor_rollout_ref.rollout.multi_turn, cfg.data.max_response_length, tokenizer, tools
+    )  # conversations with the tools
     cpu_tokens = (
         kv_cache_tokens(cfg.data, cfg.actor_rollout_ref.rollout, batch_size)
         if device == "cpu"

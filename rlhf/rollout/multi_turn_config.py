@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.config import RLHFConfig
 from rlhf.config.multi_turn_rules import MULTI_TURN, check_tool_config_path
 from rlhf.config.rollout import MultiTurnConfig
 from rlhf.errors import UserError
@@ -46,10 +45,9 @@ def multi_turn_settings(
     )
 
 
-def load_configured_tools(cfg: RLHFConfig) -> dict[str, Tool]:
+def load_configured_tools(multi_turn: MultiTurnConfig) -> dict[str, Tool]:
     """The tools of `multi_turn.tool_config_path` by name, in the file's order ({} when
     multi-turn is off); a file that does not load is a one-line `ToolConfigError`."""
-    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return {}
     check_tool_config_path(multi_turn)  # the config rule: rlhf-eval and rlhf-rollout run no other
@@ -70,13 +68,11 @@ def tool_schemas(tools: dict[str, Tool]) -> list[dict[str, Any]] | None:
 
 
 def multi_turn_rollout(
-    cfg: RLHFConfig, tokenizer, tools: dict[str, Tool]
+    multi_turn: MultiTurnConfig, max_response_length: int, tokenizer, tools: dict[str, Tool]
 ) -> MultiTurnRollout | None:
-    """The conversations of `rollout.multi_turn` with `tools` (`load_configured_tools`;
-    None when multi-turn is off)."""
-    settings = multi_turn_settings(
-        cfg.actor_rollout_ref.rollout.multi_turn, cfg.data.max_response_length
-    )
+    """The conversations of `rollout.multi_turn` with `tools` (`load_configured_tools`),
+    each response at most `max_response_length` tokens; None when multi-turn is off."""
+    settings = multi_turn_settings(multi_turn, max_response_length)
     if settings is None:
         return None
     return MultiTurnRollout(tools, tokenizer, settings)

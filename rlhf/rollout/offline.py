@@ -122,7 +122,7 @@ def write_rollouts(
 ) -> RolloutPlan:
     """Generate, score and store every batch of prompts not stored yet in `out_dir`."""
     tokenizer = load_tokenizer(model_path)
-    tools = load_configured_tools(cfg)
+    tools = load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
     prompts = eval_prompts(
         cfg.data, cfg.reward, data_files, tokenizer, tools, unscored_model_rows=True
     ).prompts
@@ -163,7 +163,9 @@ def write_rollouts(
             if device == "cpu"
             else None,
         )
-        multi_turn = multi_turn_rollout(cfg, tokenizer, tools)
+        multi_turn = multi_turn_rollout(
+            cfg.actor_rollout_ref.rollout.multi_turn, cfg.data.max_response_length, tokenizer, tools
+        )
         for b in todo:
             indices = plan.indices(b)
             chunk = [prompts[i] for i in indices]

@@ -138,14 +138,18 @@ class WeightLoad:
 
 
 def server_kv_cache_tokens(
-    cfg: RLHFConfig, ctx: ParallelContext, max_prompts: int, arch: ModelArch
+    data: DataConfig,
+    rollout: RolloutConfig,
+    ctx: ParallelContext,
+    max_prompts: int,
+    arch: ModelArch,
 ) -> int:
     """The KV cache a launched server gets: on CPU what the largest generation needs; on
     GPU the memory plan's share (`rlhf.memory.planner.planned_kv_cache_tokens`)."""
     if ctx.device.type == "cpu":
-        return kv_cache_tokens(cfg.data, cfg.actor_rollout_ref.rollout, max_prompts)
+        return kv_cache_tokens(data, rollout, max_prompts)
     gpu_bytes = torch.cuda.get_device_properties(ctx.device).total_memory
-    return planned_kv_cache_tokens(cfg.actor_rollout_ref.rollout, arch, gpu_bytes)
+    return planned_kv_cache_tokens(rollout, arch, gpu_bytes)
 
 
 def wait_for_servers(engine: SGLangEngine | None) -> None:
@@ -228,7 +232,12 @@ class PolicyServers:
         sleeps = launched and rollout.free_cache_engine
         if owner:
             scorer = RewardScorer.from_config(cfg.reward)
-            multi_turn = multi_turn_rollout(cfg, tokenizer, tools)
+            multi_turn = multi_turn_rollout(
+                cfg.actor_rollout_ref.rollout.multi_turn,
+                cfg.data.max_response_length,
+                tokenizer,
+                tools,
+            )
             if cfg.trainer.rollout_mode == "async":
                 stop_ids = end_of_sample_ids(cfg.actor_rollout_ref.model.path, tokenizer)
                 keep = cfg.trainer.async_rollout.partial_rollout
@@ -239,7 +248,7 @@ class PolicyServers:
                 log_dir=node_dir / "logs",
                 device=ctx.device.type,
                 seed=cfg.data.seed,
-                max_total_tokens=server_kv_cache_tokens(cfg, ctx, max_prompts, arch),
+                max_total_tokens=server_kv_cache_tokens(cfg.data, rollout, ctx, max_prompts, arch),
                 wait=False,
                 gpus_per_node=ctx.local_world_size,
             )

@@ -154,7 +154,10 @@ class PPOTrainer:
         cfg, ctx = self.cfg, self.ctx
         self.engine = build_engine(cfg, self.arch, ctx, self.total_steps)
         budget = self.engine.budgets.ref  # the reward model's passes: the reference's
-        self.reward_model = RewardModelScorer.from_config(cfg, ctx, self.engine.planner, budget)
+        dtype = cfg.actor_rollout_ref.actor.megatron.dtype
+        self.reward_model = RewardModelScorer.from_config(
+            cfg.reward, dtype, ctx, self.engine.planner, budget
+        )
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.stopper = EarlyStopper(cfg.trainer.early_stop, cfg.algorithm.kl_ctrl.target_kl)
         self.profiler = StepProfiler.from_config(cfg.global_profiler, cfg.trainer.default_local_dir)

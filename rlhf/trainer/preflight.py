@@ -401,7 +401,7 @@ def preflight(
     path = cfg.actor_rollout_ref.model.path
     tokenizer = load_tokenizer(path)
     check_tokenizer_fits(tokenizer, arch, path, MODEL_KEY)
-    tools = load_configured_tools(cfg)
+    tools = load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
     train = _prompts(cfg.data, cfg.reward, tokenizer, tools, "train")
     val = _prompts(cfg.data, cfg.reward, tokenizer, tools, "val") if cfg.data.val_files else None
     datasets = {"data.train_files": train, "data.val_files": val}

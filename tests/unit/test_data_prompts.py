@@ -230,7 +230,7 @@ def test_dataset_from_config_lists_the_configured_tools(tmp_path):
             f"{multi_turn}.tool_config_path={tool_config}",
         ],
     )
-    schemas = tool_schemas(load_configured_tools(cfg))
+    schemas = tool_schemas(load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn))
     assert schemas == TOOLS[:1]
     with_tools = prompt_dataset_from_config(cfg.data, tokenizer, "train", tools=schemas)
     without = prompt_dataset_from_config(cfg.data, tokenizer, "train")

@@ -89,7 +89,7 @@ def test_multi_turn_evaluation_lists_the_runs_tools_in_every_prompt(tiny_qwen2_d
         [f"{mt}.enable=true", f"{mt}.tool_config_path={tool_config}", "data.max_prompt_length=512"],
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
-    tools = load_configured_tools(cfg)
+    tools = load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
     prompts = eval_prompts(cfg.data, cfg.reward, [str(data)], tokenizer, tools).prompts
     for row, prompt in zip(rows, prompts, strict=True):
         text = tokenizer.apply_chat_template(

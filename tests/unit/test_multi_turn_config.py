@@ -127,7 +127,7 @@ def test_enable_needs_a_tool_config_that_exists(tmp_path):
     cfg = load_config(QUICKSTART, [f"{MT}.enable=true", f"{MT}.tool_config_path={missing}"])
     validate_config(cfg)  # like data files, checked when the run loads it
     with pytest.raises(ToolConfigError) as err:
-        load_configured_tools(cfg)
+        load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
     assert str(err.value) == f"{MT}.tool_config_path: tool config {missing} does not exist"
 
 
@@ -175,7 +175,7 @@ def test_a_valid_multi_turn_config_passes_and_gives_the_rollout_its_settings(too
         tool_response_truncate_side="right",
         format="hermes",
     )
-    tools = load_configured_tools(cfg)
+    tools = load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
     assert list(tools) == ["calculator"] and isinstance(tools["calculator"], Calculator)
     assert tools["calculator"].max_length == 40  # the tool's settings, verl's `type` taken off
     schemas = tool_schemas(tools)
@@ -190,7 +190,10 @@ def test_off_there_are_no_settings_no_tools_and_set_keys_are_named_as_ignored():
         multi_turn_settings(cfg.actor_rollout_ref.rollout.multi_turn, cfg.data.max_response_length)
         is None
     )
-    assert load_configured_tools(cfg) == {} and tool_schemas({}) is None
+    assert (
+        load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn) == {}
+        and tool_schemas({}) is None
+    )
     assert config_notes(cfg) == [
         f"{MT}.tool_config_path, {MT}.max_user_turns ignored: {MT}.enable=false"
     ]
@@ -220,7 +223,9 @@ def test_a_tool_config_that_does_not_load_is_a_one_line_config_error(
     tool_config.write_text(text)
     overrides = [f"{MT}.enable=true", f"{MT}.tool_config_path={tool_config}"]
     with pytest.raises(ToolConfigError) as err:
-        load_configured_tools(load_config(QUICKSTART, overrides))
+        load_configured_tools(
+            (load_config(QUICKSTART, overrides)).actor_rollout_ref.rollout.multi_turn
+        )
     assert str(err.value).startswith(f"{MT}.tool_config_path: tool config {tool_config}")
     assert said in str(err.value)
     # rlhf-train says it in one line before anything starts, rlhf-doctor as its config check

@@ -51,7 +51,13 @@ def mixed_result() -> RolloutResult:
 
 def test_model_rows_get_hf_pooled_logits_rule_rows_unchanged(ctx, reward_dir):
     cfg = load_config(None, ["actor_rollout_ref.model.path=m", f"reward.model_path={reward_dir}"])
-    scorer = RewardModelScorer.from_config(cfg, ctx, MicroBatchPlanner(ctx, thd=False), 64)
+    scorer = RewardModelScorer.from_config(
+        cfg.reward,
+        cfg.actor_rollout_ref.actor.megatron.dtype,
+        ctx,
+        MicroBatchPlanner(ctx, thd=False),
+        64,
+    )
     assert scorer is not None
     before = mixed_result()
     after = scorer(before).batch
@@ -78,4 +84,10 @@ def test_a_reward_model_without_a_score_head_is_refused(ctx, tmp_path):
     )
     cfg = load_config(None, ["actor_rollout_ref.model.path=m", f"reward.model_path={tmp_path}"])
     with pytest.raises(ValueError, match=r"has no 'score\.weight'"):
-        RewardModelScorer.from_config(cfg, ctx, MicroBatchPlanner(ctx, thd=False), 64)
+        RewardModelScorer.from_config(
+            cfg.reward,
+            cfg.actor_rollout_ref.actor.megatron.dtype,
+            ctx,
+            MicroBatchPlanner(ctx, thd=False),
+            64,
+        )
