@@ -19,6 +19,11 @@ MAX_FUNCTION_LINES = 80
 FORMATTER_OFF = ("fmt: skip", "fmt: off")
 PARALLEL_STATE = "megatron.core.parallel_state"
 BOOTSTRAP = PACKAGE / "distributed" / "bootstrap.py"
+# components take their config section or the resolved plan (rlhf.config.plan), not the tree
+MAX_WHOLE_CONFIG = 15
+# where ConfigError may be raised: the config's own rules, and the rules that need a model,
+# the world, the data or a checkpoint (one preflight)
+CONFIG_ERROR_HOMES = (PACKAGE / "config", PACKAGE / "trainer" / "preflight.py")
 
 
 def sources() -> list[Path]:
@@ -150,3 +155,57 @@ def test_the_cycle_check_finds_a_cycle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(Graph(edges)) == [["a", "b", "c"]]
     assert import_cycles(Graph({"a": {"b"}, "b": set()})) == []
+
+
+def whole_config_functions(tree: ast.AST) -> list[str]:
+    """Functions with a parameter annotated as the whole config tree (`RLHFConfig`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            annotations = [ast.unparse(a.annotation) for a in params if a.annotation]
+            if any("RLHFConfig" in text for text in annotations):
+                found.append(node.name)
+    return found
+
+
+def config_error_raises(tree: ast.AST) -> list[int]:
+    """Lines of `raise ConfigError(...)`."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Raise)
+        and isinstance(node.exc, ast.Call)
+        and ast.unparse(node.exc.func).split(".")[-1] == "ConfigError"
+    ]
+
+
+def test_few_functions_take_the_whole_config():
+    taking = [
+        f"{path.relative_to(REPO)}:{name}"
+        for path in sources()
+        for name in whole_config_functions(ast.parse(path.read_text()))
+    ]
+    assert len(taking) <= MAX_WHOLE_CONFIG, (
+        f"{len(taking)} functions take the whole RLHFConfig (at most {MAX_WHOLE_CONFIG}): "
+        f"give the new ones their section or the RunPlan: {taking}"
+    )
+
+
+def test_config_errors_are_raised_in_config_and_the_preflight():
+    outside = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path in sources()
+        if not any(path == home or home in path.parents for home in CONFIG_ERROR_HOMES)
+        for line in config_error_raises(ast.parse(path.read_text()))
+    ]
+    assert not outside, f"raise the domain's own UserError, or move the rule: {outside}"
+
+
+def test_the_config_checks_see_what_they_look_for():
+    code = ast.parse(
+        "def f(cfg: RLHFConfig, n: int): raise ConfigError('x')\n"
+        "def g(data: DataConfig): raise ToolConfigError('y')\n"
+    )
+    assert whole_config_functions(code) == ["f"]
+    assert config_error_raises(code) == [1]
