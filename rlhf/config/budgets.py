@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.config.loader import ConfigError
 from rlhf.config.schema import ActorRolloutRefConfig, CriticConfig, DataConfig
 
 AR = "actor_rollout_ref"
@@ -35,7 +34,8 @@ def default_token_budget(micro_batch_size: int, max_prompt: int, max_response: i
     return micro_batch_size * (max_prompt + max_response)
 
 
-def _or(value: bool | None, default: bool) -> bool:
+def setting_or(value: bool | None, default: bool) -> bool:
+    """A switch that defaults to another key's value when unset (null)."""
     return default if value is None else value
 
 
@@ -60,7 +60,7 @@ def token_budgets(
         longest,
     )
     forward = update  # the old-log-prob forward: the update's unless its keys say otherwise
-    forward_dynamic = _or(rollout.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz)
+    forward_dynamic = setting_or(rollout.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz)
     own = rollout.log_prob_max_token_len_per_gpu or rollout.log_prob_micro_batch_size_per_gpu
     if own or forward_dynamic != actor.use_dynamic_bsz:
         samples = rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
@@ -74,33 +74,10 @@ def token_budgets(
             longest,
         ),
         ref=_pass(
-            _or(ref.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz),
+            setting_or(ref.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz),
             ref.log_prob_max_token_len_per_gpu,
             ref.log_prob_micro_batch_size_per_gpu,
             longest,
         ),
         old_log_prob=forward,
     )
-
-
-def check_micro_batching(aro: ActorRolloutRefConfig, critic: CriticConfig) -> None:
-    """A token budget set for a pass that cuts fixed micro-batches would be ignored: refused."""
-    passes = [
-        (f"{AR}.actor", aro.actor, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
-        ("critic", critic, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
-        (f"{AR}.ref", aro.ref, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
-        (
-            f"{AR}.rollout",
-            aro.rollout,
-            "log_prob_use_dynamic_bsz",
-            "log_prob_max_token_len_per_gpu",
-        ),
-    ]
-    for prefix, section, switch, budget_key in passes:
-        budget = getattr(section, budget_key)
-        if not _or(getattr(section, switch), aro.actor.use_dynamic_bsz) and budget is not None:
-            raise ConfigError(
-                f"{prefix}.{budget_key}={budget} is a token budget, which the fixed "
-                f"micro-batches of {prefix}.{switch}=false do not use: drop it, or set "
-                f"{switch}=true"
-            )

@@ -11,15 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhf.config.algorithm_rules import kl_in_reward, uses_reference
 from rlhf.config.budgets import MicroBatching, TokenBudgets, token_budgets
 from rlhf.config.schema import ActorConfig, CriticConfig, RLHFConfig
-from rlhf.config.stored_rules import prompt_sampler_batch, stored_groups_per_step
 from rlhf.config.validate import (
     ParallelLayout,
     distributed_optimizer_on,
+    kl_in_reward,
+    prompt_sampler_batch,
     section_layout,
+    stored_groups_per_step,
     uses_critic,
+    uses_reference,
     virtual_pipeline_size,
 )
 

@@ -1,14 +1,16 @@
 """Every cross-field rule of a run config, in one place.
 
 `validate_config` applies them all: parallel sizes against the world size, batch-size
-divisibility, shared layouts, colocated multi-node placement, server URLs, the multi-turn
-tool settings (`rlhf.config.multi_turn_rules`), and, when the model's architecture is
-given, its attention and KV heads against the TP and Ulysses sizes and its layers against
-the PP size and the recompute settings. Single keys (types, allowed values, ranges) are
-checked earlier by the loader. Each violation is a `ConfigError` naming every key involved
-and the numbers it saw. Each rule takes only the config sections it reads; `validate_config`
-and `config_notes` are the entry points that take the whole tree.
-"""
+divisibility, shared layouts, colocated multi-node placement, server URLs, micro-batching,
+the algorithm's settings (combinations that would train nothing or something else; where
+the KL goes), `trainer.rollout_mode`, multi-turn tools, stored rollouts, and, when the
+model's architecture is given, its attention and KV heads against the TP and Ulysses sizes
+and its layers against the PP size and the recompute settings. Single keys (types, allowed
+values, ranges) are checked earlier by the loader. Each violation is a `ConfigError` naming
+every key involved and the numbers it saw. Each rule takes only the config sections it
+reads; `validate_config` and `config_notes` are the entry points that take the whole tree.
+The rules that need a model directory, the world, the data or a checkpoint run in
+`rlhf.trainer.preflight`."""
 
 from __future__ import annotations
 
@@ -18,22 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlhf.config.algorithm import AlgorithmConfig, KLControlConfig, RolloutCorrectionConfig
-from rlhf.config.algorithm_rules import (
-    algorithm_notes,
-    check_algorithm,
-    check_dapo,
-    check_gspo,
-    kl_in_reward,
-    uses_reference,
+from rlhf.config.algorithm import (
+    AlgorithmConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    RolloutCorrectionConfig,
 )
-from rlhf.config.async_rules import check_rollout_mode
-from rlhf.config.budgets import check_micro_batching
-from rlhf.config.choices import CRITIC_ESTIMATORS
+from rlhf.config.budgets import setting_or
+from rlhf.config.choices import CRITIC_ESTIMATORS, GROUP_ESTIMATORS
 from rlhf.config.loader import ConfigError
-from rlhf.config.multi_turn_rules import MULTI_TURN, check_multi_turn
 from rlhf.config.placement import server_gpus, weight_sync_address_problem
-from rlhf.config.rollout import MultiTurnConfig, RolloutConfig
+from rlhf.config.rollout import AsyncRolloutConfig, MultiTurnConfig, RolloutConfig
 from rlhf.config.schema import (
     ActorConfig,
     ActorRolloutRefConfig,
@@ -42,13 +39,13 @@ from rlhf.config.schema import (
     EarlyStopConfig,
     MegatronParallelConfig,
     ModelConfig,
+    OverlongBufferConfig,
     ProfilerConfig,
     RefConfig,
     RewardConfig,
     RLHFConfig,
     TrainerConfig,
 )
-from rlhf.config.stored_rules import check_stored_rollouts
 
 AR = "actor_rollout_ref"
 
@@ -499,3 +496,245 @@ def validate_config(
         trainer.early_stop, uses_reference(cfg.algorithm, cfg.actor_rollout_ref.actor)
     )
     return actor
+
+
+def kl_in_reward_on(use_kl_in_reward: bool | None, use_kl_loss: bool) -> bool:
+    """`algorithm.use_kl_in_reward`; null: on unless the actor has a KL loss
+    (`actor.use_kl_loss`)."""
+    if use_kl_in_reward is None:
+        return not use_kl_loss
+    return use_kl_in_reward
+
+
+def reference_on(use_kl_in_reward: bool | None, use_kl_loss: bool) -> bool:
+    """Whether the run builds the frozen reference: for a KL in the reward or as a loss."""
+    return kl_in_reward_on(use_kl_in_reward, use_kl_loss) or use_kl_loss
+
+
+def kl_in_reward(algorithm: AlgorithmConfig, actor: ActorConfig) -> bool:
+    """`kl_in_reward_on` of the algorithm and actor sections."""
+    return kl_in_reward_on(algorithm.use_kl_in_reward, actor.use_kl_loss)
+
+
+def uses_reference(algorithm: AlgorithmConfig, actor: ActorConfig) -> bool:
+    """`reference_on` of the algorithm and actor sections."""
+    return reference_on(algorithm.use_kl_in_reward, actor.use_kl_loss)
+
+
+def require_off_policy_correction(
+    correction: RolloutCorrectionConfig, setting: str, samples: str
+) -> None:
+    """`setting` trains on `samples` (of another policy than the one trained): refused
+    without truncated importance sampling or bypass mode (`algorithm.rollout_correction`)."""
+    if correction.rollout_is is None and not correction.bypass_mode:
+        raise ConfigError(
+            f"{setting} trains on {samples}: set algorithm.rollout_correction.rollout_is="
+            "token (truncated importance sampling against their log-probs) or "
+            "algorithm.rollout_correction.bypass_mode=true"
+        )
+
+
+def check_algorithm(algorithm: AlgorithmConfig, n: int, critic_warmup: int) -> None:
+    """Refuse an estimator that would train nothing: a group estimator with `rollout.n` < 2,
+    `trainer.critic_warmup` without a critic."""
+    estimator = algorithm.adv_estimator
+    if estimator in GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={estimator} compares the {AR}.rollout.n samples of each "
+            f"prompt; with rollout.n={n} every advantage is 0 and nothing trains: set "
+            "rollout.n >= 2 (GRPO runs use 4-16), or adv_estimator=reinforce_plus_plus for one "
+            "sample per prompt"
+        )
+    if critic_warmup and estimator not in CRITIC_ESTIMATORS:
+        raise ConfigError(
+            f"trainer.critic_warmup={critic_warmup} trains only the critic for its "
+            f"first steps, and adv_estimator={estimator} has no critic: nothing would train; "
+            "set trainer.critic_warmup=0 (or adv_estimator=gae)"
+        )
+
+
+def check_gspo(actor: ActorConfig) -> None:
+    """GSPO's sequence-level loss and clip ranges, not the token-level defaults."""
+    if actor.policy_loss.loss_mode != "gspo":
+        return
+    if actor.loss_agg_mode != "seq-mean-token-mean":
+        raise ConfigError(
+            f"{AR}.actor.policy_loss.loss_mode=gspo is defined with the sequence mean of the "
+            f"loss: set {AR}.actor.loss_agg_mode=seq-mean-token-mean (is {actor.loss_agg_mode})"
+        )
+    if actor.clip_ratio_low is None or actor.clip_ratio_high is None:
+        raise ConfigError(
+            f"{AR}.actor.policy_loss.loss_mode=gspo clips the sequence-level ratio, which stays "
+            f"within ~1e-3 of 1, so clip_ratio={actor.clip_ratio} would never clip: set "
+            f"{AR}.actor.clip_ratio_low and clip_ratio_high (the paper's: 3e-4 and 4e-4)"
+        )
+
+
+def check_dapo(
+    overlong: OverlongBufferConfig,
+    filter_groups: FilterGroupsConfig,
+    max_response_length: int,
+    n: int,
+) -> None:
+    """DAPO's overlong buffer within `data.max_response_length`; dynamic sampling
+    (`algorithm.filter_groups`) on groups of several samples."""
+    if overlong.enable and overlong.len >= max_response_length:
+        raise ConfigError(
+            f"reward.overlong_buffer.len ({overlong.len}) must be below "
+            f"data.max_response_length ({max_response_length})"
+        )
+    if filter_groups.enable and n < 2:
+        raise ConfigError(
+            f"algorithm.filter_groups.enable needs {AR}.rollout.n >= 2 (is {n}): a group of "
+            "one sample always scores the same and would always be dropped"
+        )
+
+
+def algorithm_notes(algorithm: AlgorithmConfig, actor: ActorConfig) -> list[str]:
+    """Legal settings worth a line at startup."""
+    if algorithm.use_kl_in_reward and actor.use_kl_loss:
+        return [
+            "the KL to the reference counts twice: in the reward (algorithm.use_kl_in_reward="
+            f"true, kl_ctrl) and as a loss ({AR}.actor.use_kl_loss=true, kl_loss_coef); verl's "
+            "GRPO uses only the loss: leave use_kl_in_reward unset (or false) for that"
+        ]
+    return []
+
+
+def check_rollout_mode(
+    trainer: TrainerConfig, aro: ActorRolloutRefConfig, correction: RolloutCorrectionConfig
+) -> None:
+    """Refuse a rollout mode that cannot run as configured (nothing to check for sync)."""
+    mode = trainer.rollout_mode
+    if mode != "async" and trainer.async_rollout != AsyncRolloutConfig():
+        raise ConfigError(
+            f"trainer.async_rollout is set but trainer.rollout_mode={mode}: it applies to "
+            "rollout_mode=async only (one_step_off is one step ahead with no pause)"
+        )
+    if mode == "sync":
+        return
+    if not aro.rollout.server_urls:
+        raise ConfigError(
+            f"trainer.rollout_mode={mode} overlaps generation with training, which needs "
+            f"disaggregated servers ({AR}.rollout.server_urls, see launch/sglang_servers.sh); "
+            "servers the job launches share the trainer's devices"
+        )
+    require_off_policy_correction(
+        correction, f"trainer.rollout_mode={mode}", "samples of older policy versions"
+    )
+    if mode != "async":
+        return
+    if aro.rollout.multi_turn.enable:
+        raise ConfigError(
+            f"trainer.rollout_mode=async with {AR}.rollout.multi_turn.enable=true: a "
+            "conversation cut by a weight update is not continued yet; use one_step_off"
+        )
+    if aro.actor.router_replay.mode == "R3":
+        raise ConfigError(
+            f"trainer.rollout_mode=async with {AR}.actor.router_replay.mode=R3: the routes "
+            "of a sample cut by a weight update come from two requests; use one_step_off, "
+            "or router_replay.mode=R2"
+        )
+
+
+MULTI_TURN = f"{AR}.rollout.multi_turn"
+
+
+def check_tool_config_path(multi_turn: MultiTurnConfig) -> None:
+    """Multi-turn on names the file of its tools."""
+    if multi_turn.enable and not multi_turn.tool_config_path:
+        raise ConfigError(
+            f"{MULTI_TURN}.enable=true needs {MULTI_TURN}.tool_config_path: a YAML file "
+            "listing the tools (tools: [{class_name, config, tool_schema}], rlhf/tools/base.py)"
+        )
+
+
+def check_multi_turn(multi_turn: MultiTurnConfig, data: DataConfig, actor: ActorConfig) -> None:
+    """Refuse a multi-turn setting that cannot run (nothing to check when it is off)."""
+    if not multi_turn.enable:
+        return
+    check_tool_config_path(multi_turn)
+    if not data.apply_chat_template:
+        raise ConfigError(
+            f"{MULTI_TURN}.enable=true needs data.apply_chat_template=true: the chat template "
+            "lists the tools in the prompt and renders their results as tool messages"
+        )
+    if actor.router_replay.mode == "R3":
+        raise ConfigError(
+            f"{MULTI_TURN}.enable=true with {AR}.actor.router_replay.mode=R3: the engine "
+            "returns the experts it routed in one /generate request and a conversation is "
+            "several (one per assistant turn); set router_replay.mode=R2 or disabled"
+        )
+
+
+def stored_groups_per_step(data: DataConfig) -> int:
+    """Prompt groups per step taken from `data.rollout_files` (0 without them)."""
+    if not data.rollout_files:
+        return 0
+    return round(data.stored_fraction * data.train_batch_size)
+
+
+def prompt_sampler_batch(data: DataConfig) -> int:
+    """Prompts the prompt sampler draws per step: those not taken from stored rollouts
+    (all of them when every group is stored: that sampler then never draws)."""
+    return data.train_batch_size - stored_groups_per_step(data) or data.train_batch_size
+
+
+def check_stored_rollouts(
+    data: DataConfig, trainer: TrainerConfig, algorithm: AlgorithmConfig, actor: ActorConfig
+) -> None:
+    """Refuse a stored-rollout setting that cannot run (nothing to check without files)."""
+    if not data.rollout_files:
+        if data.stored_fraction != 1.0:
+            raise ConfigError(
+                f"data.stored_fraction={data.stored_fraction} without data.rollout_files: "
+                "it is the share of each batch taken from stored rollouts"
+            )
+        return
+    groups = data.stored_fraction * data.train_batch_size
+    if abs(groups - round(groups)) > 1e-9 or round(groups) < 1:
+        raise ConfigError(
+            f"data.stored_fraction={data.stored_fraction} x data.train_batch_size="
+            f"{data.train_batch_size} = {groups:g} stored prompt groups per step: it must be "
+            "a whole number >= 1"
+        )
+    require_off_policy_correction(
+        algorithm.rollout_correction, "data.rollout_files", "samples of another policy"
+    )
+    refused = {
+        "trainer.rollout_mode": trainer.rollout_mode != "sync",
+        "algorithm.filter_groups.enable": algorithm.filter_groups.enable,
+        "actor_rollout_ref.actor.router_replay.mode=R3": actor.router_replay.mode == "R3",
+    }
+    for key, on in refused.items():
+        if on:
+            raise ConfigError(
+                f"data.rollout_files with {key}: stored samples are trained as they are, by "
+                "the synchronous strategy (no generation rounds ahead or extra, no routes)"
+            )
+
+
+def check_micro_batching(aro: ActorRolloutRefConfig, critic: CriticConfig) -> None:
+    """A token budget set for a pass that cuts fixed micro-batches would be ignored: refused."""
+    passes = [
+        (f"{AR}.actor", aro.actor, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+        ("critic", critic, "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+        (f"{AR}.ref", aro.ref, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+        (
+            f"{AR}.rollout",
+            aro.rollout,
+            "log_prob_use_dynamic_bsz",
+            "log_prob_max_token_len_per_gpu",
+        ),
+    ]
+    for prefix, section, switch, budget_key in passes:
+        budget = getattr(section, budget_key)
+        if (
+            not setting_or(getattr(section, switch), aro.actor.use_dynamic_bsz)
+            and budget is not None
+        ):
+            raise ConfigError(
+                f"{prefix}.{budget_key}={budget} is a token budget, which the fixed "
+                f"micro-batches of {prefix}.{switch}=false do not use: drop it, or set "
+                f"{switch}=true"
+            )

@@ -2,7 +2,7 @@
 conversation settings (`MultiTurnSettings`), the configured tools, and their schemas for the
 prompt's chat template (`rlhf.data.prompts`, `tools=`).
 
-The config's own rules (`rlhf.config.multi_turn_rules`) cannot load the tool config file:
+The config's own rules (`rlhf.config.validate`) cannot load the tool config file:
 the config layer sits below the tools. `load_configured_tools` does, and turns any mistake
 in the file into a `ToolConfigError` naming the key, the file and the entry; `rlhf-train` and
 `rlhf-doctor` call it right after `validate_config`.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.config.multi_turn_rules import MULTI_TURN, check_tool_config_path
 from rlhf.config.rollout import MultiTurnConfig
+from rlhf.config.validate import MULTI_TURN, check_tool_config_path
 from rlhf.errors import UserError
 from rlhf.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
 from rlhf.tools.base import Tool, load_tools

@@ -49,10 +49,10 @@ from rlhf.config.schema import (
     RewardConfig,
     RLHFConfig,
 )
-from rlhf.config.stored_rules import prompt_sampler_batch
 from rlhf.config.validate import (
     ParallelLayout,
     distributed_optimizer_on,
+    prompt_sampler_batch,
     trained_megatron,
     uses_critic,
 )

@@ -105,7 +105,7 @@ from rlhf.config.schema import (
     RewardConfig,
     TrainerConfig,
 )
-from rlhf.config.stored_rules import stored_groups_per_step
+from rlhf.config.validate import stored_groups_per_step
 from rlhf.data.files import resolve_files
 from rlhf.data.prompts import PromptDataset
 from rlhf.data.rollout_files import RolloutChecks, StoredSample, read_rollout_files

@@ -37,8 +37,8 @@ from rlhf.algo import compute_advantages, kl_penalty, masked_mean, token_level_r
 from rlhf.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf.algo.rollout_correction import mismatch_metrics, truncated_is_weights
 from rlhf.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
-from rlhf.config.algorithm_rules import kl_in_reward
 from rlhf.config.schema import ActorConfig, TrainerConfig
+from rlhf.config.validate import kl_in_reward
 from rlhf.engine.engine import PPOEngine
 from rlhf.engine.nonfinite import (
     NonFiniteError,
@@ -321,7 +321,7 @@ def build_experience(
     (`rollout_correction.bypass_mode`: no mismatch to measure). With a reference, the KL
     reported (and fed to the controller) is the mean over responses of each response's mean
     per-token KL, as in verl; `beta`: the KL controller's coefficient when the KL is in the
-    reward (`rlhf.config.algorithm_rules.kl_in_reward`), else 0.
+    reward (`rlhf.config.validate.kl_in_reward`), else 0.
     """
     old_logprobs_bt, old_entropy_bt = old
     mask = batch.mask_bt()

@@ -13,8 +13,7 @@ from rlhf.algo import compute_grpo_advantages, gspo_policy_loss
 from rlhf.algo.kl import kl_penalty
 from rlhf.algo.losses import BatchCounts
 from rlhf.config import ConfigError, load_config, validate_config
-from rlhf.config.algorithm_rules import kl_in_reward, uses_reference
-from rlhf.config.validate import config_notes
+from rlhf.config.validate import config_notes, kl_in_reward, uses_reference
 from rlhf.engine.heads import PolicyLossHead
 from rlhf.engine.micro_batch import build_micro_batch
 from rlhf.models.logprobs import VocabShard

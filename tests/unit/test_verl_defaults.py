@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from rlhf.config import load_config
-from rlhf.config.algorithm_rules import kl_in_reward
 from rlhf.config.hydra_load import load_with_notes
 from rlhf.config.inherit import CRITIC_FROM_ACTOR
 from rlhf.config.loader import default_of
+from rlhf.config.validate import kl_in_reward
 from tests.unit.test_hydra_compose import MODEL, VERL
 
 AR = "actor_rollout_ref"
