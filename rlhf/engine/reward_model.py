@@ -1,11 +1,12 @@
 """Model rewards in the loop: rows with `reward_model.style=model` scored by a reward model.
 
 Generation scores rule rows on the engine rank and leaves model rows as NaN
-(`rlhf.rollout.generation`); every rank then holds the same batch, and this scorer runs the
-reward model (an HF `*ForSequenceClassification` checkpoint, built like the critic and
-sharded like the actor, frozen) over those rows through Megatron's schedule on packed
-micro-batches: the score of a sample is the model's output at its last response token,
-which is what HF pools for a right-padded sequence. An empty response scores 0.
+(`rlhf.rollout.policy_servers.generate_and_score`); every rank then holds the same batch,
+and this scorer runs the reward model (an HF `*ForSequenceClassification` checkpoint,
+built like the critic and sharded like the actor, frozen) over those rows through
+Megatron's schedule on packed micro-batches: the score of a sample is the model's output
+at its last response token, which is what HF pools for a right-padded sequence. An empty
+response scores 0.
 """
 
 from __future__ import annotations

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from rlhf import sglang_api
 from rlhf.config.schema import RolloutConfig
 from rlhf.distributed.context import ParallelContext
 from rlhf.models.families import ModelArch
 from rlhf.models.mapping import Placement
-from rlhf.rollout.policy_servers import PolicyServers
+from rlhf.rollout.policy_servers import PolicyServers, PolicyWeights
 from rlhf.weight_sync.factory import build_weight_syncer
 from rlhf.weight_sync.gather import SyncTopology, bucketize
 from rlhf.weight_sync.probe import LogprobMismatchError, check_parity
 from rlhf.weight_sync.snapshot import BackgroundSnapshot
+from rlhf.weight_sync.syncer import SyncStats
 from rlhf.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
 
 ARCH = ModelArch("qwen2", 100, 64, 128, 2, 4, 2, 16, 1e-6, 1e4, 256, False)
@@ -38,6 +41,35 @@ def test_parity_threshold_fails_loudly():
         LogprobMismatchError, match=r"rollout/logprob_diff_max = 5\.000e-02 exceeds"
     ):
         check_parity(0.05, 1e-2)
+
+
+def test_the_probe_compares_the_servers_with_the_tensor_the_trainer_handed_over(monkeypatch):
+    """`load_weights` asks each server for its log-probs of `probe_tokens` and compares them
+    with the policy's `probe_logprobs` as handed over (nothing calls back into the trainer):
+    that tensor 1e-4 off is reported as the diff; 1.0 off fails the parity check."""
+    asked, synced = [], []
+
+    def server_logprobs(url, tokens):  # log p(token_t | tokens_<t), t >= 1
+        asked.append((url, list(tokens)))
+        return [-0.05 * t for t in tokens[1:]]
+
+    def sync(module, version):
+        synced.append((module, version))
+        return SyncStats(0.0, 0, 0, 0, 0)
+
+    monkeypatch.setattr(sglang_api, "prompt_logprobs", server_logprobs)
+    urls = ["http://h:1", "http://h:2"]
+    syncer = SimpleNamespace(arch=ARCH, server_urls=urls, topology=TOPO, version=None, sync=sync)
+    ctx = SimpleNamespace(device=torch.device("cpu"))
+    rollout = RolloutConfig(server_urls=urls, logprob_diff_threshold=1e-2)
+    servers = PolicyServers(ctx, None, syncer, rollout)  # type: ignore[arg-type]
+    tokens = servers.probe_tokens
+    trainers = torch.tensor([-0.05 * t for t in tokens[1:]])
+    loaded = servers.load_weights(PolicyWeights(torch.nn.Identity(), trainers + 1e-4), 3)
+    assert loaded.logprob_diff_max == pytest.approx(1e-4, abs=1e-5)
+    assert asked == [(url, tokens) for url in urls] and synced[0][1] == 3
+    with pytest.raises(LogprobMismatchError, match="exceeds"):  # the mutation: +1.0
+        servers.load_weights(PolicyWeights(torch.nn.Identity(), trainers + 1.0), 4)
 
 
 @pytest.mark.parametrize(
