@@ -2,8 +2,8 @@
 
 `PPOEngine` is the face: `logprobs(batch, role)`, `values(batch)`,
 `update(role, batch, targets)` (one optimizer step per mini-batch, `epochs` passes),
-`probe_logprobs(tokens)` (what a weight sync's parity probe compares with) and the
-checkpoint calls. Below it, each model (`MegatronModel`, `TrainableMegatronModel`) runs
+`serving(probe_tokens)` (the actor as a weight sync serves it, with its log-probs of the
+parity probe) and the checkpoint calls. Below it, each model (`MegatronModel`, `TrainableMegatronModel`) runs
 Megatron's schedule; `rlhf.engine.micro_batch` cuts batches into packed micro-batches,
 `rlhf.engine.heads` turns the last stage's output into log-probs, values or losses, and
 `rlhf.engine.build` builds the models a plan needs.
@@ -96,8 +96,8 @@ class Updated(NamedTuple):
 class PPOEngine:
     """This rank's shards of a PPO run's Megatron models, behind the calls a step makes.
 
-    `logprobs(batch, role)`, `values(batch)`, `update(role, batch, targets)`; the actor's
-    weights for a sync (`weights`); checkpoints (`save`, `save_in_background`, `load`,
+    `logprobs(batch, role)`, `values(batch)`, `update(role, batch, targets)`; the actor as
+    a weight sync serves it (`serving`); checkpoints (`save`, `save_in_background`, `load`,
     `state_dict`, `load_state_dict`). ref is None without a KL to the reference; critic and
     critic_update are None for critic-free estimators. logprob_head: log-probs at the
     rollout temperature; probe_head: at temperature 1 (SGLang's prompt log-probs are
