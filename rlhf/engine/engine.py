@@ -4,9 +4,9 @@
 `update(role, batch, targets)` (one optimizer step per mini-batch, `epochs` passes),
 `serving(probe_tokens)` (the actor as a weight sync serves it, with its log-probs of the
 parity probe) and the checkpoint calls. Below it, each model (`MegatronModel`,
-`TrainableMegatronModel`) runs Megatron's schedule; `rlhf.engine.micro_batch` cuts batches into packed micro-batches,
-`rlhf.engine.heads` turns the last stage's output into log-probs, values or losses, and
-`rlhf.engine.build` builds the models a plan needs.
+`TrainableMegatronModel`) runs Megatron's schedule; `rlhf.engine.micro_batch` cuts batches
+into packed micro-batches, `rlhf.engine.heads` turns the last stage's output into
+log-probs, values or losses, and `rlhf.engine.build` builds the models a plan needs.
 
 Every forward and backward goes through Megatron's forward-backward schedule, so pipeline
 parallelism works for all three models. Losses arrive already normalised by the *global*
