@@ -76,6 +76,7 @@ def check_versions(record: dict, step: int, max_staleness: int) -> list[int]:
     return versions
 
 
+@pytest.mark.slow(reason="a 4-step async run with partial rollouts, then its resume: ~80 s")
 def test_async_run_trains_every_prompt_once_with_partial_rollouts(
     tiny_qwen2_dir, data, sglang_server, tmp_path
 ):
