@@ -126,9 +126,7 @@ def write_rollouts(
     prompts = eval_prompts(
         cfg.data, cfg.reward, data_files, tokenizer, tools, unscored_model_rows=True
     ).prompts
-    aro = cfg.actor_rollout_ref
-    r3 = aro.actor.router_replay.mode == "R3"
-    params = sampling_params(aro.rollout, cfg.data.max_response_length, r3)
+    params = sampling_params(cfg.actor_rollout_ref, cfg.data.max_response_length)
     plan = RolloutPlan(
         model_name,
         data_files,

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from rlhf import sglang_api
 from rlhf.config.engine_args import launched_rollout
-from rlhf.config.schema import DataConfig, RLHFConfig, RolloutConfig
+from rlhf.config.schema import ActorRolloutRefConfig, DataConfig, RLHFConfig, RolloutConfig
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
 from rlhf.distributed.context import ParallelContext
@@ -78,13 +78,13 @@ class PauseHandling:
     keep_tokens: bool = True
 
 
-def sampling_params(
-    rollout: RolloutConfig, max_response_length: int, routed_experts: bool = False
-) -> SamplingParams:
+def sampling_params(aro: ActorRolloutRefConfig, max_response_length: int) -> SamplingParams:
     """Training sampling: `actor_rollout_ref.rollout` and `data.max_response_length`; the
-    routed experts come back with rollout routing replay (`router_replay.mode=R3`)."""
+    routed experts come back with rollout routing replay (`actor.router_replay.mode=R3`)."""
+    rollout = aro.rollout
     params = SamplingParams.from_config(rollout, max_response_length, rollout.sampling_seed)
-    return dataclasses.replace(params, routed_experts=routed_experts)
+    r3 = aro.actor.router_replay.mode == "R3"
+    return dataclasses.replace(params, routed_experts=r3)
 
 
 def val_sampling_params(rollout: RolloutConfig, max_response_length: int) -> SamplingParams:

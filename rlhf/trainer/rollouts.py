@@ -129,13 +129,6 @@ class Policy(Protocol):
     ) -> AbstractContextManager[PolicyWeights]: ...
 
 
-def training_sampling(aro: ActorRolloutRefConfig, data: DataConfig) -> SamplingParams:
-    """How a step's responses are sampled (`rollout`, `data.max_response_length`); the
-    engine returns the routed experts under rollout routing replay (R3)."""
-    r3 = aro.actor.router_replay.mode == "R3"
-    return sampling_params(aro.rollout, data.max_response_length, r3)
-
-
 @dataclass(frozen=True)
 class BatchShaping:
     """How the strategies make a step's batch: `train_batch_size` prompt groups, responses
@@ -162,7 +155,7 @@ class BatchShaping:
         return cls(
             data.train_batch_size,
             data.max_response_length,
-            training_sampling(aro, data),
+            sampling_params(aro, data.max_response_length),
             algorithm.filter_groups,
             reward.overlong_buffer,
             stored_groups_per_step(data),

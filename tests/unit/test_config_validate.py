@@ -360,18 +360,20 @@ def test_rollout_routing_replay_asks_the_launched_servers_for_routes():
     """R3: the launched servers get --enable-return-routed-experts (SGLang's), every training
     request asks for the routes; a user's explicit `false` is refused."""
     from rlhf.config.engine_args import launched_rollout, server_argv
-    from rlhf.trainer.rollouts import training_sampling
+    from rlhf.rollout.policy_servers import sampling_params
 
     mode = "actor_rollout_ref.actor.router_replay.mode"
     kwargs = "actor_rollout_ref.rollout.engine_kwargs.sglang"
     plain = load_config(None, [])
     assert launched_rollout(plain.actor_rollout_ref) == plain.actor_rollout_ref.rollout
-    assert not training_sampling(plain.actor_rollout_ref, plain.data).routed_experts
+    assert not sampling_params(
+        plain.actor_rollout_ref, plain.data.max_response_length
+    ).routed_experts
     r3 = load_config(None, [f"{mode}=R3", f"{kwargs}.chunked_prefill_size=64"])
     argv = server_argv(launched_rollout(r3.actor_rollout_ref).engine_kwargs.sglang)
     assert argv == ["--chunked-prefill-size", "64", "--enable-return-routed-experts"]
     assert r3.actor_rollout_ref.rollout.engine_kwargs.sglang == {"chunked_prefill_size": 64}
-    assert training_sampling(r3.actor_rollout_ref, r3.data).routed_experts
+    assert sampling_params(r3.actor_rollout_ref, r3.data.max_response_length).routed_experts
     off = load_config(None, [f"{mode}=R3", f"{kwargs}.enable_return_routed_experts=false"])
     with pytest.raises(ConfigError, match="mode=R3 needs it"):
         launched_rollout(off.actor_rollout_ref)
