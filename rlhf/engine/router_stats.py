@@ -4,10 +4,11 @@ Megatron-Core's `TopKRouter` returns, for every token, the experts it goes to (a
 dropping, when `megatron.moe_expert_capacity_factor` is set). A forward hook on each router
 accumulates, in training mode only (the update's forwards, not the log-prob passes) and over
 the real tokens only (not padding): the top-k assignments each expert of each layer kept,
-the router's softmax probabilities summed per expert, logsumexp(logits)^2 and the token
-count. `collect()` sums them over all ranks and reports ratios, which do not depend on how
-often a token was seen (TP ranks without sequence parallelism route the same tokens; full
-recompute routes them twice):
+the router's probabilities summed per expert (softmax over the experts; a sigmoid router's
+scores normalised to sum to 1, as Megatron's load-balancing loss takes them),
+logsumexp(logits)^2 and the token count. `collect()` sums them over all ranks and reports
+ratios, which do not depend on how often a token was seen (TP ranks without sequence
+parallelism route the same tokens; full recompute routes them twice):
 
     moe/max_expert_share, moe/min_expert_share   the most / least loaded expert's share
         of a layer's kept assignments, the worst layer (balanced: 1 / experts)
@@ -61,7 +62,8 @@ class RouterStats:
             logits = F.linear(hidden.float(), router.weight.float())
             row = self.sums[router.layer_number - 1]
             row[:experts] += routing_map.sum(0).to(row.dtype)
-            row[experts : 2 * experts] += torch.softmax(logits, dim=-1).sum(0).to(row.dtype)
+            probs = router_probabilities(logits, router.config.moe_router_score_function)
+            row[experts : 2 * experts] += probs.sum(0).to(row.dtype)
             row[-2] += routing_map.shape[0]
             row[-1] += float(torch.logsumexp(logits, dim=-1).square().sum())
 
@@ -72,6 +74,15 @@ class RouterStats:
         metrics = router_metrics(self.sums, self.topk)
         self.sums.zero_()
         return metrics
+
+
+def router_probabilities(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Per token, each expert's probability as the load-balancing loss weighs it: a softmax
+    over the experts, or (a "sigmoid" router) the sigmoid scores divided by their sum."""
+    if score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return torch.softmax(logits, dim=-1)
 
 
 def router_metrics(sums: torch.Tensor, topk: int) -> dict[str, float]:

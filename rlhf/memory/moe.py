@@ -17,8 +17,8 @@ shared expert of width s, hidden size h, on one rank of TP, EP and expert-TP (ET
                     parameters (`allreduce=False`), in DDP's expert buffer, reduced and
                     sharded by the distributed optimizer over the expert-data-parallel
                     group (world / (ETP x EP x PP) ranks)
-    shared expert   its gate 1 x h (on every rank), fc1 2 s / TP x h and fc2 h x s / TP,
-                    dense parameters (split over TP like a dense MLP)
+    shared expert   its gate 1 x h (Qwen2-MoE's, on every rank), fc1 2 s / TP x h and fc2
+                    h x s / TP, dense parameters (split over TP like a dense MLP)
 
 Activations of one MoE layer, per rank, for the T' tokens that reach the router (the rank's
 T tokens, / TP under Megatron's sequence parallelism, which Megatron requires for MoE at
@@ -63,14 +63,16 @@ def moe_layer_params(
         params += [(2 * f * h, True), (h * f, True)]  # fc1 (gate and up), fc2
     if moe.shared_expert_size is not None:
         s = moe.shared_expert_size // tp
-        params += [(h, False), (2 * s * h, False), (h * s, False)]  # gate, fc1, fc2
+        if moe.shared_expert_gate:
+            params.append((h, False))
+        params += [(2 * s * h, False), (h * s, False)]  # fc1, fc2
     return params
 
 
 def replicated_params(moe: MoEArch, hidden: int) -> int:
     """Parameters of the whole model that every SGLang TP rank holds in full: each MoE
     layer's router and shared-expert gate (SGLang's `ReplicatedLinear`)."""
-    shared_gate = hidden if moe.shared_expert_size is not None else 0
+    shared_gate = hidden if moe.shared_expert_gate else 0
     return sum(moe.layers) * (moe.num_experts * hidden + shared_gate)
 
 

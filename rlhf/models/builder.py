@@ -89,6 +89,7 @@ def _build_chunk(arch: ModelArch, config, placement: Placement, vocab: int, init
         pre_process=placement.is_first_stage,
         post_process=placement.is_last_stage,
         rotary_base=arch.rope_theta,
+        rotary_percent=arch.rotary_fraction,
         tie_embeddings=arch.tie_embeddings,
         qk_layernorm=arch.qk_layernorm,
         vp_stage=placement.vp_stage if placement.vp_size > 1 else None,
@@ -98,7 +99,7 @@ def _build_chunk(arch: ModelArch, config, placement: Placement, vocab: int, init
         mark_tensor_parallel_weights(model)
     if arch.rope_scaling is not None:
         model.rotary_pos_emb.inv_freq = llama3_inv_freq(
-            arch.head_dim, arch.rope_theta, arch.rope_scaling
+            arch.rotary_dim, arch.rope_theta, arch.rope_scaling
         ).to(model.rotary_pos_emb.inv_freq.device)
     model.padded_vocab_size = vocab
     return model
@@ -154,7 +155,7 @@ def load_hf_weights(
     """Copy this rank's slices of the HF checkpoint into `model` (one chunk at `placement`,
     or `ModelChunks`; shapes are checked)."""
     chunks = ModelChunks.of(model, placement)
-    params = [(pl, n, p) for pl, n, p in chunks.placed_parameters() if n not in skip]
+    params = [(pl, n, p) for pl, n, p in chunks.placed_weights() if n not in skip]
     for part, name, param in tqdm(
         params, desc="load HF weights", disable=not progress, unit="tensor"
     ):

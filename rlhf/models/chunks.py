@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from rlhf.models.mapping import Placement, sequential_expert_name, shift_layer
@@ -55,6 +56,14 @@ class ModelChunks(nn.ModuleList):
             for name, param in chunk.named_parameters():
                 yield placement, name, param
 
+    def placed_weights(self) -> Iterator[tuple[Placement, str, torch.Tensor]]:
+        """`placed_parameters` and the buffers that are weights of the HF model (a sigmoid
+        router's expert bias, `mapped_buffers`): what loading, export and sync carry."""
+        yield from self.placed_parameters()
+        for placement, chunk in zip(self.placements, self):
+            for name, buffer in mapped_buffers(chunk):
+                yield placement, name, buffer
+
     def global_names(self) -> dict[nn.Parameter, str]:
         """Parameter -> its name with the global layer index (layout-independent), a routed
         expert's as `SequentialMLP` names it whichever expert module holds it (the same
@@ -80,3 +89,16 @@ class ModelChunks(nn.ModuleList):
             return
         for i, chunk in enumerate(self.chunks):
             chunk.load_state_dict(state[f"chunk{i}"])
+
+
+MAPPED_BUFFERS = ("mlp.router.expert_bias",)
+
+
+def mapped_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers of `module` that hold HF weights: Megatron keeps a sigmoid router's
+    expert bias (DeepSeek-V3's and GLM-4.5's `e_score_correction_bias`) as a buffer."""
+    return [
+        (name, buffer)
+        for name, buffer in module.named_buffers()
+        if buffer is not None and name.endswith(MAPPED_BUFFERS)
+    ]

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf.models.builder import ValueHead, attach_value_head, build_model, load_hf_weights
+from rlhf.models.chunks import mapped_buffers
 from rlhf.models.dist_ckpt import load_distributed, save_distributed
 from rlhf.models.families import ModelArch, check_parallel_sizes, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
@@ -191,7 +192,7 @@ def export_hf_tensors(
     head as `score.weight` and, with `bias`, a zero `score.bias` (token classifiers have one,
     sequence classifiers not)."""
     assert placement.tp_size == placement.pp_size == placement.ep_size == placement.etp_size == 1
-    params = list(model.named_parameters())
+    params = list(model.named_parameters()) + mapped_buffers(model)
     for name, param in tqdm(params, desc="export HF tensors", disable=not progress, unit="tensor"):
         if name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
             yield "score.weight", param.detach()

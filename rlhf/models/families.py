@@ -91,10 +91,16 @@ class ModelArch:
     qk_layernorm: bool = False
     rope_scaling: RopeScaling | None = None
     moe: MoEArch | None = None
+    rotary_fraction: float = 1.0  # rotary embedding on the first fraction of each head
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions the rotary embedding turns."""
+        return int(self.head_dim * self.rotary_fraction)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` has experts (a dense MLP otherwise)."""
@@ -119,8 +125,22 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _decoder_arch(hf: dict, family: str, **family_fields) -> ModelArch:
-    """Fields shared by the Llama-style families."""
+def _rotary_fraction(hf: dict, default: float) -> float:
+    """`partial_rotary_factor`, top-level or (transformers 5) in `rope_parameters`."""
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", default)))
+
+
+def _decoder_arch(
+    hf: dict, family: str, rotary_fraction: float = 1.0, **family_fields
+) -> ModelArch:
+    """Fields shared by the Llama-style families; `rotary_fraction`: the family's default
+    `partial_rotary_factor` (a family with 1.0 refuses any other)."""
+    fraction = _rotary_fraction(hf, rotary_fraction)
+    if rotary_fraction == 1.0 and fraction != 1.0:
+        raise ValueError(
+            f"config.json partial_rotary_factor={fraction}: not supported for {family}"
+        )
     if hf.get("use_sliding_window"):
         raise ValueError("config.json use_sliding_window=true is not supported")
     if hf.get("mlp_bias"):
@@ -143,6 +163,7 @@ def _decoder_arch(hf: dict, family: str, **family_fields) -> ModelArch:
         max_position_embeddings=hf["max_position_embeddings"],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
+        rotary_fraction=fraction,
         **family_fields,
     )
 
@@ -179,12 +200,30 @@ def qwen3_moe_arch(hf: dict) -> ModelArch:
     return _decoder_arch(hf, "qwen3_moe", qkv_bias=bias, qk_layernorm=True, moe=moe)
 
 
+def glm4_moe_arch(hf: dict) -> ModelArch:
+    """GLM-4.5 / GLM-4.6 / GLM-4.5-Air: grouped-query attention with QKV bias
+    (`attention_bias`), optional q/k RMSNorm per head (`use_qk_norm`), rotary embedding on
+    the first `partial_rotary_factor` (0.5) of each head; DeepSeek-style experts
+    (`MoEArch.from_deepseek_hf`). The multi-token-prediction layer
+    (`num_nextn_predict_layers`) is not part of the model trained here (transformers skips
+    it too)."""
+    return _decoder_arch(
+        hf,
+        "glm4_moe",
+        rotary_fraction=0.5,
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        qk_layernorm=bool(hf.get("use_qk_norm", False)),
+        moe=MoEArch.from_deepseek_hf(hf),
+    )
+
+
 FAMILIES: dict[str, Callable[[dict], ModelArch]] = {
     "llama": llama_arch,
     "qwen2": qwen2_arch,
     "qwen3": qwen3_arch,
     "qwen2_moe": qwen2_moe_arch,
     "qwen3_moe": qwen3_moe_arch,
+    "glm4_moe": glm4_moe_arch,
 }
 
 
@@ -365,6 +404,11 @@ _DERIVED_FIELDS = {
     "moe_ffn_hidden_size": "the model's config.json",
     "moe_router_topk": "the model's config.json",
     "moe_router_pre_softmax": "the model's config.json",
+    "moe_router_score_function": "the model's config.json",
+    "moe_router_topk_scaling_factor": "the model's config.json",
+    "moe_router_enable_expert_bias": "the model's config.json",
+    "moe_router_num_groups": "the model's config.json",
+    "moe_router_group_topk": "the model's config.json",
     "moe_shared_expert_intermediate_size": "the model's config.json",
     "moe_shared_expert_gate": "the model's config.json",
     "moe_layer_freq": "the model's config.json",

@@ -22,6 +22,7 @@ import logging
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ def gpt_layer_spec(
             spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     if num_experts:
         _check_experts(spec, grouped)
+        spec.submodules.mlp.submodules.router = PaddingSafeRouter
     if config.context_parallel_size > 1:
         from rlhf.parallel.ulysses import UlyssesAttention
 
@@ -158,6 +160,22 @@ def gpt_layer_spec(
             UlyssesAttention, inner=attention.core_attention
         )
     return spec
+
+
+class PaddingSafeRouter(TopKRouter):
+    """Megatron-Core 0.16.1's `TopKRouter` whose expert-bias token count takes a padded batch.
+
+    With `moe_router_enable_expert_bias` (DeepSeek-V3, GLM-4.5) Megatron counts the tokens
+    each expert got, masking the [tokens, experts] routing map with the [tokens] padding
+    mask as it is: a shape error in every training forward of a padded batch whose token
+    count is not the number of experts. Here the mask is one column (True: padding)."""
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
 def _local_checkpoint_keys(spec: ModuleSpec) -> None:
@@ -197,6 +215,7 @@ def build_gpt_model(
     pre_process: bool,
     post_process: bool,
     rotary_base: float = 10000.0,
+    rotary_percent: float = 1.0,
     tie_embeddings: bool = False,
     qk_layernorm: bool = False,
     vp_stage: int | None = None,
@@ -207,7 +226,8 @@ def build_gpt_model(
     `vocab_size` must already be padded for tensor parallelism; `pre_process` /
     `post_process` say whether this stage holds the embedding / the output layer;
     `vp_stage`: which virtual-pipeline chunk of the stage it is (None without interleaving);
-    `moe_layers`: for a mixture-of-experts model, whether each of its layers has experts.
+    `moe_layers`: for a mixture-of-experts model, whether each of its layers has experts;
+    `rotary_percent`: the fraction of each head the rotary embedding turns.
     """
     return GPTModel(
         config=config,
@@ -220,5 +240,6 @@ def build_gpt_model(
         share_embeddings_and_output_weights=tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(rotary_base),
+        rotary_percent=rotary_percent,
         vp_stage=vp_stage,
     )

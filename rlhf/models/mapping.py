@@ -191,7 +191,11 @@ def layer_rules(arch: ModelArch) -> list[ParamRule]:
 
 
 def moe_rules(arch: ModelArch, m: str, h: str) -> list[ParamRule]:
-    """The rules of a mixture-of-experts layer's MLP (`m`, `h`: the layer's name prefixes)."""
+    """The rules of a mixture-of-experts layer's MLP (`m`, `h`: the layer's name prefixes).
+    Qwen2-MoE names its gated shared expert `shared_expert`; DeepSeek-V3 and GLM-4.5 their
+    ungated ones `shared_experts` and keep the router's expert bias (a Megatron buffer) as
+    `mlp.gate.e_score_correction_bias`."""
+    assert arch.moe is not None
     expert_m, expert_h = m + "mlp.experts.local_experts.{expert}.", h + "mlp.experts.{expert}."
     gate_up = (expert_h + "gate_proj.weight", expert_h + "up_proj.weight")
     rules = [
@@ -204,16 +208,20 @@ def moe_rules(arch: ModelArch, m: str, h: str) -> list[ParamRule]:
             expert=True,
         ),
     ]
-    if arch.moe is not None and arch.moe.shared_expert_size is not None:
-        shared_m, shared_h = m + "mlp.shared_experts.", h + "mlp.shared_expert."
+    if arch.moe.expert_bias:
+        bias = (h + "mlp.gate.e_score_correction_bias",)
+        rules.append(ParamRule(m + "mlp.router.expert_bias", bias, Layout.REPLICATED))
+    if arch.moe.shared_expert_size is not None:
+        shared_m = m + "mlp.shared_experts."
+        shared_h = h + ("mlp.shared_expert." if arch.moe.shared_expert_gate else shared_m[len(m) :])
         shared_gate_up = (shared_h + "gate_proj.weight", shared_h + "up_proj.weight")
         rules += [
             ParamRule(shared_m + "linear_fc1.weight", shared_gate_up, Layout.GATE_UP),
             ParamRule(shared_m + "linear_fc2.weight", (shared_h + "down_proj.weight",), Layout.ROW),
-            ParamRule(
-                shared_m + "gate_weight", (h + "mlp.shared_expert_gate.weight",), Layout.REPLICATED
-            ),
         ]
+        if arch.moe.shared_expert_gate:
+            gate = (h + "mlp.shared_expert_gate.weight",)
+            rules.append(ParamRule(shared_m + "gate_weight", gate, Layout.REPLICATED))
     return rules
 
 
@@ -303,19 +311,22 @@ def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
 def _moe_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     assert arch.moe is not None
     h, f, s = arch.hidden_size, arch.moe.ffn_hidden_size, arch.moe.shared_expert_size
+    experts = arch.moe.num_experts
     shapes: dict[str, tuple[int, ...]] = {
-        "mlp.gate.weight": (arch.moe.num_experts, h),
+        "mlp.gate.weight": (experts, h),
+        "mlp.gate.e_score_correction_bias": (experts,),
         "mlp.experts.{e}.gate_proj.weight": (f, h),
         "mlp.experts.{e}.up_proj.weight": (f, h),
         "mlp.experts.{e}.down_proj.weight": (h, f),
-        "mlp.experts.gate_up_proj": (arch.moe.num_experts, 2 * f, h),  # fused (fused_experts.py)
-        "mlp.experts.down_proj": (arch.moe.num_experts, h, f),
+        "mlp.experts.gate_up_proj": (experts, 2 * f, h),  # fused (fused_experts.py)
+        "mlp.experts.down_proj": (experts, h, f),
     }
     if s is not None:
+        shared = "mlp.shared_expert." if arch.moe.shared_expert_gate else "mlp.shared_experts."
         shapes |= {
-            "mlp.shared_expert.gate_proj.weight": (s, h),
-            "mlp.shared_expert.up_proj.weight": (s, h),
-            "mlp.shared_expert.down_proj.weight": (h, s),
+            shared + "gate_proj.weight": (s, h),
+            shared + "up_proj.weight": (s, h),
+            shared + "down_proj.weight": (h, s),
             "mlp.shared_expert_gate.weight": (1, h),
         }
     return shapes

@@ -1,10 +1,19 @@
 """The mixture-of-experts part of a model: HF config.json -> `MoEArch` -> Megatron's MoE fields.
 
-Qwen2-MoE and Qwen3-MoE describe their experts the same way (`num_experts`,
-`num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`,
-`mlp_only_layers`); Qwen2-MoE adds a shared expert with a sigmoid gate. `MoEArch` holds
-that, `megatron_kwargs` is its part of `rlhf.models.families.transformer_config`;
-`MoERouter` the training-only router settings (load-balancing and z-loss, token dropping).
+Two ways of routing exist among the families:
+
+- Qwen2-MoE and Qwen3-MoE (`MoEArch.from_hf`): `num_experts`, `num_experts_per_tok`,
+  `moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`; a
+  softmax router; Qwen2-MoE adds a shared expert with a sigmoid gate.
+- DeepSeek-V3 and GLM-4.5 (`MoEArch.from_deepseek_hf`): the first `first_k_dense_replace`
+  layers dense, a sigmoid router whose choice adds a per-expert bias
+  (`e_score_correction_bias`, aux-loss-free balancing) and may be limited to the best
+  `topk_group` of `n_group` expert groups, weights renormalised and scaled by
+  `routed_scaling_factor`, `n_shared_experts` shared experts without a gate.
+
+`MoEArch` holds that, `megatron_kwargs` is its part of
+`rlhf.models.families.transformer_config`; `MoERouter` the training-only router settings
+(load-balancing and z-loss, token dropping).
 """
 
 from __future__ import annotations
@@ -15,10 +24,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class MoEArch:
-    """The mixture-of-experts part of a model (Qwen2-MoE / Qwen3-MoE): `layers[i]` says
-    whether layer i has experts; `norm_topk_prob`: the top-k softmax probabilities are
-    renormalised to sum to 1; `shared_expert_size`: the intermediate size of the shared
-    expert (with its sigmoid gate), None without one."""
+    """The mixture-of-experts part of a model: `layers[i]` says whether layer i has experts;
+    `norm_topk_prob`: the top-k weights are renormalised to sum to 1;
+    `shared_expert_size`: the intermediate size of the shared expert(s), None without;
+    `shared_expert_gate`: the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE).
+    `score_function` "softmax" or "sigmoid"; `expert_bias`: a per-expert bias is added to
+    the scores to choose the experts (not to weigh them); `scaling_factor` multiplies the
+    weights (None: 1); `num_groups` / `group_topk`: the top k come from the best
+    `group_topk` of `num_groups` groups of experts (None: no groups)."""
 
     num_experts: int
     topk: int
@@ -26,6 +39,12 @@ class MoEArch:
     norm_topk_prob: bool
     layers: tuple[bool, ...]
     shared_expert_size: int | None = None
+    shared_expert_gate: bool = False
+    score_function: str = "softmax"
+    expert_bias: bool = False
+    scaling_factor: float | None = None
+    num_groups: int | None = None
+    group_topk: int | None = None
 
     @classmethod
     def from_hf(cls, hf: dict, shared_expert: bool) -> MoEArch:
@@ -43,6 +62,47 @@ class MoEArch:
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             layers=layers,
             shared_expert_size=hf["shared_expert_intermediate_size"] if shared_expert else None,
+            shared_expert_gate=shared_expert,
+        )
+
+    @classmethod
+    def from_deepseek_hf(cls, hf: dict) -> MoEArch:
+        """From a DeepSeek-V3 or GLM-4.5 config.json (transformers' `DeepseekV3MoE` /
+        `Glm4MoeMoE`): layer i has experts from `first_k_dense_replace` on. Settings whose
+        forward Megatron's router does not compute are refused, naming the key."""
+        topk, experts = hf["num_experts_per_tok"], hf["n_routed_experts"]
+        groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+        for key, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if hf.get(key, supported) != supported:
+                raise ValueError(f"config.json {key}={hf[key]!r}: only {supported!r} is supported")
+        if hf.get("moe_layer_freq", 1) != 1:
+            freq = hf["moe_layer_freq"]
+            raise ValueError(f"config.json moe_layer_freq={freq}: only 1 is supported")
+        if topk > 1 and not hf.get("norm_topk_prob", True):
+            raise ValueError(
+                "config.json norm_topk_prob=false with sigmoid routing is not supported "
+                "(Megatron's sigmoid router always renormalises the top-k weights)"
+            )
+        if groups > 1 and topk != 2 * group_topk:
+            raise ValueError(
+                f"config.json n_group={groups}: group-limited routing ranks a group by its "
+                f"2 best experts, Megatron by its num_experts_per_tok / topk_group = "
+                f"{topk} / {group_topk} best; supported only when these agree"
+            )
+        shared = hf.get("n_shared_experts") or 0
+        scaling = float(hf.get("routed_scaling_factor") or 1.0)
+        return cls(
+            num_experts=experts,
+            topk=topk,
+            ffn_hidden_size=hf["moe_intermediate_size"],
+            norm_topk_prob=True,
+            layers=tuple(i >= hf["first_k_dense_replace"] for i in range(hf["num_hidden_layers"])),
+            shared_expert_size=shared * hf["moe_intermediate_size"] if shared else None,
+            score_function="sigmoid",
+            expert_bias=True,
+            scaling_factor=None if scaling == 1.0 else scaling,
+            num_groups=groups if groups > 1 else None,
+            group_topk=group_topk if groups > 1 else None,
         )
 
     def megatron_kwargs(
@@ -55,6 +115,12 @@ class MoEArch:
           is the first (softmax, then top k, no renormalisation); without it Megatron takes
           the top k logits and a softmax over them, which is the renormalised form
           (exp(l_i) / sum over the top k of exp(l_j)). No scaling factor.
+        - sigmoid routing (DeepSeek-V3, GLM-4.5): sigmoid scores plus the expert bias choose
+          the top k (within the best groups), the chosen scores without bias renormalised
+          and scaled: transformers' `noaux_tc` router. The router runs in fp32 as
+          transformers' does; the bias stays as loaded (`moe_router_bias_update_rate` 0:
+          rollouts and training route alike; `override_transformer_config` may set a rate,
+          and the weight sync sends the bias every step).
         - shared expert: Megatron's `moe_shared_expert_gate` multiplies the shared expert's
           output by sigmoid(x @ gate_weight.T), gate_weight [1, hidden]: transformers' gate.
         - `router` (None: `NO_ROUTER_LOSS`): the load-balancing and z-losses (gradients
@@ -62,17 +128,23 @@ class MoEArch:
         - `grouped_gemm`: the experts run as one grouped GEMM (Transformer Engine's; decided
           by `rlhf.models.gpt.moe_grouped_gemm`), else one GEMM per expert. Same arithmetic.
         """
+        sigmoid = self.score_function == "sigmoid"
         return {
             "num_moe_experts": self.num_experts,
             "moe_ffn_hidden_size": self.ffn_hidden_size,
             "moe_router_topk": self.topk,
-            "moe_router_score_function": "softmax",
-            "moe_router_pre_softmax": not self.norm_topk_prob,
-            "moe_router_topk_scaling_factor": None,
+            "moe_router_score_function": self.score_function,
+            "moe_router_pre_softmax": not sigmoid and not self.norm_topk_prob,
+            "moe_router_topk_scaling_factor": self.scaling_factor,
+            "moe_router_enable_expert_bias": self.expert_bias,
+            "moe_router_bias_update_rate": 0.0,
+            "moe_router_num_groups": self.num_groups,
+            "moe_router_group_topk": self.group_topk,
+            "moe_router_dtype": "fp32" if sigmoid else None,
             "moe_token_dispatcher_type": "alltoall",
             "moe_grouped_gemm": grouped_gemm,
             "moe_shared_expert_intermediate_size": self.shared_expert_size,
-            "moe_shared_expert_gate": self.shared_expert_size is not None,
+            "moe_shared_expert_gate": self.shared_expert_gate,
             "moe_layer_freq": [int(x) for x in self.layers],
             "expert_model_parallel_size": ep,
             "expert_tensor_parallel_size": etp,
@@ -147,8 +219,9 @@ def expert_split_problem(
 def sglang_serving_problem(moe: MoEArch | None, family: str) -> str | None:
     """Why SGLang 0.5.23 would serve this model wrongly, or None: its `qwen2_moe` and
     `qwen3_moe` build every layer as a mixture-of-experts layer, whatever `mlp_only_layers`
-    or `decoder_sparse_step` say, and leave a dense layer's MLP weights unloaded."""
-    if moe is None or all(moe.layers):
+    or `decoder_sparse_step` say, and leave a dense layer's MLP weights unloaded (its
+    DeepSeek-style models build the first `first_k_dense_replace` layers dense)."""
+    if moe is None or all(moe.layers) or family not in ("qwen2_moe", "qwen3_moe"):
         return None
     dense = [i for i, has_experts in enumerate(moe.layers) if not has_experts]
     return (

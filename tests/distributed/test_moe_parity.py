@@ -1,13 +1,16 @@
-"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert) built with
-transformers load into Megatron at 1 rank, EP2, EP2 x TP2 (expert-TP 1 and 2) and EP2 x PP2
-and give transformers' logits (fp32, within 1e-5); HF -> Megatron (EP2) -> HF is bitwise;
-`rlhf-convert verify` passes on the converted checkpoint; an EP that does not divide the
-experts is one line before any process starts.
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert, GLM-4.5 with
+its sigmoid router) built with transformers load into Megatron at 1 rank, EP2, EP2 x TP2
+(expert-TP 1 and 2) and EP2 x PP2 and give transformers' logits (fp32, within 1e-5);
+HF -> Megatron (EP2) -> HF is bitwise; `rlhf-convert verify` passes on the converted
+checkpoint; an EP that does not divide the experts is one line before any process starts.
 
 Odd shapes on purpose: 6 experts (3 per EP rank), top-3 of 6 and top-2, `norm_topk_prob`
 true and false, dense layers among the MoE layers by `mlp_only_layers` (Qwen3-MoE) and
-`decoder_sparse_step` (Qwen2-MoE), a shared expert with its sigmoid gate (Qwen2-MoE); and
-the Qwen3-MoE checkpoint rewritten with its experts fused (transformers 5's in-memory form).
+`decoder_sparse_step` (Qwen2-MoE), a shared expert with its sigmoid gate (Qwen2-MoE); GLM-4.5's
+DeepSeek-style routing (sigmoid scores plus a random expert bias choosing the top 4 within the
+best 2 of 2 groups, renormalised and scaled by 2.5; two ungated shared experts; the first layer
+dense) with q/k norms, QKV bias and rotary embedding on half of each head; and the Qwen3-MoE
+checkpoint rewritten with its experts fused (transformers 5's in-memory form).
 """
 
 from __future__ import annotations
@@ -55,6 +58,22 @@ MODELS = {
         decoder_sparse_step=2,
         shared_expert_intermediate_size=20,
     ),
+    # layer 0 dense, 1-3 MoE; sigmoid + expert bias, top-4 within the best 2 of 2 groups
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        head_dim=16,
+        n_routed_experts=6,
+        num_experts_per_tok=4,
+        n_group=2,
+        topk_group=2,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+        num_nextn_predict_layers=0,
+    ),
 }
 LAYOUTS = {  # name -> (ranks, worker arguments)
     "1rank": (1, []),
@@ -68,7 +87,11 @@ LAYOUTS = {  # name -> (ranks, worker arguments)
 def save_moe_model(out: Path, fields: dict, seed: int) -> Path:
     config = AutoConfig.for_model(**{**COMMON, **fields})
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # zeros as built: make the choice depend on it
+            buffer.copy_(torch.randn_like(buffer) * 0.2)
+    model.save_pretrained(out)
     return out
 
 
@@ -124,6 +147,11 @@ def test_the_models_mix_dense_and_moe_layers(moe_models):
     assert qwen3.moe.layers == (True, False, True, True)
     assert qwen2.moe.layers == (False, True, False, True)
     assert (qwen3.moe.shared_expert_size, qwen2.moe.shared_expert_size) == (None, 20)
+    glm = load_arch(dirs["glm4_moe"])
+    assert glm.moe is not None and glm.moe.layers == (False, True, True, True)
+    assert (glm.moe.shared_expert_size, glm.moe.shared_expert_gate) == (24, False)
+    assert (glm.moe.num_groups, glm.moe.group_topk, glm.moe.scaling_factor) == (2, 2, 2.5)
+    assert glm.rotary_dim == 8
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -157,9 +185,10 @@ def rlhf_convert(nproc: int, out: Path, *args) -> str:
     return out.read_text()
 
 
-def test_round_trip_through_ep2_is_bitwise_and_verifies(moe_models, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+def test_round_trip_through_ep2_is_bitwise_and_verifies(moe_models, tmp_path, family):
     dirs, _, _ = moe_models
-    hf_dir = dirs["qwen2_moe"]
+    hf_dir = dirs[family]
     mcore, back = tmp_path / "mcore", tmp_path / "hf_back"
     rlhf_convert(2, tmp_path / "to_mcore.out", "hf-to-mcore", hf_dir, mcore, "--ep", 2)
     meta = json.loads((mcore / "rlhf_checkpoint.json").read_text())

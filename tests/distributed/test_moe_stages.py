@@ -14,6 +14,9 @@ layer among 3 MoE layers), laid out by the config's `megatron.expert_*` keys:
 - Routing replay R2 replays the old-log-prob pass's routes, R3 the rollout engine's
   (here transformers' routes, per sample) in the old-log-prob, reference and update passes,
   alike at every layout.
+- A GLM-4.5-style policy (sigmoid router with expert bias and groups, ungated shared
+  experts, rotary on half of each head): its plain update at EP2 x TP2 and EP2 x PP2 equals
+  one rank's.
 """
 
 from __future__ import annotations
@@ -54,8 +57,28 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
+GLM_LAYOUTS = {name: LAYOUTS[name] for name in ("1rank", "ep2tp2etp1", "ep2pp2")}
+
+
+@pytest.fixture(scope="module")
+def glm_results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glm_stages")
+    model = save_moe_model(root / "glm4_moe", MODELS["glm4_moe"], seed=0)
+    plain = {name: (n, [*extra, "--plain-only"]) for name, (n, extra) in GLM_LAYOUTS.items()}
+    return run_worker_layouts("moe_stages.py", plain, model, root)
+
+
+@pytest.mark.parametrize("layout", [name for name in GLM_LAYOUTS if name != "1rank"])
+def test_glm_moe_update_matches_one_rank(glm_results, layout):
+    check_update_matches_one_rank(glm_results, layout)
+
+
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "1rank"])
 def test_expert_parallel_update_matches_one_rank(results, layout):
+    check_update_matches_one_rank(results, layout)
+
+
+def check_update_matches_one_rank(results: dict, layout: str) -> None:
     one, other = results["1rank"]["plain"], results[layout]["plain"]
     for key in ("logprobs_before", "ref_logprobs", "logprobs_after"):
         print(f"{layout} {key}: max |diff| {max_diff(other[key], one[key]):.2e}")

@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--aux", type=float, default=0.1, help="moe_aux_loss_coeff")
     parser.add_argument("--z", type=float, default=0.01, help="moe_z_loss_coeff")
+    parser.add_argument("--plain-only", action="store_true", help="only the plain update")
     args = parser.parse_args()
     cfg = config(args, aux=0.0, z=None)
     from rlhf.config.validate import validate_config
@@ -144,6 +145,10 @@ def run(args, cfg, ctx) -> None:
     with models.actor.on_device():
         held.append(storage_bytes(models.actor))
     plain["held_bytes"] = all_gathered(held)
+    if args.plain_only:
+        if ctx.rank == 0:
+            torch.save({"plain": plain, "batch": batch.to_objects()}, Path(args.out))
+        return
     # the same first update with the router losses on, one sample per micro-batch
     _, lossy = build(config(args, args.aux, args.z), ctx)
     one_each = MicroBatching(BUDGET, samples=1)

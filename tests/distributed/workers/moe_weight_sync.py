@@ -32,9 +32,12 @@ PROMPTS = [[5, 17, 33, 2, 90, 41], [12, 7, 7, 64, 11]]
 def perturb(model, placement, version: int) -> None:
     """Deterministic noise, new for every version. Copies of a parameter get the same noise:
     a routed expert's slice is the same on every rank with its EP and expert-TP rank, any
-    other parameter's on every rank with its TP rank (or on all, when not TP-split)."""
+    other parameter's on every rank with its TP rank (or on all, when not TP-split). A
+    sigmoid router's expert bias (a buffer) too: the sync must carry it."""
+    from rlhf.models.chunks import mapped_buffers
+
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *mapped_buffers(model)]:
             if ".local_experts." in sequential_expert_name(name):  # either expert module
                 shard = 1 + placement.ep_rank * 64 + placement.experts().tp_rank
             else:
