@@ -36,7 +36,10 @@ too, so that what asks for CUDA gets the meta device before this layer would map
 Besides CUDA, Megatron-Core 0.16.1's MoE router assumes Transformer Engine:
 `moe_utils.RouterGatingLinearFunction` tests `te_general_gemm is not None`, a name defined
 only when TE imports (a NameError without it); it is set to None here, which selects the
-router's own torch.mm path.
+router's own torch.mm path. Its multi-latent attention (DeepSeek-V3) imports TE's layers
+from Megatron's TE extension, which without TE hands out mock stand-ins instead of failing,
+so that module believes TE present (`HAVE_TE`) and tests `isinstance(..., TELinear)` against
+a mock (a TypeError when building the layer); its `HAVE_TE` is set to the extension's.
 """
 
 from __future__ import annotations
@@ -229,8 +232,10 @@ def apply_cpu_compat() -> bool:
     global _APPLIED, _MODE, _GATHER, _REDUCE_SCATTER
     if _APPLIED:
         return True
+    from megatron.core.extensions import transformer_engine as te_extension
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     torch.cuda.current_device = lambda: 0
@@ -243,6 +248,7 @@ def apply_cpu_compat() -> bool:
     mcore_random.CudaRNGStatesTracker.add = _cpu_tracker_add
     if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine
         moe_utils.te_general_gemm = None
+    multi_latent_attention.HAVE_TE = te_extension.HAVE_TE
     token_dispatcher.maybe_move_tensor_to_cpu = host_split_sizes
     _GATHER, _REDUCE_SCATTER = (
         mappings._gather_along_first_dim,

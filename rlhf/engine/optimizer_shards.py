@@ -51,6 +51,10 @@ TP_LAYOUTS = {
     "mlp.linear_fc2.weight": Layout.ROW,
     "embedding.word_embeddings.weight": Layout.VOCAB,
     "output_layer.weight": Layout.VOCAB,
+    # multi-latent attention (DeepSeek-V3)
+    "self_attention.linear_q_proj.weight": Layout.COLUMN,
+    "self_attention.linear_q_up_proj.weight": Layout.COLUMN,
+    "self_attention.linear_kv_up_proj.weight": Layout.COLUMN,
 }
 
 

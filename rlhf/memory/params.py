@@ -63,11 +63,14 @@ def stage_params(
         params.append(Param(padded_vocab // tp * h, shared_embedding=tied_split))
     for layer in stage_layers(arch.num_layers, pp, stage, vp):
         params.append(Param(h))  # input_layernorm
-        params.append(Param(h * query))  # linear_proj
-        params.append(Param(qkv * h))  # linear_qkv
+        if arch.mla is not None:
+            params += mla_params(arch, tp)
+        else:
+            params.append(Param(h * query))  # linear_proj
+            params.append(Param(qkv * h))  # linear_qkv
         if arch.qkv_bias:
             params.append(Param(qkv))
-        if arch.qk_layernorm:
+        if arch.qk_layernorm and arch.mla is None:
             params += [Param(d), Param(d)]
         params.append(Param(h))  # pre_mlp_layernorm
         if arch.moe is not None and arch.is_moe_layer(layer):
@@ -82,6 +85,27 @@ def stage_params(
             params.append(Param(h))
         elif not arch.tie_embeddings or pp > 1:
             params.append(Param(padded_vocab // tp * h, shared_embedding=tied_split))
+    return params
+
+
+def mla_params(arch: ModelArch, tp: int) -> list[Param]:
+    """A multi-latent attention's parameters on one TP rank, in registration order: the
+    output projection, the q down projection (whole on every rank), its latent's norm and
+    the q up projection (or the one q projection), the kv down projection (whole), the kv
+    up projection and the kv latent's norm."""
+    mla, h, heads = arch.mla, arch.hidden_size, arch.num_attention_heads // tp
+    assert mla is not None
+    q_rows = heads * (mla.nope_dim + mla.rope_dim)
+    params = [Param(h * heads * mla.v_dim)]  # linear_proj
+    if mla.q_lora_rank is None:
+        params.append(Param(q_rows * h))
+    else:
+        params += [Param(mla.q_lora_rank * h), Param(q_rows * mla.q_lora_rank)]
+    params.append(Param((mla.kv_lora_rank + mla.rope_dim) * h))  # linear_kv_down_proj
+    params.append(Param(heads * (mla.nope_dim + mla.v_dim) * mla.kv_lora_rank))
+    if mla.q_lora_rank is not None:
+        params.append(Param(mla.q_lora_rank))  # q_layernorm
+    params.append(Param(mla.kv_lora_rank))  # kv_layernorm
     return params
 
 

@@ -478,6 +478,11 @@ def rollout_weight_bytes(arch: ModelArch, rollout_tp: int, element: int) -> int:
     E x moe_ffn / TP per rank either way), except each MoE layer's router (and shared-expert
     gate), which every rank holds whole."""
     replicated = replicated_params(arch.moe, arch.hidden_size) if arch.moe else 0
+    if arch.mla is not None:  # the latents' down projections and norms, whole on every rank
+        mla, h = arch.mla, arch.hidden_size
+        q_down = (mla.q_lora_rank or 0) * (h + 1)
+        replicated += arch.num_layers * (q_down + (mla.kv_lora_rank + mla.rope_dim) * h)
+        replicated += arch.num_layers * mla.kv_lora_rank
     split = hf_param_count(arch) - replicated
     return split * element // rollout_tp + replicated * element
 
@@ -566,7 +571,11 @@ def plan_memory(inputs: PlanInputs, gpu_bytes: int | None = None) -> MemoryPlan:
 
 def kv_cache_bytes_per_token(arch: ModelArch, rollout_tp: int, dtype: str) -> int:
     """SGLang's KV cache per token on one GPU: K and V of every layer, for the KV heads of
-    one rollout TP rank (replicated when there are fewer heads than ranks)."""
+    one rollout TP rank (replicated when there are fewer heads than ranks); with
+    multi-latent attention the kv latent and the rotary key of every layer, on every rank."""
+    if arch.mla is not None:
+        latent = arch.mla.kv_lora_rank + arch.mla.rope_dim
+        return arch.num_layers * latent * DTYPE_BYTES[dtype]
     heads = max(1, arch.num_query_groups // rollout_tp)
     return 2 * arch.num_layers * heads * arch.head_dim * DTYPE_BYTES[dtype]
 

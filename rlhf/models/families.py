@@ -38,6 +38,33 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rotary scaling (rope type "yarn": DeepSeek-V3's long-context setting)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+
+
+@dataclass(frozen=True)
+class MLAArch:
+    """Multi-latent attention (DeepSeek-V2/V3): queries through a rank-`q_lora_rank`
+    bottleneck (None: one projection), keys and values from a shared rank-`kv_lora_rank`
+    latent, plus one rotary key of `rope_dim` shared by all heads; a head's query and key
+    are `nope_dim` + `rope_dim` wide, its value `v_dim`. `yarn`: the rotary scaling."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    yarn: YarnScaling | None = None
+
+
+@dataclass(frozen=True)
 class Recompute:
     """Megatron activation recompute: which activations are recomputed in the backward.
 
@@ -92,6 +119,7 @@ class ModelArch:
     rope_scaling: RopeScaling | None = None
     moe: MoEArch | None = None
     rotary_fraction: float = 1.0  # rotary embedding on the first fraction of each head
+    mla: MLAArch | None = None  # multi-latent attention (head_dim: a query's nope + rope)
 
     @property
     def heads_per_group(self) -> int:
@@ -217,6 +245,53 @@ def glm4_moe_arch(hf: dict) -> ModelArch:
     )
 
 
+def _yarn(hf: dict) -> YarnScaling | None:
+    """The YaRN scaling of a config.json (`rope_scaling`, or transformers 5's
+    `rope_parameters`); None without scaling; other rope types are refused."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ValueError(f"config.json rope type {kind!r} is not supported (supported: yarn)")
+    return YarnScaling(
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        beta_fast=float(scaling.get("beta_fast", 32)),
+        beta_slow=float(scaling.get("beta_slow", 1)),
+        mscale=float(scaling.get("mscale", 1)),
+        mscale_all_dim=float(scaling.get("mscale_all_dim", 0)),
+    )
+
+
+def deepseek_v3_arch(hf: dict) -> ModelArch:
+    """DeepSeek-V3 / R1 (and Kimi-K2, Moonlight: the same `deepseek_v3` model type):
+    multi-latent attention with interleaved rotary dimensions (`rope_interleave`, which
+    Megatron's MLA takes as it is) and optional YaRN scaling; DeepSeek-style experts
+    (`MoEArch.from_deepseek_hf`). The multi-token-prediction layers are not part of the
+    model trained here (transformers skips them too)."""
+    if hf.get("attention_bias"):
+        raise ValueError("config.json attention_bias=true is not supported for deepseek_v3")
+    if not hf.get("rope_interleave", True):
+        raise ValueError("config.json rope_interleave=false is not supported for deepseek_v3")
+    nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    mla = MLAArch(
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"],
+        nope_dim=nope,
+        rope_dim=rope,
+        v_dim=hf["v_head_dim"],
+        yarn=_yarn(hf),
+    )
+    heads = hf["num_attention_heads"]
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    plain_rope = {"rope_scaling": None, "rope_parameters": {"rope_theta": theta}}
+    plain = {**hf, **plain_rope, "head_dim": nope + rope, "num_key_value_heads": heads}
+    moe = MoEArch.from_deepseek_hf(hf)
+    # qk_layernorm: the q and kv latents' norms (Megatron's MLA q/kv layernorms)
+    return _decoder_arch(plain, "deepseek_v3", qk_layernorm=True, moe=moe, mla=mla)
+
+
 FAMILIES: dict[str, Callable[[dict], ModelArch]] = {
     "llama": llama_arch,
     "qwen2": qwen2_arch,
@@ -224,6 +299,7 @@ FAMILIES: dict[str, Callable[[dict], ModelArch]] = {
     "qwen2_moe": qwen2_moe_arch,
     "qwen3_moe": qwen3_moe_arch,
     "glm4_moe": glm4_moe_arch,
+    "deepseek_v3": deepseek_v3_arch,
 }
 
 
@@ -304,6 +380,7 @@ def transformer_config(
 
     check_parallel_sizes(arch, tp, pp, vp, ep, etp)
     moe = _moe_fields(arch, ep, etp or tp, router, overrides or {})
+    mla = _mla_fields(arch)
     fields = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -343,8 +420,44 @@ def transformer_config(
         perform_initialization=perform_initialization,
         **recompute.megatron_kwargs(),
         **moe,
+        **mla,
     )
+    if arch.mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**{**fields, **(overrides or {})})
     return TransformerConfig(**{**fields, **(overrides or {})})
+
+
+def _mla_fields(arch: ModelArch) -> dict:
+    """`MLATransformerConfig`'s fields for multi-latent attention (none without); the
+    rotary embedding is MLA's own (plain, or YaRN with its attention scale)."""
+    mla = arch.mla
+    if mla is None:
+        return {}
+    yarn = mla.yarn
+    fields = dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.nope_dim,
+        qk_pos_emb_head_dim=mla.rope_dim,
+        v_head_dim=mla.v_dim,
+        rotary_base=arch.rope_theta,
+        rope_type="rope" if yarn is None else "yarn",
+        mscale=1.0,
+        mscale_all_dim=0.0,
+    )
+    if yarn is not None:
+        fields |= dict(
+            rotary_scaling_factor=yarn.factor,
+            original_max_position_embeddings=yarn.original_max_position_embeddings,
+            beta_fast=yarn.beta_fast,
+            beta_slow=yarn.beta_slow,
+            mscale=yarn.mscale,
+            mscale_all_dim=yarn.mscale_all_dim,
+        )
+    return fields
 
 
 def _moe_fields(
@@ -405,6 +518,14 @@ _DERIVED_FIELDS = {
     "moe_router_topk": "the model's config.json",
     "moe_router_pre_softmax": "the model's config.json",
     "moe_router_score_function": "the model's config.json",
+    "multi_latent_attention": "the model's config.json",
+    "q_lora_rank": "the model's config.json",
+    "kv_lora_rank": "the model's config.json",
+    "qk_head_dim": "the model's config.json",
+    "qk_pos_emb_head_dim": "the model's config.json",
+    "v_head_dim": "the model's config.json",
+    "rope_type": "the model's config.json",
+    "rotary_scaling_factor": "the model's config.json",
     "moe_router_topk_scaling_factor": "the model's config.json",
     "moe_router_enable_expert_bias": "the model's config.json",
     "moe_router_num_groups": "the model's config.json",

@@ -9,6 +9,8 @@ Megatron parameter is laid out across tensor-parallel ranks:
   then k_g, then v_g. Each TP rank holds whole groups, in order.
 - `GATE_UP`: `linear_fc1` is [gate_shard; up_shard] on each TP rank.
 - `VOCAB`: rows split across TP ranks, padded with zero rows beyond the true vocabulary.
+- `COLUMN`: rows (output features of a column-parallel linear) split evenly: multi-latent
+  attention's projections (DeepSeek-V3), whose per-head rows are contiguous.
 
 Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE): the router (HF `mlp.gate`) is replicated;
 routed expert e (HF `mlp.experts.{e}.gate_proj/up_proj/down_proj`) lives on the expert-parallel
@@ -45,6 +47,7 @@ class Layout(enum.Enum):
     QKV = "qkv"
     GATE_UP = "gate_up"
     VOCAB = "vocab"
+    COLUMN = "column"
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,9 @@ class Placement:
 TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    # MLA: the q / kv latents' norms, fused into the up projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -155,11 +161,6 @@ def layer_rules(arch: ModelArch) -> list[ParamRule]:
     attn = h + "self_attn."
     rules = [
         ParamRule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), Layout.REPLICATED),
-        ParamRule(
-            m + "self_attention.linear_qkv.weight",
-            tuple(attn + f"{p}_proj.weight" for p in "qkv"),
-            Layout.QKV,
-        ),
         ParamRule(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), Layout.ROW),
         ParamRule(
             m + "pre_mlp_layernorm.weight",
@@ -173,12 +174,17 @@ def layer_rules(arch: ModelArch) -> list[ParamRule]:
         ),
         ParamRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), Layout.ROW),
     ]
+    if arch.mla is not None:
+        rules += mla_rules(arch, m + "self_attention.", attn)
+    else:
+        qkv = tuple(attn + f"{p}_proj.weight" for p in "qkv")
+        rules.append(ParamRule(m + "self_attention.linear_qkv.weight", qkv, Layout.QKV))
     if arch.moe is not None:
         rules += moe_rules(arch, m, h)
     if arch.qkv_bias:
         qkv_bias = tuple(attn + f"{p}_proj.bias" for p in "qkv")
         rules.append(ParamRule(m + "self_attention.linear_qkv.bias", qkv_bias, Layout.QKV))
-    if arch.qk_layernorm:
+    if arch.qk_layernorm and arch.mla is None:  # MLA's latent norms are in `mla_rules`
         for x in "qk":
             rules.append(
                 ParamRule(
@@ -188,6 +194,29 @@ def layer_rules(arch: ModelArch) -> list[ParamRule]:
                 )
             )
     return rules
+
+
+def mla_rules(arch: ModelArch, m: str, h: str) -> list[ParamRule]:
+    """Multi-latent attention (`m`, `h`: the attention's name prefixes): the q projection
+    (or its down / up pair around the q latent's norm), the kv down projection (the kv
+    latent and the shared rotary key), the kv latent's norm and the kv up projection. The
+    down projections are whole on every TP rank (`rlhf.models.gpt`), the others split by
+    heads."""
+    assert arch.mla is not None
+    pairs = [
+        ("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight", Layout.REPLICATED),
+        ("kv_layernorm.weight", "kv_a_layernorm.weight", Layout.REPLICATED),
+        ("linear_kv_up_proj.weight", "kv_b_proj.weight", Layout.COLUMN),
+    ]
+    if arch.mla.q_lora_rank is None:
+        pairs.append(("linear_q_proj.weight", "q_proj.weight", Layout.COLUMN))
+    else:
+        pairs += [
+            ("linear_q_down_proj.weight", "q_a_proj.weight", Layout.REPLICATED),
+            ("q_layernorm.weight", "q_a_layernorm.weight", Layout.REPLICATED),
+            ("linear_q_up_proj.weight", "q_b_proj.weight", Layout.COLUMN),
+        ]
+    return [ParamRule(m + ours, (h + theirs,), layout) for ours, theirs, layout in pairs]
 
 
 def moe_rules(arch: ModelArch, m: str, h: str) -> list[ParamRule]:
@@ -305,7 +334,28 @@ def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
     }
     if arch.moe is not None:
         shapes |= _moe_shapes(arch)
+    if arch.mla is not None:
+        shapes |= _mla_shapes(arch)
     return shapes[leaf]
+
+
+def _mla_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    assert arch.mla is not None
+    mla, h, heads = arch.mla, arch.hidden_size, arch.num_attention_heads
+    q_rows, kv_rank = heads * (mla.nope_dim + mla.rope_dim), mla.kv_lora_rank
+    shapes = {
+        "self_attn.kv_a_proj_with_mqa.weight": (kv_rank + mla.rope_dim, h),
+        "self_attn.kv_a_layernorm.weight": (kv_rank,),
+        "self_attn.kv_b_proj.weight": (heads * (mla.nope_dim + mla.v_dim), kv_rank),
+        "self_attn.o_proj.weight": (h, heads * mla.v_dim),
+    }
+    if mla.q_lora_rank is None:
+        return shapes | {"self_attn.q_proj.weight": (q_rows, h)}
+    return shapes | {
+        "self_attn.q_a_proj.weight": (mla.q_lora_rank, h),
+        "self_attn.q_a_layernorm.weight": (mla.q_lora_rank,),
+        "self_attn.q_b_proj.weight": (q_rows, mla.q_lora_rank),
+    }
 
 
 def _moe_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
@@ -360,6 +410,8 @@ def load_shard(
     if rule.layout is Layout.ROW:
         shape = expected_hf_shape(arch, names[0])
         return read(names[0], cols=_rows(shape[1], placement))
+    if rule.layout is Layout.COLUMN:
+        return read(names[0], rows=_rows(expected_hf_shape(arch, names[0])[0], placement))
     if rule.layout is Layout.GATE_UP:
         ffn = expected_hf_shape(arch, names[0])[0]  # the dense, a routed or the shared expert's
         return torch.cat([read(n, rows=_rows(ffn, placement)) for n in names])
@@ -414,6 +466,8 @@ def shards_to_hf(
         return [(names[0], _joined(shards, dim=1))]
     if rule.layout is Layout.VOCAB:
         return [(names[0], _joined(shards, dim=0)[: arch.vocab_size])]
+    if rule.layout is Layout.COLUMN:
+        return [(names[0], _joined(shards, dim=0))]
     if rule.layout is Layout.GATE_UP:
         halves = [s.chunk(2, dim=0) for s in shards]
         gate = torch.cat([g for g, _ in halves])
@@ -441,7 +495,7 @@ def merge_tp_shards(layout: Layout, shards: list[torch.Tensor]) -> torch.Tensor:
     if layout is Layout.GATE_UP:
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([g for g, _ in halves] + [u for _, u in halves])
-    return _joined(shards, dim=0)  # QKV: whole query groups per rank; VOCAB: rows
+    return _joined(shards, dim=0)  # QKV: whole query groups per rank; VOCAB, COLUMN: rows
 
 
 def split_tp_shard(

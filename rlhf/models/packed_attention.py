@@ -9,6 +9,11 @@ it runs causal `scaled_dot_product_attention` on each sample's slice of the row;
 them (a plain causal batch, e.g. `rlhf-convert verify`) it is Megatron's own attention.
 Positions are not restarted per sample: RoPE scores depend only on the distance between two
 tokens. With Transformer Engine the THD path does the same in one fused kernel.
+
+Multi-latent attention (DeepSeek-V3) has keys wider than its values (`k_channels`,
+`v_channels`), which Megatron's local core attention does not take: this one does, and
+`PackedMLASelfAttention` keeps a packed row's [s, b, ...] shape, where Megatron's MLA takes
+any packed parameters for the THD layout (it drops the batch dimension).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from torch import Tensor
 
 
@@ -29,7 +35,13 @@ def sample_boundaries(packed_seq_params) -> list[int] | None:
 
 
 class PackedDotProductAttention(DotProductAttention):
-    """Megatron's local core attention, computed per sample on packed rows (see the module)."""
+    """Megatron's local core attention, computed per sample on packed rows (see the module);
+    `k_channels` / `v_channels`: a head's key and value widths (MLA's; None: kv_channels)."""
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:  # MLA: the context is heads x the value width
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
 
     def forward(
         self,
@@ -70,3 +82,24 @@ class PackedDotProductAttention(DotProductAttention):
         context = torch.cat(parts, dim=2)  # [b, heads, s, d]
         s, b = query.shape[0], query.shape[1]
         return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+
+class PackedMLASelfAttention(MLASelfAttention):
+    """Megatron's MLA self-attention for packed rows in the "sbhd" layout: the projections
+    and the rotary embedding see the row as the [s, b, h] tensor it is (positions along
+    the row), and the core attention gets the samples' boundaries."""
+
+    def get_query_key_value_tensors(
+        self,
+        hidden_states,
+        key_value_states=None,
+        position_ids=None,
+        packed_seq_params=None,
+        *args,
+        **kwargs,
+    ):
+        if sample_boundaries(packed_seq_params) is not None:
+            packed_seq_params = None
+        return super().get_query_key_value_tensors(
+            hidden_states, key_value_states, position_ids, packed_seq_params, *args, **kwargs
+        )

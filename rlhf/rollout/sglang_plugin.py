@@ -1,4 +1,4 @@
-"""An SGLang general plugin for the servers this project launches; four jobs.
+"""An SGLang general plugin for the servers this project launches; five jobs.
 
 1. The torch.distributed stores SGLang's processes host listen on their given host only,
    not on every interface. SGLang's scheduler joins its process group with
@@ -20,6 +20,14 @@
 4. On the CPU engine: requests with a `sampling_seed` are sampled with it
    (`rlhf.rollout.seeded_sampling`: SGLang's own seeded Gumbel-max sampler, which it runs
    only under `--enable-deterministic-inference`, a mode that refuses the CPU backends).
+5. On the CPU engine: multi-latent attention (DeepSeek-V3) as absorbed MLA. SGLang's
+   DeepSeek model picks, per batch, plain multi-head attention for a prefill without a
+   cached prefix (keys and values expanded per head) and absorbed MLA otherwise (queries
+   against the cached latent); the backend `torch_native` has no handler of its own, gets
+   the Triton backend's choice, and then reads its keys from the latent cache in either
+   case, so a prefill failed on the key width. Here every batch on `torch_native` is
+   absorbed MLA, which is what that backend computes (one latent key and value shared by
+   all heads).
 
 SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
 the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the
@@ -48,10 +56,26 @@ def register() -> None:
 
         HookRegistry.register(GATE_KERNEL, gate_sigmoid_mul, HookType.REPLACE)
         _seeded_sampling(HookRegistry, HookType)
+        HookRegistry.register(MLA_DISPATCH, absorbed_latent_attention, HookType.AROUND)
     if not torch.cuda.is_available():
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 
         ALLOC_MEMORY_FUNCS["cpu"] = cpu_host_alloc
+
+
+MLA_DISPATCH = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA.dispatch_attn_forward_method"
+
+
+def absorbed_latent_attention(original, attention, forward_batch):
+    """Absorbed MLA for every batch on the `torch_native` backend (job 5)."""
+    method = original(attention, forward_batch)
+    if attention.current_attention_backend != "torch_native":
+        return method
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    return AttnForwardMethod.MLA
 
 
 SAMPLER = "sglang.srt.layers.sampler."

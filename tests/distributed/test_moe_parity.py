@@ -9,8 +9,9 @@ true and false, dense layers among the MoE layers by `mlp_only_layers` (Qwen3-Mo
 `decoder_sparse_step` (Qwen2-MoE), a shared expert with its sigmoid gate (Qwen2-MoE); GLM-4.5's
 DeepSeek-style routing (sigmoid scores plus a random expert bias choosing the top 4 within the
 best 2 of 2 groups, renormalised and scaled by 2.5; two ungated shared experts; the first layer
-dense) with q/k norms, QKV bias and rotary embedding on half of each head; and the Qwen3-MoE
-checkpoint rewritten with its experts fused (transformers 5's in-memory form).
+dense) with q/k norms, QKV bias and rotary embedding on half of each head; DeepSeek-V3's
+multi-latent attention with YaRN and the same routing; and the Qwen3-MoE checkpoint rewritten
+with its experts fused (transformers 5's in-memory form).
 """
 
 from __future__ import annotations
@@ -72,6 +73,39 @@ MODELS = {
         use_qk_norm=True,
         attention_bias=True,
         partial_rotary_factor=0.5,
+        num_nextn_predict_layers=0,
+    ),
+    # DeepSeek-V3: multi-latent attention (q latent 24, kv latent 16 + a rotary key of 4
+    # interleaved dimensions, heads of 8 + 4 for q/k and 6 for v) with YaRN (both attention
+    # factors != 1), the same routing as GLM-4.5's with one shared expert
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        num_key_value_heads=4,  # MLA: every head its own key (transformers repeats by this)
+        n_routed_experts=6,
+        num_experts_per_tok=4,
+        n_group=2,
+        topk_group=2,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        # as the published config.json has them (SGLang reads them; transformers does not)
+        moe_layer_freq=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.9,
+            "mscale_all_dim": 1.0,
+        },
         num_nextn_predict_layers=0,
     ),
 }
@@ -152,6 +186,9 @@ def test_the_models_mix_dense_and_moe_layers(moe_models):
     assert (glm.moe.shared_expert_size, glm.moe.shared_expert_gate) == (24, False)
     assert (glm.moe.num_groups, glm.moe.group_topk, glm.moe.scaling_factor) == (2, 2, 2.5)
     assert glm.rotary_dim == 8
+    deepseek = load_arch(dirs["deepseek_v3"])
+    assert deepseek.mla is not None and deepseek.mla.yarn is not None
+    assert deepseek.moe is not None and deepseek.moe.layers == (False, True, True, True)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -185,7 +222,7 @@ def rlhf_convert(nproc: int, out: Path, *args) -> str:
     return out.read_text()
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe", "deepseek_v3"])
 def test_round_trip_through_ep2_is_bitwise_and_verifies(moe_models, tmp_path, family):
     dirs, _, _ = moe_models
     hf_dir = dirs[family]

@@ -14,9 +14,9 @@ layer among 3 MoE layers), laid out by the config's `megatron.expert_*` keys:
 - Routing replay R2 replays the old-log-prob pass's routes, R3 the rollout engine's
   (here transformers' routes, per sample) in the old-log-prob, reference and update passes,
   alike at every layout.
-- A GLM-4.5-style policy (sigmoid router with expert bias and groups, ungated shared
-  experts, rotary on half of each head): its plain update at EP2 x TP2 and EP2 x PP2 equals
-  one rank's.
+- GLM-4.5 (sigmoid router with expert bias and groups, ungated shared experts, rotary on
+  half of each head) and DeepSeek-V3 (the same routing, multi-latent attention) policies:
+  their plain update at EP2 x TP2 and EP2 x PP2 equals one rank's.
 """
 
 from __future__ import annotations
@@ -57,20 +57,37 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-GLM_LAYOUTS = {name: LAYOUTS[name] for name in ("1rank", "ep2tp2etp1", "ep2pp2")}
+DEEPSEEK_STYLE = ("glm4_moe", "deepseek_v3")
+PLAIN_LAYOUTS = {name: LAYOUTS[name] for name in ("1rank", "ep2tp2etp1", "ep2pp2")}
 
 
-@pytest.fixture(scope="module")
-def glm_results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm_stages")
-    model = save_moe_model(root / "glm4_moe", MODELS["glm4_moe"], seed=0)
-    plain = {name: (n, [*extra, "--plain-only"]) for name, (n, extra) in GLM_LAYOUTS.items()}
-    return run_worker_layouts("moe_stages.py", plain, model, root)
+@pytest.fixture(scope="module", params=DEEPSEEK_STYLE)
+def deepseek_style(tmp_path_factory, request):
+    """(model dir, results by layout) of the plain update of one DeepSeek-style family."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"{family}_stages")
+    model = save_moe_model(root / family, MODELS[family], seed=0)
+    plain = {name: (n, [*extra, "--plain-only"]) for name, (n, extra) in PLAIN_LAYOUTS.items()}
+    return model, run_worker_layouts("moe_stages.py", plain, model, root)
 
 
-@pytest.mark.parametrize("layout", [name for name in GLM_LAYOUTS if name != "1rank"])
-def test_glm_moe_update_matches_one_rank(glm_results, layout):
-    check_update_matches_one_rank(glm_results, layout)
+@pytest.mark.parametrize("layout", [name for name in PLAIN_LAYOUTS if name != "1rank"])
+def test_deepseek_style_update_matches_one_rank(deepseek_style, layout):
+    """Packed rows (the trainer's micro-batches: several samples per row) through GLM-4.5's
+    sigmoid router and DeepSeek-V3's multi-latent attention, at EP2 x TP2 and EP2 x PP2."""
+    check_update_matches_one_rank(deepseek_style[1], layout)
+
+
+def test_deepseek_style_gradient_is_transformers(deepseek_style):
+    """One rank's update gradient (its norm) is that of transformers' model under the same
+    policy-gradient loss, written out with autograd: the expert bias, the groups, the
+    scaling and the latent attention's backward are Megatron's as transformers has them."""
+    model, results = deepseek_style
+    one = results["1rank"]
+    expected = hf_grad_norm_with_router_losses(model, one["batch"], one["advantages"], 0, 0)
+    got = one["plain"]["metrics"]["actor/grad_norm"]
+    print(f"{model.name} grad norm {got!r} (transformers: {expected!r})")
+    assert got == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "1rank"])
@@ -107,22 +124,27 @@ def megatron_router_losses(router_logits: tuple[torch.Tensor, ...], topk: int) -
     return torch.stack([aux, z])
 
 
-def hf_grad_norm_with_router_losses(model_dir, batch: dict, advantages: torch.Tensor) -> float:
+def hf_grad_norm_with_router_losses(
+    model_dir, batch: dict, advantages: torch.Tensor, aux: float = AUX, z: float = Z
+) -> float:
     """The norm of d/dtheta of PPO's token-mean loss at ratio 1 plus, per sample (one per
-    micro-batch), AUX x aux + Z x z averaged over the samples (Megatron scales its router
-    losses by 1 / micro-batches)."""
+    micro-batch), aux x aux loss + z x z-loss averaged over the samples (Megatron scales its
+    router losses by 1 / micro-batches; both 0: the policy-gradient loss alone)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     samples = list(zip(batch["prompt_ids"], batch["response_ids"]))
     num_tokens = sum(len(r) for _, r in samples)
     loss = torch.zeros(())
     for i, (prompt, response) in enumerate(samples):
-        out = model(torch.tensor([prompt + response]), output_router_logits=True)
+        router_losses = aux > 0 or z > 0
+        out = model(torch.tensor([prompt + response]), output_router_logits=router_losses)
         positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
         logp = torch.log_softmax(out.logits[0].float(), dim=-1)[positions, torch.tensor(response)]
         ratio = torch.exp(logp - logp.detach())
         loss = loss - (advantages[i, : len(response)] * ratio).sum() / num_tokens
-        aux, z = megatron_router_losses(out.router_logits, model.config.num_experts_per_tok)
-        loss = loss + (AUX * aux + Z * z) / len(samples)
+        if router_losses:
+            topk = model.config.num_experts_per_tok
+            aux_loss, z_loss = megatron_router_losses(out.router_logits, topk)
+            loss = loss + (aux * aux_loss + z * z_loss) / len(samples)
     loss.backward()
     grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
     return float(torch.cat(grads).norm())

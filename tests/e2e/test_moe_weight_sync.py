@@ -10,7 +10,8 @@ The models are the tiny ones of test_moe_parity with every layer a MoE layer: SG
 `decoder_sparse_step` say. Qwen2-MoE's shared-expert gate runs on the CPU through the
 project's SGLang plugin (rlhf/rollout/sglang_plugin.py). GLM-4.5's (SGLang's glm4_moe, its
 first layer dense) shows that the sync carries the sigmoid router's expert bias: it is
-perturbed with the weights, and SGLang's routes follow.
+perturbed with the weights, and SGLang's routes follow. DeepSeek-V3's (multi-latent attention
+with YaRN) is served on the CPU as absorbed MLA through the plugin.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ LAYOUTS = {  # name -> (ranks, worker arguments); every one at EP2
 # over two DP replicas is the whole run's layout (tests/e2e/test_quickstart_moe_learning.py).
 CASES = [("qwen3_moe", "ep2tp2etp2"), ("qwen3_moe", "ep2pp2")]
 CASES += [("qwen2_moe", "ep2tp2etp1"), ("qwen2_moe", "ep2pp2")]
-CASES += [("glm4_moe", "ep2tp2etp1")]
+CASES += [("glm4_moe", "ep2tp2etp1"), ("deepseek_v3", "ep2tp2etp1")]
 VERSIONS = itertools.count(1, len(TRANSPORTS))  # first version of each run's syncs
 
 

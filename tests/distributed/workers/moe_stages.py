@@ -147,7 +147,8 @@ def run(args, cfg, ctx) -> None:
     plain["held_bytes"] = all_gathered(held)
     if args.plain_only:
         if ctx.rank == 0:
-            torch.save({"plain": plain, "batch": batch.to_objects()}, Path(args.out))
+            result = {"plain": plain, "batch": batch.to_objects(), "advantages": advantages}
+            torch.save(result, Path(args.out))
         return
     # the same first update with the router losses on, one sample per micro-batch
     _, lossy = build(config(args, args.aux, args.z), ctx)
