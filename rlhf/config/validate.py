@@ -309,7 +309,14 @@ def check_model_split(
 
 
 def check_heads(layout: ParallelLayout, heads: ModelShape, prefix: str = f"{AR}.actor") -> None:
-    """Ulysses splits each TP rank's query heads over the SP ranks."""
+    """Ulysses splits each TP rank's query heads over the SP ranks (not multi-latent
+    attention's, whose keys and values are wider apart than its wrapper takes)."""
+    if layout.sp_size > 1 and getattr(heads, "mla", None) is not None:
+        raise ConfigError(
+            f"{prefix}.ulysses_sequence_parallel_size={layout.sp_size}: Ulysses sequence "
+            "parallelism is not supported for multi-latent attention (deepseek_v3); split "
+            "long rows with megatron.tensor_model_parallel_size and sequence_parallel instead"
+        )
     per_tp_rank = heads.num_attention_heads // layout.tp_size
     if layout.sp_size > 1 and per_tp_rank % layout.sp_size:
         raise ConfigError(

@@ -376,8 +376,6 @@ def transformer_config(
     `perform_initialization=False` skips Megatron's random init for models whose weights
     are about to be loaded from a checkpoint.
     """
-    from megatron.core.transformer import TransformerConfig
-
     check_parallel_sizes(arch, tp, pp, vp, ep, etp)
     moe = _moe_fields(arch, ep, etp or tp, router, overrides or {})
     mla = _mla_fields(arch)
@@ -422,11 +420,15 @@ def transformer_config(
         **moe,
         **mla,
     )
-    if arch.mla is not None:
-        from megatron.core.transformer.transformer_config import MLATransformerConfig
+    return _config_class(arch)(**{**fields, **(overrides or {})})
 
-        return MLATransformerConfig(**{**fields, **(overrides or {})})
-    return TransformerConfig(**{**fields, **(overrides or {})})
+
+def _config_class(arch: ModelArch) -> type:
+    """Megatron's `TransformerConfig`, or its `MLATransformerConfig` for latent attention."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return TransformerConfig if arch.mla is None else MLATransformerConfig
 
 
 def _mla_fields(arch: ModelArch) -> dict:

@@ -178,6 +178,9 @@ def test_ulysses_needs_query_heads_divisible_per_tp_rank():
         "ulysses_sequence_parallel_size=2" in message and "tensor_model_parallel_size=2" in message
     )
     assert "3 query heads per TP rank cannot be split over 2 Ulysses ranks" in message
+    latent = SimpleNamespace(num_layers=2, num_attention_heads=4, num_query_groups=4, mla=True)
+    with pytest.raises(ConfigError, match="not supported for multi-latent attention"):
+        validate_config(load_config(QUICKSTART, sp2), None, latent)
 
 
 @pytest.mark.parametrize(
