@@ -131,14 +131,23 @@ def verify(args: argparse.Namespace, ctx) -> int:
     tokens = convert.random_tokens(arch.vocab_size, args.batch, args.seq, args.seed)
     logits = forward_logits(model, tokens, micro_batch_size=1)
     diff = torch.zeros((), device=ctx.device)
+    failed, error = torch.zeros((), device=ctx.device), None
     if logits is not None:
         full = logits if value_model else gather_vocab(logits, ctx.tp_group, arch.vocab_size)
         full = full.cpu()
         if ctx.tp_rank == 0:
-            diff = (full - convert.hf_logits(args.hf_dir, tokens)).abs().max().to(ctx.device)
+            try:  # transformers' side fails here alone: the other ranks must not wait on it
+                diff = (full - convert.hf_logits(args.hf_dir, tokens)).abs().max().to(ctx.device)
+            except (OSError, ValueError, RuntimeError) as e:
+                failed, error = torch.ones((), device=ctx.device), e
             if args.dump_logits:
                 torch.save(full, args.dump_logits)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if failed.item():
+        return 1
     ok = diff.item() <= args.tol
     if ctx.is_main:
         verdict = "OK" if ok else "FAILED"

@@ -94,6 +94,7 @@ def _build_chunk(arch: ModelArch, config, placement: Placement, vocab: int, init
         qk_layernorm=arch.qk_layernorm,
         vp_stage=placement.vp_stage if placement.vp_size > 1 else None,
         moe_layers=_moe_layers(arch, placement),
+        vision=arch.vision,
     )
     if not initialize:
         mark_tensor_parallel_weights(model)

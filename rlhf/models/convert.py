@@ -243,7 +243,8 @@ def random_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch
 
 
 def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    """Reference logits from HF transformers in fp32: [b, s, V] of a causal LM, or [b, s, 1]
+    """Reference logits from HF transformers in fp32: [b, s, V] of a causal LM (or of a
+    vision-language model on text), or [b, s, 1]
     (the values) of an exported critic (`*ForTokenClassification`), or of an exported reward
     model (`*ForSequenceClassification`: its score head on every position, of which HF pools
     the last)."""
@@ -261,6 +262,8 @@ def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
             return scorer.eval().score(scorer.base_model(tokens).last_hidden_state)
     token_classifier = any(a.endswith("ForTokenClassification") for a in kinds)
     auto = AutoModelForTokenClassification if token_classifier else AutoModelForCausalLM
+    if "vision_config" in config:  # a vision-language model (its text-only logits here)
+        from transformers import AutoModelForImageTextToText as auto
     model = auto.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from rlhf.config.validate import model_split_problem
 from rlhf.models.moe_arch import MoEArch, MoERouter, expert_split_problem
+from rlhf.models.vision_arch import VisionArch
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class ModelArch:
     moe: MoEArch | None = None
     rotary_fraction: float = 1.0  # rotary embedding on the first fraction of each head
     mla: MLAArch | None = None  # multi-latent attention (head_dim: a query's nope + rope)
+    vision: VisionArch | None = None  # a vision tower whose tokens enter the text (mRoPE)
 
     @property
     def heads_per_group(self) -> int:
@@ -292,6 +294,26 @@ def deepseek_v3_arch(hf: dict) -> ModelArch:
     return _decoder_arch(plain, "deepseek_v3", qk_layernorm=True, moe=moe, mla=mla)
 
 
+def qwen2_5_vl_arch(hf: dict) -> ModelArch:
+    """Qwen2.5-VL: a Qwen2 language model (QKV bias) with multimodal rotary positions
+    (`mrope_section`) and a vision tower (`VisionArch`). Its text settings are at the top
+    level of a published config.json, under `text_config` in one transformers 5 writes."""
+    text = {**hf, **(hf.get("text_config") or {})}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if not section:
+        raise ValueError("config.json of qwen2_5_vl has no mrope_section (rope_scaling)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ValueError(f"config.json rope type {kind!r} is not supported for qwen2_5_vl")
+    theta = rope.get("rope_theta", text.get("rope_theta", 1000000.0))
+    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    plain_rope = {"rope_scaling": None, "rope_parameters": {"rope_theta": theta}}
+    plain = {**text, **plain_rope, "tie_word_embeddings": tied}
+    vision = VisionArch.from_hf(hf, "qwen2_5_vl", section)
+    return _decoder_arch(plain, "qwen2_5_vl", qkv_bias=True, vision=vision)
+
+
 FAMILIES: dict[str, Callable[[dict], ModelArch]] = {
     "llama": llama_arch,
     "qwen2": qwen2_arch,
@@ -300,6 +322,7 @@ FAMILIES: dict[str, Callable[[dict], ModelArch]] = {
     "qwen3_moe": qwen3_moe_arch,
     "glm4_moe": glm4_moe_arch,
     "deepseek_v3": deepseek_v3_arch,
+    "qwen2_5_vl": qwen2_5_vl_arch,
 }
 
 
@@ -378,7 +401,7 @@ def transformer_config(
     """
     check_parallel_sizes(arch, tp, pp, vp, ep, etp)
     moe = _moe_fields(arch, ep, etp or tp, router, overrides or {})
-    mla = _mla_fields(arch)
+    attention = _attention_fields(arch)
     fields = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -418,7 +441,7 @@ def transformer_config(
         perform_initialization=perform_initialization,
         **recompute.megatron_kwargs(),
         **moe,
-        **mla,
+        **attention,
     )
     return _config_class(arch)(**{**fields, **(overrides or {})})
 
@@ -431,9 +454,12 @@ def _config_class(arch: ModelArch) -> type:
     return TransformerConfig if arch.mla is None else MLATransformerConfig
 
 
-def _mla_fields(arch: ModelArch) -> dict:
-    """`MLATransformerConfig`'s fields for multi-latent attention (none without); the
-    rotary embedding is MLA's own (plain, or YaRN with its attention scale)."""
+def _attention_fields(arch: ModelArch) -> dict:
+    """The rotary sections of multimodal rotary positions (a vision-language model), or
+    `MLATransformerConfig`'s fields for multi-latent attention, whose rotary embedding is
+    its own (plain, or YaRN with its attention scale); none for the others."""
+    if arch.vision is not None:
+        return {"mrope_section": list(arch.vision.mrope_section)}
     mla = arch.mla
     if mla is None:
         return {}
@@ -521,6 +547,7 @@ _DERIVED_FIELDS = {
     "moe_router_pre_softmax": "the model's config.json",
     "moe_router_score_function": "the model's config.json",
     "multi_latent_attention": "the model's config.json",
+    "mrope_section": "the model's config.json",
     "q_lora_rank": "the model's config.json",
     "kv_lora_rank": "the model's config.json",
     "qk_head_dim": "the model's config.json",

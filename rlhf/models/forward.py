@@ -16,13 +16,23 @@ def gather_vocab(logits_local: torch.Tensor, tp_group, vocab_size: int) -> torch
 
 
 @torch.no_grad()
-def forward_logits(model, tokens_bs: torch.Tensor, micro_batch_size: int | None = None, sp=None):
+def forward_logits(
+    model,
+    tokens_bs: torch.Tensor,
+    micro_batch_size: int | None = None,
+    sp=None,
+    inputs: dict | None = None,
+):
     """Local-vocabulary logits [b, s, V_local] on the last pipeline stage, None elsewhere.
 
     Runs Megatron's forward-only schedule over micro-batches, so any PP size works. With
     Ulysses (`sp`, a `SequenceShard` of size > 1) each rank feeds its zig-zag slice of the
-    (padded) rows and the whole rows' logits are combined over the SP group.
+    (padded) rows and the whole rows' logits are combined over the SP group. `inputs`: the
+    model's further keyword inputs for the whole batch in one micro-batch (a vision-language
+    model's `position_ids` [3, b, s], `pixel_values`, `image_grid_thw`).
     """
+    if inputs is not None:
+        micro_batch_size = tokens_bs.shape[0]
     if sp is not None and sp.size > 1:
         return _sequence_parallel_logits(model, tokens_bs, micro_batch_size, sp)
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -33,8 +43,11 @@ def forward_logits(model, tokens_bs: torch.Tensor, micro_batch_size: int | None 
 
     def forward_step(data_iterator, model):
         tokens = next(data_iterator)
-        positions = torch.arange(seq, device=tokens.device).expand_as(tokens)
-        output = model(tokens, positions, None)
+        extra = dict(inputs or {})
+        positions = extra.pop("position_ids", None)
+        if positions is None:
+            positions = torch.arange(seq, device=tokens.device).expand_as(tokens)
+        output = model(tokens, positions, None, **extra)
 
         def keep(output_tensor):
             return output_tensor.sum() * 0.0, {"logits": output_tensor.detach().clone()}

@@ -252,6 +252,7 @@ def build_gpt_model(
     qk_layernorm: bool = False,
     vp_stage: int | None = None,
     moe_layers: list[bool] | None = None,
+    vision=None,
 ) -> GPTModel:
     """A rotary-embedding decoder (Llama/Qwen style) for this rank's pipeline stage.
 
@@ -259,9 +260,16 @@ def build_gpt_model(
     `post_process` say whether this stage holds the embedding / the output layer;
     `vp_stage`: which virtual-pipeline chunk of the stage it is (None without interleaving);
     `moe_layers`: for a mixture-of-experts model, whether each of its layers has experts;
-    `rotary_percent`: the fraction of each head the rotary embedding turns.
+    `rotary_percent`: the fraction of each head the rotary embedding turns; `vision` (a
+    `VisionArch`): a vision-language model (`rlhf.models.vision`), its tower on the first
+    stage, multimodal rotary positions.
     """
-    return GPTModel(
+    model_class = GPTModel
+    if vision is not None:
+        from rlhf.models.vision import VisionLanguageGPT
+
+        model_class = VisionLanguageGPT
+    model = model_class(
         config=config,
         transformer_layer_spec=gpt_block_spec(config, qk_layernorm, moe_layers),
         vocab_size=vocab_size,
@@ -270,8 +278,15 @@ def build_gpt_model(
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if vision is None else "mrope",
         rotary_base=int(rotary_base),
         rotary_percent=rotary_percent,
         vp_stage=vp_stage,
     )
+    if vision is not None:
+        from rlhf.models.vision import build_vision_tower
+
+        model.vision = vision
+        if pre_process:
+            model.vision_model = build_vision_tower(vision, config.params_dtype)
+    return model

@@ -264,9 +264,16 @@ def global_rules(arch: ModelArch) -> list[ParamRule]:
     ]
 
 
+VISION_PREFIX, HF_VISION_PREFIX = "vision_model.", "visual."
+
+
 def resolve(arch: ModelArch, name: str, placement: Placement) -> tuple[ParamRule, int | None]:
     """The rule for a local Megatron parameter name (either expert module's) and its global
-    layer index (if any)."""
+    layer index (if any). A vision tower's parameters (`rlhf.models.vision`) keep their
+    HF names under another prefix, whole on every rank."""
+    if arch.vision is not None and name.startswith(VISION_PREFIX):
+        hf = HF_VISION_PREFIX + name.removeprefix(VISION_PREFIX)
+        return ParamRule(name, (hf,), Layout.REPLICATED), None
     match = _LAYER.match(sequential_expert_name(name))
     if match is None:
         for rule in global_rules(arch):
@@ -307,8 +314,11 @@ def hf_names(rule: ParamRule, layer: int | None) -> list[str]:
     return [n.format(layer=layer) for n in rule.hf]
 
 
-def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
-    """The shape an HF tensor must have according to the config (for clear errors)."""
+def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...] | None:
+    """The shape an HF tensor must have according to the config (for clear errors); None
+    for a vision tower's (its module, built from its config, has the shapes)."""
+    if arch.vision is not None and hf_name.startswith(HF_VISION_PREFIX):
+        return None
     h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
     leaf = hf_name.split(".layers.")[-1].split(".", 1)[-1] if ".layers." in hf_name else hf_name

@@ -290,6 +290,13 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     if cfg.reward.model_path:
         dirs["reward.model_path"] = cfg.reward.model_path
     arches = {key: check_model_dir(path, key) for key, path in dirs.items()}
+    for key, arch in arches.items():
+        if arch.vision is not None:
+            raise ConfigError(
+                f"{key}={dirs[key]}: {arch.family} is a vision-language model; rlhf-convert "
+                "converts and verifies it, but training one (images through the rollouts, the "
+                "trainer's batches and the weight sync) is not built yet"
+            )
     check_experts(arches[MODEL_KEY], aro.actor.megatron, AR)
     if uses_critic(cfg.algorithm):
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")

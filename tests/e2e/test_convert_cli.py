@@ -140,7 +140,7 @@ def test_clear_errors_for_bad_inputs(tiny_qwen2_dir, tp2_checkpoint, tmp_path, c
     line = fails("hf-to-mcore", other, tmp_path / "c")
     assert (
         "unsupported model family 'gpt2'" in line
-        and "llama, qwen2, qwen2_moe, qwen3, qwen3_moe" in line
+        and "llama, qwen2, qwen2_5_vl, qwen2_moe, qwen3, qwen3_moe" in line
     )
 
     # never overwrite, and a missing Megatron checkpoint is named

@@ -323,6 +323,17 @@ def test_router_settings_and_expert_sizes_need_a_model_with_experts(tiny_qwen2_d
             load_policy_arch(load_config(None, [model, "trainer.n_gpus_per_node=2", key]))
 
 
+def test_a_vision_language_policy_is_refused_until_training_one_exists(tmp_path):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from rlhf.trainer.preflight import load_policy_arch
+    from tests.distributed.test_vlm_parity import CONFIG
+
+    Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**CONFIG)).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="qwen2_5_vl is a vision-language model"):
+        load_policy_arch(load_config(None, [f"actor_rollout_ref.model.path={tmp_path}"]))
+
+
 def test_routing_replay_is_refused_where_it_cannot_work(tiny_qwen2_dir, tmp_path):
     from rlhf.trainer.preflight import load_policy_arch
     from tests.distributed.test_moe_parity import MODELS, save_moe_model

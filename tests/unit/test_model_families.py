@@ -61,7 +61,7 @@ def test_older_config_keys_are_read():
 def test_unsupported_inputs_are_clear_errors():
     with pytest.raises(
         ValueError,
-        match=r"'gpt2'.*supported: deepseek_v3, glm4_moe, llama, qwen2, qwen2_moe, qwen3, qwen3_",
+        match=r"'gpt2'.*supported: deepseek_v3, glm4_moe, llama, qwen2, qwen2_5_vl, qwen2_moe",
     ):
         arch_from_hf_config({"model_type": "gpt2"})
     with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5: not supported for llama"):
