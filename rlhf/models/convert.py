@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -261,9 +262,11 @@ def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return scorer.eval().score(scorer.base_model(tokens).last_hidden_state)
     token_classifier = any(a.endswith("ForTokenClassification") for a in kinds)
-    auto = AutoModelForTokenClassification if token_classifier else AutoModelForCausalLM
+    auto: Any = AutoModelForTokenClassification if token_classifier else AutoModelForCausalLM
     if "vision_config" in config:  # a vision-language model (its text-only logits here)
-        from transformers import AutoModelForImageTextToText as auto
+        from transformers import AutoModelForImageTextToText
+
+        auto = AutoModelForImageTextToText
     model = auto.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits

@@ -314,11 +314,14 @@ def hf_names(rule: ParamRule, layer: int | None) -> list[str]:
     return [n.format(layer=layer) for n in rule.hf]
 
 
-def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...] | None:
-    """The shape an HF tensor must have according to the config (for clear errors); None
-    for a vision tower's (its module, built from its config, has the shapes)."""
-    if arch.vision is not None and hf_name.startswith(HF_VISION_PREFIX):
-        return None
+def is_vision_tensor(arch: ModelArch, hf_name: str) -> bool:
+    """A vision tower's HF tensor: its shapes are its module's (built from its config)."""
+    return arch.vision is not None and hf_name.startswith(HF_VISION_PREFIX)
+
+
+def expected_hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
+    """The shape an HF tensor must have according to the config (for clear errors); a
+    KeyError for a tensor the config does not size (a vision tower's, `is_vision_tensor`)."""
     h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
     leaf = hf_name.split(".layers.")[-1].split(".", 1)[-1] if ".layers." in hf_name else hf_name
@@ -413,7 +416,8 @@ def load_shard(
     def read(name: str, **kw) -> torch.Tensor:
         if rule.expert:  # stored per expert or fused
             return read_expert(reader, name, expected_hf_shape(arch, name), **kw)
-        return reader.read(name, expected_shape=expected_hf_shape(arch, name), **kw)
+        expected = None if is_vision_tensor(arch, name) else expected_hf_shape(arch, name)
+        return reader.read(name, expected_shape=expected, **kw)
 
     if rule.layout is Layout.REPLICATED:
         return read(names[0])

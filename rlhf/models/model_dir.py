@@ -72,7 +72,7 @@ def _shape_mismatch(reader: HFCheckpointReader, arch: ModelArch) -> str | None:
         except KeyError:
             continue
         shape = reader.shape(name)
-        if expected is not None and shape != expected:
+        if shape != expected:
             return (
                 f"tensor {name!r} is {list(shape)} in the safetensors but config.json implies "
                 f"{list(expected)} (hidden_size {arch.hidden_size}, intermediate_size "

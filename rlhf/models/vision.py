@@ -56,6 +56,8 @@ class VisionLanguageGPT(GPTModel):
         if position_ids is not None and position_ids.dim() == 2:  # text: the axes agree
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         if self.pre_process and decoder_input is None and pixel_values is not None:
+            if image_grid_thw is None:
+                raise ValueError("pixel_values without image_grid_thw (each image's grid)")
             decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw)
         return super().forward(
             input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs
