@@ -109,6 +109,16 @@ def mla_params(arch: ModelArch, tp: int) -> list[Param]:
     return params
 
 
+def mla_replicated_params(arch: ModelArch) -> int:
+    """Parameters of the whole model's multi-latent attention that every TP rank holds in
+    full (`mla_params`' unsplit ones): the latents' down projections and norms."""
+    mla, h = arch.mla, arch.hidden_size
+    assert mla is not None
+    q_down = (mla.q_lora_rank or 0) * (h + 1)  # projection and the q latent's norm
+    kv_down = (mla.kv_lora_rank + mla.rope_dim) * h + mla.kv_lora_rank
+    return arch.num_layers * (q_down + kv_down)
+
+
 @dataclass(frozen=True)
 class GradBuffer:
     """Megatron DDP's buffer for one rank's parameters and its split over DP ranks."""

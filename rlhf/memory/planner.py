@@ -63,7 +63,7 @@ from rlhf.memory.activations import (
 )
 from rlhf.memory.host import host_bytes_per_rank
 from rlhf.memory.moe import MoEShape, replicated_params
-from rlhf.memory.params import GradBuffer, stage_layers, stage_params
+from rlhf.memory.params import GradBuffer, mla_replicated_params, stage_layers, stage_params
 from rlhf.models.families import ModelArch, Recompute, padded_vocab_size
 
 GIB = 1024**3
@@ -476,13 +476,11 @@ def rollout_weight_bytes(arch: ModelArch, rollout_tp: int, element: int) -> int:
     """SGLang's weights on one of its TP ranks: the model split over its TP ranks (the
     routed experts too: over its TP, or over its EP with `engine_kwargs.sglang.ep_size`,
     E x moe_ffn / TP per rank either way), except each MoE layer's router (and shared-expert
-    gate), which every rank holds whole."""
+    gate; multi-latent attention's down projections and norms), which every rank holds
+    whole."""
     replicated = replicated_params(arch.moe, arch.hidden_size) if arch.moe else 0
-    if arch.mla is not None:  # the latents' down projections and norms, whole on every rank
-        mla, h = arch.mla, arch.hidden_size
-        q_down = (mla.q_lora_rank or 0) * (h + 1)
-        replicated += arch.num_layers * (q_down + (mla.kv_lora_rank + mla.rope_dim) * h)
-        replicated += arch.num_layers * mla.kv_lora_rank
+    if arch.mla is not None:
+        replicated += mla_replicated_params(arch)
     split = hf_param_count(arch) - replicated
     return split * element // rollout_tp + replicated * element
 

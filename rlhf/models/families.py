@@ -137,12 +137,19 @@ class ModelArch:
         return self.moe is not None and self.moe.layers[layer]
 
 
-def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
-    """rope theta and scaling from either transformers-5 `rope_parameters` or older keys."""
+def _rope_settings(hf: dict, default_theta: float = 10000.0) -> tuple[float, str, dict]:
+    """(rope theta, rope type, the type's parameters) from either transformers-5
+    `rope_parameters` or the older `rope_theta` / `rope_scaling`."""
     params = hf.get("rope_parameters") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    return float(theta), kind, scaling
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    """rope theta and (Llama-3) scaling of the Llama-style families."""
+    theta, kind, scaling = _rope_settings(hf)
     if kind == "default":
         return float(theta), None
     if kind != "llama3":
@@ -162,10 +169,15 @@ def _rotary_fraction(hf: dict, default: float) -> float:
 
 
 def _decoder_arch(
-    hf: dict, family: str, rotary_fraction: float = 1.0, **family_fields
+    hf: dict,
+    family: str,
+    rotary_fraction: float = 1.0,
+    rope: tuple[float, RopeScaling | None] | None = None,
+    **family_fields,
 ) -> ModelArch:
     """Fields shared by the Llama-style families; `rotary_fraction`: the family's default
-    `partial_rotary_factor` (a family with 1.0 refuses any other)."""
+    `partial_rotary_factor` (a family with 1.0 refuses any other); `rope`: (theta, scaling)
+    of a family that reads its rotary settings itself (None: `_rope`)."""
     fraction = _rotary_fraction(hf, rotary_fraction)
     if rotary_fraction == 1.0 and fraction != 1.0:
         raise ValueError(
@@ -178,7 +190,7 @@ def _decoder_arch(
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: only silu is supported")
     heads = hf["num_attention_heads"]
-    theta, scaling = _rope(hf)
+    theta, scaling = _rope(hf) if rope is None else rope
     return ModelArch(
         family=family,
         vocab_size=hf["vocab_size"],
@@ -250,8 +262,7 @@ def glm4_moe_arch(hf: dict) -> ModelArch:
 def _yarn(hf: dict) -> YarnScaling | None:
     """The YaRN scaling of a config.json (`rope_scaling`, or transformers 5's
     `rope_parameters`); None without scaling; other rope types are refused."""
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    _, kind, scaling = _rope_settings(hf)
     if kind == "default":
         return None
     if kind != "yarn":
@@ -285,13 +296,13 @@ def deepseek_v3_arch(hf: dict) -> ModelArch:
         v_dim=hf["v_head_dim"],
         yarn=_yarn(hf),
     )
-    heads = hf["num_attention_heads"]
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
-    plain_rope = {"rope_scaling": None, "rope_parameters": {"rope_theta": theta}}
-    plain = {**hf, **plain_rope, "head_dim": nope + rope, "num_key_value_heads": heads}
+    theta, _, _ = _rope_settings(hf)
+    heads = {"head_dim": nope + rope, "num_key_value_heads": hf["num_attention_heads"]}
     moe = MoEArch.from_deepseek_hf(hf)
     # qk_layernorm: the q and kv latents' norms (Megatron's MLA q/kv layernorms)
-    return _decoder_arch(plain, "deepseek_v3", qk_layernorm=True, moe=moe, mla=mla)
+    return _decoder_arch(
+        {**hf, **heads}, "deepseek_v3", rope=(theta, None), qk_layernorm=True, moe=moe, mla=mla
+    )
 
 
 def qwen2_5_vl_arch(hf: dict) -> ModelArch:
@@ -299,19 +310,21 @@ def qwen2_5_vl_arch(hf: dict) -> ModelArch:
     (`mrope_section`) and a vision tower (`VisionArch`). Its text settings are at the top
     level of a published config.json, under `text_config` in one transformers 5 writes."""
     text = {**hf, **(hf.get("text_config") or {})}
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta, kind, rope = _rope_settings(text, default_theta=1000000.0)
     section = rope.get("mrope_section")
     if not section:
         raise ValueError("config.json of qwen2_5_vl has no mrope_section (rope_scaling)")
-    kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "mrope"):
         raise ValueError(f"config.json rope type {kind!r} is not supported for qwen2_5_vl")
-    theta = rope.get("rope_theta", text.get("rope_theta", 1000000.0))
     tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    plain_rope = {"rope_scaling": None, "rope_parameters": {"rope_theta": theta}}
-    plain = {**text, **plain_rope, "tie_word_embeddings": tied}
     vision = VisionArch.from_hf(hf, "qwen2_5_vl", section)
-    return _decoder_arch(plain, "qwen2_5_vl", qkv_bias=True, vision=vision)
+    return _decoder_arch(
+        {**text, "tie_word_embeddings": tied},
+        "qwen2_5_vl",
+        rope=(theta, None),
+        qkv_bias=True,
+        vision=vision,
+    )
 
 
 FAMILIES: dict[str, Callable[[dict], ModelArch]] = {

@@ -39,6 +39,7 @@ from rlhf.distributed.context import ParallelContext
 from rlhf.models.families import ModelArch
 from rlhf.models.fused_experts import read_expert
 from rlhf.models.hf_io import HFCheckpointReader
+from rlhf.models.moe_arch import MoEArch
 
 
 class Layout(enum.Enum):
@@ -241,8 +242,7 @@ def moe_rules(arch: ModelArch, m: str, h: str) -> list[ParamRule]:
         bias = (h + "mlp.gate.e_score_correction_bias",)
         rules.append(ParamRule(m + "mlp.router.expert_bias", bias, Layout.REPLICATED))
     if arch.moe.shared_expert_size is not None:
-        shared_m = m + "mlp.shared_experts."
-        shared_h = h + ("mlp.shared_expert." if arch.moe.shared_expert_gate else shared_m[len(m) :])
+        shared_m, shared_h = m + "mlp.shared_experts.", h + _hf_shared_expert(arch.moe)
         shared_gate_up = (shared_h + "gate_proj.weight", shared_h + "up_proj.weight")
         rules += [
             ParamRule(shared_m + "linear_fc1.weight", shared_gate_up, Layout.GATE_UP),
@@ -252,6 +252,12 @@ def moe_rules(arch: ModelArch, m: str, h: str) -> list[ParamRule]:
             gate = (h + "mlp.shared_expert_gate.weight",)
             rules.append(ParamRule(shared_m + "gate_weight", gate, Layout.REPLICATED))
     return rules
+
+
+def _hf_shared_expert(moe: MoEArch) -> str:
+    """The HF name prefix of a layer's shared expert(s): Qwen2-MoE's gated one, or
+    DeepSeek-V3's and GLM-4.5's ungated ones."""
+    return "mlp.shared_expert." if moe.shared_expert_gate else "mlp.shared_experts."
 
 
 def global_rules(arch: ModelArch) -> list[ParamRule]:
@@ -385,7 +391,7 @@ def _moe_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         "mlp.experts.down_proj": (experts, h, f),
     }
     if s is not None:
-        shared = "mlp.shared_expert." if arch.moe.shared_expert_gate else "mlp.shared_experts."
+        shared = _hf_shared_expert(arch.moe)
         shapes |= {
             shared + "gate_proj.weight": (s, h),
             shared + "up_proj.weight": (s, h),
