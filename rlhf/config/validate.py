@@ -317,6 +317,13 @@ def check_heads(layout: ParallelLayout, heads: ModelShape, prefix: str = f"{AR}.
             "parallelism is not supported for multi-latent attention (deepseek_v3); split "
             "long rows with megatron.tensor_model_parallel_size and sequence_parallel instead"
         )
+    if layout.sp_size > 1 and getattr(heads, "vision", None) is not None:
+        raise ConfigError(
+            f"{prefix}.ulysses_sequence_parallel_size={layout.sp_size}: Ulysses sequence "
+            "parallelism is not supported for a vision-language model (its images enter the "
+            "whole row before it is split); use megatron.tensor_model_parallel_size and "
+            "sequence_parallel instead"
+        )
     per_tp_rank = heads.num_attention_heads // layout.tp_size
     if layout.sp_size > 1 and per_tp_rank % layout.sp_size:
         raise ConfigError(

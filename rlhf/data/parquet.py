@@ -11,7 +11,8 @@ same checks back `rlhf-preprocess check`. Schema (one row per prompt):
 | `reward_model` | {style: 'rule' or 'model', ground_truth} | yes |
 | `ability` | string | no ('' when absent) |
 | `extra_info` | struct, passed to reward functions | no ({} when absent) |
-| `images`, `videos` | must be null or empty: a row that carries any is refused | no |
+| `images` | the row's images (`rlhf.data.images`), for a vision-language policy only | no |
+| `videos` | must be null or empty: a row that carries any is refused | no |
 
 Multi-turn rows (`actor_rollout_ref.rollout.multi_turn`) may carry, in `extra_info`,
 `tools_kwargs`: {tool name: mapping}, each mapping handed as it is to that tool's `create`
@@ -20,10 +21,11 @@ Multi-turn rows (`actor_rollout_ref.rollout.multi_turn`) may carry, in `extra_in
 with null). `need_tools_kwargs: true` says the row cannot go without them: such a row with
 no `tools_kwargs` is a problem, as is a `tools_kwargs` that is not such a mapping.
 
-Training is text-only: a row with images or videos (verl's `images`/`videos` columns of a
-vision-language set) would train on its prompt's text alone, its `<image>` placeholders
-and all, without a word; until vision-language training exists such a row is a problem
-(`media_problems`, also for stored rollouts and preference pairs), so a set that mixes
+A text model given a row with images (verl's `images` column of a vision-language set)
+would train on its prompt's text alone, its `<image>` placeholders and all, without a
+word: such a row is a problem unless the policy takes images (`takes_images`; each image
+is then read and checked, `rlhf.data.images`). Videos are refused for every model, and
+stored rollouts and preference pairs are text-only (`media_problems`). A set that mixes
 them trains on its text rows only with `data.bad_rows=skip`, and says how many it skipped.
 
 Row numbers count from 0, as in pyarrow and pandas. File-level problems (not Parquet, empty,
@@ -50,6 +52,7 @@ import pyarrow.parquet as pq
 
 from rlhf.config.choices import BadRows
 from rlhf.data.files import DataFile, resolve_files
+from rlhf.data.images import row_images
 from rlhf.errors import UserError
 from rlhf.utils import atomic_output
 
@@ -101,6 +104,7 @@ class PromptRow:
     extra_info: dict[str, Any] = field(default_factory=dict)
     file: str = ""
     row: int = -1
+    images: tuple[bytes, ...] = ()  # encoded image files, in the prompt's placeholder order
 
     @property
     def style(self) -> str:
@@ -232,29 +236,44 @@ def _tools_kwargs_problem(extra: Any) -> str | None:
     return None
 
 
-def media_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
-    """(column, message) for each of a row's image and video columns that carries some: this
-    trainer is text-only (see the module)."""
+def _carries(value: Any) -> bool:
+    return not (value is None or (isinstance(value, list | dict | str | bytes) and not value))
+
+
+def media_problems(
+    values: dict[str, Any], why: str = "this data is text-only"
+) -> list[tuple[str, str]]:
+    """(column, message) for each of a row's image and video columns that carries some, a
+    row that cannot take them (`why`, see the module)."""
     found = []
     for column in MEDIA_COLUMNS:
         value = values.get(column)
-        if value is None or (isinstance(value, list | dict | str | bytes) and not value):
+        if not _carries(value):
             continue
         n = len(value) if isinstance(value, list) else None
         count = column if n is None else f"{n} {column if n > 1 else column[:-1]}"
-        found.append(
-            (
-                column,
-                f"carries {count}; training is text-only (no vision-language models yet): "
-                "drop the column or these rows",
-            )
-        )
+        found.append((column, f"carries {count}; {why}: drop the column or these rows"))
     return found
+
+
+TEXT_POLICY = "the policy is a text model (a vision-language one, qwen2_5_vl, takes images)"
+
+
+def _prompt_media(
+    values: dict[str, Any], prompt_key: str, takes_images: bool, folder: Path | None
+) -> tuple[tuple[bytes, ...], list[tuple[str, str]]]:
+    """A prompt row's images and the problems of its media columns (see the module)."""
+    if not takes_images:
+        return (), media_problems(values, TEXT_POLICY)
+    found = media_problems({"videos": values.get("videos")}, "videos are not supported")
+    images, problem = row_images(values.get("images"), values[prompt_key], folder)
+    return images, found + ([("images", problem)] if problem else [])
 
 
 def _row_problems(
     values: dict[str, Any], prompt_key: str, check: GroundTruthCheck | None = None
 ) -> list[tuple[str, str]]:
+    """The problems of a row's text columns (its media: `_prompt_media`)."""
     problems = []
     source = values["data_source"]
     if source is None or not source.strip():
@@ -277,10 +296,12 @@ def _row_problems(
     tools = _tools_kwargs_problem(values.get("extra_info"))
     if tools:
         problems.append(("extra_info", tools))
-    return problems + media_problems(values)
+    return problems
 
 
-def _make_row(values: dict[str, Any], prompt_key: str, file: str, row: int) -> PromptRow:
+def _make_row(
+    values: dict[str, Any], prompt_key: str, file: str, row: int, images: tuple[bytes, ...]
+) -> PromptRow:
     extra = values.get("extra_info") or {}
     if isinstance(extra, list):  # a Parquet map arrives as (key, value) pairs
         extra = dict(extra)
@@ -292,6 +313,7 @@ def _make_row(values: dict[str, Any], prompt_key: str, file: str, row: int) -> P
         extra_info=extra,
         file=file,
         row=row,
+        images=images,
     )
 
 
@@ -317,8 +339,10 @@ def read_file(
     data_file: DataFile,
     prompt_key: str = "prompt",
     check_ground_truth: GroundTruthCheck | None = None,
+    takes_images: bool = False,
 ) -> tuple[list[PromptRow], FileReport]:
-    """Every valid row of one file, and the file's report (with every problem found)."""
+    """Every valid row of one file, and the file's report (with every problem found);
+    `takes_images`: the policy is a vision-language model (see the module)."""
     report = FileReport(data_file.name)
     table = _read_table(data_file, report)
     if table is None:
@@ -328,11 +352,14 @@ def read_file(
     if report.problems:
         return [], report
     rows = []
+    folder = Path(data_file.path).parent if data_file.filesystem is None else None
     for i, values in enumerate(table.to_pylist()):
         found = _row_problems(values, prompt_key, check_ground_truth)
+        images, media = _prompt_media(values, prompt_key, takes_images, folder)
+        found += media
         report.problems.extend(Problem(data_file.name, i, c, m) for c, m in found)
         if not found:
-            rows.append(_make_row(values, prompt_key, data_file.name, i))
+            rows.append(_make_row(values, prompt_key, data_file.name, i, images))
             report.data_sources[values["data_source"]] += 1
     report.num_rows = len(rows)
     return rows, report
@@ -343,9 +370,13 @@ def check_files(
     prompt_key: str = "prompt",
     key: str = "data.train_files",
     check_ground_truth: GroundTruthCheck | None = None,
+    takes_images: bool = False,
 ) -> list[FileReport]:
     """A report per file named by `spec` (path, list, glob or URI)."""
-    return [read_file(f, prompt_key, check_ground_truth)[1] for f in resolve_files(spec, key)]
+    return [
+        read_file(f, prompt_key, check_ground_truth, takes_images)[1]
+        for f in resolve_files(spec, key)
+    ]
 
 
 def read_prompt_rows(
@@ -355,18 +386,20 @@ def read_prompt_rows(
     bad_rows: BadRows = "error",
     key: str = "data.train_files",
     check_ground_truth: GroundTruthCheck | None = None,
+    takes_images: bool = False,
 ) -> list[PromptRow]:
     """Valid rows of every file named by `spec`; raises `DataError` listing every problem.
 
     With `bad_rows="skip"` bad rows are dropped (count and the first few logged); problems
     with a whole file still raise. `key` is the config key named in messages;
-    `check_ground_truth` (None: not checked) judges each rule row's source and ground truth.
+    `check_ground_truth` (None: not checked) judges each rule row's source and ground truth;
+    `takes_images`: the policy is a vision-language model (see the module).
     """
     rows: list[PromptRow] = []
     fatal: list[Problem] = []
     skipped: list[Problem] = []
     for data_file in resolve_files(spec, key):
-        file_rows, report = read_file(data_file, prompt_key, check_ground_truth)
+        file_rows, report = read_file(data_file, prompt_key, check_ground_truth, takes_images)
         rows.extend(file_rows)
         for problem in report.problems:
             (fatal if problem.row is None or bad_rows == "error" else skipped).append(problem)

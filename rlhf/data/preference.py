@@ -86,7 +86,7 @@ def read_preference_pairs(
             margin = values.get("margin")
             if margin is not None and not (math.isfinite(margin) and margin >= 0):
                 found.append(("margin", f"is {margin}, not a number >= 0"))
-            found += media_problems(values)  # a vision preference set: text-only here
+            found += media_problems(values, "preference pairs are text-only")
             if not found and chosen == rejected:
                 found.append((rejected_key, f"equals {chosen_key}: the pair prefers nothing"))
             problems += [Problem(file, row, column, message) for column, message in found]

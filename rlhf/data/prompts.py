@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlhf.config.choices import Truncation
+from rlhf.data.images import ImageProcessor
 from rlhf.data.parquet import GroundTruthCheck, PromptRow, read_prompt_rows
 from rlhf.errors import UserError
 
@@ -30,11 +31,14 @@ class PromptError(ValueError, UserError):
 
 @dataclass(frozen=True)
 class EncodedPrompt:
-    """A prompt row and its token ids (at most `data.max_prompt_length` of them)."""
+    """A prompt row and its token ids (at most `data.max_prompt_length` of them); a row with
+    images (a vision-language policy) has each image's tokens expanded in `input_ids`, one
+    per merged patch, and `grids` holds each image's patch grid (frames, rows, columns)."""
 
     row: PromptRow
     input_ids: list[int]
     truncated: bool = False
+    grids: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -161,6 +165,38 @@ def _all_overlong(rows: Sequence[PromptRow], lengths: list[int], max_prompt_leng
     )
 
 
+IMAGES_UNCUT = " (a prompt with images is never cut: its image tokens would not match its images)"
+
+
+def _encode_images(
+    rows: Sequence[PromptRow],
+    encoded: list[list[int]],
+    processor: ImageProcessor | None,
+    apply_chat_template: bool,
+    tools: list[dict[str, Any]] | None,
+) -> list[tuple[tuple[int, int, int], ...]]:
+    """Each row's image grids (() for a text row); the rows with images re-encoded in
+    `encoded` by the processor (their image tokens expanded)."""
+    grids: list[tuple[tuple[int, int, int], ...]] = [() for _ in rows]
+    with_images = [i for i, row in enumerate(rows) if row.images]
+    if not with_images:
+        return grids
+    if processor is None:
+        raise PromptError(
+            f"{rows[with_images[0]].origin}: a row with images needs a vision-language policy"
+        )
+    if not apply_chat_template or tools:
+        raise PromptError(
+            "prompts with images are rendered by the processor's chat template, without "
+            "tools: set data.apply_chat_template=true (multi-turn rollouts with images are not "
+            "supported)"
+        )
+    for i in with_images:
+        encoded[i], inputs = processor.encode(rows[i].prompt, rows[i].images)
+        grids[i] = tuple(inputs.grids)
+    return grids
+
+
 def build_prompt_dataset(
     rows: Sequence[PromptRow],
     tokenizer: Any,
@@ -171,34 +207,37 @@ def build_prompt_dataset(
     truncation: Truncation = "error",
     prompt_key: str = "prompt",
     tools: list[dict[str, Any]] | None = None,
+    processor: ImageProcessor | None = None,
 ) -> PromptDataset:
     """Encode `rows` and apply the length policy (filtering first, then truncation); length
     problems are `PromptError`s: data.max_prompt_length does not suit the data. `tools`: the
-    tool schemas every prompt lists (`rlhf.rollout.multi_turn_config.tool_schemas`)."""
+    tool schemas every prompt lists (`rlhf.rollout.multi_turn_config.tool_schemas`);
+    `processor`: a vision-language policy's, which encodes the rows with images."""
     if not rows:
         raise ValueError("no prompt rows to encode")
     if tools:
         check_template_lists_tools(tokenizer, tools)
     dataset = PromptDataset(prompts=[])
     encoded = encode_prompts([r.prompt for r in rows], tokenizer, apply_chat_template, tools)
+    grids = _encode_images(rows, encoded, processor, apply_chat_template, tools)
     lengths = [len(ids) for ids in encoded]
     cut = truncation in ("left", "right") and not filter_overlong_prompts
     if not cut and min(lengths) > max_prompt_length:
         raise PromptError(_all_overlong(rows, lengths, max_prompt_length))
-    for row, ids in zip(rows, encoded):
+    for row, ids, grid in zip(rows, encoded, grids):
         if len(ids) > max_prompt_length and filter_overlong_prompts:
             dataset.num_filtered += 1
             continue
-        fitted = fit_length(ids, max_prompt_length, truncation)
+        fitted = fit_length(ids, max_prompt_length, "error" if grid else truncation)
         if fitted is None:
             raise PromptError(
                 f"{row.file}: row {row.row}, column '{prompt_key}': prompt is {len(ids)} tokens, "
                 f"longer than data.max_prompt_length={max_prompt_length}; set "
                 "data.filter_overlong_prompts=true to drop such prompts or "
-                "data.truncation=left|right to cut them"
+                f"data.truncation=left|right to cut them{IMAGES_UNCUT if grid else ''}"
             )
         dataset.num_truncated += fitted is not ids
-        dataset.prompts.append(EncodedPrompt(row, fitted, truncated=fitted is not ids))
+        dataset.prompts.append(EncodedPrompt(row, fitted, fitted is not ids, grid))
     if dataset.num_filtered:
         log.info(
             "dropped %d of %d prompts longer than data.max_prompt_length=%d",
@@ -216,6 +255,7 @@ def prompt_dataset_from_config(
     *,
     check_ground_truth: GroundTruthCheck | None = None,
     tools: list[dict[str, Any]] | None = None,
+    processor: ImageProcessor | None = None,
 ) -> PromptDataset:
     """The `PromptDataset` of `data.train_files` or `data.val_files`, per the `data.*` keys.
 
@@ -223,7 +263,8 @@ def prompt_dataset_from_config(
     sits above data, so the caller passes it): an unscorable rule row then fails here, at
     startup, as a `DataError` naming file, row and column, not mid-run at reward time.
     `tools` are the tool schemas the chat template lists in every prompt (multi-turn:
-    `rlhf.rollout.multi_turn_config.tool_schemas`; None: none listed).
+    `rlhf.rollout.multi_turn_config.tool_schemas`; None: none listed); `processor`: a
+    vision-language policy's (`rlhf.data.images`), which takes rows with images.
     """
     key = f"data.{split}_files"
     rows = read_prompt_rows(
@@ -232,6 +273,7 @@ def prompt_dataset_from_config(
         bad_rows=data_cfg.bad_rows,
         key=key,
         check_ground_truth=check_ground_truth,
+        takes_images=processor is not None,
     )
     return build_prompt_dataset(
         rows,
@@ -242,4 +284,5 @@ def prompt_dataset_from_config(
         truncation=data_cfg.truncation,
         prompt_key=data_cfg.prompt_key,
         tools=tools,
+        processor=processor,
     )

@@ -178,7 +178,7 @@ def read_one_file(
         clean = {k: None if k in bad else v for k, v in values.items()}
         found = row_problems(clean, checks.vocab_size, checks.max_lengths)
         found = [(column, message) for column, message in found if column not in bad]
-        found += media_problems(values)  # a file another tool wrote may carry them
+        found += media_problems(values, "stored rollouts are text-only")  # another tool's file
         if not bad and not found:
             found = score_problems(values, checks)
         problems += [Problem(file, row, column, message) for column, message in found]

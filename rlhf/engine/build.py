@@ -218,7 +218,9 @@ def build_engine(
         on_nonfinite=on_nonfinite,
     )
     padded = not cfg.data.use_sequence_packing
-    planner = MicroBatchPlanner(ctx, use_thd(ctx), interleaved=vp_size > 1, padded=padded)
+    planner = MicroBatchPlanner(
+        ctx, use_thd(ctx), interleaved=vp_size > 1, padded=padded, vision=arch.vision
+    )
     return PPOEngine(
         actor,
         ref,

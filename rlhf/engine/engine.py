@@ -382,6 +382,7 @@ def run_schedule(
             mb.attention_mask,
             packed_seq_params=mb.packed_seq_params,
             **routing,
+            **mb.model_inputs(),
         )
         if replay is not None:
             replay.after_forward(index, mb)

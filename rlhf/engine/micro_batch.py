@@ -37,9 +37,11 @@ from torch.distributed import ProcessGroup
 
 from rlhf.algo.losses import BatchCounts, global_batch_counts
 from rlhf.config.budgets import MicroBatching
+from rlhf.data.images import ImageInputs
 from rlhf.data.packing import plan_fixed_micro_batches, plan_micro_batches
 from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
+from rlhf.models.vision_arch import VisionArch, mrope_positions
 from rlhf.parallel.ulysses import SequenceShard, combine_positions, held_positions
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.utils import round_up
@@ -59,7 +61,9 @@ class MicroBatch:
     `rlhf.rollout.batch`); mask: [n, R]; sample_ids: the n samples, indices into the
     step's batch; routes: [T, layers x top-k] int16, the experts the rollout engine routed
     each position's token to (-1: none, i.e. padding and each sample's last token), when
-    the batch has them (rollout routing replay, `rlhf.engine.route_replay`).
+    the batch has them (rollout routing replay, `rlhf.engine.route_replay`); images: the
+    samples' images in row order, for a vision-language model (position_ids are then its
+    multimodal positions [3, 1, T], see `mrope_row`).
     """
 
     tokens: Tensor
@@ -75,6 +79,13 @@ class MicroBatch:
     local_positions: Tensor | None = None  # Ulysses: the row positions this SP rank holds
     sp_group: ProcessGroup | None = None
     routes: Tensor | None = None  # (host memory; Ulysses: this SP rank's positions only)
+    images: ImageInputs | None = None
+
+    def model_inputs(self) -> dict[str, Tensor]:
+        """The model's keyword inputs beyond tokens, positions and masks (the images)."""
+        if self.images is None:
+            return {}
+        return {"pixel_values": self.images.pixel_values, "image_grid_thw": self.images.grid_thw}
 
     @property
     def num_tokens(self) -> int:
@@ -117,8 +128,12 @@ class MicroBatch:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
         local = None if self.local_positions is None else self.local_positions.to(device)
         padding = None if self.padding_mask is None else self.padding_mask.to(device)
+        images = self.images
+        if images is not None:
+            images = ImageInputs(images.pixel_values.to(device), images.grid_thw.to(device))
         return dataclasses.replace(
             self,
+            images=images,
             local_positions=local,
             padding_mask=padding,
             tokens=self.tokens.to(device),
@@ -173,6 +188,28 @@ def row_multiple(sp_size: int, tp_split: int) -> int:
     return (2 * sp_size if sp_size > 1 else 1) * tp_split
 
 
+def mrope_row(
+    batch: RolloutBatch, sample_ids: list[int], starts: list[int], row_len: int, vision: VisionArch
+) -> Tensor:
+    """[3, row_len] a vision-language model's positions: each sample's own multimodal
+    positions (from 0, as transformers gives them for the sample alone) from its start in
+    the row; 0 on padding, which no sample attends to."""
+    positions = torch.zeros(3, row_len, dtype=torch.long)
+    for i, start in zip(sample_ids, starts):
+        sequence = batch.prompt_ids[i] + batch.response_ids[i]
+        images = batch.images[i] if batch.images is not None else None
+        grids = [] if images is None else images.grids
+        positions[:, start : start + len(sequence)] = mrope_positions(sequence, grids, vision)
+    return positions
+
+
+def row_images(batch: RolloutBatch, sample_ids: list[int]) -> ImageInputs | None:
+    """The images of `sample_ids` in order (None when they have none)."""
+    if batch.images is None:
+        return None
+    return ImageInputs.concat([x for i in sample_ids if (x := batch.images[i]) is not None])
+
+
 def build_micro_batch(
     batch: RolloutBatch,
     sample_ids: list[int],
@@ -180,6 +217,7 @@ def build_micro_batch(
     sp: SequenceShard | None = None,
     tp_split: int = 1,
     padded: bool = False,
+    vision: VisionArch | None = None,
 ) -> MicroBatch:
     """Pack `sample_ids` of `batch` into one row (mask-based, or THD when `thd`); `padded`:
     each sample followed by padding to the longest sample's length, attended to only by the
@@ -190,6 +228,7 @@ def build_micro_batch(
     Megatron's sequence parallelism (`tp_split` = TP) the multiple is TP times larger; without
     Ulysses the padding trails the last sample, which attends only to itself causally.
     No `sample_ids` (an interleaved pipeline's filler): one row of padding, nothing gathered.
+    `vision`: the model is vision-language (`mrope_row` positions, the samples' images).
     """
     sp_size = 1 if sp is None else sp.size
     ulysses = sp_size > 1
@@ -235,9 +274,12 @@ def build_micro_batch(
         positions = torch.arange(row_len)
         padding = row_len - sum(lengths)
         mask_4d = block_causal_mask(lengths + ([padding] if padding else []))
+    if vision is not None:
+        assert not ulysses, "Ulysses SP with images is refused at startup"
+        positions = mrope_row(batch, list(sample_ids), starts, row_len, vision)
     mb = MicroBatch(
         tokens=tokens[None],
-        position_ids=positions[None],
+        position_ids=positions[None] if vision is None else positions[:, None],
         attention_mask=mask_4d,
         packed_seq_params=params,
         labels=labels[None],
@@ -247,6 +289,7 @@ def build_micro_batch(
         row_len=row_len,
         padding_mask=padding_mask[None] if sample_ids else None,  # a filler: no tokens at all
         routes=row_routes(batch.routed_experts, sample_ids, starts, row_len),
+        images=row_images(batch, list(sample_ids)),
     )
     if not ulysses:
         return mb
@@ -295,6 +338,7 @@ class MicroBatchPlanner:
     thd: bool
     interleaved: bool = False
     padded: bool = False  # data.use_sequence_packing=false
+    vision: VisionArch | None = None  # a vision-language model's (images, mRoPE positions)
 
     def plan(
         self,
@@ -341,7 +385,8 @@ class MicroBatchPlanner:
     def micro_batch(self, batch: RolloutBatch, sample_ids: list[int]) -> MicroBatch:
         """`sample_ids` of `batch` packed into one micro-batch on this rank's device."""
         sp = SequenceShard.of(self.ctx)
-        mb = build_micro_batch(batch, sample_ids, self.thd, sp, self._tp_split(), self.padded)
+        tp_split = self._tp_split()
+        mb = build_micro_batch(batch, sample_ids, self.thd, sp, tp_split, self.padded, self.vision)
         return mb.to(self.ctx.device)
 
     def plan_units(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class VisionArch:
@@ -44,3 +46,46 @@ class VisionArch:
             vision_start_token_id=int(hf["vision_start_token_id"]),
             mrope_section=tuple(int(x) for x in mrope_section),
         )
+
+
+def mrope_positions(
+    token_ids: list[int], grids: list[tuple[int, int, int]], vision: VisionArch
+) -> torch.Tensor:
+    """[3, L] multimodal rotary positions of one sequence (time, height, width), as
+    transformers' `get_rope_index` gives them for the processor's rows.
+
+    Text tokens advance all three axes together by one. An image (a run of image tokens,
+    `grids[k]` = its patch grid t x h x w, merged `spatial_merge_size`^2 patches to a token)
+    starts at the next text position p: its tokens take p + (frame, row, column) of the
+    merged grid, and the text after it continues at p + max(rows, columns).
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    is_image = (ids == vision.image_token_id).tolist()
+    merge = vision.spatial_merge_size
+    pieces, position, k, i = [], 0, 0, 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and is_image[j] == is_image[i]:
+            j += 1
+        if not is_image[i]:
+            pieces.append(torch.arange(position, position + j - i).expand(3, -1))
+            position += j - i
+        else:
+            if k >= len(grids):
+                raise ValueError(f"more images in the tokens than the {len(grids)} grids given")
+            t, h, w = (int(x) for x in grids[k])
+            t_bt, h_bt, w_bt = torch.meshgrid(
+                torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij"
+            )
+            image = torch.stack([t_bt, h_bt, w_bt]).reshape(3, -1) + position
+            if image.shape[1] != j - i:
+                raise ValueError(
+                    f"image {k} has {j - i} tokens but its grid {t}x{h}x{w} makes {image.shape[1]}"
+                )
+            pieces.append(image)
+            position += max(h, w) // merge
+            k += 1
+        i = j
+    if k != len(grids):
+        raise ValueError(f"{len(grids)} image grids for {k} images in the tokens")
+    return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)

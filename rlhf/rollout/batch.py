@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf.data.images import ImageInputs
 from rlhf.data.rollout_files import StoredSample, write_rollout_file
 from rlhf.rollout.multi_turn import ToolStats
 
@@ -41,7 +42,9 @@ class RolloutBatch:
     token to (every token but the last, which the engine never fed through the model;
     rollout routing replay, `router_replay.mode=R3`), or None; response_masks: per sample
     and response token, 1 where the policy generated it and 0 on tokens appended for it
-    (tool messages of a multi-turn rollout), or None (every response token is the policy's).
+    (tool messages of a multi-turn rollout), or None (every response token is the policy's);
+    images: per sample its prompt's images as the model takes them (None for a text
+    sample; the samples of one prompt share one object), or None (a text batch).
     """
 
     prompt_ids: list[list[int]]
@@ -53,12 +56,13 @@ class RolloutBatch:
     reward_styles: list[str] | None = None
     routed_experts: list[Tensor] | None = None
     response_masks: list[list[int]] | None = None
+    images: list[ImageInputs | None] | None = None
 
     def __post_init__(self) -> None:
         sizes = {len(self.prompt_ids), len(self.response_ids), len(self.data_sources)}
         sizes |= {len(self.uids), int(self.scores_b.numel())}
         optionals = (self.rollout_logprobs, self.reward_styles, self.routed_experts)
-        for optional in (*optionals, self.response_masks):
+        for optional in (*optionals, self.response_masks, self.images):
             if optional is not None:
                 sizes.add(len(optional))
         if len(sizes) != 1:
@@ -125,7 +129,7 @@ class RolloutBatch:
     def select(self, indices: list[int]) -> RolloutBatch:
         """The samples at `indices`, in that order."""
         logprobs, styles, routes = self.rollout_logprobs, self.reward_styles, self.routed_experts
-        masks = self.response_masks
+        masks, images = self.response_masks, self.images
         return RolloutBatch(
             prompt_ids=[self.prompt_ids[i] for i in indices],
             response_ids=[self.response_ids[i] for i in indices],
@@ -136,6 +140,7 @@ class RolloutBatch:
             reward_styles=None if styles is None else [styles[i] for i in indices],
             routed_experts=None if routes is None else [routes[i] for i in indices],
             response_masks=None if masks is None else [masks[i] for i in indices],
+            images=None if images is None else [images[i] for i in indices],
         )
 
     def full_response_masks(self) -> list[list[int]]:
@@ -170,6 +175,7 @@ class RolloutBatch:
             "reward_styles": self.reward_styles,
             "routed_experts": self.routed_experts,
             "response_masks": self.response_masks,
+            "images": self.images,
         }
 
     @classmethod
@@ -180,6 +186,7 @@ class RolloutBatch:
         routes = [b.routed_experts for b in parts]
         styled = any(b.reward_styles is not None for b in parts)
         masked = any(b.response_masks is not None for b in parts)
+        imaged = any(b.images is not None for b in parts)
         return cls(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
             response_ids=[r for b in parts for r in b.response_ids],
@@ -194,6 +201,7 @@ class RolloutBatch:
             if any(r is None for r in routes)
             else [x for r in routes if r is not None for x in r],
             response_masks=[m for b in parts for m in b.full_response_masks()] if masked else None,
+            images=[x for b in parts for x in (b.images or [None] * b.size)] if imaged else None,
         )
 
     @classmethod
@@ -208,6 +216,7 @@ class RolloutBatch:
             reward_styles=obj.get("reward_styles"),
             routed_experts=obj.get("routed_experts"),
             response_masks=obj.get("response_masks"),
+            images=obj.get("images"),
         )
 
 

@@ -56,6 +56,7 @@ from rlhf.config.validate import (
     trained_megatron,
     uses_critic,
 )
+from rlhf.data.images import ImageProcessor
 from rlhf.data.prompts import PromptDataset, load_tokenizer, prompt_dataset_from_config
 from rlhf.data.rollout_files import StoredSample
 from rlhf.memory.planner import PlanInputs
@@ -291,12 +292,17 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
         dirs["reward.model_path"] = cfg.reward.model_path
     arches = {key: check_model_dir(path, key) for key, path in dirs.items()}
     for key, arch in arches.items():
-        if arch.vision is not None:
+        if arch.vision is not None and key != MODEL_KEY:
             raise ConfigError(
-                f"{key}={dirs[key]}: {arch.family} is a vision-language model; rlhf-convert "
-                "converts and verifies it, but training one (images through the rollouts, the "
-                "trainer's batches and the weight sync) is not built yet"
+                f"{key}={dirs[key]}: {arch.family} is a vision-language model; only the "
+                "policy may be one (a critic or reward model that reads images is not built: "
+                "use algorithm.adv_estimator=grpo, or a text critic/reward model)"
             )
+    if arches[MODEL_KEY].vision is not None and aro.rollout.multi_turn.enable:
+        raise ConfigError(
+            f"{AR}.rollout.multi_turn.enable=true: multi-turn rollouts of a vision-language "
+            f"policy ({arches[MODEL_KEY].family}) are not supported; set it to false"
+        )
     check_experts(arches[MODEL_KEY], aro.actor.megatron, AR)
     if uses_critic(cfg.algorithm):
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
@@ -386,6 +392,7 @@ class Preflight:
     layout: ParallelLayout
     plan: RunPlan
     tokenizer: Any
+    processor: ImageProcessor | None  # a vision-language policy's (`rlhf.data.images`)
     tools: dict
     train_data: PromptDataset
     val_data: PromptDataset | None
@@ -409,8 +416,10 @@ def preflight(
     tokenizer = load_tokenizer(path)
     check_tokenizer_fits(tokenizer, arch, path, MODEL_KEY)
     tools = load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
-    train = _prompts(cfg.data, cfg.reward, tokenizer, tools, "train")
-    val = _prompts(cfg.data, cfg.reward, tokenizer, tools, "val") if cfg.data.val_files else None
+    processor = ImageProcessor(path) if arch.vision is not None else None
+    encoding = (tokenizer, tools, processor)
+    train = _prompts(cfg.data, cfg.reward, *encoding, "train")
+    val = _prompts(cfg.data, cfg.reward, *encoding, "val") if cfg.data.val_files else None
     datasets = {"data.train_files": train, "data.val_files": val}
     present = {k: v for k, v in datasets.items() if v is not None}
     check_model_rows_have_a_scorer(cfg.reward, present)
@@ -424,7 +433,8 @@ def preflight(
         log.info("memory per GPU (GiB), by role and kind:\n%s", report)
         if memory.fits is False:
             log.warning("the memory planner expects this config not to fit: %s", verdict(memory))
-    return Preflight(arch, layout, resolve(cfg, world_size), tokenizer, tools, train, val, stored)
+    plan = resolve(cfg, world_size)
+    return Preflight(arch, layout, plan, tokenizer, processor, tools, train, val, stored)
 
 
 def _prompts(
@@ -432,14 +442,21 @@ def _prompts(
     reward: RewardConfig,
     tokenizer: Any,
     tools: dict,
+    processor: ImageProcessor | None,
     split: Literal["train", "val"],
 ) -> PromptDataset:
     """`data.{split}_files`, their rule rows checked scorable (they fail here, not mid-run),
     every row the reward model's under `reward.model_scores_every_row`; with multi-turn
-    rollouts each prompt lists the tools (`rollout.multi_turn.tool_config_path`)."""
+    rollouts each prompt lists the tools (`rollout.multi_turn.tool_config_path`); a
+    vision-language policy's `processor` takes rows with images."""
     scorable = ground_truth_checker(reward)
     prompts = prompt_dataset_from_config(
-        data, tokenizer, split, check_ground_truth=scorable, tools=tool_schemas(tools)
+        data,
+        tokenizer,
+        split,
+        check_ground_truth=scorable,
+        tools=tool_schemas(tools),
+        processor=processor,
     )
     return prompts.scored_by_model() if reward.model_scores_every_row else prompts
 

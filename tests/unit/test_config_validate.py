@@ -323,15 +323,27 @@ def test_router_settings_and_expert_sizes_need_a_model_with_experts(tiny_qwen2_d
             load_policy_arch(load_config(None, [model, "trainer.n_gpus_per_node=2", key]))
 
 
-def test_a_vision_language_policy_is_refused_until_training_one_exists(tmp_path):
+def test_a_vision_language_model_trains_as_the_policy_only(tmp_path):
+    """A Qwen2.5-VL policy loads under GRPO; as the critic (PPO's default: the policy's
+    directory), with multi-turn rollouts or with Ulysses SP it is refused in one line."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    from rlhf.config.validate import ParallelLayout, check_heads
     from rlhf.trainer.preflight import load_policy_arch
     from tests.distributed.test_vlm_parity import CONFIG
 
     Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**CONFIG)).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="qwen2_5_vl is a vision-language model"):
-        load_policy_arch(load_config(None, [f"actor_rollout_ref.model.path={tmp_path}"]))
+    model = f"actor_rollout_ref.model.path={tmp_path}"
+    grpo = "algorithm.adv_estimator=grpo"
+    arch = load_policy_arch(load_config(None, [model, grpo]))
+    assert arch.vision is not None and arch.vision.family == "qwen2_5_vl"
+    with pytest.raises(ConfigError, match=r"critic.model.path=.*qwen2_5_vl is a vision-language"):
+        load_policy_arch(load_config(None, [model, f"critic.model.path={tmp_path}"]))
+    turns = "actor_rollout_ref.rollout.multi_turn.enable=true"
+    with pytest.raises(ConfigError, match="multi-turn rollouts of a vision-language policy"):
+        load_policy_arch(load_config(None, [model, grpo, turns]))
+    with pytest.raises(ConfigError, match="not supported for a vision-language model"):
+        check_heads(ParallelLayout(world_size=2, sp_size=2), arch)
 
 
 def test_routing_replay_is_refused_where_it_cannot_work(tiny_qwen2_dir, tmp_path):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from rlhf.data.parquet import DataError, read_prompt_rows, write_rows
 from rlhf.quickstart.data import write_quickstart_data
@@ -53,10 +55,10 @@ def test_string_prompt_and_custom_prompt_key(tmp_path):
 IMAGE = {"path": "cat.png", "bytes": b"\x89PNG"}
 
 
-def test_rows_with_images_or_videos_are_refused_until_vlm_training_exists(tmp_path):
-    """verl's vision-language rows (`images`, `videos`) would train on their text alone;
-    a row without any (null, or an empty list) is a text row; `data.bad_rows=skip` keeps
-    the text rows of a mixed set."""
+def test_rows_with_images_or_videos_are_refused_for_a_text_policy(tmp_path):
+    """verl's vision-language rows (`images`, `videos`) would train a text model on their
+    text alone; a row without any (null, or an empty list) is a text row;
+    `data.bad_rows=skip` keeps the text rows of a mixed set."""
     rows = [
         {**row(), "images": [IMAGE, IMAGE], "videos": None},
         {**row(), "images": [], "videos": None},
@@ -69,10 +71,65 @@ def test_rows_with_images_or_videos_are_refused_until_vlm_training_exists(tmp_pa
     found = [(p.row, p.column) for p in err.value.problems]
     assert found == [(0, "images"), (2, "videos")]
     assert (
-        f"{path}: row 0, column 'images': carries 2 images; training is text-only "
-        "(no vision-language models yet): drop the column or these rows"
+        f"{path}: row 0, column 'images': carries 2 images; the policy is a text model (a "
+        "vision-language one, qwen2_5_vl, takes images): drop the column or these rows"
     ) in str(err.value)
     assert [r.row for r in read_prompt_rows(path, bad_rows="skip")] == [1, 3]
+
+
+def png(color: tuple[int, int, int], size=(20, 10)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_vision_language_policy_reads_images_as_verl_writes_them(tmp_path):
+    """Bytes, HF datasets' {bytes, path} struct, a path beside the Parquet file and an
+    absolute one each give the image's file; `<image>` placeholders count the images."""
+    (tmp_path / "red.png").write_bytes(png((255, 0, 0)))
+    two = [{"role": "user", "content": "<image> then <image>: which is red?"}]
+    structs = [
+        {**row(prompt=two), "images": [{"bytes": png((0, 0, 255)), "path": None}] * 2},
+        {**row(prompt=two), "images": [{"bytes": None, "path": "red.png"}] * 2},
+        {**row(), "images": None},  # a text row of the same set
+    ]
+    first, second, text = read_prompt_rows(
+        write(tmp_path / "a.parquet", structs), takes_images=True
+    )
+    assert len(first.images) == 2 and text.images == ()
+    assert Image.open(io.BytesIO(first.images[0])).getpixel((0, 0)) == (0, 0, 255)
+    assert second.images == (png((255, 0, 0)),) * 2
+    paths = [{**row(prompt=two), "images": ["red.png", str(tmp_path / "red.png")]}]
+    (by_path,) = read_prompt_rows(write(tmp_path / "b.parquet", paths), takes_images=True)
+    assert by_path.images == second.images
+    as_bytes = [{**row(prompt=two), "images": [png((255, 0, 0))] * 2}]
+    (raw,) = read_prompt_rows(write(tmp_path / "c.parquet", as_bytes), takes_images=True)
+    assert raw.images == second.images
+
+
+@pytest.mark.parametrize(
+    "images, prompt, message",
+    [
+        ([{"bytes": b"\x89PNG", "path": None}], "<image> ?", "image 0: not an image"),
+        (["missing.png"], "<image> ?", "image 0: no image file at"),
+        ([png((1, 2, 3))], "no placeholder", "1 images but the prompt has 0 <image> placeholders"),
+        ([], "<image> ?", "0 images but the prompt has 1 <image> placeholders"),
+    ],
+)
+def test_bad_images_are_named_by_file_row_and_column(tmp_path, images, prompt, message):
+    message_list = [{"role": "user", "content": prompt}]
+    rows = [{**row(), "images": None}, {**row(prompt=message_list), "images": images}]
+    path = write(tmp_path / "bad.parquet", rows)
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(path, takes_images=True)
+    assert f"{path}: row 1, column 'images': {message}" in str(err.value)
+
+
+def test_videos_are_refused_for_a_vision_language_policy_too(tmp_path):
+    clip = [{"path": "clip.mp4", "bytes": b"\x00"}]
+    path = write(tmp_path / "v.parquet", [{**row(), "images": None, "videos": clip}])
+    with pytest.raises(DataError, match="row 0, column 'videos': carries 1 video; videos are not"):
+        read_prompt_rows(path, takes_images=True)
 
 
 def test_optional_columns_may_be_absent(tmp_path):

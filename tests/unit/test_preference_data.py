@@ -100,7 +100,7 @@ def test_both_layouts_read(tmp_path):
         (  # a vision preference pair (TRL's layout): this trainer is text-only
             {"prompt": "q", "chosen": "a", "rejected": "b", "images": [{"bytes": b"\x89PNG"}]},
             "images",
-            "carries 1 image; training is text-only",
+            "carries 1 image; preference pairs are text-only",
         ),
     ],
 )

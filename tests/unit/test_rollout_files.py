@@ -96,7 +96,7 @@ def bad_file(tmp_path, **changes) -> str:
         ({"uid": None}, "uid", "is null"),
         ({"ground_truth": "{oops"}, "ground_truth", "is not JSON"),
         ({"score": float("nan")}, "score", "is nan"),
-        ({"videos": [{"bytes": b"\x00"}] * 2}, "videos", "carries 2 videos; training is text-only"),
+        ({"videos": [{"bytes": b"\x00"}] * 2}, "videos", "carries 2 videos; stored rollouts"),
     ],
 )
 def test_a_bad_row_is_named_by_file_row_and_column(tmp_path, changes, column, message):
