@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets quickstart-tools quickstart-tools-assets quickstart-async quickstart-rm test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
+.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets quickstart-tools quickstart-tools-assets quickstart-async quickstart-rm quickstart-vlm quickstart-vlm-assets test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
 
 setup: $(STAMP)
 
@@ -68,6 +68,15 @@ quickstart-rm: quickstart-assets
 	$(VENV)/bin/rlhf-train-rm --config configs/quickstart_rm_cpu.yaml
 	$(VENV)/bin/rlhf-train --config configs/quickstart_rm_ppo_cpu.yaml
 	$(VENV)/bin/rlhf-plot runs/quickstart_rm/ppo
+
+# the vision-language quickstart: a tiny Qwen2.5-VL learns to count squares in pictures
+quickstart-vlm: quickstart-vlm-assets
+	$(VENV)/bin/rlhf-train --config configs/quickstart_vlm_cpu.yaml
+	$(VENV)/bin/rlhf-plot runs/quickstart_vlm
+
+quickstart-vlm-assets: setup
+	$(VENV)/bin/rlhf-make-tiny-model runs/quickstart_vlm/model --family qwen2_5_vl --warm-start
+	$(VENV)/bin/rlhf-preprocess quickstart-vlm --local_dir runs/quickstart_vlm/data
 
 quickstart-tools-assets: setup
 	$(VENV)/bin/rlhf-make-tiny-model runs/quickstart_tools/model --tools --warm-start

@@ -10,6 +10,10 @@ Skips the work when OUT_DIR already holds a model, unless --force is given.
 correct about a third of the time; see rlhf/quickstart/warm_start.py), which the CPU quickstart
 needs for PPO to have any reward to learn from. It takes about a minute on 2 cores.
 
+--family qwen2_5_vl builds the tiny vision-language model of `make quickstart-vlm` (a
+Qwen2.5-VL with its processor; rlhf/quickstart/shapes_task.py); --warm-start then teaches it
+to count the squares in a picture, right about 40% of the time (about a minute).
+
 --tools builds the model of `make quickstart-tools` (a dense family): its tokenizer has merges
 for tool calls and the tools prompt (rlhf/quickstart/calculator_task.py), and --warm-start
 then teaches it to call the calculator about 30% of the time and answer alone otherwise
@@ -26,9 +30,11 @@ import sys
 from pathlib import Path
 
 from rlhf.errors import ends_in_one_line
+from rlhf.quickstart.shapes_task import save_tiny_vlm, shapes_warm_start
 from rlhf.quickstart.tiny_model import FAMILIES, MOE_FAMILIES, TinyModelSpec, save_tiny_model
 from rlhf.tools.parser import OPEN
 
+VLM_FAMILY = "qwen2_5_vl"
 WARM_START_MARKER = "warm_start.json"  # written last: its presence means the warm start finished
 
 
@@ -36,7 +42,7 @@ WARM_START_MARKER = "warm_start.json"  # written last: its presence means the wa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--family", choices=FAMILIES, default="qwen2")
+    parser.add_argument("--family", choices=(*FAMILIES, VLM_FAMILY), default="qwen2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="overwrite an existing model")
     parser.add_argument(
@@ -51,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-start: rlhf.quickstart.tool_warm_start)",
     )
     args = parser.parse_args(argv)
-    if args.tools and args.family in MOE_FAMILIES:
-        parser.error(f"--tools builds a dense model, not {args.family}")
+    if args.tools and args.family in (*MOE_FAMILIES, VLM_FAMILY):
+        parser.error(f"--tools builds a dense text model, not {args.family}")
     out = Path(args.out_dir)
     marker = out / WARM_START_MARKER
     if (out / "config.json").is_file() and not args.force:
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     build_model(out, args.family, args.seed, args.tools)
     print(f"wrote tiny {args.family} model and tokenizer to {out}")
     if args.warm_start:
-        result = run_warm_start(out, args.tools)
+        result = run_warm_start(out, args.tools, args.family)
         marker.write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
         summary = (
             f"warm start: {result.num_steps} steps in {result.seconds:.1f}s, final loss "
@@ -94,6 +100,9 @@ def has_tools_tokenizer(model_dir: Path) -> bool:
 
 def build_model(out: Path, family: str, seed: int, tools: bool) -> None:
     """The random tiny model of `family`, with the tools tokenizer if `tools`."""
+    if family == VLM_FAMILY:
+        save_tiny_vlm(out, seed)
+        return
     spec = TinyModelSpec.for_family(family, seed)
     if not tools:
         save_tiny_model(out, spec)
@@ -103,8 +112,10 @@ def build_model(out: Path, family: str, seed: int, tools: bool) -> None:
     save_tiny_model(out, spec, tokenizer=build_tools_tokenizer())
 
 
-def run_warm_start(out: Path, tools: bool):
-    """The quickstart's warm start of the model in `out`, or the tools model's."""
+def run_warm_start(out: Path, tools: bool, family: str):
+    """The quickstart's warm start of the model in `out`, or the tools or vision model's."""
+    if family == VLM_FAMILY:
+        return shapes_warm_start(out)
     if tools:
         from rlhf.quickstart.tool_warm_start import tool_warm_start
 

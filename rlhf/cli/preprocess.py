@@ -2,12 +2,15 @@
 write the quickstart data.
 
     rlhf-preprocess check FILE... [--prompt_key prompt] [--custom_fn path/to/file.py:function]
+                                  [--images]   # rows with images, for a vision-language policy
     rlhf-preprocess gsm8k --input DIR_OR_FILE --local_dir OUT
     rlhf-preprocess math500 --input test.jsonl --local_dir OUT          # -> OUT/test.parquet
     rlhf-preprocess dapo-math --input dapo-math-17k.parquet --local_dir OUT  # -> train.parquet
     rlhf-preprocess aime --input FILE... --local_dir OUT [--data_source aime24]  # -> test
     rlhf-preprocess quickstart --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
     rlhf-preprocess quickstart-tools --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
+    rlhf-preprocess quickstart-vlm --local_dir OUT [--num_train 256] [--num_val 64] [--seed 0]
+    rlhf-preprocess geo3k --input RELEASE_DIR_OR_FILES --local_dir OUT  # -> <split>.parquet
     rlhf-preprocess quickstart-rm --local_dir OUT [--num_pairs 2048] [--num_val_pairs 256]
 
 `check` runs the loader's validation: for each file it prints the rows and data sources and
@@ -29,12 +32,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlhf.data.geo3k import preprocess_geo3k
 from rlhf.data.gsm8k import preprocess_gsm8k
 from rlhf.data.math_sets import MATH_SETS, preprocess_math
 from rlhf.data.parquet import FileReport, GroundTruthCheck, Problem, check_files
 from rlhf.errors import UserError, ends_in_one_line
 from rlhf.quickstart.data import write_quickstart_data, write_tools_quickstart_data
 from rlhf.quickstart.preferences import write_reward_quickstart_data
+from rlhf.quickstart.shapes_task import make_shape_rows
 from rlhf.reward import check_ground_truth, load_custom_fn
 from rlhf.reward.math import last_boxed
 
@@ -51,6 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     check = sub.add_parser("check", help="validate prompt Parquet files")
     check.add_argument("files", nargs="+", help="paths, globs or URIs")
     check.add_argument("--prompt_key", default="prompt", help="column holding the prompt")
+    check.add_argument(
+        "--images",
+        action="store_true",
+        help="the rows are for a vision-language policy: read and check their images",
+    )
     check.add_argument(
         "--custom_fn",
         help="the run's reward.custom_fn (path/to/file.py:function; imported, i.e. run): it "
@@ -70,12 +80,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 help="the rows' data_source, starting with 'aime' (aime24, aime25: one "
                 "validation metric each)",
             )
+    geo3k = sub.add_parser(
+        "geo3k", help="Geometry3K Parquet release (hiyouga/geometry3k) -> <split>.parquet"
+    )
+    geo3k.add_argument("--input", required=True, nargs="+", help="the release's files or folder")
+    geo3k.add_argument("--local_dir", required=True, help="output directory")
     quick = sub.add_parser("quickstart", help="write the arithmetic train/val Parquet files")
+    vlm = sub.add_parser(
+        "quickstart-vlm", help="write the vision quickstart's pictures (count the squares)"
+    )
     tools = sub.add_parser(
         "quickstart-tools",
         help="write the tool-use quickstart's train/val Parquet files and calculator config",
     )
-    for quick_cmd in (quick, tools):
+    for quick_cmd in (quick, tools, vlm):
         quick_cmd.add_argument("--local_dir", required=True, help="output directory")
         quick_cmd.add_argument("--num_train", type=int, default=256)
         quick_cmd.add_argument("--num_val", type=int, default=64)
@@ -90,15 +108,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _reports(spec: str, prompt_key: str, check: GroundTruthCheck | None) -> list[FileReport]:
+def _reports(
+    spec: str, prompt_key: str, check: GroundTruthCheck | None, images: bool
+) -> list[FileReport]:
     try:
-        return check_files(spec, prompt_key, key="FILE", check_ground_truth=check)
+        return check_files(
+            spec, prompt_key, key="FILE", check_ground_truth=check, takes_images=images
+        )
     except (FileNotFoundError, ValueError) as e:
         message = str(e).removeprefix("FILE: ")
         return [FileReport(spec, problems=[Problem(spec, None, None, message)])]
 
 
-def run_check(files: list[str], prompt_key: str, custom_fn: str | None = None) -> int:
+def run_check(
+    files: list[str], prompt_key: str, custom_fn: str | None = None, images: bool = False
+) -> int:
     check: GroundTruthCheck | None = check_ground_truth
     if custom_fn:
         try:
@@ -106,7 +130,7 @@ def run_check(files: list[str], prompt_key: str, custom_fn: str | None = None) -
         except ValueError as e:  # rlhf.reward.registry's: the user's file does not load
             raise UserError(str(e)) from e
         check = None
-    reports = [r for spec in files for r in _reports(spec, prompt_key, check)]
+    reports = [r for spec in files for r in _reports(spec, prompt_key, check, images)]
     problems = [p for r in reports for p in r.problems]
     for report in reports:
         if not report.problems:
@@ -142,12 +166,19 @@ def _write_tools_quickstart(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "check":
-        return run_check(args.files, args.prompt_key, args.custom_fn)
+        return run_check(args.files, args.prompt_key, args.custom_fn, args.images)
     try:
         if args.command == "gsm8k":
             written = preprocess_gsm8k(args.input, args.local_dir)
         elif args.command in MATH_SETS:
             written = _preprocess_math(args)
+        elif args.command == "geo3k":
+            written = preprocess_geo3k(args.input, args.local_dir)
+        elif args.command == "quickstart-vlm":
+            paths = write_quickstart_data(
+                args.local_dir, args.num_train, args.num_val, args.seed, make_shape_rows
+            )
+            written = {"train": (paths[0], args.num_train), "val": (paths[1], args.num_val)}
         elif args.command == "quickstart-tools":
             written = _write_tools_quickstart(args)
         elif args.command == "quickstart-rm":

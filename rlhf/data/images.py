@@ -125,6 +125,12 @@ def multimodal_messages(prompt: str | list[dict[str, str]]) -> list[dict[str, An
     return out
 
 
+def one_token_per_image(ids: list[int], image_token_id: int) -> list[int]:
+    """`ids` with each run of image tokens cut to one: what SGLang takes with the images (it
+    expands each image token itself, and takes every image token for an image)."""
+    return [t for k, t in enumerate(ids) if t != image_token_id or ids[k - 1] != t or k == 0]
+
+
 class ImageProcessor:
     """A vision-language model's processor (`AutoProcessor` of its directory): prompts with
     images -> token ids with the image tokens expanded, and images -> `ImageInputs`."""
@@ -133,6 +139,7 @@ class ImageProcessor:
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
+        self.image_token_id = int(self.processor.image_token_id)
 
     def encode(
         self, prompt: str | list[dict[str, str]], images: tuple[bytes, ...]

@@ -25,6 +25,12 @@ class VisionArch:
     image_token_id: int
     vision_start_token_id: int
     mrope_section: tuple[int, ...]
+    other_token_ids: tuple[int, ...] = ()  # the vision end and video tokens
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token of the vision part (none of them may appear in a text-only probe)."""
+        return (self.image_token_id, self.vision_start_token_id, *self.other_token_ids)
 
     @property
     def config(self) -> dict:
@@ -45,6 +51,9 @@ class VisionArch:
             image_token_id=int(hf["image_token_id"]),
             vision_start_token_id=int(hf["vision_start_token_id"]),
             mrope_section=tuple(int(x) for x in mrope_section),
+            other_token_ids=tuple(
+                int(hf[k]) for k in ("vision_end_token_id", "video_token_id") if k in hf
+            ),
         )
 
 

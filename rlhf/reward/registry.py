@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib.util
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,18 @@ def _math_rule(solution: str, ground_truth: Any, settings: RuleSettings) -> floa
     )
 
 
+GEO3K_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+GEO3K_FORMAT_WEIGHT = 0.1  # verl's geo3k score: 0.9 x right answer + 0.1 x format
+
+
+def _geo3k_rule(solution: str, ground_truth: Any, settings: RuleSettings) -> float:
+    """verl's geo3k score: the last boxed answer right, and the <think> ... boxed form."""
+    right = _math_rule(solution, ground_truth, settings) == settings.correct_score
+    formatted = GEO3K_FORMAT.fullmatch(solution) is not None
+    w = GEO3K_FORMAT_WEIGHT
+    return (1 - w) * settings.correct_score * right + w * formatted
+
+
 DAPO_WRONG_SCORE = -1.0  # verl's math_dapo: a wrong or missing answer, whatever its form
 
 
@@ -86,6 +99,8 @@ _RULES: dict[str, RuleFn] = {
     "openai/gsm8k": _gsm8k_rule,
     "gsm8k": _gsm8k_rule,
     "arithmetic": _gsm8k_rule,  # the quickstart problems (rlhf/data/arithmetic.py)
+    "shapes": _gsm8k_rule,  # the vision quickstart's (rlhf/quickstart/shapes_task.py)
+    "hiyouga/geometry3k": _geo3k_rule,  # verl's geo3k example (rlhf-preprocess geo3k)
     # verl's MATH names: the last \boxed{} answer
     "lighteval/MATH": _math_rule,
     "DigitalLearningGmbH/MATH-lighteval": _math_rule,
@@ -123,6 +138,7 @@ AnswerFn = Callable[[str, RuleSettings], "str | None"]
 _RULE_ANSWERS: dict[RuleFn, AnswerFn] = {
     _gsm8k_rule: _gsm8k_answer,
     _math_rule: _math_answer,
+    _geo3k_rule: _math_answer,
     _answer_line_rule: _answer_line_answer,
 }
 _ANSWERS: dict[str, AnswerFn] = {source: _RULE_ANSWERS[rule] for source, rule in _RULES.items()}
@@ -131,6 +147,7 @@ TruthCheck = Callable[[Any], "str | None"]
 _RULE_CHECKS: dict[RuleFn, TruthCheck] = {
     _gsm8k_rule: gsm8k.ground_truth_problem,
     _math_rule: math.ground_truth_problem,
+    _geo3k_rule: math.ground_truth_problem,
     _answer_line_rule: math.ground_truth_problem,
 }
 _TRUTH_CHECKS: dict[str, TruthCheck] = {s: _RULE_CHECKS[rule] for s, rule in _RULES.items()}

@@ -101,14 +101,24 @@ class RequestResult:
 
 
 def generate_payload(
-    prompt_ids: list[int], sampling_params: dict[str, Any], routed_experts: bool = False
+    prompt_ids: list[int],
+    sampling_params: dict[str, Any],
+    routed_experts: bool = False,
+    images: tuple[bytes, ...] = (),
 ) -> dict[str, Any]:
     """The /generate body for one prompt (its `n` samples come back as a list);
     `routed_experts`: each token's experts come back too (mixture-of-experts policies,
-    rollout routing replay; the server must run with --enable-return-routed-experts)."""
-    payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
+    rollout routing replay; the server must run with --enable-return-routed-experts);
+    `images`: the prompt's encoded image files, in order (sent base64-encoded)."""
+    payload: dict[str, Any] = {
+        "input_ids": prompt_ids,
+        "sampling_params": sampling_params,
+        "return_logprob": True,
+    }
     if routed_experts:
         payload["return_routed_experts"] = True
+    if images:
+        payload["image_data"] = [base64.b64encode(image).decode() for image in images]
     return payload
 
 

@@ -173,8 +173,14 @@ class RolloutStats:
 class RolloutEngine(Protocol):
     """Generates `n` samples per prompt; samples of a prompt are adjacent, in prompt order."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutSample]:
-        """Samples for token-id `prompts`; complete, or an exception."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> list[RolloutSample]:
+        """Samples for token-id `prompts` (with each one's encoded `images`, a
+        vision-language policy); complete, or an exception."""
         ...
 
     def health(self) -> dict[str, bool]:
@@ -187,22 +193,27 @@ class RolloutEngine(Protocol):
 
 
 def request_payloads(
-    prompts: list[list[int]], params: SamplingParams
+    prompts: list[list[int]],
+    params: SamplingParams,
+    images: list[tuple[bytes, ...]] | None = None,
 ) -> list[tuple[int, dict[str, Any]]]:
-    """(prompt index, /generate body) per request, in sample order.
+    """(prompt index, /generate body) per request, in sample order; `images`: each prompt's.
 
     One request per prompt carries all `n` samples. With a seed, SGLang would give all `n`
     samples of a request the same seed (identical samples), so each sample gets a request.
     """
+    pictures = images or [()] * len(prompts)
+    routed = params.routed_experts
     if params.seed is None:
         sampling = params.to_sglang()
-        routed = params.routed_experts
-        return [(i, generate_payload(p, sampling, routed)) for i, p in enumerate(prompts)]
+        return [
+            (i, generate_payload(p, sampling, routed, pictures[i])) for i, p in enumerate(prompts)
+        ]
     payloads = []
     for i, prompt in enumerate(prompts):
         for j in range(params.n):
-            one = dataclasses.replace(params, n=1, seed=params.sample_seed(i, j))
-            payloads.append((i, generate_payload(prompt, one.to_sglang(), params.routed_experts)))
+            one = dataclasses.replace(params, n=1, seed=params.sample_seed(i, j)).to_sglang()
+            payloads.append((i, generate_payload(prompt, one, routed, pictures[i])))
     return payloads
 
 
@@ -274,13 +285,18 @@ class SGLangEngine:
         """Where /generate goes (the router when there is one)."""
         return self.group.generate_urls
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutSample]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> list[RolloutSample]:
         empty = [i for i, p in enumerate(prompts) if not p]
         if empty:
             raise ValueError(f"prompts {empty[:10]} have no tokens")
         self.wait_ready()
         assert self.client is not None
-        requests = request_payloads(prompts, params)
+        requests = request_payloads(prompts, params, images)
         start = time.perf_counter()
         results = self.client.generate([payload for _, payload in requests]) if requests else []
         self.last_stats = RolloutStats.of(results, time.perf_counter() - start)

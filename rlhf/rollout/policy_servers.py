@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from rlhf import sglang_api
 from rlhf.config.engine_args import launched_rollout
 from rlhf.config.schema import ActorRolloutRefConfig, DataConfig, RLHFConfig, RolloutConfig
+from rlhf.data.images import ImageInputs, ImageProcessor, one_token_per_image
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
 from rlhf.distributed.context import ParallelContext
@@ -177,6 +178,7 @@ class PolicyServers:
         colocated: bool = False,
         multi_turn: MultiTurnRollout | None = None,
         pauses: PauseHandling | None = None,
+        processor: ImageProcessor | None = None,
     ):
         """`engine` on the ranks that own servers (None elsewhere); `syncer` on every rank;
         `sleeps`: colocated servers release their memory between generations (the release
@@ -184,14 +186,18 @@ class PolicyServers:
         ledger records it); `colocated`: a server of this rank's node uses this rank's
         device; `multi_turn` (on the engine ranks): every sample is a conversation with
         tools; `pauses`: weight loads may pause generation (`trainer.rollout_mode=async`),
-        and how the samples they cut are finished."""
+        and how the samples they cut are finished; `processor`: a vision-language
+        policy's, for the pixel values of prompts with images."""
         self.ctx, self.engine, self.syncer = ctx, engine, syncer
+        self.processor = processor
         self.multi_turn, self.pauses = multi_turn, pauses
         self.tokenizer, self.scorer = tokenizer, scorer
         self.per_node, self.sleeps, self.colocated = per_node, sleeps, colocated
         self.asleep: set[str] = set()
         self.weights_released = False  # every rank alike: a weight load must come first
-        self.probe_tokens = probe_tokens(syncer.arch.vocab_size)
+        vision = syncer.arch.vision
+        avoid = () if vision is None else vision.token_ids
+        self.probe_tokens = probe_tokens(syncer.arch.vocab_size, avoid=avoid)
         self.probe_threshold = rollout.logprob_diff_threshold
         # launched servers load model.path, which the actor starts from: version 0; external
         # servers may hold anything until the first load
@@ -215,10 +221,12 @@ class PolicyServers:
         max_prompts: int,
         arch: ModelArch,
         tools: dict[str, Tool],
+        processor: ImageProcessor | None = None,
     ) -> PolicyServers:
         """Start the servers (without waiting: the caller builds its models meanwhile and then
         calls `wait_ready`) and the weight syncer of this rank's node; `tools`: the configured
-        tools (`load_configured_tools`), which the owner ranks' conversations call."""
+        tools (`load_configured_tools`), which the owner ranks' conversations call;
+        `processor`: a vision-language policy's (`rlhf.data.images`)."""
         check_servable(arch)
         rollout = cfg.actor_rollout_ref.rollout
         per_node = rollout.server_urls is None and ctx.num_nodes > 1
@@ -281,6 +289,7 @@ class PolicyServers:
             colocated=colocated,
             multi_turn=multi_turn,
             pauses=pauses,
+            processor=processor,
         )
         servers.note_started()
         servers.release_memory()  # asleep while the trainer builds its models (the first
@@ -361,6 +370,7 @@ class PolicyServers:
             self.version,
             self.multi_turn,
             self.pauses,
+            self.processor,
         )
 
     # ---- weights ------------------------------------------------------------------------
@@ -561,6 +571,7 @@ def generate_and_score(
     policy_version: int | None = None,
     multi_turn: MultiTurnRollout | None = None,
     pauses: PauseHandling | None = None,
+    processor: ImageProcessor | None = None,
 ) -> RolloutResult:
     """Generate `params.n` responses per prompt on `engine` and score them with `scorer`
     (rule rows, and model rows when a reward endpoint is set; other model rows stay NaN for
@@ -573,10 +584,13 @@ def generate_and_score(
     text (tool messages included: the answer is read from the last turn) plus the tools'
     step rewards, and the batch carries which tokens the policy generated. With `pauses`,
     samples cut by a pause are finished under the weights that follow it, and each
-    records the versions of its tokens.
+    records the versions of its tokens. Prompts with images (a vision-language policy's
+    `processor`) are sent with them, and each sample carries their pixel values.
     """
     params = params.for_prompts(uids)  # seeded requests: each prompt's seeds from its uid
-    samples, conversations = generate_samples(engine, prompts, params, multi_turn, pauses)
+    samples, conversations = generate_samples(
+        engine, prompts, params, multi_turn, pauses, processor
+    )
     start = time.perf_counter()
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     inputs = [
@@ -624,10 +638,23 @@ def generate_and_score(
         reward_styles=[item.style for item in inputs],
         routed_experts=_routed_experts(samples),
         response_masks=None if conversations is None else [c.response_mask for c in conversations],
+        images=_sample_images(prompts, samples, processor),
     )
     stats = None if conversations is None else ToolStats.of(conversations)
     reward_s = time.perf_counter() - start
     return RolloutResult(batch, records, reward_s, policy_version, stats, versions)
+
+
+def _sample_images(
+    prompts: list[EncodedPrompt], samples: list[RolloutSample], processor: ImageProcessor | None
+) -> list[ImageInputs | None] | None:
+    """Each sample's images as the model takes them (one object per prompt), or None when
+    no prompt has any."""
+    if not any(p.row.images for p in prompts):
+        return None
+    assert processor is not None, "prompts with images come with the policy's processor"
+    inputs = [processor.inputs(p.row.images) if p.row.images else None for p in prompts]
+    return [inputs[s.prompt_index] for s in samples]
 
 
 def generate_samples(
@@ -636,13 +663,18 @@ def generate_samples(
     params: SamplingParams,
     multi_turn: MultiTurnRollout | None,
     pauses: PauseHandling | None,
+    processor: ImageProcessor | None = None,
 ) -> tuple[list[RolloutSample], list[Conversation] | None]:
-    """The samples of `generate_and_score` (and the conversations of multi-turn ones)."""
+    """The samples of `generate_and_score` (and the conversations of multi-turn ones);
+    prompts with images go with them, each image's tokens cut to one (SGLang expands them)."""
     ids = [p.input_ids for p in prompts]
     if pauses is not None:
         assert isinstance(engine, SGLangEngine), "only SGLang servers pause"
         stop_ids = set(pauses.stop_ids)
         return engine.generate_through_pauses(ids, params, stop_ids, pauses.keep_tokens), None
+    if multi_turn is None and processor is not None and any(p.row.images for p in prompts):
+        sent = [one_token_per_image(i, processor.image_token_id) for i in ids]
+        return engine.generate(sent, params, [p.row.images for p in prompts]), None
     if multi_turn is None:
         return engine.generate(ids, params), None
     assert isinstance(engine, SGLangEngine), "multi-turn rollouts run on SGLang servers"

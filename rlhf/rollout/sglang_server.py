@@ -95,6 +95,10 @@ def build_server_args(
         str(seed),
     ]
     env: dict[str, str] = {ENV_BOUND_STORES: "1"}  # rlhf/rollout/sglang_plugin.py
+    # SGLang keeps each image's vision-tower output by the image's hash, and a weight update
+    # does not clear it: a picture seen before a sync would keep the old tower's embedding
+    # (measured: log-probs 0.12 off transformers with the new weights). No such cache.
+    env["SGLANG_VLM_CACHE_SIZE_MB"] = "0"
     if device == "cpu":
         argv += [
             "--device",

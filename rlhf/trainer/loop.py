@@ -106,7 +106,14 @@ class PPOTrainer:
         max_prompts = max(cfg.data.train_batch_size, num_val)
         # SGLang starts loading now; the models are built meanwhile, then wait_ready()
         self.servers = PolicyServers.launch(
-            cfg, ctx, run_dir, self.tokenizer, max_prompts, checked.arch, self.tools
+            cfg,
+            ctx,
+            run_dir,
+            self.tokenizer,
+            max_prompts,
+            checked.arch,
+            self.tools,
+            checked.processor,
         )
         try:
             with ledger().phase("build"):

@@ -298,10 +298,16 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
                 "policy may be one (a critic or reward model that reads images is not built: "
                 "use algorithm.adv_estimator=grpo, or a text critic/reward model)"
             )
-    if arches[MODEL_KEY].vision is not None and aro.rollout.multi_turn.enable:
+    vision_family = arches[MODEL_KEY].family if arches[MODEL_KEY].vision else None
+    if vision_family and aro.rollout.multi_turn.enable:
         raise ConfigError(
             f"{AR}.rollout.multi_turn.enable=true: multi-turn rollouts of a vision-language "
-            f"policy ({arches[MODEL_KEY].family}) are not supported; set it to false"
+            f"policy ({vision_family}) are not supported; set it to false"
+        )
+    if vision_family and cfg.trainer.rollout_mode == "async":
+        raise ConfigError(
+            f"trainer.rollout_mode=async: asynchronous rollouts of a vision-language policy "
+            f"({vision_family}) are not supported; use trainer.rollout_mode=sync"
         )
     check_experts(arches[MODEL_KEY], aro.actor.megatron, AR)
     if uses_critic(cfg.algorithm):

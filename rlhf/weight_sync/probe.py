@@ -19,9 +19,14 @@ class LogprobMismatchError(RuntimeError):
     """SGLang's and the trainer's log-probs of the probe differ by more than allowed."""
 
 
-def probe_tokens(vocab_size: int, length: int = 32, seed: int = 1234) -> list[int]:
+def probe_tokens(
+    vocab_size: int, length: int = 32, seed: int = 1234, avoid: tuple[int, ...] = ()
+) -> list[int]:
+    """Random token ids, none of `avoid` (a vision-language model's image tokens: SGLang
+    would look for an image for each)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in set(avoid)])
+    return allowed[torch.randint(0, len(allowed), (length,), generator=gen)].tolist()
 
 
 def logprob_diff_max(

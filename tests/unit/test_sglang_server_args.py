@@ -33,7 +33,9 @@ def test_config_maps_to_flags():
     assert flag(argv, "--random-seed") == "5"
     assert launch.url == "http://0.0.0.0:3000"
     # the project's SGLang plugin binds the scheduler's store to loopback (sglang_plugin.py)
-    assert "--device" not in argv and launch.env == {"RLHF_SGLANG_BOUND_STORES": "1"}
+    no_image_cache = {"SGLANG_VLM_CACHE_SIZE_MB": "0"}  # a sync must reach every image
+    assert "--device" not in argv
+    assert launch.env == {"RLHF_SGLANG_BOUND_STORES": "1", **no_image_cache}
 
 
 def test_cpu_flags_and_kernel_stand_in():
