@@ -17,6 +17,7 @@ launches its own servers sets a random key for itself when none is given (`ensur
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 from typing import Any
@@ -155,14 +156,18 @@ def generate(url: str, request: dict) -> Any:
     return _post(url, "generate", request)
 
 
-def prompt_logprobs(url: str, tokens: list[int]) -> list[float]:
-    """log p(token_t | tokens_<t) for t >= 1, from one prefill on the server."""
-    request = {
+def prompt_logprobs(url: str, tokens: list[int], images: tuple[bytes, ...] = ()) -> list[float]:
+    """log p(token_t | tokens_<t) for t >= 1, from one prefill on the server; with `images`
+    (encoded files, one image token for each in `tokens`), of the tokens as the server
+    expands them."""
+    request: dict[str, Any] = {
         "input_ids": tokens,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         "return_logprob": True,
         "logprob_start_len": 0,
     }
+    if images:
+        request["image_data"] = [base64.b64encode(image).decode() for image in images]
     meta = generate(url, request)["meta_info"]
     return [lp for lp, _token, *_ in meta["input_token_logprobs"]][1:]
 

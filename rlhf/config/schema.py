@@ -299,6 +299,11 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = doc(
         1, "Ulysses SP size; mapped onto Megatron's context-parallel group", gt=0
     )
+    freeze_vision_tower: bool = doc(
+        False,
+        "a vision-language policy's vision tower keeps its loaded weights (no gradients or "
+        "optimizer state for it); refused for a text policy",
+    )
     megatron: MegatronParallelConfig = doc(MegatronParallelConfig, "Megatron parallel layout")
     router_replay: RouterReplayConfig = doc(RouterReplayConfig, "MoE routing replay")
 

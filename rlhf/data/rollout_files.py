@@ -112,6 +112,12 @@ def write_rollout_file(samples: Sequence[StoredSample], path: str | os.PathLike)
     return path
 
 
+IMAGE_PROMPT = (
+    "holds image tokens, but stored rollouts keep no pictures (rollouts/step_N.jsonl names "
+    "each one's prompt row): train on its prompts instead"
+)
+
+
 @dataclass(frozen=True)
 class RolloutChecks:
     """What the reading run requires of stored samples beyond the schema (None: unchecked).
@@ -120,13 +126,15 @@ class RolloutChecks:
     group_size: samples every uid must have (`actor_rollout_ref.rollout.n`); scorable: the
     reward's check of an unscored rule row's data source and ground truth
     (`rlhf.reward.check_ground_truth`); model_scorer: whether a reward model scores
-    unscored `reward_style: model` rows."""
+    unscored `reward_style: model` rows; image_token_id: a vision-language policy's image
+    token, which a stored prompt must not hold (its pictures are not stored with it)."""
 
     vocab_size: int | None = None
     max_lengths: tuple[int, int] | None = None
     group_size: int | None = None
     scorable: GroundTruthCheck | None = None
     model_scorer: bool = True
+    image_token_id: int | None = None
 
 
 def read_rollout_files(
@@ -179,6 +187,10 @@ def read_one_file(
         found = row_problems(clean, checks.vocab_size, checks.max_lengths)
         found = [(column, message) for column, message in found if column not in bad]
         found += media_problems(values, "stored rollouts are text-only")  # another tool's file
+        if checks.image_token_id is not None and checks.image_token_id in (
+            clean["prompt_ids"] or []
+        ):
+            found.append(("prompt_ids", IMAGE_PROMPT))
         if not bad and not found:
             found = score_problems(values, checks)
         problems += [Problem(file, row, column, message) for column, message in found]

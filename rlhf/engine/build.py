@@ -39,6 +39,7 @@ from rlhf.models.logprobs import VocabShard
 from rlhf.models.mapping import Placement
 from rlhf.models.model_dir import read_model_arch
 from rlhf.models.moe_arch import MoERouter
+from rlhf.models.vision import freeze_vision_tower
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,8 @@ def build_engine(
         overrides,
         dataclasses.replace(router, replay=replays),
     )
+    if aro.actor.freeze_vision_tower:
+        freeze_vision_tower(actor_module)
     actor = _trained(aro.actor, plan.actor, actor_module, ctx, total_steps)
     if mode == "R2":  # the update replays the old-log-prob pass's routes
         actor.route_replay = RouteReplay(actor.module)

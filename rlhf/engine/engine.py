@@ -2,7 +2,7 @@
 
 `PPOEngine` is the face: `logprobs(batch, role)`, `values(batch)`,
 `update(role, batch, targets)` (one optimizer step per mini-batch, `epochs` passes),
-`serving(probe_tokens)` (the actor as a weight sync serves it, with its log-probs of the
+`serving(probe)` (the actor as a weight sync serves it, with its log-probs of the
 parity probe) and the checkpoint calls. Below it, each model (`MegatronModel`,
 `TrainableMegatronModel`) runs Megatron's schedule; `rlhf.engine.micro_batch` cuts batches
 into packed micro-batches, `rlhf.engine.heads` turns the last stage's output into
@@ -34,6 +34,7 @@ from torch import Tensor
 from rlhf.checkpoint.background import PendingWrite
 from rlhf.config.budgets import MicroBatching, TokenBudgets
 from rlhf.config.schema import OptimConfig
+from rlhf.data.images import ImageInputs
 from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
 from rlhf.engine.heads import CriticValueHead, Head, LogprobHead, Loss, Targets
@@ -59,6 +60,7 @@ from rlhf.models.mapping import Placement
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.policy_servers import PolicyWeights
 from rlhf.utils import round_up
+from rlhf.weight_sync.probe import ProbeSequence
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +151,13 @@ class PPOEngine:
         assert self.critic is not None, "no critic in this run"
         return compute_values(self.critic, batch, self.planner, self.budgets.critic)
 
-    def probe_logprobs(self, tokens: list[int]) -> Tensor:
+    def probe_logprobs(self, tokens: list[int], images: ImageInputs | None = None) -> Tensor:
         """The actor's log-probs of a weight sync's probe (`probe_logprobs`), at
         temperature 1 (SGLang's prompt log-probs are unscaled)."""
-        return probe_logprobs(self.actor, tokens, self.planner, self.probe_head)
+        return probe_logprobs(self.actor, tokens, self.planner, self.probe_head, images)
 
     @contextmanager
-    def serving(self, probe_tokens: list[int], weights_only: bool) -> Iterator[PolicyWeights]:
+    def serving(self, probe: ProbeSequence, weights_only: bool) -> Iterator[PolicyWeights]:
         """Inside: the actor as a weight sync serves it (`PolicyServers.load_weights`), its
         weights on the device and its log-probs of the sync's probe computed
         (`probe_logprobs`). `weights_only`: next to sleeping colocated servers only its
@@ -163,7 +165,7 @@ class PPOEngine:
         actor = self.actor
         near = actor.weights_on_device() if weights_only else actor.on_device(("params",))
         with near:
-            yield PolicyWeights(actor.module, self.probe_logprobs(probe_tokens))
+            yield PolicyWeights(actor.module, self.probe_logprobs(probe.tokens, probe.inputs))
 
     # ---- updates --------------------------------------------------------------------
 
@@ -238,11 +240,15 @@ def compute_values(
 
 
 def probe_logprobs(
-    actor: MegatronModel, tokens: list[int], planner: MicroBatchPlanner, head: LogprobHead
+    actor: MegatronModel,
+    tokens: list[int],
+    planner: MicroBatchPlanner,
+    head: LogprobHead,
+    images: ImageInputs | None = None,
 ) -> Tensor:
     """log p(token_t | tokens_<t), t >= 1, through the same packed forward as training: what
-    the servers' log-probs are compared with after a sync. The probe goes in as one sample
-    per DP rank (every rank's plan needs one)."""
+    the servers' log-probs are compared with after a sync (`images`: the probe's picture).
+    The probe goes in as one sample per DP rank (every rank's plan needs one)."""
     copies = planner.ctx.dp_size
     batch = RolloutBatch(
         prompt_ids=[tokens[:1]] * copies,
@@ -250,6 +256,7 @@ def probe_logprobs(
         scores_b=torch.zeros(copies),
         data_sources=["probe"] * copies,
         uids=[f"probe-{i}" for i in range(copies)],
+        images=None if images is None else [images] * copies,
     )
     budget = round_up(len(tokens), planner.row_multiple)  # padded for Ulysses / Megatron SP
     logp, _ = compute_logprobs(actor, batch, planner, budget, head)

@@ -210,6 +210,22 @@ def row_images(batch: RolloutBatch, sample_ids: list[int]) -> ImageInputs | None
     return ImageInputs.concat([x for i in sample_ids if (x := batch.images[i]) is not None])
 
 
+def _policy_positions(
+    batch: RolloutBatch, sample_ids: list[int], starts: list[int]
+) -> tuple[Tensor, Tensor]:
+    """[n, R] the row positions whose outputs score each sample's policy tokens, and [n, R]
+    which exist."""
+    width = batch.response_width
+    gather_index = torch.zeros(len(sample_ids), width, dtype=torch.long)
+    mask = torch.zeros(len(sample_ids), width, dtype=torch.bool)
+    for row, (i, start) in enumerate(zip(sample_ids, starts)):
+        first = start + len(batch.prompt_ids[i]) - 1  # predicts the first response token
+        policy = torch.tensor(batch.policy_positions(i), dtype=torch.long)
+        gather_index[row, : len(policy)] = first + policy
+        mask[row, : len(policy)] = True
+    return gather_index, mask
+
+
 def build_micro_batch(
     batch: RolloutBatch,
     sample_ids: list[int],
@@ -246,15 +262,9 @@ def build_micro_batch(
     padding_mask = torch.ones(row_len, dtype=torch.bool)
     for start, n in zip(starts, real if sample_ids else []):
         padding_mask[start : start + n] = False
-    width = batch.response_width
-    gather_index = torch.zeros(len(sample_ids), width, dtype=torch.long)
-    mask = torch.zeros(len(sample_ids), width, dtype=torch.bool)
-    for row, (i, start) in enumerate(zip(sample_ids, starts)):
+    for row, start in enumerate(starts if sample_ids else []):
         tokens[start : start + lengths[row]] = torch.tensor(sequences[row])
-        first = start + len(batch.prompt_ids[i]) - 1  # predicts the first response token
-        policy = torch.tensor(batch.policy_positions(i), dtype=torch.long)
-        gather_index[row, : len(policy)] = first + policy
-        mask[row, : len(policy)] = True
+    gather_index, mask = _policy_positions(batch, list(sample_ids), starts)
     labels = torch.roll(tokens, -1)
     params, mask_4d, cu_padded = None, None, None
     if thd:

@@ -12,7 +12,10 @@ fused into the linear layers, which changes only the order (and so the padding, 
 
 Mixture-of-experts layers (`rlhf.memory.moe`) register the router, the local experts and
 the shared expert in place of the dense MLP; expert parameters (`Param.expert`) go to DDP's
-second buffer, laid out the same way over the expert-data-parallel group.
+second buffer, laid out the same way over the expert-data-parallel group. A
+vision-language model's vision tower is on the first stage, whole on every TP rank
+(`rlhf.models.vision`); the planner counts it trained (`freeze_vision_tower` would save
+its gradients and optimizer state).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from rlhf.memory.moe import moe_layer_params
 from rlhf.models.families import ModelArch
+from rlhf.models.vision_arch import vision_tower_numels
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ def stage_params(
             params.append(Param(h))
         elif not arch.tie_embeddings or pp > 1:
             params.append(Param(padded_vocab // tp * h, shared_embedding=tied_split))
+    if stage == 0 and arch.vision is not None:  # whole on every TP rank, after the GPT's
+        params += [Param(n) for n in vision_tower_numels(arch.vision)]
     return params
 
 

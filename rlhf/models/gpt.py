@@ -284,7 +284,7 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     if vision is not None:
-        from rlhf.models.vision import build_vision_tower
+        from rlhf.models.vision_arch import build_vision_tower
 
         model.vision = vision
         if pre_process:

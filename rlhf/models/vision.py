@@ -22,20 +22,6 @@ from megatron.core.models.gpt import GPTModel
 from rlhf.models.vision_arch import VisionArch
 
 
-def build_vision_tower(vision: VisionArch, dtype: torch.dtype) -> torch.nn.Module:
-    """Transformers' vision tower for `vision` (random weights: loaded after)."""
-    if vision.family != "qwen2_5_vl":
-        raise ValueError(f"no vision tower for {vision.family}")
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-        Qwen2_5_VisionTransformerPretrainedModel,
-    )
-
-    config = Qwen2_5_VLVisionConfig(**vision.config)
-    config._attn_implementation = "sdpa"
-    return Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
-
-
 class VisionLanguageGPT(GPTModel):
     """Megatron's GPT with a vision tower on the first stage (see the module)."""
 
@@ -87,3 +73,17 @@ class VisionLanguageGPT(GPTModel):
             placed = scatter_to_sequence_parallel_region(placed)
             keep = scatter_to_sequence_parallel_region(keep)
         return words * keep + placed
+
+
+def freeze_vision_tower(chunks) -> int:
+    """Keep the vision tower of `chunks` (a model's parts) as loaded: its parameters need
+    no gradient, so Megatron's DDP and optimizer leave them out. Returns how many there are
+    (0 on stages without the tower)."""
+    frozen = 0
+    for chunk in chunks:
+        tower = getattr(chunk, "vision_model", None)
+        if tower is not None:
+            for param in tower.parameters():
+                param.requires_grad_(False)
+                frozen += param.numel()
+    return frozen

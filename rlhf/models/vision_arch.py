@@ -9,6 +9,7 @@ sections, each turned by its own position axis).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -25,12 +26,14 @@ class VisionArch:
     image_token_id: int
     vision_start_token_id: int
     mrope_section: tuple[int, ...]
-    other_token_ids: tuple[int, ...] = ()  # the vision end and video tokens
+    vision_end_token_id: int = -1
+    video_token_id: int = -1
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        """Every token of the vision part (none of them may appear in a text-only probe)."""
-        return (self.image_token_id, self.vision_start_token_id, *self.other_token_ids)
+        """Every token of the vision part (none of them may appear in a probe's text)."""
+        ids = (self.vision_start_token_id, self.image_token_id, self.vision_end_token_id)
+        return (*ids, self.video_token_id)
 
     @property
     def config(self) -> dict:
@@ -51,9 +54,8 @@ class VisionArch:
             image_token_id=int(hf["image_token_id"]),
             vision_start_token_id=int(hf["vision_start_token_id"]),
             mrope_section=tuple(int(x) for x in mrope_section),
-            other_token_ids=tuple(
-                int(hf[k]) for k in ("vision_end_token_id", "video_token_id") if k in hf
-            ),
+            vision_end_token_id=int(hf.get("vision_end_token_id", -1)),
+            video_token_id=int(hf.get("video_token_id", -1)),
         )
 
 
@@ -98,3 +100,26 @@ def mrope_positions(
     if k != len(grids):
         raise ValueError(f"{len(grids)} image grids for {k} images in the tokens")
     return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
+
+
+def build_vision_tower(vision: VisionArch, dtype: torch.dtype) -> torch.nn.Module:
+    """Transformers' vision tower for `vision` (random weights: loaded after)."""
+    if vision.family != "qwen2_5_vl":
+        raise ValueError(f"no vision tower for {vision.family}")
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    config = Qwen2_5_VLVisionConfig(**vision.config)
+    config._attn_implementation = "sdpa"
+    return Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
+
+
+@functools.cache
+def vision_tower_numels(vision: VisionArch) -> tuple[int, ...]:
+    """The vision tower's parameter sizes in registration order (built on the meta device:
+    no memory, exact for any checkpoint's `vision_config`)."""
+    with torch.device("meta"):
+        tower = build_vision_tower(vision, torch.float32)
+    return tuple(p.numel() for p in tower.parameters())

@@ -246,6 +246,8 @@ class RolloutRecord:
     reward_style: str = "rule"
     ground_truth: Any = None
     extra_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # a prompt with images: its row ("row 12 of train.parquet"), where the images are
+    images_from: str | None = None
 
     def stored(self, step: int | None = None) -> StoredSample:
         """This sample as a stored rollout (`rlhf.data.rollout_files`) of `step`."""

@@ -40,7 +40,13 @@ from torch import Tensor, nn
 
 from rlhf import sglang_api
 from rlhf.config.engine_args import launched_rollout
-from rlhf.config.schema import ActorRolloutRefConfig, DataConfig, RLHFConfig, RolloutConfig
+from rlhf.config.schema import (
+    ActorRolloutRefConfig,
+    DataConfig,
+    RLHFConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from rlhf.data.images import ImageInputs, ImageProcessor, one_token_per_image
 from rlhf.data.prompts import EncodedPrompt
 from rlhf.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
@@ -60,7 +66,13 @@ from rlhf.tools.base import Tool
 from rlhf.utils import empty_device_cache, split_evenly
 from rlhf.weight_sync.factory import build_weight_syncer
 from rlhf.weight_sync.gather import SyncTopology
-from rlhf.weight_sync.probe import check_parity, logprob_diff_max, probe_tokens
+from rlhf.weight_sync.probe import (
+    ProbeSequence,
+    check_parity,
+    image_probe,
+    logprob_diff_max,
+    probe_tokens,
+)
 from rlhf.weight_sync.syncer import SyncStats, WeightSyncer
 
 log = logging.getLogger(__name__)
@@ -113,7 +125,7 @@ class PolicyWeights:
     """What `load_weights` serves: this rank's shard of the trained policy (`module`, its
     weights on the device: the caller's residency, `PPOEngine.serving`) and what the
     servers' log-probs are compared with after the sync: the policy's
-    log p(token_t | tokens_<t), t >= 1, of `PolicyServers.probe_tokens` through its training
+    log p(token_t | tokens_<t), t >= 1, of `PolicyServers.probe_sequence` through its training
     forward path (`probe_logprobs`, computed by the trainer; nothing here calls back)."""
 
     module: nn.Module
@@ -161,6 +173,24 @@ def wait_for_servers(engine: SGLangEngine | None) -> None:
         dist.barrier()
 
 
+def _conversations_and_pauses(
+    rollout: RolloutConfig,
+    trainer: TrainerConfig,
+    max_response_length: int,
+    model_path: str,
+    tokenizer,
+    tools: dict[str, Tool],
+) -> tuple[MultiTurnRollout | None, PauseHandling | None]:
+    """The engine owner's multi-turn rollout (None: single-turn) and, under
+    `trainer.rollout_mode=async`, how weight loads pause generation (else None)."""
+    multi_turn = multi_turn_rollout(rollout.multi_turn, max_response_length, tokenizer, tools)
+    if trainer.rollout_mode != "async":
+        return multi_turn, None
+    stop_ids = end_of_sample_ids(model_path, tokenizer)
+    pauses = PauseHandling(frozenset(stop_ids), trainer.async_rollout.partial_rollout)
+    return multi_turn, pauses
+
+
 class PolicyServers:
     """The policy's SGLang servers on their owning ranks, and the weights they serve."""
 
@@ -195,9 +225,12 @@ class PolicyServers:
         self.per_node, self.sleeps, self.colocated = per_node, sleeps, colocated
         self.asleep: set[str] = set()
         self.weights_released = False  # every rank alike: a weight load must come first
-        vision = syncer.arch.vision
-        avoid = () if vision is None else vision.token_ids
-        self.probe_tokens = probe_tokens(syncer.arch.vocab_size, avoid=avoid)
+        vocab, vision = syncer.arch.vocab_size, syncer.arch.vision
+        self.probe_sequence = (
+            ProbeSequence.text(probe_tokens(vocab))
+            if vision is None or processor is None
+            else image_probe(vocab, vision, processor)
+        )
         self.probe_threshold = rollout.logprob_diff_threshold
         # launched servers load model.path, which the actor starts from: version 0; external
         # servers may hold anything until the first load
@@ -240,16 +273,14 @@ class PolicyServers:
         sleeps = launched and rollout.free_cache_engine
         if owner:
             scorer = RewardScorer.from_config(cfg.reward)
-            multi_turn = multi_turn_rollout(
-                cfg.actor_rollout_ref.rollout.multi_turn,
+            multi_turn, pauses = _conversations_and_pauses(
+                rollout,
+                cfg.trainer,
                 cfg.data.max_response_length,
+                cfg.actor_rollout_ref.model.path,
                 tokenizer,
                 tools,
             )
-            if cfg.trainer.rollout_mode == "async":
-                stop_ids = end_of_sample_ids(cfg.actor_rollout_ref.model.path, tokenizer)
-                keep = cfg.trainer.async_rollout.partial_rollout
-                pauses = PauseHandling(frozenset(stop_ids), keep)
             engine = SGLangEngine(
                 launched_rollout(cfg.actor_rollout_ref),
                 cfg.actor_rollout_ref.model.path,
@@ -416,20 +447,22 @@ class PolicyServers:
             self.server_urls,
             self.syncer.topology.is_sender,
             self.ctx.device,
+            self.probe_sequence.compared,
         )
         log.debug("weights v%s: rollout/logprob_diff_max = %.3e", self.version, diff)
         check_parity(diff, self.probe_threshold)
         return diff
 
     def _server_logprobs(self, url: str) -> list[float]:
+        probe = self.probe_sequence
         try:
-            return sglang_api.prompt_logprobs(url, self.probe_tokens)
+            return sglang_api.prompt_logprobs(url, probe.server_tokens, probe.images)
         except sglang_api.SGLangAPIError as e:
             if not e.unreachable:
                 raise
             log.warning("SGLang server %s lost during the log-prob probe: %s", url, e)
         self._recover(url)
-        return sglang_api.prompt_logprobs(url, self.probe_tokens)
+        return sglang_api.prompt_logprobs(url, probe.server_tokens, probe.images)
 
     def _recover(self, url: str) -> None:
         """A server stopped answering: restart it if it died (within
@@ -601,24 +634,7 @@ def generate_and_score(
         scores = [
             s + sum(c.reward for c in conv.tool_calls) for s, conv in zip(scores, conversations)
         ]
-    records = [
-        RolloutRecord(
-            prompt_index=indices[sample.prompt_index],
-            uid=uids[sample.prompt_index],
-            prompt_ids=prompts[sample.prompt_index].input_ids,
-            response_ids=sample.response_ids,
-            response_logprobs=sample.logprobs,
-            finish_reason=sample.finish_reason,
-            response_text=item.response_text,
-            score=score,
-            policy_version=policy_version,
-            data_source=item.data_source,
-            reward_style=item.style,
-            ground_truth=item.ground_truth,
-            extra_info=item.extra_info,
-        )
-        for sample, score, item in zip(samples, scores, inputs)
-    ]
+    records = _records(prompts, uids, indices, samples, scores, inputs, policy_version)
     if conversations is not None:
         records = [with_conversation(r, c) for r, c in zip(records, conversations)]
     versions = None
@@ -643,6 +659,40 @@ def generate_and_score(
     stats = None if conversations is None else ToolStats.of(conversations)
     reward_s = time.perf_counter() - start
     return RolloutResult(batch, records, reward_s, policy_version, stats, versions)
+
+
+def _records(
+    prompts: list[EncodedPrompt],
+    uids: list[str],
+    indices: list[int],
+    samples: list[RolloutSample],
+    scores: list[float],
+    inputs: list[RewardInput],
+    policy_version: int | None,
+) -> list[RolloutRecord]:
+    """What `rollouts/step_N.jsonl` shows of each sample (a prompt with images: where its
+    row is, `images_from`)."""
+    return [
+        RolloutRecord(
+            prompt_index=indices[sample.prompt_index],
+            uid=uids[sample.prompt_index],
+            prompt_ids=prompts[sample.prompt_index].input_ids,
+            response_ids=sample.response_ids,
+            response_logprobs=sample.logprobs,
+            finish_reason=sample.finish_reason,
+            response_text=item.response_text,
+            score=score,
+            policy_version=policy_version,
+            data_source=item.data_source,
+            reward_style=item.style,
+            ground_truth=item.ground_truth,
+            extra_info=item.extra_info,
+            images_from=prompts[sample.prompt_index].row.origin
+            if prompts[sample.prompt_index].row.images
+            else None,
+        )
+        for sample, score, item in zip(samples, scores, inputs)
+    ]
 
 
 def _sample_images(

@@ -299,6 +299,11 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
                 "use algorithm.adv_estimator=grpo, or a text critic/reward model)"
             )
     vision_family = arches[MODEL_KEY].family if arches[MODEL_KEY].vision else None
+    if aro.actor.freeze_vision_tower and not vision_family:
+        raise ConfigError(
+            f"{AR}.actor.freeze_vision_tower=true: {arches[MODEL_KEY].family} is a text model "
+            "(it has no vision tower)"
+        )
     if vision_family and aro.rollout.multi_turn.enable:
         raise ConfigError(
             f"{AR}.rollout.multi_turn.enable=true: multi-turn rollouts of a vision-language "
@@ -433,7 +438,8 @@ def preflight(
     if (first_rule_row := next(rows, None)) is not None:
         probe_reward_function(cfg.reward, first_rule_row)
     n = cfg.actor_rollout_ref.rollout.n
-    stored = load_stored_groups(cfg.data, cfg.reward, n, arch.vocab_size)  # data.rollout_files
+    image_token = arch.vision.image_token_id if arch.vision else None
+    stored = load_stored_groups(cfg.data, cfg.reward, n, arch.vocab_size, image_token)
     if is_main:  # the planner's per-GPU table (rlhf.memory), before the models are built
         memory, report = startup_report(PlanInputs.from_config(cfg, arch, world_size, device))
         log.info("memory per GPU (GiB), by role and kind:\n%s", report)

@@ -119,13 +119,14 @@ from rlhf.rollout.engine import SamplingParams
 from rlhf.rollout.multi_turn import ToolStats
 from rlhf.rollout.policy_servers import PolicyServers, PolicyWeights, WeightLoad, sampling_params
 from rlhf.trainer.metrics import reward_style_metrics
+from rlhf.weight_sync.probe import ProbeSequence
 
 
 class Policy(Protocol):
     """The trained policy as a strategy publishes it (the engine, `PPOEngine.weights`)."""
 
     def serving(
-        self, probe_tokens: list[int], weights_only: bool
+        self, probe: ProbeSequence, weights_only: bool
     ) -> AbstractContextManager[PolicyWeights]: ...
 
 
@@ -221,7 +222,7 @@ class SynchronousRollout:
 
     def publish(self, policy: Policy, version: int) -> WeightLoad:
         """The servers are idle between steps: load the weights."""
-        with policy.serving(self.servers.probe_tokens, self.servers.sleeps) as weights:
+        with policy.serving(self.servers.probe_sequence, self.servers.sleeps) as weights:
             return self.servers.load_weights(weights, version)
 
     def sampler_state(self) -> dict[str, Any]:
@@ -469,7 +470,7 @@ class AheadRollout:
         if not self.pause:
             for round_ in self.queue:
                 round_.future.result()
-        with policy.serving(self.servers.probe_tokens, self.servers.sleeps) as weights:
+        with policy.serving(self.servers.probe_sequence, self.servers.sleeps) as weights:
             loaded = self.servers.load_weights(weights, version, pause=self.pause)
         self.top_up(version)
         return loaded
@@ -492,12 +493,17 @@ STORED_UID = "stored:"
 
 
 def load_stored_groups(
-    data: DataConfig, reward: RewardConfig, group_size: int, vocab_size: int
+    data: DataConfig,
+    reward: RewardConfig,
+    group_size: int,
+    vocab_size: int,
+    image_token_id: int | None = None,
 ) -> list[list[StoredSample]] | None:
     """The samples of `data.rollout_files` grouped by uid, in file order (None without),
     checked whole before anything starts (`rlhf.data.rollout_files.RolloutChecks`): token
     ids in the policy's vocabulary, the run's length limits, `rollout.n` samples a group,
-    and every unscored row scorable by this run's reward (`group_size`: `rollout.n`)."""
+    and every unscored row scorable by this run's reward (`group_size`: `rollout.n`); a
+    vision-language policy's (`image_token_id`) refuses prompts with images."""
     if not data.rollout_files:
         return None
     files = resolve_files(data.rollout_files, "data.rollout_files")
@@ -508,6 +514,7 @@ def load_stored_groups(
         # stored rule rows are scored by the rules (or reward.custom_fn, which scores all)
         scorable=None if reward.custom_fn else check_ground_truth,
         model_scorer=bool(reward.model_path),
+        image_token_id=image_token_id,
     )
     groups: dict[str, list[StoredSample]] = {}
     for sample in read_rollout_files(files, checks=checks):

@@ -36,7 +36,7 @@ class Policy:
 
     @staticmethod
     @contextlib.contextmanager
-    def serving(probe_tokens, weights_only):
+    def serving(probe, weights_only):
         yield None
 
 
@@ -56,7 +56,7 @@ class ScriptedServers:
 
     held_round: int | None = None  # this round answers only once `release` is set
     release: threading.Event = field(default_factory=threading.Event)
-    probe_tokens: tuple[int, ...] = ()  # what a policy's probe log-probs are of
+    probe_sequence: object = None  # what a policy's probe log-probs are of
     sleeps: bool = False
 
     def generate_here(self, prompts, uids, indices, params) -> RolloutResult:

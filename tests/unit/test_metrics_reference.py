@@ -21,7 +21,8 @@ NOT_METRICS = {  # first path parts of strings with a `/` in rlhf/ that name no 
     "activ",  # memory report columns
     "configs",
     "cuda",
-    "lighteval",  # data sources
+    "hiyouga",  # data sources
+    "lighteval",
     "openai",
     "logs",
     "model",

@@ -57,6 +57,15 @@ def test_samples_read_back_as_written(tmp_path):
     assert read_rollout_files([path], vocab_size=12) == SAMPLES
 
 
+def test_a_vision_language_policy_refuses_stored_prompts_with_image_tokens(tmp_path):
+    """A stored prompt keeps its image tokens but not its pictures: training on it would
+    embed the image tokens as words, so a run of a vision-language policy refuses it."""
+    path = write_rollout_file(SAMPLES, tmp_path / "step_5.parquet")
+    assert read_rollout_files([path], checks=RolloutChecks(image_token_id=9)) == SAMPLES
+    with pytest.raises(DataError, match="row 0, column 'prompt_ids': holds image tokens"):
+        read_rollout_files([path], checks=RolloutChecks(image_token_id=2))
+
+
 def test_a_records_stored_form_carries_what_training_needs():
     record = RolloutRecord(
         prompt_index=3,

@@ -25,6 +25,7 @@ from rlhf.rollout import policy_servers
 from rlhf.rollout.policy_servers import PolicyServers
 from rlhf.rollout.sglang_server import build_server_args
 from rlhf.trainer.rollouts import SynchronousRollout
+from rlhf.weight_sync.probe import ProbeSequence
 from rlhf.weight_sync.syncer import SyncStats
 
 
@@ -60,7 +61,8 @@ def fleet_over(urls: list[str], sleeps: bool, device: str = "cuda") -> PolicySer
     fleet = object.__new__(PolicyServers)
     fleet.engine, fleet.sleeps, fleet.asleep = SimpleNamespace(server_urls=urls), sleeps, set()
     fleet.ctx, fleet.colocated = SimpleNamespace(device=torch.device(device)), True
-    fleet.weights_released, fleet.probe_tokens = False, [1, 2, 3]
+    fleet.weights_released = False
+    fleet.probe_sequence = ProbeSequence.text([1, 2, 3])
     return fleet
 
 
@@ -137,10 +139,10 @@ class RecordingPolicy:
         self.trace = trace
 
     @contextmanager
-    def serving(self, probe_tokens, weights_only: bool):
+    def serving(self, probe, weights_only: bool):
         held = "weights only" if weights_only else "all"
         self.trace.append(f"policy: {held} on the device, probe log-probs computed")
-        yield SimpleNamespace(module=self.module, probe_logprobs=torch.zeros(len(probe_tokens)))
+        yield SimpleNamespace(module=self.module, probe_logprobs=torch.zeros(len(probe.tokens) - 1))
         self.trace.append("policy: state back")
 
 

@@ -119,6 +119,7 @@ GPU_CONFIGS = {
     "gsm8k_72b_grpo_4node": "Qwen2.5-72B",
     "qwen3_30b_a3b_grpo_8gpu": "Qwen3-30B-A3B",
     "qwen3_235b_a22b_grpo_16node": "Qwen3-235B-A22B",
+    "geo3k_qwen2_5_vl_7b_grpo_8gpu": "Qwen2.5-VL-7B",
 }
 
 

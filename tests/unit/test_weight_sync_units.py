@@ -44,12 +44,12 @@ def test_parity_threshold_fails_loudly():
 
 
 def test_the_probe_compares_the_servers_with_the_tensor_the_trainer_handed_over(monkeypatch):
-    """`load_weights` asks each server for its log-probs of `probe_tokens` and compares them
+    """`load_weights` asks each server for its log-probs of the probe and compares them
     with the policy's `probe_logprobs` as handed over (nothing calls back into the trainer):
     that tensor 1e-4 off is reported as the diff; 1.0 off fails the parity check."""
     asked, synced = [], []
 
-    def server_logprobs(url, tokens):  # log p(token_t | tokens_<t), t >= 1
+    def server_logprobs(url, tokens, images=()):  # log p(token_t | tokens_<t), t >= 1
         asked.append((url, list(tokens)))
         return [-0.05 * t for t in tokens[1:]]
 
@@ -63,7 +63,7 @@ def test_the_probe_compares_the_servers_with_the_tensor_the_trainer_handed_over(
     ctx = SimpleNamespace(device=torch.device("cpu"))
     rollout = RolloutConfig(server_urls=urls, logprob_diff_threshold=1e-2)
     servers = PolicyServers(ctx, None, syncer, rollout)  # type: ignore[arg-type]
-    tokens = servers.probe_tokens
+    tokens = servers.probe_sequence.tokens
     trainers = torch.tensor([-0.05 * t for t in tokens[1:]])
     loaded = servers.load_weights(PolicyWeights(torch.nn.Identity(), trainers + 1e-4), 3)
     assert loaded.logprob_diff_max == pytest.approx(1e-4, abs=1e-5)
