@@ -129,7 +129,10 @@ def verify(args: argparse.Namespace, ctx) -> int:
     model = model.float().eval()
     value_model = convert.read_meta(args.mcore_dir).get("head") in convert.SCALAR_HEADS
     tokens = convert.random_tokens(arch.vocab_size, args.batch, args.seq, args.seed)
-    logits = forward_logits(model, tokens, micro_batch_size=1)
+    images = None
+    if arch.vision is not None:  # a picture in every row: the vision tower is checked too
+        tokens, images = convert.image_rows(arch, args.batch, args.seq, args.seed)
+    logits = forward_logits(model, tokens, micro_batch_size=1, inputs=images)
     diff = torch.zeros((), device=ctx.device)
     failed, error = torch.zeros((), device=ctx.device), None
     if logits is not None:
@@ -137,7 +140,8 @@ def verify(args: argparse.Namespace, ctx) -> int:
         full = full.cpu()
         if ctx.tp_rank == 0:
             try:  # transformers' side fails here alone: the other ranks must not wait on it
-                diff = (full - convert.hf_logits(args.hf_dir, tokens)).abs().max().to(ctx.device)
+                want = convert.hf_logits(args.hf_dir, tokens, images)
+                diff = (full - want).abs().max().to(ctx.device)
             except (OSError, ValueError, RuntimeError) as e:
                 failed, error = torch.ones((), device=ctx.device), e
             if args.dump_logits:
@@ -153,7 +157,8 @@ def verify(args: argparse.Namespace, ctx) -> int:
         verdict = "OK" if ok else "FAILED"
         print(
             f"verify: max |logit diff| = {diff.item():.3e} on {args.batch}x{args.seq} random "
-            f"tokens at {describe(layout(args)[0])} (tolerance {args.tol:.1e}): {verdict}"
+            f"tokens{' with a picture each' if images else ''} at {describe(layout(args)[0])} "
+            f"(tolerance {args.tol:.1e}): {verdict}"
         )
     return 0 if ok else 1
 

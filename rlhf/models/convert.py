@@ -38,6 +38,7 @@ from rlhf.models.families import ModelArch, check_parallel_sizes, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
 from rlhf.models.model_dir import check_model_dir
+from rlhf.models.vision_arch import mrope_positions
 from rlhf.utils import DTYPES
 
 log = logging.getLogger(__name__)
@@ -243,9 +244,44 @@ def random_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch
     return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+VERIFY_GRID = (1, 4, 4)  # verify's picture: 4 x 4 patches, merged into 2 x 2 image tokens
+
+
+def image_rows(
+    arch: ModelArch, batch: int, seq: int, seed: int = 0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Rows of random text, each with one picture of random patches (`VERIFY_GRID`) after
+    its second token, for a vision-language model: the tokens and the model's further
+    inputs (`position_ids` [3, b, s] by `mrope_positions`, `pixel_values`,
+    `image_grid_thw`)."""
+    vision = arch.vision
+    assert vision is not None
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([t for t in range(arch.vocab_size) if t not in vision.token_ids])
+    merge = vision.spatial_merge_size
+    picture = [vision.image_token_id] * (VERIFY_GRID[1] * VERIFY_GRID[2] // merge**2)
+    picture = [vision.vision_start_token_id, *picture, vision.vision_end_token_id]
+    if seq < len(picture) + 3:
+        raise ValueError(f"--seq {seq} is too short for a picture ({len(picture)} tokens) in a row")
+    text = allowed[torch.randint(0, len(allowed), (batch, seq - len(picture)), generator=gen)]
+    rows = [[*t[:2].tolist(), *picture, *t[2:].tolist()] for t in text]
+    config = vision.config
+    width = config.get("in_chans", 3) * config["temporal_patch_size"] * config["patch_size"] ** 2
+    patches = batch * VERIFY_GRID[0] * VERIFY_GRID[1] * VERIFY_GRID[2]
+    grids = [VERIFY_GRID] * batch
+    inputs = {
+        "position_ids": torch.stack([mrope_positions(r, [VERIFY_GRID], vision) for r in rows], 1),
+        "pixel_values": torch.randn(patches, width, generator=gen),
+        "image_grid_thw": torch.tensor(grids),
+    }
+    return torch.tensor(rows), inputs
+
+
+def hf_logits(
+    hf_dir: Path, tokens: torch.Tensor, images: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Reference logits from HF transformers in fp32: [b, s, V] of a causal LM (or of a
-    vision-language model on text), or [b, s, 1]
+    vision-language model, on text or with `images`: `image_rows`' inputs), or [b, s, 1]
     (the values) of an exported critic (`*ForTokenClassification`), or of an exported reward
     model (`*ForSequenceClassification`: its score head on every position, of which HF pools
     the last)."""
@@ -268,5 +304,10 @@ def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
         auto = AutoModelForImageTextToText
     model = auto.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    extra: dict[str, torch.Tensor] = {}
+    if images is not None:  # with the token kinds transformers takes 3-D positions
+        kinds = (tokens == model.config.image_token_id).int()
+        extra = {k: images[k] for k in ("pixel_values", "image_grid_thw")}
+        extra["mm_token_type_ids"] = kinds
     with torch.no_grad():
-        return model(tokens).logits
+        return model(tokens, **extra).logits
