@@ -110,7 +110,7 @@ def main() -> None:
                 syncs = []
                 for _ in range(args.repeats):
                     version += 1
-                    probe = probe_logprobs(actor, servers.probe_tokens, planner, head)
+                    probe = probe_logprobs(actor, servers.probe_sequence.tokens, planner, head)
                     weights = PolicyWeights(actor.module, probe)
                     loaded = servers.load_weights(weights, version)
                     syncs.append((loaded.stats, loaded.logprob_diff_max))

@@ -88,16 +88,11 @@ def test_two_ranks_at_pp2_train_it_as_sglang_serves_it(vlm_model, tmp_path):
     from safetensors.torch import load_file
 
     pp2 = [
-        "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
         "actor_rollout_ref.actor.freeze_vision_tower=true",
         "trainer.save_hf=true",
     ]
-    rows = train(vlm_model, tmp_path, 2, *pp2, nproc=2)
-    trained = [r for r in rows if r["step"] > 0]
-    assert len(trained) == 2
-    assert all(r["rollout_corr/max_abs_diff"] < 1e-4 for r in trained)
-    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in trained)
+    two_steps_on_two_ranks_agree_with_sglang(vlm_model, tmp_path, pp2)
     loaded = load_file(vlm_model / "model.safetensors")
     exported = {}
     for path in (tmp_path / "run" / "checkpoints" / "global_step_2" / "actor_hf").glob(
@@ -114,11 +109,16 @@ def test_two_ranks_at_tp2_with_sequence_parallelism(vlm_model, tmp_path):
     """TP2 with Megatron's sequence parallelism (image embeddings placed in the whole row
     before the scatter), the tower trained and synced (whole on both TP ranks)."""
     tp2 = [
-        "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         "actor_rollout_ref.actor.megatron.sequence_parallel=true",
     ]
-    rows = train(vlm_model, tmp_path, 2, *tp2, nproc=2)
+    two_steps_on_two_ranks_agree_with_sglang(vlm_model, tmp_path, tp2)
+
+
+def two_steps_on_two_ranks_agree_with_sglang(model, tmp_path, layout: list[str]) -> None:
+    """Two steps at `layout` on two ranks: every step the trainer's log-probs of the image
+    samples and of the probe are within 1e-4 of SGLang's."""
+    rows = train(model, tmp_path, 2, "trainer.n_gpus_per_node=2", *layout, nproc=2)
     trained = [r for r in rows if r["step"] > 0]
     assert len(trained) == 2
     assert all(r["rollout_corr/max_abs_diff"] < 1e-4 for r in trained)

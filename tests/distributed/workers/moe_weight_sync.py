@@ -75,7 +75,7 @@ def sync_once(ctx, topo, model, arch, args, transport: str, version: int) -> dic
     syncer = WeightSyncer(moved, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
     rollout = RolloutConfig(server_urls=[args.server_url], logprob_diff_threshold=None)
     servers = PolicyServers(ctx, None, syncer, rollout)
-    policy = policy_weights(model, arch, ctx, servers.probe_tokens)
+    policy = policy_weights(model, arch, ctx, servers.probe_sequence.tokens)
     loaded = servers.load_weights(policy, version)
     exported = [t for bucket in iter_buckets(model, arch, topo, 1 << 30) for t in bucket]
     servers.shutdown()

@@ -137,7 +137,7 @@ def main() -> None:
     syncer = WeightSyncer(transport, [args.server_url], arch, topo, bucket_bytes=64 * 1024)
     rollout = RolloutConfig(server_urls=[args.server_url], logprob_diff_threshold=None)
     servers = PolicyServers(ctx, None, syncer, rollout)  # the owner's load, on every rank
-    policy = policy_weights(model, arch, ctx, servers.probe_tokens)
+    policy = policy_weights(model, arch, ctx, servers.probe_sequence.tokens)
     loaded = servers.load_weights(policy, args.version)
     report = {
         "handles_from": args.handles_from,

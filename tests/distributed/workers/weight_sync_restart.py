@@ -49,9 +49,9 @@ def main() -> None:
             rollout, [url], arch, topo, run_dir=out, model_path=args.hf_dir
         )
         servers = PolicyServers(ctx, engine, syncer, rollout)  # registers the restart hook
-        policy = policy_weights(model, arch, ctx, servers.probe_tokens)
+        policy = policy_weights(model, arch, ctx, servers.probe_sequence.tokens)
         before = servers.load_weights(policy, 7).logprob_diff_max
-        probe = servers.probe_tokens
+        probe = servers.probe_sequence.tokens
         os.killpg(engine.group.servers[0].proc.pid, signal.SIGKILL)
         samples = engine.generate([probe[:8], probe[8:16]], SamplingParams(n=2, max_new_tokens=4))
         after = servers.probe(policy)
