@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets quickstart-tools quickstart-tools-assets quickstart-async quickstart-rm quickstart-vlm quickstart-vlm-assets test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
+.PHONY: setup quickstart quickstart-assets quickstart-grpo quickstart-dapo quickstart-moe quickstart-moe-assets quickstart-tools quickstart-tools-assets quickstart-async quickstart-rm quickstart-vlm quickstart-vlm-assets quickstart-lora test test-slow test-unit test-distributed test-e2e test-gpu lint format bench lock gpu-deps clean docker-test
 
 setup: $(STAMP)
 
@@ -68,6 +68,11 @@ quickstart-rm: quickstart-assets
 	$(VENV)/bin/rlhf-train-rm --config configs/quickstart_rm_cpu.yaml
 	$(VENV)/bin/rlhf-train --config configs/quickstart_rm_ppo_cpu.yaml
 	$(VENV)/bin/rlhf-plot runs/quickstart_rm/ppo
+
+# GRPO with rank-8 LoRA adapters on the quickstart model (the reference: adapters off)
+quickstart-lora: quickstart-assets
+	$(VENV)/bin/rlhf-train --config configs/quickstart_lora_cpu.yaml
+	$(VENV)/bin/rlhf-plot runs/quickstart_lora
 
 # the vision-language quickstart: a tiny Qwen2.5-VL learns to count squares in pictures
 quickstart-vlm: quickstart-vlm-assets

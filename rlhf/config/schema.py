@@ -140,6 +140,22 @@ class ModelConfig:
     """The policy model (also the reference and, by default, the critic's trunk)."""
 
     path: str = doc("", "HF model directory (config.json, safetensors, tokenizer)")
+    lora_rank: int = doc(
+        0,
+        "LoRA: the rank of the adapters trained instead of the weights (0: off; the "
+        "reference is then the base model with the adapters off)",
+        ge=0,
+    )
+    lora_alpha: float = doc(
+        16.0, "LoRA: the adapters' update is scaled by lora_alpha / lora_rank", gt=0
+    )
+    lora_dropout: float = doc(0.0, "LoRA: dropout on each adapter's input", ge=0, lt=1)
+    target_modules: str | list[str] = doc(
+        "all-linear",
+        "LoRA: the layers adapted: all-linear (every linear layer of the decoder) or HF "
+        "projection names (q_proj, k_proj, v_proj together; gate_proj, up_proj together; "
+        "o_proj; down_proj)",
+    )
 
 
 @dataclass

@@ -21,6 +21,7 @@ from rlhf.config.validate import (
 )
 from rlhf.distributed.context import ParallelContext
 from rlhf.engine.engine import (
+    BaseModel,
     MegatronModel,
     OptimizerSettings,
     PPOEngine,
@@ -36,6 +37,7 @@ from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
+from rlhf.models.lora import add_lora, lora_spec
 from rlhf.models.mapping import Placement
 from rlhf.models.model_dir import read_model_arch
 from rlhf.models.moe_arch import MoERouter
@@ -197,12 +199,17 @@ def build_engine(
     )
     if aro.actor.freeze_vision_tower:
         freeze_vision_tower(actor_module)
+    lora = lora_spec(aro.model)
+    if lora is not None:  # only the adapters train; the reference is the base model
+        add_lora(actor_module, lora, actor_module.config, ctx.tp_rank, aro.actor.megatron.seed)
     actor = _trained(aro.actor, plan.actor, actor_module, ctx, total_steps)
     if mode == "R2":  # the update replays the old-log-prob pass's routes
         actor.route_replay = RouteReplay(actor.module)
     elif mode == "R3":  # every pass replays the engine's routes
         actor.route_replay = RolloutRouteReplay(actor.module, ctx)
-    ref = _reference(aro, arch, ctx, router) if plan.reference else None
+    ref: MegatronModel | None = None
+    if plan.reference:
+        ref = BaseModel(actor) if lora is not None else _reference(aro, arch, ctx, router)
     norm, on_nonfinite = cfg.data.max_response_length, cfg.trainer.on_nonfinite
     critic = critic_update = None
     if plan.critic is not None:

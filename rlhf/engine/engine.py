@@ -56,6 +56,7 @@ from rlhf.models.dist_ckpt import (
     save_distributed,
     save_distributed_in_background,
 )
+from rlhf.models.lora import adapters_off
 from rlhf.models.mapping import Placement
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.policy_servers import PolicyWeights
@@ -509,6 +510,22 @@ class MegatronModel:
             return run_schedule(
                 self.runners, micro_batches, head, True, 1.0, self.ctx, self.moe, self.route_replay
             )
+
+
+class BaseModel(MegatronModel):
+    """The reference of a LoRA run: the actor's own weights with its adapters off (no second
+    copy of the model). Its forward passes run the actor's with every adapter's update left
+    out; it has no optimizer and is never offloaded on its own (the actor's residency)."""
+
+    def __init__(self, adapted: MegatronModel):  # a view: no MegatronModel.__init__
+        self.adapted = adapted
+        self.module, self.ctx, self.runners = adapted.module, adapted.ctx, adapted.runners
+        self.moe, self.route_replay = adapted.moe, adapted.route_replay
+        self.offloader = adapted.offloader
+
+    def forward(self, micro_batches: list[MicroBatch], head: Head) -> list[dict]:
+        with adapters_off(self.module):
+            return self.adapted.forward(micro_batches, head)
 
 
 class TrainableMegatronModel(MegatronModel):

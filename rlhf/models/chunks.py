@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhf.models.lora import is_lora_param, merged_weights
 from rlhf.models.mapping import Placement, sequential_expert_name, shift_layer
 
 
@@ -58,11 +59,21 @@ class ModelChunks(nn.ModuleList):
 
     def placed_weights(self) -> Iterator[tuple[Placement, str, torch.Tensor]]:
         """`placed_parameters` and the buffers that are weights of the HF model (a sigmoid
-        router's expert bias, `mapped_buffers`): what loading, export and sync carry."""
-        yield from self.placed_parameters()
+        router's expert bias, `mapped_buffers`): what loading, export and sync carry. LoRA
+        adapters' parameters are not HF weights (`rlhf.models.lora`): left out."""
+        for placement, name, param in self.placed_parameters():
+            if not is_lora_param(name):
+                yield placement, name, param
         for placement, chunk in zip(self.placements, self):
             for name, buffer in mapped_buffers(chunk):
                 yield placement, name, buffer
+
+    def served_weights(self) -> Iterator[tuple[Placement, str, torch.Tensor]]:
+        """`placed_weights` as the policy serves them: a LoRA-adapted layer's weight with
+        its adapter's update merged in (`rlhf.models.lora.merged_weights`)."""
+        merged = merged_weights(self)
+        for placement, name, tensor in self.placed_weights():
+            yield placement, name, merged.get(id(tensor), tensor)
 
     def global_names(self) -> dict[nn.Parameter, str]:
         """Parameter -> its name with the global layer index (layout-independent), a routed

@@ -20,6 +20,7 @@ atomically: everything is written under `<out>.partial` and renamed when complet
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,10 +33,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf.models.builder import ValueHead, attach_value_head, build_model, load_hf_weights
-from rlhf.models.chunks import mapped_buffers
+from rlhf.models.chunks import ModelChunks
 from rlhf.models.dist_ckpt import load_distributed, save_distributed
 from rlhf.models.families import ModelArch, check_parallel_sizes, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
+from rlhf.models.lora import LoraSpec, add_lora
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
 from rlhf.models.model_dir import check_model_dir
 from rlhf.models.vision_arch import mrope_positions
@@ -78,9 +80,11 @@ def write_meta(
     dtype: torch.dtype,
     placement: Placement,
     head: str = "lm",
+    lora: LoraSpec | None = None,
 ) -> None:
     """`rlhf_checkpoint.json`: what loading a Megatron checkpoint needs besides its tensors
-    (`head`: "lm" for a policy, "value" for a critic, "score" for a reward model)."""
+    (`head`: "lm" for a policy, "value" for a critic, "score" for a reward model; `lora`:
+    the adapters it holds beside its frozen weights)."""
     meta = {
         "format": "megatron-core-dist",
         "family": arch.family,
@@ -93,6 +97,8 @@ def write_meta(
         "saved_expert_tensor_parallel_size": placement.etp_size,
         "head": head,
     }
+    if lora is not None:
+        meta["lora"] = dataclasses.asdict(lora)
     (out_dir / META_NAME).write_text(json.dumps(meta, indent=2))
 
 
@@ -180,6 +186,9 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
     )
     if meta.get("head", "lm") in SCALAR_HEADS:
         model = attach_value_head(model, arch)
+    if "lora" in meta:  # the adapters load beside the weights; export merges them
+        spec = LoraSpec(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+        add_lora(ModelChunks.of(model, placement), spec, model.config, placement.tp_rank)
     wanted = model.sharded_state_dict()
     state = load_distributed(wanted, mcore_dir / "model")
     # a trainer checkpoint also holds the plain optimizer's state: only the model's is read
@@ -192,9 +201,9 @@ def export_hf_tensors(
 ):
     """(HF name, tensor) pairs from an unsharded (TP = PP = EP = 1) Megatron model; a value
     head as `score.weight` and, with `bias`, a zero `score.bias` (token classifiers have one,
-    sequence classifiers not)."""
+    sequence classifiers not); LoRA adapters merged into their layers' weights."""
     assert placement.tp_size == placement.pp_size == placement.ep_size == placement.etp_size == 1
-    params = list(model.named_parameters()) + mapped_buffers(model)
+    params = [(n, p) for _, n, p in ModelChunks.of(model, placement).served_weights()]
     for name, param in tqdm(params, desc="export HF tensors", disable=not progress, unit="tensor"):
         if name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
             yield "score.weight", param.detach()

@@ -26,6 +26,7 @@ import torch
 
 from rlhf.models.convert import copy_hf_side_files, write_meta
 from rlhf.models.families import ModelArch, load_arch
+from rlhf.models.lora import LoraSpec, spec_of
 from rlhf.models.mapping import Placement
 from rlhf.utils import DTYPES
 
@@ -53,11 +54,12 @@ def write_export_files(
     dtype: torch.dtype,
     placement: Placement,
     head: str,
+    lora: LoraSpec | None = None,
 ) -> None:
     """A checkpointed model's meta file and its HF side files (rank 0); `head`: "lm" for
-    the actor, "value" for the critic."""
+    the actor, "value" for the critic; `lora`: its adapters (exported merged)."""
     copy_hf_side_files(Path(model_path), model_dir / "hf")
-    write_meta(model_dir, arch, padded_vocab, dtype, placement, head)
+    write_meta(model_dir, arch, padded_vocab, dtype, placement, head, lora)
 
 
 def export_hf(model_dir: Path, out_dir: Path) -> None:
@@ -90,6 +92,7 @@ def write_model_exports(
             DTYPES[dtype],
             placement,
             "lm" if name == "actor" else "value",
+            spec_of(model.module),
         )
         if save_hf:
             export_hf(checkpoint / name, checkpoint / f"{name}_hf")

@@ -46,6 +46,7 @@ from rlhf.config.schema import (
     ActorConfig,
     DataConfig,
     MegatronParallelConfig,
+    ModelConfig,
     RewardConfig,
     RLHFConfig,
 )
@@ -62,6 +63,7 @@ from rlhf.data.rollout_files import StoredSample
 from rlhf.memory.planner import PlanInputs
 from rlhf.memory.report import startup_report, verdict
 from rlhf.models.families import ModelArch, check_transformer_overrides
+from rlhf.models.lora import megatron_targets
 from rlhf.models.model_dir import check_model_dir, check_servable_policy, check_tokenizer_fits
 from rlhf.models.moe_arch import MoERouter, expert_split_problem
 from rlhf.reward import ground_truth_checker
@@ -314,6 +316,7 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
             f"trainer.rollout_mode=async: asynchronous rollouts of a vision-language policy "
             f"({vision_family}) are not supported; use trainer.rollout_mode=sync"
         )
+    check_lora(aro.model, arches[MODEL_KEY])
     check_experts(arches[MODEL_KEY], aro.actor.megatron, AR)
     if uses_critic(cfg.algorithm):
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
@@ -321,6 +324,27 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     check_router_replay(aro.actor, bypass, arches[MODEL_KEY])
     check_servable_policy(arches[MODEL_KEY], aro.model.path, MODEL_KEY)
     return arches[MODEL_KEY]
+
+
+def check_lora(model: ModelConfig, arch: ModelArch) -> None:
+    """LoRA's keys name layers this model has, on a model LoRA is built for here."""
+    if not model.lora_rank:
+        return
+    try:
+        megatron_targets(model.target_modules)
+    except ValueError as e:
+        raise ConfigError(f"{AR}.model.{e}") from e
+    unsupported = (
+        "a mixture-of-experts model" if arch.moe is not None else None,
+        "multi-latent attention" if arch.mla is not None else None,
+        "a vision-language model" if arch.vision is not None else None,
+    )
+    found = next((u for u in unsupported if u), None)
+    if found:
+        raise ConfigError(
+            f"{AR}.model.lora_rank={model.lora_rank}: LoRA on {found} "
+            f"({arch.family}) is not built yet; dense decoders (llama, qwen2, qwen3) take it"
+        )
 
 
 def check_experts(arch: ModelArch, megatron: MegatronParallelConfig, prefix: str) -> None:

@@ -230,7 +230,7 @@ def iter_stage_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors of this pipeline stage, chunk by chunk (`ModelChunks`, or one model at the
     topology's placement); yielded on the stage leader, others only gather."""
-    for placement, name, param in ModelChunks.of(model, topo.placement).placed_weights():
+    for placement, name, param in ModelChunks.of(model, topo.placement).served_weights():
         rule, layer = resolve(arch, name, placement)
         if not skip_on_export(arch, rule):
             yield from _stage_tensors_of(rule, layer, name, param, placement, arch, topo)

@@ -403,3 +403,26 @@ def test_rollout_routing_replay_asks_the_launched_servers_for_routes():
     off = load_config(None, [f"{mode}=R3", f"{kwargs}.enable_return_routed_experts=false"])
     with pytest.raises(ConfigError, match="mode=R3 needs it"):
         launched_rollout(off.actor_rollout_ref)
+
+
+def test_lora_keys_name_layers_a_dense_model_has(tiny_qwen2_dir, tmp_path):
+    """verl's LoRA keys load; target_modules that split a fused Megatron layer, or names of
+    no linear layer, and LoRA on a model it is not built for, are refused in one line."""
+    from rlhf.trainer.preflight import load_policy_arch
+    from tests.distributed.test_moe_parity import MODELS, save_moe_model
+
+    model = f"actor_rollout_ref.model.path={tiny_qwen2_dir}"
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
+    load_policy_arch(load_config(None, [model, *lora, "algorithm.adv_estimator=grpo"]))
+    for targets, said in (
+        ("[q_proj,v_proj]", r"\['q_proj', 'v_proj'\] without \['k_proj'\]"),
+        ("[q_proj,k_proj,v_proj,lm_head]", r"\['lm_head'\] are not linear layers adapted"),
+    ):
+        key = f"actor_rollout_ref.model.target_modules={targets}"
+        with pytest.raises(
+            ConfigError, match=rf"^actor_rollout_ref\.model\.target_modules: {said}"
+        ):
+            load_policy_arch(load_config(None, [model, *lora, key]))
+    moe_dir = save_moe_model(tmp_path / "moe", MODELS["qwen3_moe"], seed=0)
+    with pytest.raises(ConfigError, match="LoRA on a mixture-of-experts model"):
+        load_policy_arch(load_config(None, [f"actor_rollout_ref.model.path={moe_dir}", *lora]))

@@ -1,0 +1,292 @@
+"""LoRA adapters on Megatron's linear layers, split over tensor parallelism like the layer.
+
+An adapted layer computes `W x + (alpha / r) B A x`: the frozen weight W plus a rank-r
+update, A [r, in] and B [out, r], B starting at zero so that the adapted model starts as
+the base model. Under tensor parallelism each adapter is split the way its layer is:
+
+- a column-parallel layer (`linear_qkv`, `linear_fc1`: outputs split over TP) keeps A whole
+  on every TP rank and splits B by rows, a `ColumnParallelLinear` r -> out: its input's
+  gradient is summed over TP in the backward, so every rank's A gets the whole gradient;
+- a row-parallel layer (`linear_proj`, `linear_fc2`: inputs split) splits A by columns, a
+  `RowParallelLinear` in -> r whose output is summed over TP, and keeps B whole.
+
+Under Megatron's sequence parallelism the whole factor sees only this rank's tokens, so
+its gradient is marked `sequence_parallel` and summed over TP by Megatron's
+`finalize_model_grads`, as the layer norms' are.
+
+The adapters hang under their layer (`...linear_qkv.lora_A`, `.lora_B`), so the layer's own
+parameter names stay what the checkpoint mapping knows; a forward hook adds their output to
+the layer's while they are `enabled` (off: the base model, which is how the reference
+policy is computed without a copy of the weights). verl's `target_modules` name HF's
+projections; Megatron fuses q/k/v and gate/up, so those are adapted together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# HF projection names (verl's and PEFT's target_modules) -> the Megatron layer holding them
+HF_TO_MEGATRON = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What to adapt and how: rank r, alpha (the update is scaled by alpha / r), dropout
+    on the adapter's input, and the Megatron layers adapted (`megatron_targets`)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def lora_spec(model) -> LoraSpec | None:
+    """The adapters `actor_rollout_ref.model` asks for (None: lora_rank 0, none)."""
+    if not model.lora_rank:
+        return None
+    targets = megatron_targets(model.target_modules)
+    return LoraSpec(model.lora_rank, float(model.lora_alpha), targets, model.lora_dropout)
+
+
+def megatron_targets(target_modules: str | Iterable[str]) -> tuple[str, ...]:
+    """The Megatron layers that verl's `target_modules` name: "all-linear" (every linear
+    layer of the decoder), or HF projection names (ValueError naming what cannot be: an
+    unknown name, or part of a fused group)."""
+    if isinstance(target_modules, str):
+        if target_modules == "all-linear":
+            return COLUMN_PARALLEL + ROW_PARALLEL
+        target_modules = [target_modules]
+    names = list(target_modules)
+    unknown = sorted(set(names) - set(HF_TO_MEGATRON))
+    if unknown:
+        raise ValueError(
+            f"target_modules: {unknown} are not linear layers adapted here; use 'all-linear' "
+            f"or names among {sorted(HF_TO_MEGATRON)}"
+        )
+    for layer, group in FUSED.items():
+        chosen = [n for n in group if n in names]
+        if chosen and len(chosen) < len(group):
+            raise ValueError(
+                f"target_modules: {chosen} without {sorted(set(group) - set(chosen))}: Megatron "
+                f"computes {', '.join(group)} in one layer ({layer}), adapted together"
+            )
+    wanted = {HF_TO_MEGATRON[n] for n in names}
+    return tuple(t for t in COLUMN_PARALLEL + ROW_PARALLEL if t in wanted)
+
+
+class LoraAdapter(nn.Module):
+    """The rank-r update of one Megatron linear layer (see the module for the TP split)."""
+
+    def __init__(self, layer: nn.Module, column: bool, spec: LoraSpec, config, gated: bool = False):
+        from megatron.core.tensor_parallel import (
+            ColumnParallelLinear,
+            RowParallelLinear,
+            set_tensor_model_parallel_attributes,
+        )
+
+        super().__init__()
+        self.spec, self.column, self.scale, self.enabled = spec, column, spec.scale, True
+        self.gated = gated  # B's rows are [gate; up] of this rank's share (fused SwiGLU fc1)
+        self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        weight = layer.weight  # this rank's shard: [out / TP, in] or [out, in / TP]
+        assert isinstance(weight, torch.Tensor)
+        tp, rank = config.tensor_model_parallel_size, spec.rank
+        outputs = weight.shape[0] * (tp if column else 1)
+        inputs = weight.shape[1] * (1 if column else tp)
+        whole = {"bias": False, "dtype": config.params_dtype, "device": weight.device}
+        self.lora_A: nn.Module
+        self.lora_B: nn.Module
+        if column:
+            self.lora_A = nn.Linear(inputs, rank, **whole)
+            self.lora_B = ColumnParallelLinear(
+                rank, outputs, config=config, init_method=nn.init.zeros_, bias=False
+            )
+            mark_sequence_parallel(self.lora_A, config.sequence_parallel)
+        else:
+            self.lora_A = RowParallelLinear(
+                inputs,
+                rank,
+                config=config,
+                init_method=kaiming_uniform,
+                bias=False,
+                input_is_parallel=True,
+                skip_bias_add=True,
+            )
+            self.lora_B = nn.Linear(rank, outputs, **whole)
+            mark_sequence_parallel(self.lora_B, config.sequence_parallel)
+        split = self.lora_B if column else self.lora_A
+        # Megatron marks a split weight only when it initialises it, which a model built
+        # to load weights skips: marked here (optimizer, grad norm and the draw of A read it)
+        set_tensor_model_parallel_attributes(split.weight, True, 0 if column else 1, 1)
+        with torch.no_grad():
+            self.lora_B.weight.zero_()  # type: ignore[operator]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Megatron's distributed-checkpoint entries: the split factor sharded over TP (B's
+        rows or A's columns), the whole one replicated; a fused SwiGLU fc1's B as Megatron
+        saves that layer's weight (gate and up rows apart), so that any TP layout reads it."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        split = {"lora_B.weight": 0} if self.column else {"lora_A.weight": 1}
+        state = self.state_dict(prefix="", keep_vars=True)
+        entries = make_sharded_tensors_for_checkpoint(state, prefix, split, sharded_offsets)
+        if self.gated:
+            key = f"{prefix}lora_B.weight"
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            entries[key] = apply_swiglu_sharded_factory(entries[key], sharded_offsets, singleton)
+        return entries
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(x)
+        if self.column:
+            update, _ = self.lora_B(self.lora_A(x))
+        else:
+            hidden, _ = self.lora_A(x)
+            update = self.lora_B(hidden)
+        return update * self.scale
+
+
+def mark_sequence_parallel(whole: nn.Module, on: bool) -> None:
+    """A factor whole on every TP rank that sees only this rank's tokens under sequence
+    parallelism: its gradient is summed over TP (Megatron's `finalize_model_grads`)."""
+    for param in whole.parameters():
+        param.sequence_parallel = on  # type: ignore[attr-defined]
+
+
+def kaiming_uniform(weight: torch.Tensor) -> None:
+    """PEFT's (and nn.Linear's) initialisation of A."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def _add_update(layer: nn.Module, args: tuple, output):
+    adapter = layer.lora
+    assert isinstance(adapter, LoraAdapter)
+    if not adapter.enabled:
+        return output
+    out, bias = output
+    return out + adapter(args[0]).to(out.dtype), bias
+
+
+def _with_adapter(layer: nn.Module, layer_entries):
+    """The layer's distributed-checkpoint entries with its adapter's as the adapter splits
+    them (the layer's own method would call every tensor under it unsplit)."""
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        own = layer_entries(prefix, sharded_offsets, metadata)
+        entries = {k: v for k, v in own.items() if not k.startswith(f"{prefix}lora.")}
+        adapter = layer.lora
+        assert isinstance(adapter, LoraAdapter)
+        return entries | adapter.sharded_state_dict(f"{prefix}lora.", sharded_offsets, metadata)
+
+    return sharded_state_dict
+
+
+def add_lora(chunks, spec: LoraSpec, config, tp_rank: int, seed: int = 0) -> int:
+    """Adapt the `spec.targets` layers of every part of `chunks` (`ModelChunks`) and freeze
+    all their other parameters; returns the adapted layers' count. Each A is drawn as PEFT
+    draws it (uniform in +-1 / sqrt(in)) from a generator seeded by `seed` and the layer's
+    global name, whole, and this TP rank (`tp_rank`) keeps its columns of a row-parallel
+    one: the same adapters at any layout. B starts at zero."""
+    adapted = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+        for name, layer in list(chunk.named_modules()):
+            kind = name.rsplit(".", 1)[-1]
+            if kind not in spec.targets or ".experts." in name or name.startswith("vision_model"):
+                continue
+            gated = kind == "linear_fc1" and config.gated_linear_unit
+            layer.lora = LoraAdapter(layer, kind in COLUMN_PARALLEL, spec, config, gated)
+            layer.register_forward_hook(_add_update)
+            layer.sharded_state_dict = _with_adapter(layer, layer.sharded_state_dict)
+            adapted += 1
+    if not adapted:
+        raise ValueError(f"no layer named {spec.targets} to adapt")
+    _draw_a(chunks, config.tensor_model_parallel_size, tp_rank, seed)
+    return adapted
+
+
+@torch.no_grad()
+def _draw_a(chunks, tp: int, tp_rank: int, seed: int) -> None:
+    for param, name in chunks.global_names().items():
+        if not (is_lora_param(name) and name.endswith("lora_A.weight")):
+            continue
+        rank, local = param.shape
+        whole = local * tp if getattr(param, "tensor_model_parallel", False) else local
+        digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+        bound = 1.0 / math.sqrt(whole)
+        full = (torch.rand(rank, whole, generator=gen, dtype=torch.float64) * 2 - 1) * bound
+        shard = full if whole == local else full[:, tp_rank * local : (tp_rank + 1) * local]
+        param.copy_(shard.to(param.dtype))
+
+
+def spec_of(chunks: Iterable[nn.Module]) -> LoraSpec | None:
+    """The adapters' spec of a model (None: not adapted)."""
+    return next((a.spec for a in adapters(chunks)), None)
+
+
+def adapters(chunks: Iterable[nn.Module]) -> Iterator[LoraAdapter]:
+    for chunk in chunks:
+        yield from (m for m in chunk.modules() if isinstance(m, LoraAdapter))
+
+
+def is_lora_param(name: str) -> bool:
+    """A parameter name of an adapter (`...lora.lora_A.weight`)."""
+    return ".lora." in f".{name}"
+
+
+@torch.no_grad()
+def merged_weights(chunks: Iterable[nn.Module]) -> dict[int, torch.Tensor]:
+    """id(an adapted layer's weight) -> that weight with its enabled adapter's update
+    merged in: this rank's shard of W + (alpha / r) B A (column-parallel: B's rows, A whole;
+    row-parallel: A's columns, B whole), in the weight's dtype."""
+    merged = {}
+    for chunk in chunks:
+        for layer in chunk.modules():
+            adapter = getattr(layer, "lora", None)
+            if not isinstance(adapter, LoraAdapter) or not adapter.enabled:
+                continue
+            b, a = adapter.lora_B.weight, adapter.lora_A.weight
+            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            update = b.float() @ a.float()
+            weight = layer.weight
+            assert isinstance(weight, torch.Tensor)
+            merged[id(weight)] = (weight.float() + adapter.scale * update).to(weight.dtype)
+    return merged
+
+
+@contextlib.contextmanager
+def adapters_off(chunks: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside: the base model (every adapter's update left out)."""
+    found = list(adapters(chunks))
+    for adapter in found:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in found:
+            adapter.enabled = True

@@ -1,0 +1,109 @@
+"""A LoRA actor (`actor_rollout_ref.model.lora_rank`) on the trainer's stages, every linear
+layer of the decoder adapted (rank 4, alpha 8):
+
+- only the adapters are trained: they are the parameters needing gradients (what
+  Megatron's DDP and optimizer take), and after an update every base weight is bitwise
+  what it was;
+- the reference is the base model with the adapters off (no second copy of the weights):
+  before the update it equals the adapted actor exactly (B starts at zero), after it it is
+  still the base model exactly, while the actor has moved;
+- TP2, TP2 with sequence parallelism, PP2 and DP2 give one rank's log-probs after the
+  update and its pg_loss and grad norm (the adapters are split over TP as their layers,
+  drawn the same at every layout);
+- the weights the sync serves are the base weights with each adapter's update merged;
+- a saved actor loads back equal at every layout (adapters split over TP included).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import run_worker_layouts
+
+LAYOUTS = {
+    "1rank": (1, []),
+    "tp2": (2, ["--tp", "2"]),
+    "tp2sp": (2, ["--tp", "2", "--sp"]),
+    "pp2": (2, ["--pp", "2"]),
+    "dp2": (2, []),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tiny_qwen2_dir, tmp_path_factory):
+    return run_worker_layouts(
+        "lora_stages.py", LAYOUTS, tiny_qwen2_dir, tmp_path_factory.mktemp("lora")
+    )
+
+
+def test_only_the_adapters_train(results):
+    for name, result in results.items():
+        assert result["base_unchanged"], name
+        assert result["trained"] and all(".lora." in n for n in result["trained"]), name
+    one = results["1rank"]["trained"]
+    kinds = {n.split(".lora.")[0].rsplit(".", 1)[-1] for n in one}
+    assert kinds == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+
+
+def test_the_checkpoint_round_trip_is_exact(results):
+    assert all(r["checkpoint_round_trip"] for r in results.values())
+
+
+def test_the_reference_is_the_base_model_with_adapters_off(results):
+    for name, result in results.items():
+        assert torch.equal(result["ref_before"], result["logprobs_before"]), name
+        assert torch.equal(result["ref_after"], result["ref_before"]), name
+        moved = (result["logprobs_after"] - result["logprobs_before"]).abs().max()
+        assert moved > 1e-3, name
+
+
+@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "1rank"])
+def test_layouts_update_as_one_rank(results, layout):
+    one, other = results["1rank"], results[layout]
+    diff = (one["logprobs_after"] - other["logprobs_after"]).abs().max()
+    print(f"{layout}: log-probs after the update within {diff:.2e} of one rank")
+    assert diff < 2e-5
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert other["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+
+
+def test_the_served_weights_merge_each_adapter(results, tiny_qwen2_dir):
+    from safetensors.torch import load_file
+
+    one = results["1rank"]
+    hf = load_file(tiny_qwen2_dir / "model.safetensors")
+    down = one["merged"]["decoder.layers.1.mlp.linear_fc2.weight"]
+    a = one["adapters"]["decoder.layers.1.mlp.linear_fc2.lora.lora_A.weight"]
+    b = one["adapters"]["decoder.layers.1.mlp.linear_fc2.lora.lora_B.weight"]
+    base = hf["model.layers.1.mlp.down_proj.weight"]
+    assert torch.allclose(down, base + 2.0 * b @ a, atol=1e-6)  # alpha / rank = 2
+    assert not torch.allclose(down, base)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_checkpoint_exports_the_merged_policy_at_any_layout(results, layout, tmp_path):
+    """The updated actor saved at TP2 (the adapters split as their layers, fc1's B as
+    Megatron saves fc1) or PP2, read by `rlhf-convert mcore-to-hf` in one process and
+    exported with the adapters merged: transformers on the export gives the trainer's
+    log-probs after the update (an independent forward of the same policy)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.rollout.batch import RolloutBatch
+    from tests.distributed.test_moe_parity import rlhf_convert
+
+    checkpoint = results[layout]["checkpoint"]
+    out = tmp_path / "hf"
+    rlhf_convert(1, tmp_path / "export.out", "mcore-to-hf", checkpoint, out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    batch = RolloutBatch.from_objects(results["1rank"]["batch"])
+    want = results[layout]["logprobs_after"]
+    worst = 0.0
+    for i, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0].float()
+        logp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+        got = logp.gather(1, torch.tensor(response)[:, None])[:, 0]
+        worst = max(worst, float((got - want[i, : len(response)]).abs().max()))
+    print(f"{layout}: transformers on the merged export within {worst:.2e} of the trainer")
+    assert worst < 2e-5
