@@ -109,6 +109,7 @@ class LoraAdapter(nn.Module):
         super().__init__()
         self.spec, self.column, self.scale, self.enabled = spec, column, spec.scale, True
         self.gated = gated  # B's rows are [gate; up] of this rank's share (fused SwiGLU fc1)
+        self.config = config
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
         weight = layer.weight  # this rank's shard: [out / TP, in] or [out, in / TP]
         assert isinstance(weight, torch.Tensor)
@@ -181,13 +182,34 @@ def kaiming_uniform(weight: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+def adapter_input(layer: nn.Module, x: torch.Tensor, config) -> torch.Tensor:
+    """What the layer's matrix multiplies: its input, normalised first when the layer fuses
+    the norm before it (Transformer Engine's `TELayerNormColumnParallelLinear`, which holds
+    `layer_norm_weight`: its input is the residual stream, not the norm's output)."""
+    weight = getattr(layer, "layer_norm_weight", None)
+    if weight is None:
+        return x
+    eps, h = config.layernorm_epsilon, x.float()
+    if config.normalization == "RMSNorm":
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        normed = nn.functional.layer_norm(h, (h.shape[-1],), eps=eps)
+    gamma = weight.float() + (1.0 if config.layernorm_zero_centered_gamma else 0.0)
+    normed = normed * gamma
+    bias = getattr(layer, "layer_norm_bias", None)
+    if bias is not None:
+        normed = normed + bias.float()
+    return normed.to(x.dtype)
+
+
 def _add_update(layer: nn.Module, args: tuple, output):
     adapter = layer.lora
     assert isinstance(adapter, LoraAdapter)
     if not adapter.enabled:
         return output
     out, bias = output
-    return out + adapter(args[0]).to(out.dtype), bias
+    update = adapter(adapter_input(layer, args[0], adapter.config))
+    return out + update.to(out.dtype), bias
 
 
 def _with_adapter(layer: nn.Module, layer_entries):
