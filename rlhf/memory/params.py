@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from rlhf.memory.moe import moe_layer_params
 from rlhf.models.families import ModelArch
+from rlhf.models.lora import LoraSpec
 from rlhf.models.vision_arch import vision_tower_numels
 
 
@@ -123,6 +124,32 @@ def mla_replicated_params(arch: ModelArch) -> int:
     q_down = (mla.q_lora_rank or 0) * (h + 1)  # projection and the q latent's norm
     kv_down = (mla.kv_lora_rank + mla.rope_dim) * h + mla.kv_lora_rank
     return arch.num_layers * (q_down + kv_down)
+
+
+def lora_params(
+    arch: ModelArch, spec: LoraSpec, *, tp: int, pp: int, stage: int, vp: int = 1
+) -> list[Param]:
+    """The LoRA adapters of pipeline stage `stage` on one TP rank (`rlhf.models.lora`: a
+    column-parallel layer's A whole and B split by rows, a row-parallel layer's A split by
+    columns and B whole), in registration order."""
+    h, d, r = arch.hidden_size, arch.head_dim, spec.rank
+    qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * d
+    sizes = {  # layer -> (inputs, outputs, column-parallel)
+        "linear_qkv": (h, qkv, True),
+        "linear_proj": (arch.num_attention_heads * d, h, False),
+        "linear_fc1": (h, 2 * arch.ffn_hidden_size, True),
+        "linear_fc2": (arch.ffn_hidden_size, h, False),
+    }
+    order = ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2")  # as Megatron registers
+    params: list[Param] = []
+    for _ in stage_layers(arch.num_layers, pp, stage, vp):
+        for layer in (name for name in order if name in spec.targets):
+            inputs, outputs, column = sizes[layer]
+            if column:
+                params += [Param(r * inputs), Param(outputs // tp * r)]
+            else:
+                params += [Param(r * (inputs // tp)), Param(outputs * r)]
+    return params
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,15 @@ from rlhf.memory.activations import (
 )
 from rlhf.memory.host import host_bytes_per_rank
 from rlhf.memory.moe import MoEShape, replicated_params
-from rlhf.memory.params import GradBuffer, mla_replicated_params, stage_layers, stage_params
+from rlhf.memory.params import (
+    GradBuffer,
+    lora_params,
+    mla_replicated_params,
+    stage_layers,
+    stage_params,
+)
 from rlhf.models.families import ModelArch, Recompute, padded_vocab_size
+from rlhf.models.lora import LoraSpec, lora_spec
 
 GIB = 1024**3
 KINDS = (
@@ -158,6 +165,8 @@ class TrainedRole:
     token_budget: int
     value_head: bool = False
     forward_budget: int | None = None  # tokens of a forward-only micro-batch (None: token_budget)
+    lora: LoraSpec | None = None  # trained: only these adapters (the weights frozen)
+    shares_weights: bool = False  # a LoRA run's reference: the actor's weights, adapters off
 
 
 def _flash(device: str) -> bool:
@@ -181,6 +190,7 @@ class StageCount:
     numel: int
     dense: GradBuffer
     experts: GradBuffer
+    frozen: int = 0  # parameters outside DDP's buffers (a LoRA actor's weights)
 
     @property
     def buffer_numel(self) -> int:
@@ -198,8 +208,10 @@ def stage_count(
     groups: tuple[int, int],
     distributed: bool,
     value_head: bool,
+    lora: LoraSpec | None = None,
 ) -> StageCount:
-    """`groups`: the distributed optimizer's DP x SP and expert-DP sizes."""
+    """`groups`: the distributed optimizer's DP x SP and expert-DP sizes; `lora`: only
+    these adapters train (DDP's buffer holds them alone)."""
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     ep, etp = expert_sizes(m)
     params = stage_params(
@@ -213,6 +225,13 @@ def stage_count(
         etp=etp,
         vp=virtual_pipeline_size(m),
     )
+    if lora is not None:
+        vp = virtual_pipeline_size(m)
+        adapters = lora_params(arch, lora, tp=tp, pp=pp, stage=stage, vp=vp)
+        frozen = sum(p.numel for p in params)
+        dense = GradBuffer.layout(adapters, groups[0], distributed)
+        none = GradBuffer.layout([], groups[1], distributed)
+        return StageCount(frozen + sum(p.numel for p in adapters), dense, none, frozen)
     dense = GradBuffer.layout([p for p in params if not p.expert], groups[0], distributed)
     experts = GradBuffer.layout([p for p in params if p.expert], groups[1], distributed)
     return StageCount(sum(p.numel for p in params), dense, experts)
@@ -278,7 +297,9 @@ def trained_memory(
         )
     expert_dp = group * tp // (etp * ep)  # world / (expert-TP x EP x PP)
     distributed = train and distributed_optimizer_on(m, group)
-    count = stage_count(arch, padded, m, stage, (group, expert_dp), distributed, role.value_head)
+    count = stage_count(
+        arch, padded, m, stage, (group, expert_dp), distributed, role.value_head, role.lora
+    )
     shape = activation_shape(arch, m, role.token_budget, sp=sp, stage=stage)
     last, lm_head = stage == pp - 1, not role.value_head
     flash = _flash(device)
@@ -286,11 +307,12 @@ def trained_memory(
     if not train:
         return RoleMemory(
             role.name,
-            weights=count.numel * element,
+            weights=0 if role.shares_weights else count.numel * element,
             activations=forward,
             experts=count.experts.numel * element,
         )
     owned = count.owned(dp_rank, expert_dp_rank)
+    trained = count.numel - count.frozen
     owned_experts = count.experts.owned[expert_dp_rank]
     switches = {
         "weights": m.param_offload,
@@ -302,7 +324,7 @@ def trained_memory(
     master = 4 if element == 2 else 0  # fp32 master weights of 16-bit models
     return RoleMemory(
         role.name,
-        weights=(count.buffer_numel if distributed else count.numel) * element,
+        weights=(count.frozen + (count.buffer_numel if distributed else trained)) * element,
         gradients=count.buffer_numel * 4,  # fp32 (bf16 models reduce gradients in fp32)
         master_weights=owned * master,
         optimizer_state=2 * owned * 4,  # Adam's exp_avg and exp_avg_sq, fp32
@@ -320,7 +342,7 @@ def trained_memory(
         offloaded=frozenset(offloaded),
         forward_activations=forward,
         experts=count.experts.numel * (element + 4) + owned_experts * (master + 8),
-        build_transient=count.numel * element if distributed else 0,
+        build_transient=trained * element if distributed else 0,
     )
 
 
@@ -381,14 +403,22 @@ class PlanInputs:
         reference's offload, the rollout's share of the GPU, the node size, async saves."""
         budgets = plan.budgets
         # forward-only passes (old log-probs, values) have phases of their own
+        lora = lora_spec(aro.model)
         actor = TrainedRole(
-            "actor", aro.actor.megatron, budgets.actor.tokens, False, budgets.old_log_prob.tokens
+            "actor",
+            aro.actor.megatron,
+            budgets.actor.tokens,
+            False,
+            budgets.old_log_prob.tokens,
+            lora=lora,
         )
         roles = [actor]
         if plan.critic is not None:
             roles.append(TrainedRole("critic", critic, budgets.critic.tokens, True))
         reference = (
-            TrainedRole("reference", aro.actor.megatron, budgets.ref.tokens)
+            TrainedRole(
+                "reference", aro.actor.megatron, budgets.ref.tokens, shares_weights=bool(lora)
+            )
             if plan.reference
             else None
         )

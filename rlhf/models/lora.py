@@ -140,7 +140,8 @@ class LoraAdapter(nn.Module):
         split = self.lora_B if column else self.lora_A
         # Megatron marks a split weight only when it initialises it, which a model built
         # to load weights skips: marked here (optimizer, grad norm and the draw of A read it)
-        set_tensor_model_parallel_attributes(split.weight, True, 0 if column else 1, 1)
+        if not hasattr(split.weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(split.weight, True, 0 if column else 1, 1)
         with torch.no_grad():
             self.lora_B.weight.zero_()  # type: ignore[operator]
 
