@@ -1,12 +1,14 @@
 """rlhf-convert: HF <-> Megatron-Core checkpoints, verified against HF transformers.
 
     rlhf-convert hf-to-mcore HF_DIR OUT_DIR [--tp N] [--pp N] [--ep N] [--etp N]
-    rlhf-convert mcore-to-hf MCORE_DIR OUT_DIR [--max-shard-size-mb M]
+    rlhf-convert mcore-to-hf MCORE_DIR OUT_DIR [--max-shard-size-mb M] [--peft]
     rlhf-convert verify HF_DIR MCORE_DIR [--tol X] [--tp N] [--pp N] [--ep N] [--etp N]
 
 MCORE_DIR may be a trainer checkpoint's `global_step_N/actor` (a causal LM) or
 `global_step_N/critic` (exported as a one-label `*ForTokenClassification` model whose
-per-token logits are the critic's values).
+per-token logits are the critic's values). A LoRA actor exports merged (the base weights
+with the adapters' update), or with `--peft` as a PEFT adapter directory for its base model
+(`peft.PeftModel.from_pretrained(base, OUT_DIR)`).
 
 Mixture-of-experts models (qwen2_moe, qwen3_moe) also split their experts over `--ep`
 ranks and each expert over `--etp` ranks (expert tensor parallelism; default: --tp). The
@@ -43,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     to_hf.add_argument("mcore_dir", type=Path)
     to_hf.add_argument("out_dir", type=Path)
     to_hf.add_argument("--max-shard-size-mb", type=int, default=2048)
+    to_hf.add_argument(
+        "--peft", action="store_true", help="a LoRA checkpoint's adapters alone, in PEFT's format"
+    )
     verify = sub.add_parser("verify", help="compare logits of an HF and a Megatron checkpoint")
     verify.add_argument("hf_dir", type=Path)
     verify.add_argument("mcore_dir", type=Path)
@@ -105,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
         bootstrap.seed_everything(0)
         placement = Placement.of(ctx)
         if args.command == "mcore-to-hf":
+            if args.peft:
+                convert.mcore_to_peft(args.mcore_dir, args.out_dir)
+                print(f"wrote PEFT adapter to {args.out_dir}")
+                return 0
             convert.mcore_to_hf(args.mcore_dir, args.out_dir, args.max_shard_size_mb * 1024**2)
             print(f"wrote HF checkpoint to {args.out_dir}")
             return 0

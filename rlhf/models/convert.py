@@ -37,7 +37,7 @@ from rlhf.models.chunks import ModelChunks
 from rlhf.models.dist_ckpt import load_distributed, save_distributed
 from rlhf.models.families import ModelArch, check_parallel_sizes, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
-from rlhf.models.lora import LoraSpec, add_lora
+from rlhf.models.lora import LoraAdapter, LoraSpec, add_lora, peft_config, peft_name
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
 from rlhf.models.model_dir import check_model_dir
 from rlhf.models.vision_arch import mrope_positions
@@ -230,6 +230,47 @@ def mcore_to_hf(mcore_dir: Path, out_dir: Path, max_shard_bytes: int) -> None:
     if isinstance(model.output_layer, ValueHead):
         kind = "ForSequenceClassification" if reward_model else "ForTokenClassification"
         as_classifier(partial / "config.json", kind)
+    _publish(partial, out_dir)
+
+
+def peft_tensors(model, arch: ModelArch, placement: Placement):
+    """(PEFT name, tensor) of every adapter of an unsharded LoRA model: each HF projection's
+    A and B (a fused layer's B split as its weight is, its A shared by the projections)."""
+    for name, layer in model.named_modules():
+        adapter = getattr(layer, "lora", None)
+        if not isinstance(adapter, LoraAdapter):
+            continue
+        rule, index = resolve(arch, f"{name}.weight", placement)
+        a, b = adapter.factors()
+        if adapter.column:
+            for hf_name, part in shards_to_hf(rule, index, [b], arch):
+                yield peft_name(hf_name, "lora_A"), a.clone()
+                yield peft_name(hf_name, "lora_B"), part.clone()
+        else:
+            ((hf_name, whole),) = shards_to_hf(rule, index, [a], arch)
+            yield peft_name(hf_name, "lora_A"), whole.clone()
+            yield peft_name(hf_name, "lora_B"), b.clone()
+
+
+def mcore_to_peft(mcore_dir: Path, out_dir: Path) -> None:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors) for the HF model it was trained from."""
+    from safetensors.torch import save_file
+
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another OUT_DIR")
+    meta = read_meta(mcore_dir)
+    if "lora" not in meta:
+        raise ValueError(f"{mcore_dir} holds no LoRA adapters (its {META_NAME} has no lora)")
+    model, arch = load_mcore(mcore_dir, Placement())
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    tensors = dict(peft_tensors(model, arch, Placement()))
+    save_file(tensors, str(partial / "adapter_model.safetensors"))
+    spec = LoraSpec(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+    config = peft_config(spec, str(mcore_dir / "hf"))
+    (partial / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     _publish(partial, out_dir)
 
 

@@ -42,6 +42,12 @@ HF_TO_MEGATRON = {
     "up_proj": "linear_fc1",
     "down_proj": "linear_fc2",
 }
+HF_PROJECTIONS = {  # Megatron layer -> the HF projections it holds
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
@@ -68,6 +74,28 @@ def lora_spec(model) -> LoraSpec | None:
         return None
     targets = megatron_targets(model.target_modules)
     return LoraSpec(model.lora_rank, float(model.lora_alpha), targets, model.lora_dropout)
+
+
+def peft_config(spec: LoraSpec, base_model: str) -> dict:
+    """PEFT's adapter_config.json for adapters of `spec` on the HF model at `base_model`."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(p for t in spec.targets for p in HF_PROJECTIONS[t]),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+
+
+def peft_name(hf_weight: str, factor: str) -> str:
+    """PEFT's name of factor `factor` ("lora_A", "lora_B") of the HF weight `hf_weight`."""
+    return f"base_model.model.{hf_weight.removesuffix('.weight')}.{factor}.weight"
 
 
 def megatron_targets(target_modules: str | Iterable[str]) -> tuple[str, ...]:
@@ -144,6 +172,12 @@ class LoraAdapter(nn.Module):
             set_tensor_model_parallel_attributes(split.weight, True, 0 if column else 1, 1)
         with torch.no_grad():
             self.lora_B.weight.zero_()  # type: ignore[operator]
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (A, B) weights, detached."""
+        a, b = self.lora_A.weight, self.lora_B.weight
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return a.detach(), b.detach()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Megatron's distributed-checkpoint entries: the split factor sharded over TP (B's
@@ -293,8 +327,7 @@ def merged_weights(chunks: Iterable[nn.Module]) -> dict[int, torch.Tensor]:
             adapter = getattr(layer, "lora", None)
             if not isinstance(adapter, LoraAdapter) or not adapter.enabled:
                 continue
-            b, a = adapter.lora_B.weight, adapter.lora_A.weight
-            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            a, b = adapter.factors()
             update = b.float() @ a.float()
             weight = layer.weight
             assert isinstance(weight, torch.Tensor)

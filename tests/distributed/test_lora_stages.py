@@ -11,7 +11,9 @@ layer of the decoder adapted (rank 4, alpha 8):
   update and its pg_loss and grad norm (the adapters are split over TP as their layers,
   drawn the same at every layout);
 - the weights the sync serves are the base weights with each adapter's update merged;
-- a saved actor loads back equal at every layout (adapters split over TP included).
+- a saved actor loads back equal at every layout (adapters split over TP included); a TP2
+  or PP2 checkpoint exports merged for transformers and as a PEFT adapter for peft, each
+  giving the trainer's log-probs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.test_moe_parity import rlhf_convert
 from tests.helpers import run_worker_layouts
 
 LAYOUTS = {
@@ -89,21 +92,48 @@ def test_a_checkpoint_exports_the_merged_policy_at_any_layout(results, layout, t
     log-probs after the update (an independent forward of the same policy)."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.rollout.batch import RolloutBatch
-    from tests.distributed.test_moe_parity import rlhf_convert
-
-    checkpoint = results[layout]["checkpoint"]
     out = tmp_path / "hf"
-    rlhf_convert(1, tmp_path / "export.out", "mcore-to-hf", checkpoint, out)
+    rlhf_convert(1, tmp_path / "export.out", "mcore-to-hf", results[layout]["checkpoint"], out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    worst = logprob_gap(model, results, layout)
+    print(f"{layout}: transformers on the merged export within {worst:.2e} of the trainer")
+    assert worst < 2e-5
+
+
+def test_the_adapters_export_for_peft(results, tiny_qwen2_dir, tmp_path):
+    """`rlhf-convert mcore-to-hf --peft` of the TP2 checkpoint: PEFT loads the adapters onto
+    the HF base model and gives the trainer's log-probs after the update (q/k/v and
+    gate/up adapters split from Megatron's fused ones)."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "peft"
+    rlhf_convert(
+        1, tmp_path / "peft.out", "mcore-to-hf", results["tp2"]["checkpoint"], out, "--peft"
+    )
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, out).eval()
+    worst = logprob_gap(model, results, "tp2")
+    print(f"peft on the exported adapters within {worst:.2e} of the trainer")
+    assert worst < 2e-5
+    with model.disable_adapter():  # adapters off: the base model, as the reference
+        assert logprob_gap(model, results, "tp2", "ref_after") < 2e-5
+
+
+def logprob_gap(model, results, layout: str, key: str = "logprobs_after") -> float:
+    """Max |transformers' log-prob - the trainer's `key`| over the worker's batch."""
+    from rlhf.rollout.batch import RolloutBatch
+
     batch = RolloutBatch.from_objects(results["1rank"]["batch"])
-    want = results[layout]["logprobs_after"]
-    worst = 0.0
+    want, worst = results[layout][key], 0.0
     for i, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + response])).logits[0].float()
         logp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
         got = logp.gather(1, torch.tensor(response)[:, None])[:, 0]
         worst = max(worst, float((got - want[i, : len(response)]).abs().max()))
-    print(f"{layout}: transformers on the merged export within {worst:.2e} of the trainer")
-    assert worst < 2e-5
+    return worst
