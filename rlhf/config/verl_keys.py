@@ -225,6 +225,30 @@ def _engine_and_tooling_keys() -> dict[str, Any]:
     return keys
 
 
+def _lora_keys() -> dict[str, Fixed]:
+    """The keys verl's LoRA scripts set beside lora_rank, lora_alpha and target_modules
+    (this system's own): how verl's FSDP workers move the model, meaningless here."""
+    fsdp = (
+        "a verl FSDP worker's way of moving LoRA weights into vLLM; here the weight sync "
+        "serves the base weights with the adapters merged, whatever this says"
+    )
+    return {
+        f"{MODEL}.use_shm": Fixed(
+            (True, False), "the model loads from model.path as it is; either value means the same"
+        ),
+        f"{ROLLOUT}.load_format": Fixed(("safetensors", "auto", "dummy", "hf"), fsdp),
+        f"{ROLLOUT}.layered_summon": Fixed((True, False), fsdp),
+        f"{MODEL}.exclude_modules": Fixed(
+            (None,), "every layer that target_modules names is adapted: list fewer there"
+        ),
+        f"{MODEL}.lora_adapter_path": Fixed(
+            (None,),
+            "training starts from fresh adapters; to start from trained ones, merge them into "
+            "the base model (peft's merge_and_unload) and set model.path to it",
+        ),
+    }
+
+
 def _multi_turn_keys() -> dict[str, Fixed]:
     """verl's `rollout.multi_turn` keys this system has no such setting for: their off
     position is accepted (verl's default), anything else refused."""
@@ -269,6 +293,7 @@ VERL_KEYS: dict[str, Alias | Divided | Fixed | Implies | SameAs | Refused] = {
         "(rlhf/models/logprobs.py): it never holds the full logits",
     ),
     f"{MODEL}.use_remove_padding": Alias("data.use_sequence_packing"),
+    **_lora_keys(),
     **{f"{MULTI_TURN}.{leaf}": rule for leaf, rule in _multi_turn_keys().items()},
     "data.return_raw_chat": Fixed(
         (True,),
