@@ -56,7 +56,7 @@ from rlhf.models.dist_ckpt import (
     save_distributed,
     save_distributed_in_background,
 )
-from rlhf.models.lora import adapters_off
+from rlhf.models.lora import adapters_off, spec_of
 from rlhf.models.mapping import Placement
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.rollout.policy_servers import PolicyWeights
@@ -619,13 +619,20 @@ class TrainableMegatronModel(MegatronModel):
             return tensors_finite([p.data for p in self.module.parameters()], self.ctx.device)
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
-        model_sd = self.module.sharded_state_dict()
+        """What the checkpoint holds: the model (a LoRA actor: its adapters alone, the
+        frozen weights being the HF model's) and the plain optimizer's state."""
+        model_sd = self.module.sharded_state_dict(adapters_only=self.adapters_only)
         if self.distributed_optimizer:  # its state goes through rlhf.engine.optimizer_shards
             return {"model": model_sd}
         return {
             "model": model_sd,
             "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading),
         }
+
+    @property
+    def adapters_only(self) -> bool:
+        """A LoRA actor: only its adapters train, and only they are checkpointed."""
+        return spec_of(self.module) is not None
 
     def optimizer_coordinate(self) -> OptimizerCoordinate:
         ctx = self.ctx
@@ -685,7 +692,7 @@ class TrainableMegatronModel(MegatronModel):
         if not model_dir.is_dir():  # written before model/ existed: the plain optimizer's
             model_dir = directory
         state = load_distributed(self.sharded_state_dict(is_loading=True), model_dir)
-        self.module.load_sharded(state["model"])
+        self.module.load_sharded(state["model"], adapters_only=self.adapters_only)
         if saved_distributed:
             where = self.optimizer_coordinate()
             load_optimizer_shards(

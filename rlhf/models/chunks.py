@@ -85,21 +85,29 @@ class ModelChunks(nn.ModuleList):
             for placement, name, param in self.placed_parameters()
         }
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self, adapters_only: bool = False) -> dict:
         """Megatron's sharded state dict: the chunk's own, or one entry per chunk. The
         sharded keys carry global layer offsets either way, so a checkpoint loads at any
-        pipeline layout."""
+        pipeline layout. `adapters_only`: the LoRA adapters' entries alone (a LoRA actor's
+        checkpoint: its frozen weights are the HF model it was built from)."""
+        parts = [chunk.sharded_state_dict() for chunk in self.chunks]
+        if adapters_only:
+            parts = [{k: v for k, v in part.items() if is_lora_param(k)} for part in parts]
         if len(self) == 1:
-            return self.chunks[0].sharded_state_dict()
-        return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
+            return parts[0]
+        return {f"chunk{i}": part for i, part in enumerate(parts)}
 
-    def load_sharded(self, state: dict) -> None:
-        """Load what `dist_checkpointing.load` returned for `sharded_state_dict()`."""
-        if len(self) == 1:
-            self.chunks[0].load_state_dict(state)
-            return
-        for i, chunk in enumerate(self.chunks):
-            chunk.load_state_dict(state[f"chunk{i}"])
+    def load_sharded(self, state: dict, adapters_only: bool = False) -> None:
+        """Load what `dist_checkpointing.load` returned for `sharded_state_dict()`
+        (`adapters_only`: the LoRA adapters alone, every other weight kept as it is)."""
+        states = [state] if len(self) == 1 else [state[f"chunk{i}"] for i in range(len(self))]
+        for chunk, part in zip(self.chunks, states):
+            result = chunk.load_state_dict(part, strict=not adapters_only)
+            if adapters_only:
+                missing = [k for k in result.missing_keys if is_lora_param(k)]
+                if missing or result.unexpected_keys:
+                    bad = missing + list(result.unexpected_keys)
+                    raise ValueError(f"the checkpoint's adapters do not fit this model: {bad[:5]}")
 
 
 MAPPED_BUFFERS = ("mlp.router.expert_bias",)

@@ -81,10 +81,11 @@ def write_meta(
     placement: Placement,
     head: str = "lm",
     lora: LoraSpec | None = None,
+    base_model: str | Path | None = None,
 ) -> None:
     """`rlhf_checkpoint.json`: what loading a Megatron checkpoint needs besides its tensors
     (`head`: "lm" for a policy, "value" for a critic, "score" for a reward model; `lora`:
-    the adapters it holds beside its frozen weights)."""
+    the adapters it holds alone, for the HF model at `base_model`)."""
     meta = {
         "format": "megatron-core-dist",
         "family": arch.family,
@@ -97,8 +98,9 @@ def write_meta(
         "saved_expert_tensor_parallel_size": placement.etp_size,
         "head": head,
     }
-    if lora is not None:
+    if lora is not None:  # the checkpoint holds the adapters; the weights are the base's
         meta["lora"] = dataclasses.asdict(lora)
+        meta["base_model"] = str(base_model)
     (out_dir / META_NAME).write_text(json.dumps(meta, indent=2))
 
 
@@ -186,14 +188,31 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
     )
     if meta.get("head", "lm") in SCALAR_HEADS:
         model = attach_value_head(model, arch)
-    if "lora" in meta:  # the adapters load beside the weights; export merges them
-        spec = LoraSpec(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
-        add_lora(ModelChunks.of(model, placement), spec, model.config, placement.tp_rank)
+    if "lora" in meta:  # the base model's weights, then the checkpoint's adapters
+        return _load_adapted(model, arch, meta, mcore_dir, placement), arch
     wanted = model.sharded_state_dict()
     state = load_distributed(wanted, mcore_dir / "model")
     # a trainer checkpoint also holds the plain optimizer's state: only the model's is read
     model.load_state_dict({key: value for key, value in state.items() if key in wanted})
     return model, arch
+
+
+def _load_adapted(model, arch: ModelArch, meta: dict, mcore_dir: Path, placement: Placement):
+    """`model` with the HF weights of the checkpoint's base model and its LoRA adapters."""
+    base = Path(meta["base_model"])
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{mcore_dir} holds LoRA adapters for the HF model at {base}, which is not there "
+            f"(no config.json): put it back or edit base_model in {META_NAME}"
+        )
+    load_hf_weights(model, HFCheckpointReader(base), arch, placement)
+    chunks = ModelChunks.of(model, placement)
+    spec = LoraSpec(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+    add_lora(chunks, spec, model.config, placement.tp_rank)
+    wanted = chunks.sharded_state_dict(adapters_only=True)
+    state = load_distributed(wanted, mcore_dir / "model")
+    chunks.load_sharded({k: v for k, v in state.items() if k in wanted}, adapters_only=True)
+    return model
 
 
 def export_hf_tensors(

@@ -59,7 +59,7 @@ def write_export_files(
     """A checkpointed model's meta file and its HF side files (rank 0); `head`: "lm" for
     the actor, "value" for the critic; `lora`: its adapters (exported merged)."""
     copy_hf_side_files(Path(model_path), model_dir / "hf")
-    write_meta(model_dir, arch, padded_vocab, dtype, placement, head, lora)
+    write_meta(model_dir, arch, padded_vocab, dtype, placement, head, lora, model_path)
 
 
 def export_hf(model_dir: Path, out_dir: Path) -> None:
