@@ -331,11 +331,17 @@ def check_lora(model: ModelConfig, arch: ModelArch) -> None:
     if not model.lora_rank:
         return
     try:
-        megatron_targets(model.target_modules)
+        targets = megatron_targets(model.target_modules)
     except ValueError as e:
         raise ConfigError(f"{AR}.model.{e}") from e
+    mlp = sorted(set(targets) & {"linear_fc1", "linear_fc2"})
+    if arch.moe is not None and mlp:
+        raise ConfigError(
+            f"{AR}.model.target_modules={model.target_modules}: LoRA on the MLPs of a "
+            f"mixture-of-experts model ({arch.family}: its experts) is not built yet; adapt "
+            "its attention: target_modules=[q_proj,k_proj,v_proj,o_proj]"
+        )
     unsupported = (
-        "a mixture-of-experts model" if arch.moe is not None else None,
         "multi-latent attention" if arch.mla is not None else None,
         "a vision-language model" if arch.vision is not None else None,
     )
@@ -343,7 +349,8 @@ def check_lora(model: ModelConfig, arch: ModelArch) -> None:
     if found:
         raise ConfigError(
             f"{AR}.model.lora_rank={model.lora_rank}: LoRA on {found} "
-            f"({arch.family}) is not built yet; dense decoders (llama, qwen2, qwen3) take it"
+            f"({arch.family}) is not built yet; decoders with plain attention (llama, qwen2, "
+            "qwen3, and the attention of qwen2_moe / qwen3_moe / glm4_moe) take it"
         )
 
 

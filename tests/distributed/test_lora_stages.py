@@ -148,3 +148,29 @@ def logprob_gap(model, results, layout: str, key: str = "logprobs_after") -> flo
         got = logp.gather(1, torch.tensor(response)[:, None])[:, 0]
         worst = max(worst, float((got - want[i, : len(response)]).abs().max()))
     return worst
+
+
+MOE_LAYOUTS = {
+    "1rank": (1, ["--targets", "[q_proj,k_proj,v_proj,o_proj]"]),
+    "ep2": (2, ["--targets", "[q_proj,k_proj,v_proj,o_proj]", "--ep", "2"]),
+}
+
+
+def test_attention_adapters_of_a_mixture_of_experts_model_at_ep2(tmp_path_factory):
+    """A Qwen3-MoE's attention adapted (its experts are not): at EP2 the experts split over
+    the ranks and the update equals one rank's; only the adapters train."""
+    from tests.distributed.test_moe_parity import MODELS, save_moe_model
+
+    root = tmp_path_factory.mktemp("lora_moe")
+    model = save_moe_model(root / "moe", {**MODELS["qwen3_moe"], "mlp_only_layers": []}, seed=0)
+    found = run_worker_layouts("lora_stages.py", MOE_LAYOUTS, model, root)
+    one, ep2 = found["1rank"], found["ep2"]
+    for result in (one, ep2):
+        assert result["base_unchanged"]
+        assert {n.split(".lora.")[0].rsplit(".", 1)[-1] for n in result["trained"]} == {
+            "linear_qkv",
+            "linear_proj",
+        }
+    diff = (one["logprobs_after"] - ep2["logprobs_after"]).abs().max()
+    print(f"MoE attention LoRA at EP2 within {diff:.2e} of one rank")
+    assert diff < 2e-5 and (one["logprobs_after"] - one["logprobs_before"]).abs().max() > 1e-3

@@ -423,6 +423,10 @@ def test_lora_keys_name_layers_a_dense_model_has(tiny_qwen2_dir, tmp_path):
             ConfigError, match=rf"^actor_rollout_ref\.model\.target_modules: {said}"
         ):
             load_policy_arch(load_config(None, [model, *lora, key]))
-    moe_dir = save_moe_model(tmp_path / "moe", MODELS["qwen3_moe"], seed=0)
-    with pytest.raises(ConfigError, match="LoRA on a mixture-of-experts model"):
-        load_policy_arch(load_config(None, [f"actor_rollout_ref.model.path={moe_dir}", *lora]))
+    all_sparse = {**MODELS["qwen3_moe"], "mlp_only_layers": []}  # SGLang serves it
+    moe_dir = save_moe_model(tmp_path / "moe", all_sparse, seed=0)
+    moe = f"actor_rollout_ref.model.path={moe_dir}"
+    with pytest.raises(ConfigError, match="LoRA on the MLPs of a mixture-of-experts model"):
+        load_policy_arch(load_config(None, [moe, *lora]))
+    attention = "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+    load_policy_arch(load_config(None, [moe, *lora, attention, "algorithm.adv_estimator=grpo"]))

@@ -29,8 +29,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", action="store_true", help="Megatron's sequence parallelism")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
+    parser.add_argument("--targets", default="all-linear", help="target_modules")
     args = parser.parse_args()
-    ctx = init_parallel("cpu", tp_size=args.tp, pp_size=args.pp, sequence_parallel=args.sp)
+    ctx = init_parallel(
+        "cpu", tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, sequence_parallel=args.sp
+    )
     try:
         seed_everything(0)
         run(args, ctx)
@@ -53,6 +57,8 @@ def run(args, ctx) -> None:
             f"actor_rollout_ref.model.path={args.model}",
             "actor_rollout_ref.model.lora_rank=4",
             "actor_rollout_ref.model.lora_alpha=8",
+            f"actor_rollout_ref.model.target_modules={args.targets}",
+            f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={args.ep}",
             "actor_rollout_ref.actor.optim.lr=0.05",
             "actor_rollout_ref.actor.use_kl_loss=true",  # a reference exists
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
