@@ -32,25 +32,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# HF projection names (verl's and PEFT's target_modules) -> the Megatron layer holding them
-HF_TO_MEGATRON = {
-    "q_proj": "linear_qkv",
-    "k_proj": "linear_qkv",
-    "v_proj": "linear_qkv",
-    "o_proj": "linear_proj",
-    "gate_proj": "linear_fc1",
-    "up_proj": "linear_fc1",
-    "down_proj": "linear_fc2",
-}
-HF_PROJECTIONS = {  # Megatron layer -> the HF projections it holds
+HF_PROJECTIONS = {  # Megatron layer -> the HF projections (verl's target_modules) it holds
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),
     "linear_proj": ("o_proj",),
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
 }
+HF_TO_MEGATRON = {hf: layer for layer, names in HF_PROJECTIONS.items() for hf in names}
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
-FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
@@ -113,7 +103,7 @@ def megatron_targets(target_modules: str | Iterable[str]) -> tuple[str, ...]:
             f"target_modules: {unknown} are not linear layers adapted here; use 'all-linear' "
             f"or names among {sorted(HF_TO_MEGATRON)}"
         )
-    for layer, group in FUSED.items():
+    for layer, group in HF_PROJECTIONS.items():
         chosen = [n for n in group if n in names]
         if chosen and len(chosen) < len(group):
             raise ValueError(
