@@ -41,7 +41,7 @@ from rlhf.data.images import ImageInputs
 from rlhf.data.packing import plan_fixed_micro_batches, plan_micro_batches
 from rlhf.distributed.collectives import sum_over_dp_and_pp
 from rlhf.distributed.context import ParallelContext
-from rlhf.models.vision_arch import VisionArch, mrope_positions
+from rlhf.models.vision_arch import VisionArch, image_token_mask, mrope_positions
 from rlhf.parallel.ulysses import SequenceShard, combine_positions, held_positions
 from rlhf.rollout.batch import RolloutBatch
 from rlhf.utils import round_up
@@ -80,12 +80,19 @@ class MicroBatch:
     sp_group: ProcessGroup | None = None
     routes: Tensor | None = None  # (host memory; Ulysses: this SP rank's positions only)
     images: ImageInputs | None = None
+    image_mask: Tensor | None = None  # [1, T] True at the images' tokens (`mrope_row`)
 
     def model_inputs(self) -> dict[str, Tensor]:
         """The model's keyword inputs beyond tokens, positions and masks (the images)."""
         if self.images is None:
             return {}
-        return {"pixel_values": self.images.pixel_values, "image_grid_thw": self.images.grid_thw}
+        images = self.images
+        assert self.image_mask is not None, "a micro-batch with images marks their tokens"
+        return {
+            "pixel_values": images.pixel_values,
+            "image_grid_thw": images.grid_thw,
+            "image_mask": self.image_mask,
+        }
 
     @property
     def num_tokens(self) -> int:
@@ -131,9 +138,11 @@ class MicroBatch:
         images = self.images
         if images is not None:
             images = ImageInputs(images.pixel_values.to(device), images.grid_thw.to(device))
+        image_mask = None if self.image_mask is None else self.image_mask.to(device)
         return dataclasses.replace(
             self,
             images=images,
+            image_mask=image_mask,
             local_positions=local,
             padding_mask=padding,
             tokens=self.tokens.to(device),
@@ -190,17 +199,22 @@ def row_multiple(sp_size: int, tp_split: int) -> int:
 
 def mrope_row(
     batch: RolloutBatch, sample_ids: list[int], starts: list[int], row_len: int, vision: VisionArch
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     """[3, row_len] a vision-language model's positions: each sample's own multimodal
     positions (from 0, as transformers gives them for the sample alone) from its start in
-    the row; 0 on padding, which no sample attends to."""
+    the row, 0 on padding, which no sample attends to; and [row_len] True at the tokens of
+    the samples' images (`image_token_mask`: not an image token the policy generated)."""
     positions = torch.zeros(3, row_len, dtype=torch.long)
+    mask = torch.zeros(row_len, dtype=torch.bool)
     for i, start in zip(sample_ids, starts):
         sequence = batch.prompt_ids[i] + batch.response_ids[i]
         images = batch.images[i] if batch.images is not None else None
         grids = [] if images is None else images.grids
-        positions[:, start : start + len(sequence)] = mrope_positions(sequence, grids, vision)
-    return positions
+        end = start + len(sequence)
+        positions[:, start:end] = mrope_positions(sequence, grids, vision)
+        marked = image_token_mask(sequence, len(grids), vision.image_token_id)
+        mask[start:end] = torch.tensor(marked, dtype=torch.bool)
+    return positions, mask
 
 
 def row_images(batch: RolloutBatch, sample_ids: list[int]) -> ImageInputs | None:
@@ -284,9 +298,10 @@ def build_micro_batch(
         positions = torch.arange(row_len)
         padding = row_len - sum(lengths)
         mask_4d = block_causal_mask(lengths + ([padding] if padding else []))
+    image_mask = None
     if vision is not None:
         assert not ulysses, "Ulysses SP with images is refused at startup"
-        positions = mrope_row(batch, list(sample_ids), starts, row_len, vision)
+        positions, image_mask = mrope_row(batch, list(sample_ids), starts, row_len, vision)
     mb = MicroBatch(
         tokens=tokens[None],
         position_ids=positions[None] if vision is None else positions[:, None],
@@ -300,6 +315,7 @@ def build_micro_batch(
         padding_mask=padding_mask[None] if sample_ids else None,  # a filler: no tokens at all
         routes=row_routes(batch.routed_experts, sample_ids, starts, row_len),
         images=row_images(batch, list(sample_ids)),
+        image_mask=None if image_mask is None else image_mask[None],
     )
     if not ulysses:
         return mb

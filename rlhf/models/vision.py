@@ -37,6 +37,7 @@ class VisionLanguageGPT(GPTModel):
         *args,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
         **kwargs,
     ):
         if position_ids is not None and position_ids.dim() == 2:  # text: the axes agree
@@ -44,22 +45,29 @@ class VisionLanguageGPT(GPTModel):
         if self.pre_process and decoder_input is None and pixel_values is not None:
             if image_grid_thw is None:
                 raise ValueError("pixel_values without image_grid_thw (each image's grid)")
-            decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self.embed_with_images(
+                input_ids, pixel_values, image_grid_thw, image_mask
+            )
         return super().forward(
             input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs
         )
 
     def embed_with_images(
-        self, input_ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        image_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder input [s, b, h] (this rank's slice of s under sequence parallelism):
-        the word embeddings, and the vision tower's output at the image tokens."""
+        the word embeddings, and the vision tower's output at the images' tokens
+        (`image_mask` [b, s]; None: every image token, as in a prompt alone)."""
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
         words = self.embedding(input_ids=input_ids, position_ids=None)
         dtype = next(self.vision_model.parameters()).dtype
         images = self.vision_model(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output
-        is_image = input_ids == self.vision.image_token_id  # [b, s]
+        is_image = input_ids == self.vision.image_token_id if image_mask is None else image_mask
         if int(is_image.sum()) != images.shape[0]:
             raise ValueError(
                 f"the batch has {int(is_image.sum())} image tokens but its images make "

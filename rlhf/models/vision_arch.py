@@ -59,31 +59,43 @@ class VisionArch:
         )
 
 
+def image_token_mask(token_ids: list[int], num_images: int, image_token_id: int) -> list[bool]:
+    """Which tokens are an image's: those of the first `num_images` runs of image tokens
+    (the prompt's pictures). An image token the policy generated later is text: no picture
+    stands behind it (SGLang embeds and positions it as a word)."""
+    mask, runs, previous = [], 0, False
+    for token in token_ids:
+        image = token == image_token_id and (previous or runs < num_images)
+        if image and not previous:
+            runs += 1
+        mask.append(image)
+        previous = image
+    return mask
+
+
 def mrope_positions(
     token_ids: list[int], grids: list[tuple[int, int, int]], vision: VisionArch
 ) -> torch.Tensor:
     """[3, L] multimodal rotary positions of one sequence (time, height, width), as
     transformers' `get_rope_index` gives them for the processor's rows.
 
-    Text tokens advance all three axes together by one. An image (a run of image tokens,
-    `grids[k]` = its patch grid t x h x w, merged `spatial_merge_size`^2 patches to a token)
-    starts at the next text position p: its tokens take p + (frame, row, column) of the
-    merged grid, and the text after it continues at p + max(rows, columns).
+    Text tokens advance all three axes together by one. An image (one of the first
+    len(grids) runs of image tokens, `image_token_mask`; `grids[k]` = its patch grid
+    t x h x w, merged `spatial_merge_size`^2 patches to a token) starts at the next text
+    position p: its tokens take p + (frame, row, column) of the merged grid, and the text
+    after it continues at p + max(rows, columns).
     """
-    ids = torch.as_tensor(token_ids, dtype=torch.long)
-    is_image = (ids == vision.image_token_id).tolist()
+    is_image = image_token_mask(token_ids, len(grids), vision.image_token_id)
     merge = vision.spatial_merge_size
     pieces, position, k, i = [], 0, 0, 0
-    while i < len(ids):
+    while i < len(is_image):
         j = i
-        while j < len(ids) and is_image[j] == is_image[i]:
+        while j < len(is_image) and is_image[j] == is_image[i]:
             j += 1
         if not is_image[i]:
             pieces.append(torch.arange(position, position + j - i).expand(3, -1))
             position += j - i
         else:
-            if k >= len(grids):
-                raise ValueError(f"more images in the tokens than the {len(grids)} grids given")
             t, h, w = (int(x) for x in grids[k])
             t_bt, h_bt, w_bt = torch.meshgrid(
                 torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij"

@@ -22,7 +22,7 @@ from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow(reason="learning shows only over tens of GRPO steps")
 CONFIG = REPO / "configs" / "quickstart_lora_cpu.yaml"
-STEPS = 40
+STEPS = 30
 MIN_RISE = 0.2  # measured 0.324 -> 0.855 in 60 steps
 
 
@@ -70,14 +70,14 @@ VERL_LORA = [  # what verl's GRPO LoRA scripts set (verl's names and values)
 
 
 def test_a_verl_lora_command_line_runs(quickstart_assets, tmp_path):  # noqa: F811
-    """verl's LoRA keys on the quickstart's GRPO config, on two ranks at TP2: three steps,
+    """verl's LoRA keys on the quickstart's GRPO config, on two ranks at TP2: two steps,
     the adapters trained, the probe after every sync agreeing."""
     config = REPO / "configs" / "quickstart_grpo_cpu.yaml"
     tp2 = [
         "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
     ]
-    rows = train(config, quickstart_assets, None, tmp_path / "run", 3, *VERL_LORA, *tp2, nproc=2)
+    rows = train(config, quickstart_assets, None, tmp_path / "run", 2, *VERL_LORA, *tp2, nproc=2)
     trained = [r for r in rows if r["step"] > 0]
-    assert len(trained) == 3 and all(r["actor/grad_norm"] > 0 for r in trained)
+    assert len(trained) == 2 and all(r["actor/grad_norm"] > 0 for r in trained)
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in trained)

@@ -115,3 +115,23 @@ def test_an_image_prompt_is_never_cut(vlm):
         [row], tokenizer, max_prompt_length=64, processor=processor
     ).prompts
     assert encoded.grids == ((1, 4, 4),)
+
+
+def test_an_image_token_the_policy_generates_is_text(vlm):
+    """A response that holds the image token (a policy may sample it) has no picture behind
+    it: it is positioned and embedded as a word, as SGLang treats it (transformers, given
+    the token kinds that say so, agrees)."""
+    from rlhf.models.vision_arch import image_token_mask
+
+    path, processor, model = vlm
+    arch = check_model_dir(path)
+    ids, inputs = processor.encode(*ROWS[0])
+    image = arch.vision.image_token_id
+    sequence = [*ids, 5, image, image, 6]
+    mask = image_token_mask(sequence, 1, image)
+    assert sum(mask) == sum(t == image for t in ids) and not any(mask[len(ids) :])
+    kinds = torch.tensor([mask]).int()
+    want, _ = model.model.get_rope_index(
+        torch.tensor([sequence]), kinds, image_grid_thw=inputs.grid_thw
+    )
+    assert torch.equal(mrope_positions(sequence, inputs.grids, arch.vision), want[:, 0])
