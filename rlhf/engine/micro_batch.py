@@ -299,8 +299,7 @@ def build_micro_batch(
         padding = row_len - sum(lengths)
         mask_4d = block_causal_mask(lengths + ([padding] if padding else []))
     image_mask = None
-    if vision is not None:
-        assert not ulysses, "Ulysses SP with images is refused at startup"
+    if vision is not None:  # (Ulysses SP with images is refused at startup)
         positions, image_mask = mrope_row(batch, list(sample_ids), starts, row_len, vision)
     mb = MicroBatch(
         tokens=tokens[None],
