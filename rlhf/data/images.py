@@ -140,7 +140,6 @@ class ImageProcessor:
 
         self.processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
         self.image_token_id = int(self.processor.image_token_id)
-        self.merge_size = int(self.processor.image_processor.merge_size)
 
     def encode(
         self, prompt: str | list[dict[str, str]], images: tuple[bytes, ...]

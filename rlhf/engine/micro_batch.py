@@ -211,8 +211,8 @@ def mrope_row(
         images = batch.images[i] if batch.images is not None else None
         grids = [] if images is None else images.grids
         end = start + len(sequence)
-        positions[:, start:end] = mrope_positions(sequence, grids, vision)
         marked = image_token_mask(sequence, len(grids), vision.image_token_id)
+        positions[:, start:end] = mrope_positions(sequence, grids, vision, marked)
         mask[start:end] = torch.tensor(marked, dtype=torch.bool)
     return positions, mask
 

@@ -207,8 +207,7 @@ def _load_adapted(model, arch: ModelArch, meta: dict, mcore_dir: Path, placement
         )
     load_hf_weights(model, HFCheckpointReader(base), arch, placement)
     chunks = ModelChunks.of(model, placement)
-    spec = LoraSpec(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
-    add_lora(chunks, spec, model.config, placement.tp_rank)
+    add_lora(chunks, LoraSpec.of(meta["lora"]), model.config, placement.tp_rank)
     wanted = chunks.sharded_state_dict(adapters_only=True)
     state = load_distributed(wanted, mcore_dir / "model")
     chunks.load_sharded({k: v for k, v in state.items() if k in wanted}, adapters_only=True)
@@ -287,8 +286,7 @@ def mcore_to_peft(mcore_dir: Path, out_dir: Path) -> None:
     partial.mkdir(parents=True)
     tensors = dict(peft_tensors(model, arch, Placement()))
     save_file(tensors, str(partial / "adapter_model.safetensors"))
-    spec = LoraSpec(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
-    config = peft_config(spec, str(mcore_dir / "hf"))
+    config = peft_config(LoraSpec.of(meta["lora"]), str(mcore_dir / "hf"))
     (partial / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     _publish(partial, out_dir)
 
@@ -327,9 +325,7 @@ def image_rows(
     assert vision is not None
     gen = torch.Generator().manual_seed(seed)
     allowed = torch.tensor([t for t in range(arch.vocab_size) if t not in vision.token_ids])
-    merge = vision.spatial_merge_size
-    picture = [vision.image_token_id] * (VERIFY_GRID[1] * VERIFY_GRID[2] // merge**2)
-    picture = [vision.vision_start_token_id, *picture, vision.vision_end_token_id]
+    picture = vision.picture_tokens(VERIFY_GRID)
     if seq < len(picture) + 3:
         raise ValueError(f"--seq {seq} is too short for a picture ({len(picture)} tokens) in a row")
     text = allowed[torch.randint(0, len(allowed), (batch, seq - len(picture)), generator=gen)]

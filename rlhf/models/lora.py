@@ -57,6 +57,11 @@ class LoraSpec:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @classmethod
+    def of(cls, saved: dict) -> LoraSpec:
+        """The spec as `dataclasses.asdict` wrote it in a checkpoint's meta file."""
+        return cls(**{**saved, "targets": tuple(saved["targets"])})
+
 
 def lora_spec(model) -> LoraSpec | None:
     """The adapters `actor_rollout_ref.model` asks for (None: lora_rank 0, none)."""

@@ -29,6 +29,17 @@ class VisionArch:
     vision_end_token_id: int = -1
     video_token_id: int = -1
 
+    def picture_tokens(self, grid: tuple[int, int, int]) -> list[int]:
+        """The tokens that stand for one picture of patch grid `grid` (t, h, w): the vision
+        start, one image token per merged patch, the vision end."""
+        t, h, w = grid
+        count = t * h * w // self.spatial_merge_size**2
+        return [
+            self.vision_start_token_id,
+            *[self.image_token_id] * count,
+            self.vision_end_token_id,
+        ]
+
     @property
     def token_ids(self) -> tuple[int, ...]:
         """Every token of the vision part (none of them may appear in a probe's text)."""
@@ -74,7 +85,10 @@ def image_token_mask(token_ids: list[int], num_images: int, image_token_id: int)
 
 
 def mrope_positions(
-    token_ids: list[int], grids: list[tuple[int, int, int]], vision: VisionArch
+    token_ids: list[int],
+    grids: list[tuple[int, int, int]],
+    vision: VisionArch,
+    is_image: list[bool] | None = None,
 ) -> torch.Tensor:
     """[3, L] multimodal rotary positions of one sequence (time, height, width), as
     transformers' `get_rope_index` gives them for the processor's rows.
@@ -83,9 +97,11 @@ def mrope_positions(
     len(grids) runs of image tokens, `image_token_mask`; `grids[k]` = its patch grid
     t x h x w, merged `spatial_merge_size`^2 patches to a token) starts at the next text
     position p: its tokens take p + (frame, row, column) of the merged grid, and the text
-    after it continues at p + max(rows, columns).
+    after it continues at p + max(rows, columns). `is_image`: the sequence's
+    `image_token_mask`, when the caller has it already.
     """
-    is_image = image_token_mask(token_ids, len(grids), vision.image_token_id)
+    if is_image is None:
+        is_image = image_token_mask(token_ids, len(grids), vision.image_token_id)
     merge = vision.spatial_merge_size
     pieces, position, k, i = [], 0, 0, 0
     while i < len(is_image):

@@ -71,16 +71,10 @@ def image_probe(vocab_size: int, vision: VisionArch, processor: ImageProcessor) 
     Image.fromarray(pixels.to(torch.uint8).numpy()).save(buffer, format="PNG")
     images = (buffer.getvalue(),)
     inputs = processor.inputs(images)
-    merge = processor.merge_size
-    num_image_tokens = int(inputs.grid_thw.prod()) // (merge * merge)
     text = probe_tokens(vocab_size, avoid=vision.token_ids)
     image = vision.image_token_id
-    picture = [
-        vision.vision_start_token_id,
-        *[image] * num_image_tokens,
-        vision.vision_end_token_id,
-    ]
-    tokens = [*text[:12], *picture, *text[12:]]
+    (grid,) = inputs.grids
+    tokens = [*text[:12], *vision.picture_tokens(grid), *text[12:]]
     compared = torch.tensor([t != image for t in tokens[1:]])
     server = one_token_per_image(tokens, image)
     return ProbeSequence(tokens, server, compared, images, inputs)
