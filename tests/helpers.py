@@ -72,7 +72,15 @@ def run_torchrun(
             )
             code = proc.returncode
         else:
-            code = launch_ranks(WORKERS / script, nproc, args, env, Path(log.name), port, timeout_s)
+            try:
+                code = launch_ranks(
+                    WORKERS / script, nproc, args, env, Path(log.name), port, timeout_s
+                )
+            except TimeoutError as hung:
+                log.seek(0)
+                raise TimeoutError(
+                    f"{hung}; the ranks' log and stacks:\n{log.read()[-8000:]}"
+                ) from None
         log.seek(0)
         output = log.read()
     if code != 0:

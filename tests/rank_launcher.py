@@ -15,9 +15,11 @@ tests/distributed/test_bootstrap.py and every multi-process `rlhf-train` run use
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing
 import os
 import runpy
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,6 +46,7 @@ def _run_rank(script: str, args: list[str], env: dict[str, str], log_path: str) 
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (lives as the rank does)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the timeout asks where it hangs
     sys.argv = [script, *args]
     sys.path[:0] = [str(Path(script).parent), *env.get("PYTHONPATH", "").split(os.pathsep)]
     try:
@@ -64,7 +67,8 @@ def launch_ranks(
     """Run `script` on `nproc` ranks; their exit code (the first non-zero one, or 0).
 
     Every rank appends to `log_path`. A rank that fails (or the timeout) ends the others:
-    SIGTERM, then SIGKILL after 10 s.
+    SIGTERM, then SIGKILL after 10 s. At the timeout each live rank first writes its threads'
+    Python stacks to the log (faulthandler on SIGUSR1), so a hang says where it hangs.
     """
     context = _forkserver()
     base = {
@@ -88,10 +92,19 @@ def launch_ranks(
         time.sleep(0.05)
         failed = next((p.exitcode for p in ranks if p.exitcode), 0)
     if any(p.is_alive() for p in ranks):
+        if not failed:
+            _dump_stacks(ranks)
         _stop(ranks)
         if not failed:
             raise TimeoutError(f"{script.name} on {nproc} ranks did not finish in {timeout_s} s")
     return failed or next((p.exitcode for p in ranks if p.exitcode), 0)
+
+
+def _dump_stacks(ranks: list[multiprocessing.process.BaseProcess]) -> None:
+    for process in ranks:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(2)
 
 
 def _stop(ranks: list[multiprocessing.process.BaseProcess]) -> None:
