@@ -156,16 +156,20 @@ def generate(url: str, request: dict) -> Any:
     return _post(url, "generate", request)
 
 
-def prompt_logprobs(url: str, tokens: list[int], images: tuple[bytes, ...] = ()) -> list[float]:
+def prompt_logprobs(
+    url: str, tokens: list[int], images: tuple[bytes, ...] = (), lora: str | None = None
+) -> list[float]:
     """log p(token_t | tokens_<t) for t >= 1, from one prefill on the server; with `images`
     (encoded files, one image token for each in `tokens`), of the tokens as the server
-    expands them."""
+    expands them; `lora`: with the LoRA adapter of that name."""
     request: dict[str, Any] = {
         "input_ids": tokens,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         "return_logprob": True,
         "logprob_start_len": 0,
     }
+    if lora is not None:
+        request["lora_path"] = lora
     if images:
         request["image_data"] = [base64.b64encode(image).decode() for image in images]
     meta = generate(url, request)["meta_info"]
@@ -256,6 +260,29 @@ def update_weights_from_disk(url: str, model_path: str, version: int) -> None:
     """Load an HF checkpoint directory the server can read."""
     request = {"model_path": model_path, **_version_fields(True, version)}
     _post(url, "update_weights_from_disk", request)
+
+
+def load_lora_adapter_from_tensors(
+    url: str, name: str, config: dict[str, Any], serialized: list[str]
+) -> None:
+    """Load a LoRA adapter as `name` from one flattened bucket of its PEFT-named tensors,
+    serialized once per server TP rank; `config`: its PEFT adapter_config."""
+    request = {
+        "lora_name": name,
+        "config_dict": config,
+        "serialized_named_tensors": serialized,
+        "load_format": "flattened_bucket",
+    }
+    _post(url, "load_lora_adapter_from_tensors", request)
+
+
+def load_lora_adapter(url: str, name: str, path: str) -> None:
+    """Load the PEFT adapter directory `path` (which the server can read) as `name`."""
+    _post(url, "load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+
+def unload_lora_adapter(url: str, name: str) -> None:
+    _post(url, "unload_lora_adapter", {"lora_name": name})
 
 
 def release_memory_occupation(url: str, tags: list[str]) -> None:

@@ -7,7 +7,7 @@ wrong type fails before any server starts. Arguments this project sets from its 
 are refused with the key to use instead. `server_argv` turns the mapping into command-line
 options, appended after ours; `true` switches a flag on, `false` leaves it off.
 `launched_rollout` adds what the run itself needs of the servers (rollout routing replay:
-`enable_return_routed_experts`).
+`enable_return_routed_experts`; LoRA adapters: `enable_lora` and its sizes).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import functools
 from typing import Any
 
 from rlhf.config.loader import ConfigError
-from rlhf.config.schema import ActorRolloutRefConfig, RolloutConfig
+from rlhf.config.lora_targets import hf_projections, megatron_targets
+from rlhf.config.schema import ActorRolloutRefConfig, ModelConfig, RolloutConfig
 
 KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang"
 AR = "actor_rollout_ref"
@@ -46,15 +47,37 @@ ROUTES_FLAG = "enable_return_routed_experts"  # SGLang's: each token's experts i
 
 def launched_rollout(aro: ActorRolloutRefConfig) -> RolloutConfig:
     """The rollout section the launched servers get: with rollout routing replay
-    (`actor.router_replay.mode=R3`) SGLang returns the experts it routed each token to."""
-    rollout = aro.rollout
-    if aro.actor.router_replay.mode != "R3":
+    (`actor.router_replay.mode=R3`) SGLang returns the experts it routed each token to;
+    with LoRA adapters synced alone (`model.lora_merge=false`) it serves one adapter of
+    the run's rank on the adapted projections (`lora_server_kwargs`)."""
+    rollout, needed = aro.rollout, {}
+    if aro.actor.router_replay.mode == "R3":
+        needed[ROUTES_FLAG] = (True, f"{AR}.actor.router_replay.mode=R3")
+    if aro.model.lora_rank and not aro.model.lora_merge:
+        reason = f"{AR}.model.lora_rank={aro.model.lora_rank} with model.lora_merge=false"
+        needed |= {k: (v, reason) for k, v in lora_server_kwargs(aro.model).items()}
+    if not needed:
         return rollout
-    if rollout.engine_kwargs.sglang.get(ROUTES_FLAG) is False:
-        raise ConfigError(f"{KEY}.{ROUTES_FLAG}=false: {AR}.actor.router_replay.mode=R3 needs it")
-    sglang = {**rollout.engine_kwargs.sglang, ROUTES_FLAG: True}
+    sglang = dict(rollout.engine_kwargs.sglang)
+    for name, (value, reason) in needed.items():
+        if sglang.get(name, value) != value:
+            raise ConfigError(f"{KEY}.{name}={sglang[name]}: {reason} sets it to {value}")
+        sglang[name] = value
     kwargs = dataclasses.replace(rollout.engine_kwargs, sglang=sglang)
     return dataclasses.replace(rollout, engine_kwargs=kwargs)
+
+
+def lora_server_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """SGLang's LoRA arguments for the adapters `model` (`actor_rollout_ref.model`) trains:
+    one adapter of its rank, loaded and unloaded by the weight sync, on the projections
+    it adapts (`rlhf.weight_sync.adapters`)."""
+    return {
+        "enable_lora": True,
+        "max_lora_rank": model.lora_rank,
+        "lora_target_modules": hf_projections(megatron_targets(model.target_modules)),
+        "max_loras_per_batch": 1,
+        "max_loaded_loras": 1,
+    }
 
 
 @functools.cache

@@ -43,7 +43,7 @@ from rlhf.config.loader import (
 )
 from rlhf.config.schema import RLHFConfig
 from rlhf.config.tree import MISSING, get, pop, put
-from rlhf.config.verl_keys import VERL_KEYS, VERL_SECTIONS, VerlKeyError, translate
+from rlhf.config.verl_keys import VERL_KEYS, VERL_SECTIONS, Alias, VerlKeyError, translate
 from rlhf.config.yaml_file import load_text, read_yaml
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ def _check(cfg: Any) -> None:
 
 def _translate(tree: dict, by_user: _ByUser, origin: dict, where: str) -> list[str]:
     """`translate`, with each refusal of a value from the files turned into an ignored key."""
-    ignored = _reward_model_off(tree, by_user)
+    ignored = _reward_model_off(tree, by_user) + _aliased_twice(tree, by_user, origin, where)
     while True:
         attempt = copy.deepcopy(tree)
         try:
@@ -326,6 +326,28 @@ def _translate(tree: dict, by_user: _ByUser, origin: dict, where: str) -> list[s
         tree.clear()
         tree.update(attempt)
         return ignored
+
+
+def _aliased_twice(tree: dict, by_user: _ByUser, origin: dict, where: str) -> list[str]:
+    """A key and its verl alias both in the tree with different values, not both set by the
+    user (verl's files hold FSDP's `model.lora_rank` beside Megatron's `model.lora.rank`):
+    the one the user set wins, else verl's name (what verl's workers of that trainer config
+    read); the other is dropped, as an ignored line."""
+    ignored = []
+    for key, rule in VERL_KEYS.items():
+        if not isinstance(rule, Alias):
+            continue
+        mine, verls = get(tree, rule.target), get(tree, key)
+        if mine is MISSING or verls is MISSING or _shown(mine) == _shown(verls):
+            continue
+        if by_user(key) and by_user(rule.target):
+            continue  # `translate` refuses both
+        drop, kept = (key, rule.target) if by_user(rule.target) else (rule.target, key)
+        ignored.append(
+            f"{drop}={_shown(get(tree, drop))}: {kept} sets it (from {origin.get(drop, where)})"
+        )
+        pop(tree, drop)
+    return ignored
 
 
 def _reward_model_off(tree: dict, by_user: _ByUser) -> list[str]:

@@ -152,9 +152,15 @@ class ModelConfig:
     lora_dropout: float = doc(0.0, "LoRA: dropout on each adapter's input", ge=0, lt=1)
     target_modules: str | list[str] = doc(
         "all-linear",
-        "LoRA: the layers adapted: all-linear (every linear layer of the decoder) or HF "
+        "LoRA: the layers adapted: all-linear (every linear layer of the decoder), HF "
         "projection names (q_proj, k_proj, v_proj together; gate_proj, up_proj together; "
-        "o_proj; down_proj)",
+        "o_proj; down_proj) or Megatron's (linear_qkv, linear_proj, linear_fc1, linear_fc2)",
+    )
+    lora_merge: bool = doc(
+        False,
+        "LoRA: each weight sync sends the servers the base weights with the adapters merged "
+        "in (false: only the adapters, which SGLang serves on top of the base model it "
+        "loaded; verl's model.lora.merge)",
     )
 
 

@@ -433,6 +433,14 @@ def _check_policy_path(model: ModelConfig) -> None:
         raise ConfigError(f"{AR}.model.path: required (an HF model directory)")
 
 
+def _check_critic_lora(model: ModelConfig) -> None:
+    if model.lora_rank:
+        raise ConfigError(
+            f"critic.model.lora_rank={model.lora_rank}: LoRA on the critic is not built (its "
+            "new value head and its trunk train whole); set critic.model.lora_rank=0"
+        )
+
+
 def _check_early_stop(early_stop: EarlyStopConfig, reference: bool) -> None:
     """The KL patience watches the KL to the reference: it needs one (`reference`)."""
     if early_stop.kl_patience and not reference:
@@ -500,6 +508,7 @@ def validate_config(
         check_heads(actor, shape)
     _check_profiler(cfg.global_profiler)
     _check_policy_path(aro.model)
+    _check_critic_lora(cfg.critic.model)
     _check_reward(cfg.reward, algorithm.rollout_correction)
     _check_engine_kwargs(aro.rollout)
     check_multi_turn(aro.rollout.multi_turn, data, aro.actor)

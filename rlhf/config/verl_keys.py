@@ -230,7 +230,7 @@ def _lora_keys() -> dict[str, Fixed]:
     (this system's own): how verl's FSDP workers move the model, meaningless here."""
     fsdp = (
         "a verl FSDP worker's way of moving LoRA weights into vLLM; here the weight sync "
-        "serves the base weights with the adapters merged, whatever this says"
+        "sends the adapters, or the merged weights with model.lora_merge, whatever this says"
     )
     return {
         f"{MODEL}.use_shm": Fixed(
@@ -246,6 +246,52 @@ def _lora_keys() -> dict[str, Fixed]:
             "training starts from fresh adapters; to start from trained ones, merge them into "
             "the base model (peft's merge_and_unload) and set model.path to it",
         ),
+    }
+
+
+def _megatron_lora_keys() -> dict[str, Alias | Fixed]:
+    """verl's Megatron LoRA section, `actor_rollout_ref.model.lora` (Megatron-Bridge's
+    settings): the same adapters as this system's flat keys, which its values move to."""
+    lora, refused = f"{MODEL}.lora", "; drop the key"
+    return {
+        f"{lora}.rank": Alias(f"{MODEL}.lora_rank"),
+        f"{lora}.alpha": Alias(f"{MODEL}.lora_alpha"),
+        f"{lora}.dropout": Alias(f"{MODEL}.lora_dropout"),
+        f"{lora}.target_modules": Alias(f"{MODEL}.target_modules"),
+        f"{lora}.merge": Alias(f"{MODEL}.lora_merge"),
+        f"{lora}.type": Fixed(
+            ("lora",),
+            "adapters here are plain LoRA on Megatron's fused layers (q/k/v and gate/up "
+            "share one A); canonical_lora, dora and vlm_lora are not built" + refused,
+        ),
+        f"{lora}.dropout_position": Fixed(
+            ("pre",), "dropout acts on each adapter's input (PEFT's place)" + refused
+        ),
+        f"{lora}.lora_A_init_method": Fixed(
+            ("kaiming",),
+            "A starts kaiming-uniform (PEFT's init, Megatron-Bridge's kaiming), drawn from "
+            "the seed and the layer's name so that every layout gets the same adapters; "
+            "xavier is not built" + refused,
+        ),
+        f"{lora}.lora_B_init_method": Fixed(("zero",), "B starts at zero" + refused),
+        f"{lora}.exclude_modules": Fixed(
+            ([], None), "every layer that target_modules names is adapted: list fewer there"
+        ),
+        f"{lora}.a2a_experimental": Fixed((False,), "routed experts get no adapters" + refused),
+        f"{lora}.dtype": Fixed(
+            (None,), "the adapters take the actor's dtype (megatron.dtype)" + refused
+        ),
+        f"{lora}.adapter_path": Fixed(
+            (None,),
+            "training starts from fresh adapters; to start from trained ones, merge them into "
+            "the base model (peft's merge_and_unload) and set model.path to it",
+        ),
+        **{
+            f"{lora}.{leaf}": Fixed(
+                (True,), "LoRA on a vision-language model is not built; the key means nothing"
+            )
+            for leaf in ("freeze_vision_model", "freeze_vision_projection", "freeze_language_model")
+        },
     }
 
 
@@ -294,6 +340,7 @@ VERL_KEYS: dict[str, Alias | Divided | Fixed | Implies | SameAs | Refused] = {
     ),
     f"{MODEL}.use_remove_padding": Alias("data.use_sequence_packing"),
     **_lora_keys(),
+    **_megatron_lora_keys(),
     **{f"{MULTI_TURN}.{leaf}": rule for leaf, rule in _multi_turn_keys().items()},
     "data.return_raw_chat": Fixed(
         (True,),

@@ -37,7 +37,7 @@ from rlhf.models.chunks import ModelChunks
 from rlhf.models.dist_ckpt import load_distributed, save_distributed
 from rlhf.models.families import ModelArch, check_parallel_sizes, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
-from rlhf.models.lora import LoraAdapter, LoraSpec, add_lora, peft_config, peft_name
+from rlhf.models.lora import LoraAdapter, LoraSpec, add_lora, peft_config, peft_factors
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
 from rlhf.models.model_dir import check_model_dir
 from rlhf.models.vision_arch import mrope_positions
@@ -252,22 +252,15 @@ def mcore_to_hf(mcore_dir: Path, out_dir: Path, max_shard_bytes: int) -> None:
 
 
 def peft_tensors(model, arch: ModelArch, placement: Placement):
-    """(PEFT name, tensor) of every adapter of an unsharded LoRA model: each HF projection's
-    A and B (a fused layer's B split as its weight is, its A shared by the projections)."""
+    """(PEFT name, tensor) of every adapter of an unsharded LoRA model (`peft_factors`)."""
     for name, layer in model.named_modules():
         adapter = getattr(layer, "lora", None)
-        if not isinstance(adapter, LoraAdapter):
-            continue
-        rule, index = resolve(arch, f"{name}.weight", placement)
-        a, b = adapter.factors()
-        if adapter.column:
-            for hf_name, part in shards_to_hf(rule, index, [b], arch):
-                yield peft_name(hf_name, "lora_A"), a.clone()
-                yield peft_name(hf_name, "lora_B"), part.clone()
-        else:
-            ((hf_name, whole),) = shards_to_hf(rule, index, [a], arch)
-            yield peft_name(hf_name, "lora_A"), whole.clone()
-            yield peft_name(hf_name, "lora_B"), b.clone()
+        if isinstance(adapter, LoraAdapter):
+            rule, index = resolve(arch, f"{name}.weight", placement)
+            a, b = adapter.factors()
+            split = [b if adapter.column else a]
+            for peft, tensor in peft_factors(adapter, rule, index, split, arch):
+                yield peft, tensor.clone()
 
 
 def mcore_to_peft(mcore_dir: Path, out_dir: Path) -> None:

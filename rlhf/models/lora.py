@@ -32,15 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-HF_PROJECTIONS = {  # Megatron layer -> the HF projections (verl's target_modules) it holds
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-HF_TO_MEGATRON = {hf: layer for layer, names in HF_PROJECTIONS.items() for hf in names}
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
-ROW_PARALLEL = ("linear_proj", "linear_fc2")
+from rlhf.config.lora_targets import COLUMN_PARALLEL, hf_projections, megatron_targets
 
 
 @dataclass(frozen=True)
@@ -71,6 +63,11 @@ def lora_spec(model) -> LoraSpec | None:
     return LoraSpec(model.lora_rank, float(model.lora_alpha), targets, model.lora_dropout)
 
 
+def hf_targets(spec: LoraSpec) -> list[str]:
+    """The HF projections `spec` adapts (PEFT's `target_modules`)."""
+    return hf_projections(spec.targets)
+
+
 def peft_config(spec: LoraSpec, base_model: str) -> dict:
     """PEFT's adapter_config.json for adapters of `spec` on the HF model at `base_model`."""
     return {
@@ -80,7 +77,7 @@ def peft_config(spec: LoraSpec, base_model: str) -> dict:
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": sorted(p for t in spec.targets for p in HF_PROJECTIONS[t]),
+        "target_modules": hf_targets(spec),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -91,32 +88,6 @@ def peft_config(spec: LoraSpec, base_model: str) -> dict:
 def peft_name(hf_weight: str, factor: str) -> str:
     """PEFT's name of factor `factor` ("lora_A", "lora_B") of the HF weight `hf_weight`."""
     return f"base_model.model.{hf_weight.removesuffix('.weight')}.{factor}.weight"
-
-
-def megatron_targets(target_modules: str | Iterable[str]) -> tuple[str, ...]:
-    """The Megatron layers that verl's `target_modules` name: "all-linear" (every linear
-    layer of the decoder), or HF projection names (ValueError naming what cannot be: an
-    unknown name, or part of a fused group)."""
-    if isinstance(target_modules, str):
-        if target_modules == "all-linear":
-            return COLUMN_PARALLEL + ROW_PARALLEL
-        target_modules = [target_modules]
-    names = list(target_modules)
-    unknown = sorted(set(names) - set(HF_TO_MEGATRON))
-    if unknown:
-        raise ValueError(
-            f"target_modules: {unknown} are not linear layers adapted here; use 'all-linear' "
-            f"or names among {sorted(HF_TO_MEGATRON)}"
-        )
-    for layer, group in HF_PROJECTIONS.items():
-        chosen = [n for n in group if n in names]
-        if chosen and len(chosen) < len(group):
-            raise ValueError(
-                f"target_modules: {chosen} without {sorted(set(group) - set(chosen))}: Megatron "
-                f"computes {', '.join(group)} in one layer ({layer}), adapted together"
-            )
-    wanted = {HF_TO_MEGATRON[n] for n in names}
-    return tuple(t for t in COLUMN_PARALLEL + ROW_PARALLEL if t in wanted)
 
 
 class LoraAdapter(nn.Module):
@@ -309,6 +280,25 @@ def adapters(chunks: Iterable[nn.Module]) -> Iterator[LoraAdapter]:
 def is_lora_param(name: str) -> bool:
     """A parameter name of an adapter (`...lora.lora_A.weight`)."""
     return ".lora." in f".{name}"
+
+
+@torch.no_grad()
+def peft_factors(adapter: LoraAdapter, rule, index, split: list[torch.Tensor], arch):
+    """(PEFT name, tensor) of `adapter`'s factors, whole, given its split factor's TP shards
+    `split` (column-parallel: B's, row-parallel: A's) and its layer weight's mapping rule
+    (`rlhf.models.mapping.resolve`): a fused layer's B split as its weight is, its A shared
+    by the projections."""
+    from rlhf.models.mapping import shards_to_hf
+
+    a, b = adapter.factors()
+    if adapter.column:
+        for hf_name, part in shards_to_hf(rule, index, split, arch):
+            yield peft_name(hf_name, "lora_A"), a
+            yield peft_name(hf_name, "lora_B"), part
+    else:
+        ((hf_name, whole),) = shards_to_hf(rule, index, split, arch)
+        yield peft_name(hf_name, "lora_A"), whole
+        yield peft_name(hf_name, "lora_B"), b
 
 
 @torch.no_grad()

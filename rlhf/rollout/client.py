@@ -222,7 +222,8 @@ class GenerateClient:
 
     `keep_aborted`: a sample the server cut off (`sglang_api.pause_generation`) comes back
     as it is, finish reason "abort", for `rlhf.rollout.partial` to continue from its tokens,
-    instead of being generated again from the start."""
+    instead of being generated again from the start. `lora`: every request is served with
+    the LoRA adapter of that name (`rlhf.weight_sync.adapters`)."""
 
     def __init__(
         self,
@@ -233,6 +234,7 @@ class GenerateClient:
         retry: RetryPolicy | None = None,
         recover: Recover | None = None,
         keep_aborted: bool = False,
+        lora: str | None = None,
     ):
         if not urls:
             raise ValueError("GenerateClient needs at least one server URL")
@@ -242,6 +244,7 @@ class GenerateClient:
         self.retry = retry or RetryPolicy()
         self.recover = recover
         self.keep_aborted = keep_aborted
+        self.lora = lora
 
     def generate(self, payloads: list[dict[str, Any]]) -> list[RequestResult]:
         """Blocking `generate_async` (one event loop per batch)."""
@@ -317,7 +320,8 @@ class GenerateClient:
     ) -> RequestResult:
         start = time.perf_counter()
         try:
-            async with session.post(f"{url}/generate", json=payload) as response:
+            sent = payload if self.lora is None else {**payload, "lora_path": self.lora}
+            async with session.post(f"{url}/generate", json=sent) as response:
                 if response.status >= 500:
                     raise _Retryable(f"HTTP {response.status}: {(await response.text())[:300]}")
                 if response.status != 200:

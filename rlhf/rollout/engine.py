@@ -232,12 +232,14 @@ class SGLangEngine:
         on_restart: Callable[[str], None] | None = None,
         wait: bool = True,
         gpus_per_node: int | None = None,
+        lora: str | None = None,
     ):
         """`wait=False`: return once the servers are launched; call `wait_ready()` before
         generating. On a GPU the servers take disjoint GPUs of this node, checked against
         `gpus_per_node` when given (`ServerGroup`). Servers launched here require an API
         key: `RLHF_SGLANG_API_KEY`, or a random one made for this process
-        (`sglang_api.ensure_api_key`)."""
+        (`sglang_api.ensure_api_key`). `lora`: every request is served with the LoRA
+        adapter of that name (`rlhf.weight_sync.adapters`)."""
         if not rollout.server_urls:
             sglang_api.ensure_api_key()
         self.group = ServerGroup(
@@ -250,7 +252,7 @@ class SGLangEngine:
             on_restart=on_restart,
             gpus_per_node=gpus_per_node,
         ).start(wait=False)
-        self.rollout = rollout
+        self.rollout, self.lora = rollout, lora
         self.client: GenerateClient | None = None
         self.pausable_client: GenerateClient | None = None  # keeps samples a pause cut
         self.gate = GenerationGate()  # holds the pausable client's requests during a pause
@@ -271,6 +273,7 @@ class SGLangEngine:
                 retry=RetryPolicy.from_config(self.rollout),
                 recover=self.group.recover,
                 keep_aborted=keep,
+                lora=self.lora,
             )
             for keep in (False, True)
         )

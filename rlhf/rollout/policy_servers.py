@@ -54,6 +54,7 @@ from rlhf.distributed.context import ParallelContext
 from rlhf.memory.ledger import ledger
 from rlhf.memory.planner import planned_kv_cache_tokens
 from rlhf.models.families import ModelArch
+from rlhf.models.lora import lora_spec
 from rlhf.reward.scorer import RewardInput, RewardScorer
 from rlhf.rollout.batch import RolloutBatch, RolloutRecord, RolloutResult
 from rlhf.rollout.engine import RolloutEngine, RolloutSample, SamplingParams, SGLangEngine
@@ -64,7 +65,8 @@ from rlhf.rollout.sglang_server import check_servable
 from rlhf.sglang_api import ServerLost
 from rlhf.tools.base import Tool
 from rlhf.utils import empty_device_cache, split_evenly
-from rlhf.weight_sync.factory import build_weight_syncer
+from rlhf.weight_sync.adapters import ADAPTER, AdapterSyncer
+from rlhf.weight_sync.factory import Syncer, build_weight_syncer
 from rlhf.weight_sync.gather import SyncTopology
 from rlhf.weight_sync.probe import (
     ProbeSequence,
@@ -73,7 +75,7 @@ from rlhf.weight_sync.probe import (
     logprob_diff_max,
     probe_tokens,
 )
-from rlhf.weight_sync.syncer import SyncStats, WeightSyncer
+from rlhf.weight_sync.syncer import SyncStats
 
 log = logging.getLogger(__name__)
 # SGLang's memory-saver tags (sglang.srt.constants): what wakes for the sync, what after it
@@ -198,7 +200,7 @@ class PolicyServers:
         self,
         ctx: ParallelContext,
         engine: SGLangEngine | None,
-        syncer: WeightSyncer,
+        syncer: Syncer,
         rollout: RolloutConfig,
         *,
         tokenizer=None,
@@ -219,12 +221,15 @@ class PolicyServers:
         and how the samples they cut are finished; `processor`: a vision-language
         policy's, for the pixel values of prompts with images."""
         self.ctx, self.engine, self.syncer = ctx, engine, syncer
+        # LoRA adapters synced alone: the servers serve none until the first sync
+        self.lora = ADAPTER if isinstance(syncer, AdapterSyncer) else None
         self.processor = processor
         self.multi_turn, self.pauses = multi_turn, pauses
         self.tokenizer, self.scorer = tokenizer, scorer
         self.per_node, self.sleeps, self.colocated = per_node, sleeps, colocated
         self.asleep: set[str] = set()
-        self.weights_released = False  # every rank alike: a weight load must come first
+        # every rank alike: a weight load must come first
+        self.weights_released = self.lora is not None
         vocab, vision = syncer.arch.vocab_size, syncer.arch.vision
         self.probe_sequence = (
             ProbeSequence.text(probe_tokens(vocab))
@@ -271,6 +276,8 @@ class PolicyServers:
             rollout.tensor_model_parallel_size
         )
         sleeps = launched and rollout.free_cache_engine
+        model = cfg.actor_rollout_ref.model
+        adapters = None if model.lora_merge else lora_spec(model)  # LoRA synced alone
         if owner:
             scorer = RewardScorer.from_config(cfg.reward)
             multi_turn, pauses = _conversations_and_pauses(
@@ -281,16 +288,9 @@ class PolicyServers:
                 tokenizer,
                 tools,
             )
-            engine = SGLangEngine(
-                launched_rollout(cfg.actor_rollout_ref),
-                cfg.actor_rollout_ref.model.path,
-                log_dir=node_dir / "logs",
-                device=ctx.device.type,
-                seed=cfg.data.seed,
-                max_total_tokens=server_kv_cache_tokens(cfg.data, rollout, ctx, max_prompts, arch),
-                wait=False,
-                gpus_per_node=ctx.local_world_size,
-            )
+            kv_tokens = server_kv_cache_tokens(cfg.data, rollout, ctx, max_prompts, arch)
+            lora = adapters is not None
+            engine = _engine(cfg.actor_rollout_ref, cfg.data.seed, ctx, node_dir, kv_tokens, lora)
         try:
             urls = node_server_urls(ctx, engine, per_node)
             topology = SyncTopology.of(ctx, per_node=per_node)
@@ -300,7 +300,8 @@ class PolicyServers:
                 arch,
                 topology,
                 run_dir=node_dir,
-                model_path=cfg.actor_rollout_ref.model.path,
+                model_path=model.path,
+                adapters=adapters,
             )
             if sleeps and ctx.device.type == "cuda":  # SGLang sizes its memory from what
                 wait_for_servers(engine)  # is free as it starts: the trainer allocates after
@@ -456,13 +457,13 @@ class PolicyServers:
     def _server_logprobs(self, url: str) -> list[float]:
         probe = self.probe_sequence
         try:
-            return sglang_api.prompt_logprobs(url, probe.server_tokens, probe.images)
+            return sglang_api.prompt_logprobs(url, probe.server_tokens, probe.images, self.lora)
         except sglang_api.SGLangAPIError as e:
             if not e.unreachable:
                 raise
             log.warning("SGLang server %s lost during the log-prob probe: %s", url, e)
         self._recover(url)
-        return sglang_api.prompt_logprobs(url, probe.server_tokens, probe.images)
+        return sglang_api.prompt_logprobs(url, probe.server_tokens, probe.images, self.lora)
 
     def _recover(self, url: str) -> None:
         """A server stopped answering: restart it if it died (within
@@ -549,6 +550,29 @@ class PolicyServers:
                 self.scorer.close()
             if self.engine is not None:
                 self.engine.shutdown()
+
+
+def _engine(
+    aro: ActorRolloutRefConfig,
+    seed: int,
+    ctx: ParallelContext,
+    node_dir: Path,
+    kv_tokens: int,
+    lora: bool,
+) -> SGLangEngine:
+    """This node's servers, launched without waiting (`lora`: every request names the
+    adapter the weight sync loads, `rlhf.weight_sync.adapters`)."""
+    return SGLangEngine(
+        launched_rollout(aro),
+        aro.model.path,
+        log_dir=node_dir / "logs",
+        device=ctx.device.type,
+        seed=seed,
+        max_total_tokens=kv_tokens,
+        wait=False,
+        gpus_per_node=ctx.local_world_size,
+        lora=ADAPTER if lora else None,
+    )
 
 
 def node_server_urls(ctx: ParallelContext, engine: SGLangEngine | None, per_node: bool):

@@ -1,4 +1,4 @@
-"""An SGLang general plugin for the servers this project launches; five jobs.
+"""An SGLang general plugin for the servers this project launches; six jobs.
 
 1. The torch.distributed stores SGLang's processes host listen on their given host only,
    not on every interface. SGLang's scheduler joins its process group with
@@ -28,6 +28,10 @@
    case, so a prefill failed on the key width. Here every batch on `torch_native` is
    absorbed MLA, which is what that backend computes (one latent key and value shared by
    all heads).
+6. Without CUDA, on a server with LoRA adapters (`RLHF_SGLANG_UNPINNED_LORA=1`, set with
+   `--enable-lora` on the CPU): SGLang's LoRA layers and adapters pin their host tensors
+   (`pin_memory`), which needs a CUDA driver ("Found no NVIDIA driver" as the first
+   adapter loads); they stay unpinned here (there is no GPU to copy them to).
 
 SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
 the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import types
 
 import torch
 
@@ -61,6 +66,38 @@ def register() -> None:
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 
         ALLOC_MEMORY_FUNCS["cpu"] = cpu_host_alloc
+        if os.environ.get(UNPINNED_LORA) == "1":
+            _unpinned_lora()
+
+
+UNPINNED_LORA = "RLHF_SGLANG_UNPINNED_LORA"
+
+
+class _UnpinnedTorch(types.ModuleType):
+    """`torch` for SGLang's LoRA modules: its factories' `pin_memory=True` left out."""
+
+    def __getattr__(self, name: str):
+        value = getattr(torch, name)
+        if name not in ("tensor", "zeros", "ones", "empty", "arange"):
+            return value
+        return lambda *args, pin_memory=False, **kwargs: value(*args, **kwargs)
+
+
+PINNING_MODULES = ("sglang.srt.lora.layers", "sglang.srt.lora.backend.torch_backend")
+
+
+def _unpinned_lora() -> None:
+    """Job 6: no pinning in SGLang's LoRA code (layers, the torch_native backend, adapters)
+    on a machine without CUDA."""
+    for name in PINNING_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(vars(module)["torch"], _UnpinnedTorch):
+            setattr(module, "torch", _UnpinnedTorch("torch"))  # noqa: B010 (a module global)
+    torch.Tensor.pin_memory = _unpinned  # type: ignore[method-assign,assignment]
+
+
+def _unpinned(tensor: torch.Tensor, device=None) -> torch.Tensor:
+    return tensor
 
 
 MLA_DISPATCH = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA.dispatch_attn_forward_method"

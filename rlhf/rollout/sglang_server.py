@@ -31,6 +31,7 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.models.families import ModelArch
 from rlhf.models.moe_arch import sglang_serving_problem
 from rlhf.rollout.sglang_plugin import ENV as ENV_BOUND_STORES
+from rlhf.rollout.sglang_plugin import UNPINNED_LORA
 from rlhf.utils import die_with_parent
 from rlhf.weight_sync.shm_reaper import mapped_files
 
@@ -113,6 +114,9 @@ def build_server_args(
             "--sleep-on-idle",  # the idle scheduler would busy-poll a core
         ]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if rollout.engine_kwargs.sglang.get("enable_lora"):  # the one LoRA backend on CPU
+            argv += ["--lora-backend", "torch_native"]
+            env[UNPINNED_LORA] = "1"  # rlhf/rollout/sglang_plugin.py
         env["OMP_NUM_THREADS"] = str(cpu_threads)
         if importlib.util.find_spec("sgl_kernel") is None:
             env["PYTHONPATH"] = os.pathsep.join(
@@ -120,6 +124,10 @@ def build_server_args(
             )
     elif rollout.free_cache_engine:  # GPU: weights and KV cache can be released (sleep/wake)
         argv += ["--enable-memory-saver"]
+        if rollout.engine_kwargs.sglang.get("enable_lora"):
+            # a LoRA run syncs only adapters: the base weights must come back from a release
+            # as they were (SGLang's copy in host memory), not as the next sync's to fill
+            argv += ["--enable-weights-cpu-backup"]
     if device != "cpu" and rollout.sampling_seed is not None:  # GPU SGLang seeds only then
         argv += ["--enable-deterministic-inference"]
     if max_total_tokens is not None:

@@ -7,6 +7,8 @@ from pathlib import Path
 from rlhf.config.placement import server_gpus
 from rlhf.config.schema import RolloutConfig
 from rlhf.models.families import ModelArch
+from rlhf.models.lora import LoraSpec
+from rlhf.weight_sync.adapters import AdapterSyncer
 from rlhf.weight_sync.gather import SyncTopology
 from rlhf.weight_sync.handle_plan import tensor_handle_plan
 from rlhf.weight_sync.snapshot import BackgroundSnapshot
@@ -18,6 +20,8 @@ from rlhf.weight_sync.transports import (
     Transport,
 )
 
+Syncer = WeightSyncer | AdapterSyncer
+
 
 def build_weight_syncer(
     rollout: RolloutConfig,
@@ -27,15 +31,28 @@ def build_weight_syncer(
     *,
     run_dir: str | Path,
     model_path: str | Path,
-) -> WeightSyncer:
+    adapters: LoraSpec | None = None,
+) -> Syncer:
     """Transport, bucket size and restart snapshot from the rollout config (every rank
-    calls it alike: the tensor transport's plan may make process groups).
+    calls it alike: the tensor transport's plan may make process groups); with `adapters`
+    (LoRA synced alone) the `AdapterSyncer`, its tensors travelling as the transport says.
 
     Disk weights go under `<run_dir>/weights/` (the snapshot under `weights_snapshot/`);
     `model_path` supplies the config and tokenizer files copied next to them.
     """
     run_dir = Path(run_dir)
     kind = rollout.weight_sync_transport
+    if adapters is not None:
+        return AdapterSyncer(
+            server_urls,
+            arch,
+            topology,
+            adapters,
+            model_path,
+            kind,
+            server_tp_size=rollout.tensor_model_parallel_size,
+            out_root=run_dir / "weights",
+        )
     transport: Transport
     if kind == "tensor":
         # colocated servers (launched by the run) sit on the node's GPUs by this rule

@@ -47,6 +47,7 @@ from torch.distributed import ProcessGroup
 from rlhf.distributed.context import ParallelContext, rank_device
 from rlhf.models.chunks import ModelChunks
 from rlhf.models.families import ModelArch
+from rlhf.models.lora import LoraAdapter, peft_factors
 from rlhf.models.mapping import (
     Layout,
     ParamRule,
@@ -236,6 +237,27 @@ def iter_stage_tensors(
             yield from _stage_tensors_of(rule, layer, name, param, placement, arch, topo)
 
 
+def iter_stage_adapters(
+    model, arch: ModelArch, topo: SyncTopology
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """PEFT-named factors of this pipeline stage's LoRA adapters (`rlhf.models.lora`), whole:
+    the factor split over TP (column-parallel layers' B, row-parallel layers' A) gathered as
+    its layer's weight is; yielded on the stage leader. Routed experts have none."""
+    if not (topo.in_sync_replica or topo.everywhere):
+        return
+    chunks = ModelChunks.of(model, topo.placement)
+    for placement, chunk in zip(chunks.placements, chunks):
+        for name, layer in chunk.named_modules():
+            adapter = getattr(layer, "lora", None)
+            if not isinstance(adapter, LoraAdapter):
+                continue
+            rule, index = resolve(arch, f"{name}.weight", placement)
+            a, b = adapter.factors()
+            split = _gather_tp(b if adapter.column else a, rule.layout, topo)
+            if topo.converts:
+                yield from peft_factors(adapter, rule, index, split, arch)
+
+
 def bucketize(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Group tensors into buckets of at most `bucket_bytes` (a larger tensor goes alone)."""
     bucket: Bucket = []
@@ -306,12 +328,13 @@ def _broadcast_bucket(bucket: Bucket | None, src: int, topo: SyncTopology) -> Bu
 
 
 def _own_stage_buckets(
-    model, arch: ModelArch, topo: SyncTopology, bucket_bytes: int
+    model, arch: ModelArch, topo: SyncTopology, bucket_bytes: int, adapters: bool
 ) -> Iterator[Bucket]:
     """This stage's buckets, yielded where they are held; sent (`everywhere`: broadcast)
     to the other stages."""
     first_stage, stages = topo.pp_stage_ranks[0], topo.pp_group is not None
-    for bucket in bucketize(iter_stage_tensors(model, arch, topo), bucket_bytes):
+    stage_tensors = iter_stage_adapters if adapters else iter_stage_tensors
+    for bucket in bucketize(stage_tensors(model, arch, topo), bucket_bytes):
         if topo.everywhere:
             if stages:
                 _broadcast_bucket(bucket, topo.rank, topo)
@@ -326,9 +349,12 @@ def _own_stage_buckets(
         _send_bucket(None, first_stage, topo.pp_group, topo.device)
 
 
-def iter_buckets(model, arch: ModelArch, topo: SyncTopology, bucket_bytes: int) -> Iterator[Bucket]:
+def iter_buckets(
+    model, arch: ModelArch, topo: SyncTopology, bucket_bytes: int, adapters: bool = False
+) -> Iterator[Bucket]:
     """All HF buckets of the model, in the same order wherever they are yielded: on the
-    sender only (every rank with `topo.everywhere`).
+    sender only (every rank with `topo.everywhere`); `adapters`: the LoRA adapters' PEFT
+    tensors instead (`iter_stage_adapters`).
 
     Every rank must exhaust this iterator: it drives the TP and expert gathers and the sends
     of later pipeline stages, one stage after the other.
@@ -337,7 +363,7 @@ def iter_buckets(model, arch: ModelArch, topo: SyncTopology, bucket_bytes: int) 
         return
     for stage, leader in enumerate(topo.pp_stage_ranks):
         if stage == topo.placement.pp_rank:
-            yield from _own_stage_buckets(model, arch, topo, bucket_bytes)
+            yield from _own_stage_buckets(model, arch, topo, bucket_bytes, adapters)
         elif topo.everywhere:
             while (received := _broadcast_bucket(None, leader, topo)) is not None:
                 yield received

@@ -94,7 +94,9 @@ class WeightSyncer:
         start, phases = time.perf_counter(), Phases()
         sender, writers = self.topology.is_sender, self._writers()
         # buckets reach the sender, or every rank when handles are spread (`everywhere`)
-        targets = _Targets(list(self.server_urls) if sender else [], self.transport, version)
+        urls = list(self.server_urls) if sender else []
+        transport = self.transport
+        targets = Targets(urls, version, transport.concurrent_deliveries, transport.forget)
         if sender:
             with phases("deliver"):
                 targets.each(sglang_api.begin_weight_update)
@@ -139,7 +141,7 @@ class WeightSyncer:
         bucket: Bucket,
         last: bool,
         version: int,
-        targets: _Targets,
+        targets: Targets,
         phases: Phases,
         deliveries: Deliveries,
     ) -> None:
@@ -213,19 +215,23 @@ class Deliveries:
                 self.pool.shutdown(wait=True)
 
 
-class _Targets:
+class Targets:
     """The servers a sync still delivers to; one that stops answering is moved to `lost`
-    (and its transport state forgotten) instead of failing the sync for everyone."""
+    (and `forget(url)` called: the transport's state of it) instead of failing the sync
+    for everyone."""
 
-    def __init__(self, urls: list[str], transport: Transport, version: int):
+    def __init__(
+        self, urls: list[str], version: int, concurrent: bool, forget: Callable[[str], None]
+    ):
         self.live, self.lost = urls, list[str]()
-        self.transport, self.version = transport, version
+        self.version, self.concurrent, self.forget = version, concurrent, forget
 
     def each(self, call: Callable[..., None], *args: Any) -> None:
         """`call(url, *args)` for every live server: all at once when the transport allows
-        it (their HTTP round trips and loads overlap), else one after another."""
+        it (`concurrent`: their HTTP round trips and loads overlap), else one after
+        another."""
         urls = list(self.live)
-        if len(urls) > 1 and self.transport.concurrent_deliveries:
+        if len(urls) > 1 and self.concurrent:
             with ThreadPoolExecutor(len(urls)) as pool:
                 errors = list(pool.map(lambda url: _attempt(call, url, args), urls))
         else:
@@ -244,7 +250,7 @@ class _Targets:
             )
             self.live.remove(url)
             self.lost.append(url)
-            self.transport.forget(url)
+            self.forget(url)
 
 
 def _attempt(call: Callable[..., None], url: str, args: tuple) -> sglang_api.SGLangAPIError | None:

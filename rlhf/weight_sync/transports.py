@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -167,28 +168,16 @@ class TensorTransport:
         )
 
     def payload(self, bucket: Bucket, device: torch.device) -> dict[str, Any]:
-        """FlattenedTensorBucket's payload on `device`: the flat tensor and its metadata,
-        every tensor starting at a multiple of `STAGING_ALIGN` bytes (the server views its
-        bytes as the tensor's dtype, which needs an aligned start)."""
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
-        spans, end = [], 0
-        for _, tensor in bucket:
-            start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
-            end = start + tensor.numel() * tensor.element_size()
-            spans.append((start, end))
+        """`flat_payload` of `bucket` on `device`: in this transport's next shared-memory
+        staging buffer on the CPU, in a new tensor (kept until `after_sync`) on a GPU."""
         if device.type == "cpu":
-            flat = self._staging_buffer(end)
-        else:
-            flat = torch.empty(end, dtype=torch.uint8, device=device)
-            self._recent.append(flat)
-        metadata = []
-        for (name, tensor), (start, stop) in zip(bucket, spans, strict=True):
-            flat[start:stop].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-            metadata.append(
-                FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, start, stop, stop - start)
-            )
-        return {"flattened_tensor": flat, "metadata": metadata}
+            return flat_payload(bucket, self._staging_buffer)
+
+        def allocate(num_bytes: int) -> torch.Tensor:
+            self._recent.append(torch.empty(num_bytes, dtype=torch.uint8, device=device))
+            return self._recent[-1]
+
+        return flat_payload(bucket, allocate)
 
     def _staging_buffer(self, num_bytes: int) -> torch.Tensor:
         """The first `num_bytes` of the next shared-memory staging buffer (the one used
@@ -197,9 +186,7 @@ class TensorTransport:
         staging = self._staging[turn]
         if staging is None or staging.numel() < num_bytes:
             self._staging[turn] = None  # the old file goes when its last receiver lets it go
-            storage = torch.UntypedStorage._new_shared(num_bytes)
-            staging = self._staging[turn] = torch.empty(0, dtype=torch.uint8).set_(storage)
-            shm_reaper.reap_at_exit()  # its shm manager and files end with this process
+            staging = self._staging[turn] = shared_bytes(num_bytes)
         return staging[:num_bytes]
 
     def deliver(self, url: str, packed: PackedHandles, last: bool, version: int) -> None:
@@ -220,6 +207,36 @@ class TensorTransport:
     def close(self) -> None:
         self._staging = [None] * len(self._staging)
         self._recent.clear()
+
+
+def flat_payload(bucket: Bucket, allocate: Callable[[int], torch.Tensor]) -> dict[str, Any]:
+    """SGLang's FlattenedTensorBucket payload of `bucket` (the flat uint8 tensor and its
+    metadata) in the buffer `allocate(num_bytes)` gives, every tensor starting at a multiple
+    of `STAGING_ALIGN` bytes (the server views its bytes as the tensor's dtype, which needs
+    an aligned start)."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    spans, end = [], 0
+    for _, tensor in bucket:
+        start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
+        end = start + tensor.numel() * tensor.element_size()
+        spans.append((start, end))
+    flat = allocate(end)
+    metadata = []
+    for (name, tensor), (start, stop) in zip(bucket, spans, strict=True):
+        flat[start:stop].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        metadata.append(
+            FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, start, stop, stop - start)
+        )
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def shared_bytes(num_bytes: int) -> torch.Tensor:
+    """A new uint8 buffer in host shared memory (its files removed when this process ends:
+    `shm_reaper`)."""
+    storage = torch.UntypedStorage._new_shared(num_bytes)
+    shm_reaper.reap_at_exit()  # its shm manager and files end with this process
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def serialize_handle(payload: dict[str, Any]) -> str:

@@ -401,7 +401,7 @@ def test_rollout_routing_replay_asks_the_launched_servers_for_routes():
     assert r3.actor_rollout_ref.rollout.engine_kwargs.sglang == {"chunked_prefill_size": 64}
     assert sampling_params(r3.actor_rollout_ref, r3.data.max_response_length).routed_experts
     off = load_config(None, [f"{mode}=R3", f"{kwargs}.enable_return_routed_experts=false"])
-    with pytest.raises(ConfigError, match="mode=R3 needs it"):
+    with pytest.raises(ConfigError, match="mode=R3 sets it to True"):
         launched_rollout(off.actor_rollout_ref)
 
 
@@ -430,3 +430,39 @@ def test_lora_keys_name_layers_a_dense_model_has(tiny_qwen2_dir, tmp_path):
         load_policy_arch(load_config(None, [moe, *lora]))
     attention = "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"
     load_policy_arch(load_config(None, [moe, *lora, attention, "algorithm.adv_estimator=grpo"]))
+
+
+def test_verls_megatron_lora_section_loads_as_the_flat_keys():
+    """verl's Megatron scripts' `model.lora.*` keys are this system's LoRA keys; its
+    settings without a counterpart are accepted at the one value built and refused in one
+    line otherwise; LoRA on the critic is refused."""
+    lora = "actor_rollout_ref.model.lora"
+    cfg = load_config(
+        None,
+        [
+            f"{lora}.rank=16",
+            f"{lora}.alpha=32",
+            f"{lora}.dropout=0.05",
+            f"{lora}.merge=True",
+            f"{lora}.target_modules=[linear_qkv,linear_proj]",
+            f"{lora}.lora_A_init_method=kaiming",
+            f"{lora}.type=lora",
+            f"{lora}.exclude_modules=[]",
+        ],
+    )
+    model = cfg.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, model.lora_dropout, model.lora_merge) == (
+        16,
+        32.0,
+        0.05,
+        True,
+    )
+    assert model.target_modules == ["linear_qkv", "linear_proj"]
+    for bad, said in (
+        (f"{lora}.lora_A_init_method=xavier", "xavier is not built"),
+        (f"{lora}.type=canonical_lora", "canonical_lora, dora and vlm_lora are not built"),
+        (f"{lora}.rank=8 actor_rollout_ref.model.lora_rank=4", "both set, to 8 and 4"),
+        ("critic.model.lora_rank=8", "LoRA on the critic is not built"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            validate_config(load_config(QUICKSTART, bad.split()))

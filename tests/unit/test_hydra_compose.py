@@ -105,17 +105,24 @@ def test_command_line_grammar_on_the_composed_tree():
         ("+trainer.nnodes=2", "trainer.nnodes is already in the config"),
         ("~trainer.nope", "trainer.nope is not in the config"),
         ("trainer.n_gpus_per_nod=2", "did you mean 'trainer.n_gpus_per_node'"),
-        ("actor_rollout_ref.model.lora.rank=8", "verl's setting has no equivalent here"),
+        ("actor_rollout_ref.model.lora.type=dora", "dora and vlm_lora are not built"),
+        ("actor_rollout_ref.model.external_lib=x", "verl's setting has no equivalent here"),
         ("actor_rollout_ref.actor.use_torch_compile=true", "torch.compile is not used"),
         ("reward_model=nope", "group 'reward_model' has no option 'nope'"),
     ]:
         with pytest.raises(ConfigError, match=None) as e:
             load(bad)
         assert said in str(e.value) and "\n" not in str(e.value), (bad, str(e.value))
-    ignored = load("actor_rollout_ref.model.lora.rank=0").ignored
+    ignored = load("actor_rollout_ref.model.external_lib=null").ignored
     assert any(
-        line.startswith("actor_rollout_ref.model.lora.rank=0: verl's default") for line in ignored
+        line.startswith("actor_rollout_ref.model.external_lib=null: verl's default")
+        for line in ignored
     )
+    # verl's Megatron LoRA section: its keys win over FSDP's flat ones in the same files
+    lora = load("actor_rollout_ref.model.lora.rank=8").config.actor_rollout_ref.model
+    assert (lora.lora_rank, lora.lora_alpha, lora.lora_merge) == (8, 32.0, False)
+    flat = load("actor_rollout_ref.model.lora_rank=8").config.actor_rollout_ref.model
+    assert (flat.lora_rank, flat.lora_alpha) == (8, 32.0)
 
 
 def test_a_config_file_with_a_defaults_list_composes(tmp_path):
@@ -152,7 +159,7 @@ def test_verls_scripts_load_against_verls_composed_config(name, tmp_path, capsys
     loaded = load_args(parse_args(args))
     code, printed = main([*args, "--print-config"]), capsys.readouterr()
     assert code == 0, printed.err  # the critic takes the actor's layout (rlhf.config.inherit)
-    assert "# ignored: actor_rollout_ref.model.lora.{" in printed.out  # grouped per section
+    assert "# ignored: critic.model.lora.{" in printed.out  # grouped per section
     assert "rank=0" in printed.out
     for item in overrides:  # none dropped: this system's, translated, or listed as ignored
         key = item.partition("=")[0].lstrip("+")

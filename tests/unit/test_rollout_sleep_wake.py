@@ -207,3 +207,20 @@ def test_servers_start_with_the_memory_saver_only_when_they_will_sleep(
     rollout = RolloutConfig(free_cache_engine=free_cache_engine)
     launch = build_server_args(rollout, "/m", port=30000, device=device)
     assert ("--enable-memory-saver" in launch.argv) == saver
+
+
+@pytest.mark.parametrize(("device", "free_cache_engine"), [("cuda", True), ("cuda", False)])
+def test_a_lora_server_that_sleeps_keeps_its_base_weights_in_host_memory(device, free_cache_engine):
+    """A LoRA run syncs only adapters (`rlhf.weight_sync.adapters`): a server that releases
+    its weights while the trainer trains must get the base weights back as they were."""
+    from rlhf.config.engine_args import lora_server_kwargs
+    from rlhf.config.rollout import EngineKwargs
+    from rlhf.config.schema import ModelConfig
+
+    lora = EngineKwargs(sglang=lora_server_kwargs(ModelConfig(path="/m", lora_rank=8)))
+    rollout = RolloutConfig(free_cache_engine=free_cache_engine, engine_kwargs=lora)
+    argv = build_server_args(rollout, "/m", port=30000, device=device).argv
+    assert ("--enable-weights-cpu-backup" in argv) == free_cache_engine
+    assert "--enable-lora" in argv and "--lora-backend" not in argv  # SGLang's GPU default
+    plain = build_server_args(RolloutConfig(free_cache_engine=True), "/m", port=1, device=device)
+    assert "--enable-weights-cpu-backup" not in plain.argv  # full syncs rewrite every weight

@@ -128,6 +128,11 @@ def call_every_route(url: str) -> set[str]:
         "continue_generation": lambda: sglang_api.continue_generation(url),
         "update_weight_version": lambda: sglang_api.update_weight_version(url, "4"),
         "abort_all_requests": lambda: sglang_api.abort_all_requests(url),
+        "load_lora_adapter_from_tensors": lambda: sglang_api.load_lora_adapter_from_tensors(
+            url, "policy", {"r": 8}, ["blob"]
+        ),
+        "load_lora_adapter": lambda: sglang_api.load_lora_adapter(url, "policy", "/a"),
+        "unload_lora_adapter": lambda: sglang_api.unload_lora_adapter(url, "policy"),
     }
     for call in calls.values():
         call()

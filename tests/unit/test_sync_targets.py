@@ -12,26 +12,15 @@ import torch
 from rlhf.sglang_api import SGLangAPIError
 from rlhf.weight_sync import syncer
 from rlhf.weight_sync.handle_plan import HandlePlan, HandleSource
-from rlhf.weight_sync.syncer import Phases, _Targets
+from rlhf.weight_sync.syncer import Phases, Targets
 from rlhf.weight_sync.transports import TensorTransport
 
 CPU = torch.device("cpu")
 
 
-class ForgetfulTransport(TensorTransport):
-    """The tensor transport, noting which servers it was told to forget."""
-
-    def __init__(self) -> None:
-        super().__init__(["http://a"], HandlePlan.from_sender(1, 1, CPU))
-        self.forgotten: list[str] = []
-
-    def forget(self, url: str) -> None:
-        self.forgotten.append(url)
-
-
 def test_a_server_that_stops_answering_is_set_aside_and_the_others_get_every_call():
-    transport = ForgetfulTransport()
-    targets = _Targets(["http://a", "http://b", "http://c"], transport, version=5)
+    forgotten: list[str] = []
+    targets = Targets(["http://a", "http://b", "http://c"], 5, True, forgotten.append)
     delivered = []
 
     def deliver(url: str, bucket: int) -> None:
@@ -52,15 +41,13 @@ def test_a_server_that_stops_answering_is_set_aside_and_the_others_get_every_cal
     ]
     assert targets.live == ["http://a", "http://c"]
     assert targets.lost == ["http://b"]
-    assert transport.forgotten == ["http://b"]
+    assert forgotten == ["http://b"]
 
 
 @pytest.mark.parametrize("concurrent", [True, False])
 def test_deliveries_to_several_servers_overlap_when_the_transport_allows(concurrent):
     """Each delivery waits until every server's delivery has started: deliveries one after
     another never get there (the barrier times out and the sync fails)."""
-    transport = ForgetfulTransport()
-    transport.concurrent_deliveries = concurrent
     urls = ["http://a", "http://b", "http://c"]
     all_started = threading.Barrier(len(urls), timeout=2)
 
@@ -70,7 +57,7 @@ def test_deliveries_to_several_servers_overlap_when_the_transport_allows(concurr
         except threading.BrokenBarrierError as e:
             raise SGLangAPIError(f"{url}: answered alone", url, unreachable=False) from e
 
-    targets = _Targets(list(urls), transport, version=1)
+    targets = Targets(list(urls), 1, concurrent, lambda url: None)
     if concurrent:
         targets.each(deliver)
         assert targets.live == urls
@@ -80,8 +67,8 @@ def test_deliveries_to_several_servers_overlap_when_the_transport_allows(concurr
 
 
 def test_a_failure_the_server_answered_fails_the_sync():
-    transport = ForgetfulTransport()
-    targets = _Targets(["http://a", "http://b"], transport, version=1)
+    forgotten: list[str] = []
+    targets = Targets(["http://a", "http://b"], 1, True, forgotten.append)
 
     def deliver(url: str) -> None:
         raise SGLangAPIError(f"{url}: 400 bad weight name", url, unreachable=False)
@@ -89,7 +76,7 @@ def test_a_failure_the_server_answered_fails_the_sync():
     with pytest.raises(SGLangAPIError, match="bad weight name"):
         targets.each(deliver)
     assert targets.live == ["http://a", "http://b"] and targets.lost == []
-    assert transport.forgotten == []
+    assert forgotten == []
 
 
 def test_phases_add_up_per_name_including_the_time_to_produce_each_item(monkeypatch):

@@ -49,7 +49,7 @@ def test_the_probe_compares_the_servers_with_the_tensor_the_trainer_handed_over(
     that tensor 1e-4 off is reported as the diff; 1.0 off fails the parity check."""
     asked, synced = [], []
 
-    def server_logprobs(url, tokens, images=()):  # log p(token_t | tokens_<t), t >= 1
+    def server_logprobs(url, tokens, images=(), lora=None):  # log p(token_t | tokens_<t), t >= 1
         asked.append((url, list(tokens)))
         return [-0.05 * t for t in tokens[1:]]
 
