@@ -376,6 +376,7 @@ class PlanInputs:
     device: str
     ranks_per_node: int = 1
     async_save: bool = False  # trainer.async_save: a snapshot of every trained model at once
+    adapter_sync: bool = False  # LoRA: the weight sync sends the adapters alone
 
     @classmethod
     def from_config(
@@ -439,6 +440,7 @@ class PlanInputs:
             device,
             min(world, trainer.n_gpus_per_node),
             trainer.async_save,
+            lora is not None and not aro.model.lora_merge,
         )
 
 
@@ -459,7 +461,11 @@ def _rank_rows(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> list[Ro
     padded = padded_vocab_size(inputs.arch.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
     element = DTYPE_BYTES[actor_m.dtype]
     ep, _ = expert_sizes(actor_m)
-    sync = sync_bytes(inputs.arch, padded, tp, element, inputs.sync_bucket, ep)
+    lora = inputs.roles[0].lora
+    if inputs.adapter_sync and lora is not None:
+        sync = adapter_sync_bytes(inputs.arch, lora, element)
+    else:
+        sync = sync_bytes(inputs.arch, padded, tp, element, inputs.sync_bucket, ep)
     rows[0] = replace(rows[0], communication=sync)
     if inputs.reference is not None:
         ref = trained_memory(
@@ -580,6 +586,16 @@ def sync_bytes(
         expert_gate_up = 2 * arch.moe.ffn_hidden_size * h * element
         gathered = max(gathered, (2 * ep + 1) * expert_gate_up)
     return max(3 * full + gathered, 4 * full)
+
+
+def adapter_sync_bytes(arch: ModelArch, spec: LoraSpec, element: int) -> int:
+    """What an adapter-only sync adds on the sender (`rlhf.weight_sync.adapters`), at most:
+    every layer's adapters whole, in PEFT's form (a fused layer's A once per projection:
+    three for q/k/v, two for gate/up), gathered and then copied: twice that."""
+    whole = sum(p.numel for p in lora_params(arch, spec, tp=1, pp=1, stage=0))
+    shared_a = {"linear_qkv": 2, "linear_fc1": 1}  # the extra copies of A
+    extra = sum(n for layer, n in shared_a.items() if layer in spec.targets)
+    return 2 * (whole + arch.num_layers * extra * spec.rank * arch.hidden_size) * element
 
 
 def plan_stage(inputs: PlanInputs, stage: int, gpu_bytes: int | None) -> MemoryPlan:

@@ -10,7 +10,7 @@ import json
 
 from rlhf.config import load_config
 from rlhf.memory.params import lora_params
-from rlhf.memory.planner import PlanInputs, plan_memory
+from rlhf.memory.planner import PlanInputs, adapter_sync_bytes, plan_memory
 from rlhf.models.families import arch_from_hf_config
 from rlhf.models.lora import LoraSpec, add_lora, megatron_targets
 from rlhf.models.model_dir import check_model_dir
@@ -48,3 +48,32 @@ def test_lora_shrinks_the_actor_and_drops_the_reference():
     assert lora["actor"].optimizer_state < full["actor"].optimizer_state / 30
     assert lora["actor"].weights < full["actor"].weights * 1.05
     assert full["reference"].weights > 7e9 and lora["reference"].weights == 0
+
+
+def test_an_adapter_sync_plans_the_adapters_it_sends(tmp_path, tiny_qwen2_dir, cpu_rank):
+    """The planned adapter-only sync is twice the PEFT tensors the sync sends (counted from
+    the real export of a tiny model), and for the 7B config at rank 64 it replaces the
+    full sync's buckets: the sync phase's peak falls by them."""
+    from rlhf.models.builder import build_model
+    from rlhf.models.chunks import ModelChunks
+    from rlhf.models.convert import peft_tensors
+    from rlhf.models.mapping import Placement
+
+    arch = check_model_dir(tiny_qwen2_dir)
+    for targets in ("all-linear", ["o_proj", "down_proj"]):
+        spec = LoraSpec(8, 16.0, megatron_targets(targets))
+        model = build_model(arch, Placement())
+        add_lora(ModelChunks.of(model, Placement()), spec, model.config, tp_rank=0)
+        sent = sum(t.numel() * 4 for _, t in peft_tensors(model, arch, Placement()))
+        assert adapter_sync_bytes(arch, spec, 4) == 2 * sent, targets
+    path = REPO / "configs" / "gsm8k_grpo_8gpu.yaml"
+    shape = json.loads((REPO / "configs" / "model_shapes" / "Qwen2.5-7B.json").read_text())
+    phases = {}
+    for merge in (True, False):
+        overrides = [
+            "actor_rollout_ref.model.lora_rank=64",
+            f"actor_rollout_ref.model.lora_merge={merge}",
+        ]
+        inputs = PlanInputs.from_config(load_config(path, overrides), arch_from_hf_config(shape), 8)
+        phases[merge] = plan_memory(inputs, gpu_bytes=80 * 1024**3).phases["weight_sync"]
+    assert phases[False] < phases[True] - 1024**3
