@@ -295,10 +295,14 @@ def _check_range(value: Any, meta: typing.Mapping, path: str) -> None:
             raise ConfigError(f"{path}: must be {sign} {meta[name]}, got {value!r}")
 
 
-def build(cls: type, data: Any, prefix: str = "", root: type | None = None) -> Any:
+def build(
+    cls: type, data: Any, prefix: str = "", root: type | None = None, base: Any = None
+) -> Any:
     """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types;
     `root`: the whole config's schema (`cls` itself at the top), where the nearest key of a
-    misspelt one is looked for."""
+    misspelt one is looked for; `base`: the instance whose values the keys the dict lacks
+    keep (a section's own default: `critic.model` given one key keeps its path
+    `${actor_rollout_ref.model.path}`, not ModelConfig's empty one)."""
     root = root or cls
     if not isinstance(data, dict):
         where = prefix.rstrip(".") or "the config"
@@ -312,11 +316,19 @@ def build(cls: type, data: Any, prefix: str = "", root: type | None = None) -> A
     for name, value in data.items():
         path, tp = f"{prefix}{name}", hints[name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            kwargs[name] = build(tp, value, path + ".", root)
+            default = getattr(base, name) if base is not None else _default_of(fields[name])
+            kwargs[name] = build(tp, value, path + ".", root, default)
         else:
             kwargs[name] = _coerce(value, tp, path)
             _check_range(kwargs[name], fields[name].metadata, path)
-    return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+
+
+def _default_of(field: dataclasses.Field) -> Any:
+    """A dataclass field's default value (None: it has none)."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None if field.default is dataclasses.MISSING else field.default
 
 
 _REF = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")

@@ -434,10 +434,10 @@ def _check_policy_path(model: ModelConfig) -> None:
 
 
 def _check_critic_lora(model: ModelConfig) -> None:
-    if model.lora_rank:
+    if model.lora_merge:
         raise ConfigError(
-            f"critic.model.lora_rank={model.lora_rank}: LoRA on the critic is not built (its "
-            "new value head and its trunk train whole); set critic.model.lora_rank=0"
+            "critic.model.lora_merge=true: the critic's weights go to no server, so there is "
+            "nothing to merge them for; drop the key"
         )
 
 

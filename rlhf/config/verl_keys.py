@@ -249,16 +249,18 @@ def _lora_keys() -> dict[str, Fixed]:
     }
 
 
-def _megatron_lora_keys() -> dict[str, Alias | Fixed]:
-    """verl's Megatron LoRA section, `actor_rollout_ref.model.lora` (Megatron-Bridge's
-    settings): the same adapters as this system's flat keys, which its values move to."""
-    lora, refused = f"{MODEL}.lora", "; drop the key"
+def _megatron_lora_keys(model: str) -> dict[str, Alias | Fixed]:
+    """verl's Megatron LoRA section of `model` (`actor_rollout_ref.model.lora`,
+    `critic.model.lora`: Megatron-Bridge's settings): the same adapters as this system's
+    flat keys, which its values move to."""
+    lora, refused = f"{model}.lora", "; drop the key"
+    merge = {f"{lora}.merge": Alias(f"{model}.lora_merge")} if model == MODEL else {}
     return {
-        f"{lora}.rank": Alias(f"{MODEL}.lora_rank"),
-        f"{lora}.alpha": Alias(f"{MODEL}.lora_alpha"),
-        f"{lora}.dropout": Alias(f"{MODEL}.lora_dropout"),
-        f"{lora}.target_modules": Alias(f"{MODEL}.target_modules"),
-        f"{lora}.merge": Alias(f"{MODEL}.lora_merge"),
+        f"{lora}.rank": Alias(f"{model}.lora_rank"),
+        f"{lora}.alpha": Alias(f"{model}.lora_alpha"),
+        f"{lora}.dropout": Alias(f"{model}.lora_dropout"),
+        f"{lora}.target_modules": Alias(f"{model}.target_modules"),
+        **merge,
         f"{lora}.type": Fixed(
             ("lora",),
             "adapters here are plain LoRA on Megatron's fused layers (q/k/v and gate/up "
@@ -340,7 +342,8 @@ VERL_KEYS: dict[str, Alias | Divided | Fixed | Implies | SameAs | Refused] = {
     ),
     f"{MODEL}.use_remove_padding": Alias("data.use_sequence_packing"),
     **_lora_keys(),
-    **_megatron_lora_keys(),
+    **_megatron_lora_keys(MODEL),
+    **_megatron_lora_keys(f"{CRITIC}.model"),
     **{f"{MULTI_TURN}.{leaf}": rule for leaf, rule in _multi_turn_keys().items()},
     "data.return_raw_chat": Fixed(
         (True,),

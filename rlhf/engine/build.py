@@ -37,7 +37,7 @@ from rlhf.models.families import NO_RECOMPUTE, ModelArch, Recompute
 from rlhf.models.gpt import transformer_engine_usable
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.logprobs import VocabShard
-from rlhf.models.lora import add_lora, lora_spec
+from rlhf.models.lora import VALUE_HEAD, add_lora, lora_spec
 from rlhf.models.mapping import Placement
 from rlhf.models.model_dir import read_model_arch
 from rlhf.models.moe_arch import MoERouter
@@ -135,6 +135,9 @@ def _critic(
         sequence_parallel=ctx.sequence_parallel,
         router=MoERouter.of(section.megatron),
     )
+    lora = lora_spec(section.model)
+    if lora is not None:  # adapters on the trunk; the new value head trains whole
+        add_lora(module, lora, module.config, ctx.tp_rank, section.megatron.seed, VALUE_HEAD)
     critic = _trained(section, update, module.to(ctx.device), ctx, total_steps)
     spec = UpdateSpec(
         "critic",

@@ -47,6 +47,7 @@ from rlhf.config.rollout import RolloutConfig
 from rlhf.config.schema import (
     ActorRolloutRefConfig,
     MegatronParallelConfig,
+    ModelConfig,
     RLHFConfig,
     TrainerConfig,
 )
@@ -387,7 +388,10 @@ class PlanInputs:
         the sections the plan does not hold."""
         world = world_size or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
         plan = resolve(cfg, world)
-        return cls.of(plan, arch, device, cfg.actor_rollout_ref, cfg.critic.megatron, cfg.trainer)
+        critic = cfg.critic
+        return cls.of(
+            plan, arch, device, cfg.actor_rollout_ref, critic.megatron, cfg.trainer, critic.model
+        )
 
     @classmethod
     def of(
@@ -398,6 +402,7 @@ class PlanInputs:
         aro: ActorRolloutRefConfig,
         critic: MegatronParallelConfig,
         trainer: TrainerConfig,
+        critic_model: ModelConfig | None = None,
     ) -> PlanInputs:
         """From the run plan (which models, their token budgets, the world and SP sizes) and
         the sections it does not resolve: the actor's and critic's Megatron settings, the
@@ -415,7 +420,10 @@ class PlanInputs:
         )
         roles = [actor]
         if plan.critic is not None:
-            roles.append(TrainedRole("critic", critic, budgets.critic.tokens, True))
+            critic_lora = lora_spec(critic_model) if critic_model is not None else None
+            roles.append(
+                TrainedRole("critic", critic, budgets.critic.tokens, True, lora=critic_lora)
+            )
         reference = (
             TrainedRole(
                 "reference", aro.actor.megatron, budgets.ref.tokens, shares_weights=bool(lora)

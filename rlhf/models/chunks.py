@@ -88,11 +88,13 @@ class ModelChunks(nn.ModuleList):
     def sharded_state_dict(self, adapters_only: bool = False) -> dict:
         """Megatron's sharded state dict: the chunk's own, or one entry per chunk. The
         sharded keys carry global layer offsets either way, so a checkpoint loads at any
-        pipeline layout. `adapters_only`: the LoRA adapters' entries alone (a LoRA actor's
-        checkpoint: its frozen weights are the HF model it was built from)."""
+        pipeline layout. `adapters_only`: the entries of the parameters a LoRA model trains
+        alone (its adapters, and a critic's value head: its frozen weights are the HF model
+        it was built from)."""
         parts = [chunk.sharded_state_dict() for chunk in self.chunks]
         if adapters_only:
-            parts = [{k: v for k, v in part.items() if is_lora_param(k)} for part in parts]
+            trained = [_trained_names(chunk) for chunk in self.chunks]
+            parts = [{k: v for k, v in part.items() if k in t} for part, t in zip(parts, trained)]
         if len(self) == 1:
             return parts[0]
         return {f"chunk{i}": part for i, part in enumerate(parts)}
@@ -104,10 +106,16 @@ class ModelChunks(nn.ModuleList):
         for chunk, part in zip(self.chunks, states):
             result = chunk.load_state_dict(part, strict=not adapters_only)
             if adapters_only:
-                missing = [k for k in result.missing_keys if is_lora_param(k)]
+                missing = [k for k in result.missing_keys if k in _trained_names(chunk)]
                 if missing or result.unexpected_keys:
                     bad = missing + list(result.unexpected_keys)
                     raise ValueError(f"the checkpoint's adapters do not fit this model: {bad[:5]}")
+
+
+def _trained_names(chunk: nn.Module) -> set[str]:
+    """The names of `chunk`'s parameters that need gradients (a LoRA model's adapters and
+    whatever `add_lora` kept trainable)."""
+    return {name for name, param in chunk.named_parameters() if param.requires_grad}
 
 
 MAPPED_BUFFERS = ("mlp.router.expert_bias",)

@@ -37,7 +37,14 @@ from rlhf.models.chunks import ModelChunks
 from rlhf.models.dist_ckpt import load_distributed, save_distributed
 from rlhf.models.families import ModelArch, check_parallel_sizes, load_arch
 from rlhf.models.hf_io import INDEX_NAME, HFCheckpointReader, write_sharded_safetensors
-from rlhf.models.lora import LoraAdapter, LoraSpec, add_lora, peft_config, peft_factors
+from rlhf.models.lora import (
+    VALUE_HEAD,
+    LoraAdapter,
+    LoraSpec,
+    add_lora,
+    peft_config,
+    peft_factors,
+)
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
 from rlhf.models.model_dir import check_model_dir
 from rlhf.models.vision_arch import mrope_positions
@@ -186,10 +193,11 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
         params_dtype=params_dtype or DTYPES[meta["dtype"]],
         initialize=False,
     )
-    if meta.get("head", "lm") in SCALAR_HEADS:
+    scalar = meta.get("head", "lm") in SCALAR_HEADS
+    if "lora" in meta:  # the base model's weights, then the checkpoint's adapters (and head)
+        return _load_adapted(model, arch, meta, mcore_dir, placement, scalar), arch
+    if scalar:
         model = attach_value_head(model, arch)
-    if "lora" in meta:  # the base model's weights, then the checkpoint's adapters
-        return _load_adapted(model, arch, meta, mcore_dir, placement), arch
     wanted = model.sharded_state_dict()
     state = load_distributed(wanted, mcore_dir / "model")
     # a trainer checkpoint also holds the plain optimizer's state: only the model's is read
@@ -197,8 +205,11 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
     return model, arch
 
 
-def _load_adapted(model, arch: ModelArch, meta: dict, mcore_dir: Path, placement: Placement):
-    """`model` with the HF weights of the checkpoint's base model and its LoRA adapters."""
+def _load_adapted(
+    model, arch: ModelArch, meta: dict, mcore_dir: Path, placement: Placement, scalar: bool
+):
+    """`model` with the HF weights of the checkpoint's base model and its LoRA adapters
+    (`scalar`: a value head is attached after the base weights, and loaded with them)."""
     base = Path(meta["base_model"])
     if not (base / "config.json").is_file():
         raise FileNotFoundError(
@@ -206,8 +217,11 @@ def _load_adapted(model, arch: ModelArch, meta: dict, mcore_dir: Path, placement
             f"(no config.json): put it back or edit base_model in {META_NAME}"
         )
     load_hf_weights(model, HFCheckpointReader(base), arch, placement)
+    if scalar:
+        model = attach_value_head(model, arch)
     chunks = ModelChunks.of(model, placement)
-    add_lora(chunks, LoraSpec.of(meta["lora"]), model.config, placement.tp_rank)
+    keep = VALUE_HEAD if scalar else ()
+    add_lora(chunks, LoraSpec.of(meta["lora"]), model.config, placement.tp_rank, keep=keep)
     wanted = chunks.sharded_state_dict(adapters_only=True)
     state = load_distributed(wanted, mcore_dir / "model")
     chunks.load_sharded({k: v for k, v in state.items() if k in wanted}, adapters_only=True)

@@ -34,6 +34,8 @@ from torch import nn
 
 from rlhf.config.lora_targets import COLUMN_PARALLEL, hf_projections, megatron_targets
 
+VALUE_HEAD = ("output_layer.",)  # a critic's head: new, so trained whole beside its adapters
+
 
 @dataclass(frozen=True)
 class LoraSpec:
@@ -227,16 +229,19 @@ def _with_adapter(layer: nn.Module, layer_entries):
     return sharded_state_dict
 
 
-def add_lora(chunks, spec: LoraSpec, config, tp_rank: int, seed: int = 0) -> int:
+def add_lora(
+    chunks, spec: LoraSpec, config, tp_rank: int, seed: int = 0, keep: tuple[str, ...] = ()
+) -> int:
     """Adapt the `spec.targets` layers of every part of `chunks` (`ModelChunks`) and freeze
-    all their other parameters; returns the adapted layers' count. Each A is drawn as PEFT
-    draws it (uniform in +-1 / sqrt(in)) from a generator seeded by `seed` and the layer's
-    global name, whole, and this TP rank (`tp_rank`) keeps its columns of a row-parallel
-    one: the same adapters at any layout. B starts at zero."""
+    all their other parameters but those whose names start with one of `keep` (a critic's
+    new value head, `output_layer.`); returns the adapted layers' count. Each A is drawn as
+    PEFT draws it (uniform in +-1 / sqrt(in)) from a generator seeded by `seed` and the
+    layer's global name, whole, and this TP rank (`tp_rank`) keeps its columns of a
+    row-parallel one: the same adapters at any layout. B starts at zero."""
     adapted = 0
     for chunk in chunks:
-        for param in chunk.parameters():
-            param.requires_grad_(False)
+        for name, param in chunk.named_parameters():
+            param.requires_grad_(name.startswith(keep) if keep else False)
         for name, layer in list(chunk.named_modules()):
             kind = name.rsplit(".", 1)[-1]
             if kind not in spec.targets or ".experts." in name or name.startswith("vision_model"):

@@ -319,6 +319,7 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     check_lora(aro.model, arches[MODEL_KEY])
     check_experts(arches[MODEL_KEY], aro.actor.megatron, AR)
     if uses_critic(cfg.algorithm):
+        check_lora(cfg.critic.model, arches["critic.model.path"], "critic")
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
     bypass = cfg.algorithm.rollout_correction.bypass_mode
     check_router_replay(aro.actor, bypass, arches[MODEL_KEY])
@@ -326,18 +327,18 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     return arches[MODEL_KEY]
 
 
-def check_lora(model: ModelConfig, arch: ModelArch) -> None:
-    """LoRA's keys name layers this model has, on a model LoRA is built for here."""
+def check_lora(model: ModelConfig, arch: ModelArch, role: str = AR) -> None:
+    """LoRA's keys (`role`.model) name layers this model has, on a model LoRA is built for."""
     if not model.lora_rank:
         return
     try:
         targets = megatron_targets(model.target_modules)
     except ValueError as e:
-        raise ConfigError(f"{AR}.model.{e}") from e
+        raise ConfigError(f"{role}.model.{e}") from e
     mlp = sorted(set(targets) & {"linear_fc1", "linear_fc2"})
     if arch.moe is not None and mlp:
         raise ConfigError(
-            f"{AR}.model.target_modules={model.target_modules}: LoRA on the MLPs of a "
+            f"{role}.model.target_modules={model.target_modules}: LoRA on the MLPs of a "
             f"mixture-of-experts model ({arch.family}: its experts) is not built yet; adapt "
             "its attention: target_modules=[q_proj,k_proj,v_proj,o_proj]"
         )
@@ -348,7 +349,7 @@ def check_lora(model: ModelConfig, arch: ModelArch) -> None:
     found = next((u for u in unsupported if u), None)
     if found:
         raise ConfigError(
-            f"{AR}.model.lora_rank={model.lora_rank}: LoRA on {found} "
+            f"{role}.model.lora_rank={model.lora_rank}: LoRA on {found} "
             f"({arch.family}) is not built yet; decoders with plain attention (llama, qwen2, "
             "qwen3, and the attention of qwen2_moe / qwen3_moe / glm4_moe) take it"
         )

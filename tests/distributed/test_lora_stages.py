@@ -24,11 +24,11 @@ import torch
 from tests.distributed.test_moe_parity import rlhf_convert
 from tests.helpers import run_worker_layouts
 
-LAYOUTS = {
-    "1rank": (1, []),
-    "tp2": (2, ["--tp", "2"]),
+LAYOUTS = {  # --critic: a LoRA critic beside the actor (GAE)
+    "1rank": (1, ["--critic"]),
+    "tp2": (2, ["--tp", "2", "--critic"]),
     "tp2sp": (2, ["--tp", "2", "--sp"]),
-    "pp2": (2, ["--pp", "2"]),
+    "pp2": (2, ["--pp", "2", "--critic"]),
     "dp2": (2, []),
 }
 
@@ -150,6 +150,30 @@ def logprob_gap(model, results, layout: str, key: str = "logprobs_after") -> flo
     return worst
 
 
+def test_a_lora_critic_checkpoint_exports_the_merged_value_model(results, tmp_path):
+    """The updated LoRA critic saved at PP2 (its head on the second stage), exported by
+    `rlhf-convert mcore-to-hf` with its adapters merged: transformers' token classifier on
+    it gives the trainer's values after the update."""
+    from transformers import AutoModelForTokenClassification
+
+    from rlhf.rollout.batch import RolloutBatch
+
+    out = tmp_path / "critic_hf"
+    rlhf_convert(
+        1, tmp_path / "export.out", "mcore-to-hf", results["pp2"]["critic"]["checkpoint"], out
+    )
+    model = AutoModelForTokenClassification.from_pretrained(out, dtype=torch.float32).eval()
+    batch = RolloutBatch.from_objects(results["1rank"]["batch"])
+    want, worst = results["pp2"]["critic"]["values_after"], 0.0
+    for i, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        with torch.no_grad():
+            values = model(torch.tensor([prompt + response])).logits[0, :, 0]
+        got = values[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+        worst = max(worst, float((got - want[i, : len(response)]).abs().max()))
+    print(f"transformers on the merged critic within {worst:.2e} of the trainer")
+    assert worst < 2e-5
+
+
 MOE_LAYOUTS = {
     "1rank": (1, ["--targets", "[q_proj,k_proj,v_proj,o_proj]"]),
     "ep2": (2, ["--targets", "[q_proj,k_proj,v_proj,o_proj]", "--ep", "2"]),
@@ -174,3 +198,23 @@ def test_attention_adapters_of_a_mixture_of_experts_model_at_ep2(tmp_path_factor
     diff = (one["logprobs_after"] - ep2["logprobs_after"]).abs().max()
     print(f"MoE attention LoRA at EP2 within {diff:.2e} of one rank")
     assert diff < 2e-5 and (one["logprobs_after"] - one["logprobs_before"]).abs().max() > 1e-3
+
+
+def test_a_lora_critic_trains_its_adapters_and_its_head(results):
+    """`critic.model.lora_rank`: the critic trains adapters on its trunk and its new value
+    head whole; its trunk's weights stay bitwise, its checkpoint holds the adapters and the
+    head alone and loads back exactly, and TP2 and PP2 give one rank's values."""
+    one = results["1rank"]["critic"]
+    for name in ("1rank", "tp2", "pp2"):
+        critic = results[name]["critic"]
+        adapters = [n for n in critic["trained"] if ".lora." in n]
+        assert adapters and set(critic["trained"]) - set(adapters) == {"output_layer.weight"}
+        assert critic["trunk_unchanged"] and critic["round_trip"], name
+        keys = critic["checkpoint_keys"]
+        other = [k for k in keys if ".lora." not in k and "output_layer." not in k]
+        assert keys and not other, (name, other)
+        moved = (critic["values_after"] - critic["values_before"]).abs().max()
+        assert moved > 1e-3, name
+        diff = (critic["values_after"] - one["values_after"]).abs().max()
+        assert diff < 2e-5, (name, diff)
+    assert one["head_moved"]

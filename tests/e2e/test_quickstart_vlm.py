@@ -113,6 +113,7 @@ def test_two_ranks_at_pp2_train_it_as_sglang_serves_it(random_vlm, tmp_path):
     assert "lm_head.weight" in changed and "model.layers.1.mlp.up_proj.weight" in changed
 
 
+@pytest.mark.slow(reason="a second two-rank VLM run (~45 s); PP2 stays in the fast tier")
 def test_two_ranks_at_tp2_with_sequence_parallelism(random_vlm, tmp_path):
     """TP2 with Megatron's sequence parallelism (image embeddings placed in the whole row
     before the scatter), the tower trained and synced (whole on both TP ranks)."""

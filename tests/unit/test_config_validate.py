@@ -435,7 +435,7 @@ def test_lora_keys_name_layers_a_dense_model_has(tiny_qwen2_dir, tmp_path):
 def test_verls_megatron_lora_section_loads_as_the_flat_keys():
     """verl's Megatron scripts' `model.lora.*` keys are this system's LoRA keys; its
     settings without a counterpart are accepted at the one value built and refused in one
-    line otherwise; LoRA on the critic is refused."""
+    line otherwise; the critic's section is its LoRA keys too."""
     lora = "actor_rollout_ref.model.lora"
     cfg = load_config(
         None,
@@ -458,11 +458,31 @@ def test_verls_megatron_lora_section_loads_as_the_flat_keys():
         True,
     )
     assert model.target_modules == ["linear_qkv", "linear_proj"]
+    fsdp = [  # verl's FSDP scripts' LoRA keys: the same adapters
+        "actor_rollout_ref.model.lora_rank=16",
+        "actor_rollout_ref.model.lora_alpha=32",
+        "actor_rollout_ref.model.target_modules=all-linear",
+        "actor_rollout_ref.model.use_shm=True",
+        "actor_rollout_ref.rollout.load_format=safetensors",
+        "actor_rollout_ref.rollout.layered_summon=True",
+    ]
+    megatron = ["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora.alpha=32"]
+    assert load_config(None, fsdp) == load_config(None, megatron)
+    critic = load_config(None, ["critic.model.lora.rank=8", "critic.model.lora.alpha=16"])
+    assert (critic.critic.model.lora_rank, critic.critic.model.lora_alpha) == (8, 16.0)
     for bad, said in (
         (f"{lora}.lora_A_init_method=xavier", "xavier is not built"),
         (f"{lora}.type=canonical_lora", "canonical_lora, dora and vlm_lora are not built"),
         (f"{lora}.rank=8 actor_rollout_ref.model.lora_rank=4", "both set, to 8 and 4"),
-        ("critic.model.lora_rank=8", "LoRA on the critic is not built"),
+        ("critic.model.lora_merge=true", "the critic's weights go to no server"),
     ):
         with pytest.raises(ConfigError, match=said):
             validate_config(load_config(QUICKSTART, bad.split()))
+
+
+def test_a_key_of_a_section_keeps_the_sections_other_defaults():
+    """`critic.model.lora_rank=8` alone: the critic's model keeps its own default path (the
+    actor's), not ModelConfig's empty one (the section is built on its default)."""
+    cfg = load_config(QUICKSTART, ["critic.model.lora_rank=8"])
+    assert cfg.critic.model.path == cfg.actor_rollout_ref.model.path != ""
+    assert cfg.critic.model.lora_rank == 8

@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--sp", action="store_true", help="Megatron's sequence parallelism")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
     parser.add_argument("--targets", default="all-linear", help="target_modules")
+    parser.add_argument("--critic", action="store_true", help="a LoRA critic too (GAE)")
     args = parser.parse_args()
     ctx = init_parallel(
         "cpu", tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, sequence_parallel=args.sp
@@ -67,6 +68,7 @@ def run(args, ctx) -> None:
             "algorithm.adv_estimator=grpo",
             "data.train_batch_size=4",
             f"actor_rollout_ref.actor.megatron.sequence_parallel={str(args.sp).lower()}",
+            *([*CRITIC, f"critic.model.path={args.model}"] if args.critic else []),
         ],
     )
     arch = load_policy_arch(cfg)
@@ -91,6 +93,7 @@ def run(args, ctx) -> None:
     trained = sorted(n for p, n in names.items() if p.requires_grad)
     round_trip = checkpoint_round_trip(actor, lambda: build_engine(cfg, arch, ctx, 1).actor)
     export_checkpoint(actor, arch, Path(args.out).with_suffix(""), args.model, ctx)
+    critic = critic_update(models, cfg, arch, ctx, exp, planner, budget) if args.critic else None
     verdict = torch.tensor([float(unchanged)])
     torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
     if ctx.rank == 0:
@@ -106,6 +109,8 @@ def run(args, ctx) -> None:
             "checkpoint": str(Path(args.out).with_suffix("")),
             "batch": batch.to_objects(),
         }
+        if args.critic:
+            result["critic"] = critic
         if args.tp == args.pp == 1:
             merged = merged_weights(actor.module)
             result["merged"] = {n: merged[id(p)] for p, n in names.items() if id(p) in merged}
@@ -115,8 +120,63 @@ def run(args, ctx) -> None:
         torch.save(result, Path(args.out))
 
 
-def export_checkpoint(actor, arch, directory: Path, model_path: str, ctx) -> None:
-    """The updated actor as a trainer checkpoint's `actor/` (what rlhf-convert reads)."""
+CRITIC = [
+    "algorithm.adv_estimator=gae",
+    "critic.model.lora_rank=4",
+    "critic.model.lora_alpha=8",
+    "critic.optim.lr=0.05",
+]
+
+
+def critic_update(models, cfg, arch, ctx, exp, planner, budget: int) -> dict:
+    """A LoRA critic's update on the batch (returns: its values plus noise): its values
+    before and after, which parameters it trains, whether its trunk's weights are bitwise
+    unchanged and its head moved, a checkpoint round trip and the checkpoint's tensors."""
+    import tempfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from rlhf.engine import engine as stages
+    from rlhf.engine.build import build_engine
+
+    critic, batch = models.critic, exp.batch
+    names = critic.module.global_names()
+    frozen = {n: p.detach().clone() for p, n in names.items() if not p.requires_grad}
+    head = next((p.detach().clone() for p, n in names.items() if n.startswith("output_")), None)
+    before = stages.compute_values(critic, batch, planner, budget)
+    noise = torch.randn(before.shape, generator=torch.Generator().manual_seed(5))
+    returns = before + noise * batch.mask_bt()
+    targets = dataclasses.replace(exp, values_bt=before, returns_bt=returns)
+    update = dataclasses.replace(models.critic_update, token_budget=budget)
+    metrics, _ = stages.run_updates(update, batch, targets, planner)
+    after = stages.compute_values(critic, batch, planner, budget)
+    now = {n: p for p, n in names.items()}
+    directory = [tempfile.mkdtemp(prefix="critic_") if ctx.rank == 0 else None]
+    torch.distributed.broadcast_object_list(directory)
+    critic.save(Path(directory[0]))
+    saved = FileSystemReader(str(Path(directory[0]) / "model")).read_metadata()
+    exported = Path(directory[0]) / "export"  # as a trainer checkpoint's critic/
+    export_checkpoint(critic, arch, exported, cfg.critic.model.path, ctx, "value")
+    trained = [None] * ctx.world_size  # every stage's (the head is on the last)
+    torch.distributed.all_gather_object(trained, [n for p, n in names.items() if p.requires_grad])
+    unchanged = torch.tensor([float(all(torch.equal(now[n], t) for n, t in frozen.items()))])
+    torch.distributed.all_reduce(unchanged, op=torch.distributed.ReduceOp.MIN)
+    return {
+        "values_before": before,
+        "values_after": after,
+        "metrics": metrics,
+        "trained": sorted({n for part in trained for n in part}),
+        "trunk_unchanged": bool(unchanged.item()),
+        "head_moved": None if head is None else not torch.equal(now["output_layer.weight"], head),
+        "round_trip": checkpoint_round_trip(critic, lambda: build_engine(cfg, arch, ctx, 1).critic),
+        "checkpoint_keys": sorted(saved.state_dict_metadata),
+        "checkpoint": str(exported),
+    }
+
+
+def export_checkpoint(actor, arch, directory: Path, model_path: str, ctx, head: str = "lm") -> None:
+    """The updated actor (or critic, `head` "value") as a trainer checkpoint's `actor/`
+    (`critic/`): what rlhf-convert reads."""
     from rlhf.models.lora import spec_of
     from rlhf.models.mapping import Placement
     from rlhf.trainer.export import write_export_files
@@ -127,7 +187,7 @@ def export_checkpoint(actor, arch, directory: Path, model_path: str, ctx) -> Non
         padded, placement = actor.module.padded_vocab_size, Placement.of(ctx)
         spec = spec_of(actor.module)
         write_export_files(
-            directory, model_path, arch, padded, torch.float32, placement, "lm", spec
+            directory, model_path, arch, padded, torch.float32, placement, head, spec
         )
     torch.distributed.barrier()
 
