@@ -241,7 +241,7 @@ def add_lora(
     adapted = 0
     for chunk in chunks:
         for name, param in chunk.named_parameters():
-            param.requires_grad_(name.startswith(keep) if keep else False)
+            param.requires_grad_(name.startswith(keep))
         for name, layer in list(chunk.named_modules()):
             kind = name.rsplit(".", 1)[-1]
             if kind not in spec.targets or ".experts." in name or name.startswith("vision_model"):
