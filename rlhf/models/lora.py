@@ -65,11 +65,6 @@ def lora_spec(model) -> LoraSpec | None:
     return LoraSpec(model.lora_rank, float(model.lora_alpha), targets, model.lora_dropout)
 
 
-def hf_targets(spec: LoraSpec) -> list[str]:
-    """The HF projections `spec` adapts (PEFT's `target_modules`)."""
-    return hf_projections(spec.targets)
-
-
 def peft_config(spec: LoraSpec, base_model: str) -> dict:
     """PEFT's adapter_config.json for adapters of `spec` on the HF model at `base_model`."""
     return {
@@ -79,7 +74,7 @@ def peft_config(spec: LoraSpec, base_model: str) -> dict:
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": hf_targets(spec),
+        "target_modules": hf_projections(spec.targets),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
