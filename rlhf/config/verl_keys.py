@@ -279,7 +279,9 @@ def _megatron_lora_keys(model: str) -> dict[str, Alias | Fixed]:
         f"{lora}.exclude_modules": Fixed(
             ([], None), "every layer that target_modules names is adapted: list fewer there"
         ),
-        f"{lora}.a2a_experimental": Fixed((False,), "routed experts get no adapters" + refused),
+        f"{lora}.a2a_experimental": Fixed(
+            (False,), "an expert's adapters run beside its GEMM, after the dispatch" + refused
+        ),
         f"{lora}.dtype": Fixed(
             (None,), "the adapters take the actor's dtype (megatron.dtype)" + refused
         ),

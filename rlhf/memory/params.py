@@ -20,7 +20,9 @@ its gradients and optimizer state).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlhf.memory.moe import moe_layer_params
@@ -127,29 +129,53 @@ def mla_replicated_params(arch: ModelArch) -> int:
 
 
 def lora_params(
-    arch: ModelArch, spec: LoraSpec, *, tp: int, pp: int, stage: int, vp: int = 1
+    arch: ModelArch,
+    spec: LoraSpec,
+    *,
+    tp: int,
+    pp: int,
+    stage: int,
+    vp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> list[Param]:
     """The LoRA adapters of pipeline stage `stage` on one TP rank (`rlhf.models.lora`: a
     column-parallel layer's A whole and B split by rows, a row-parallel layer's A split by
-    columns and B whole), in registration order."""
-    h, d, r = arch.hidden_size, arch.head_dim, spec.rank
+    columns and B whole), in registration order. A MoE layer's MLP: each of this EP rank's
+    routed experts (split over expert-TP `etp`, None: TP; `expert` parameters) and the
+    shared expert."""
+    h, d = arch.hidden_size, arch.head_dim
     qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * d
-    sizes = {  # layer -> (inputs, outputs, column-parallel)
-        "linear_qkv": (h, qkv, True),
+    attention = {  # layer -> (inputs, outputs, column-parallel)
         "linear_proj": (arch.num_attention_heads * d, h, False),
-        "linear_fc1": (h, 2 * arch.ffn_hidden_size, True),
-        "linear_fc2": (arch.ffn_hidden_size, h, False),
+        "linear_qkv": (h, qkv, True),
     }
-    order = ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2")  # as Megatron registers
     params: list[Param] = []
-    for _ in stage_layers(arch.num_layers, pp, stage, vp):
-        for layer in (name for name in order if name in spec.targets):
-            inputs, outputs, column = sizes[layer]
-            if column:
-                params += [Param(r * inputs), Param(outputs // tp * r)]
-            else:
-                params += [Param(r * (inputs // tp)), Param(outputs * r)]
+    for layer in stage_layers(arch.num_layers, pp, stage, vp):
+        for name in (n for n in attention if n in spec.targets):  # as Megatron registers
+            params += _adapter(spec, *attention[name], tp)
+        mlp = [n for n in ("linear_fc1", "linear_fc2") if n in spec.targets]
+        if arch.moe is None or not arch.is_moe_layer(layer):
+            params += _mlp_adapters(spec, mlp, h, arch.ffn_hidden_size, tp)
+            continue
+        for _ in range(arch.moe.num_experts // ep):
+            experts = _mlp_adapters(spec, mlp, h, arch.moe.ffn_hidden_size, etp or tp)
+            params += [dataclasses.replace(p, expert=True) for p in experts]
+        if arch.moe.shared_expert_size is not None:
+            params += _mlp_adapters(spec, mlp, h, arch.moe.shared_expert_size, tp)
     return params
+
+
+def _mlp_adapters(spec: LoraSpec, targets: Sequence[str], h: int, ffn: int, tp: int) -> list[Param]:
+    sizes = {"linear_fc1": (h, 2 * ffn, True), "linear_fc2": (ffn, h, False)}
+    return [p for name in targets for p in _adapter(spec, *sizes[name], tp)]
+
+
+def _adapter(spec: LoraSpec, inputs: int, outputs: int, column: bool, tp: int) -> list[Param]:
+    r = spec.rank
+    if column:
+        return [Param(r * inputs), Param(outputs // tp * r)]
+    return [Param(r * (inputs // tp)), Param(outputs * r)]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,12 @@ import torch
 from torch import nn
 
 from rlhf.models.lora import is_lora_param, merged_weights
-from rlhf.models.mapping import Placement, sequential_expert_name, shift_layer
+from rlhf.models.mapping import (
+    Placement,
+    global_expert_name,
+    sequential_expert_name,
+    shift_layer,
+)
 
 
 class ModelChunks(nn.ModuleList):
@@ -76,12 +81,16 @@ class ModelChunks(nn.ModuleList):
             yield placement, name, merged.get(id(tensor), tensor)
 
     def global_names(self) -> dict[nn.Parameter, str]:
-        """Parameter -> its name with the global layer index (layout-independent), a routed
-        expert's as `SequentialMLP` names it whichever expert module holds it (the same
-        optimizer checkpoint resumes on the CPU and with Transformer Engine's grouped GEMM)."""
-        num_layers = self.config.num_layers
+        """Parameter -> its name with the global layer index and a routed expert's global
+        index (layout-independent: no two EP ranks share a name), an expert's as
+        `SequentialMLP` names it whichever expert module holds it (the same optimizer
+        checkpoint resumes on the CPU and with Transformer Engine's grouped GEMM)."""
+        num_layers, experts = self.config.num_layers, self.config.num_moe_experts or 0
         return {
-            param: shift_layer(sequential_expert_name(name), placement.first_layer(num_layers))
+            param: shift_layer(
+                global_expert_name(sequential_expert_name(name), placement, experts),
+                placement.first_layer(num_layers),
+            )
             for placement, name, param in self.placed_parameters()
         }
 

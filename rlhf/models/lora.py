@@ -28,6 +28,7 @@ import hashlib
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,48 +92,19 @@ class LoraAdapter(nn.Module):
     """The rank-r update of one Megatron linear layer (see the module for the TP split)."""
 
     def __init__(self, layer: nn.Module, column: bool, spec: LoraSpec, config, gated: bool = False):
-        from megatron.core.tensor_parallel import (
-            ColumnParallelLinear,
-            RowParallelLinear,
-            set_tensor_model_parallel_attributes,
-        )
-
         super().__init__()
         self.spec, self.column, self.scale, self.enabled = spec, column, spec.scale, True
         self.gated = gated  # B's rows are [gate; up] of this rank's share (fused SwiGLU fc1)
         self.config = config
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
-        weight = layer.weight  # this rank's shard: [out / TP, in] or [out, in / TP]
-        assert isinstance(weight, torch.Tensor)
-        tp, rank = config.tensor_model_parallel_size, spec.rank
-        outputs = weight.shape[0] * (tp if column else 1)
-        inputs = weight.shape[1] * (1 if column else tp)
-        whole = {"bias": False, "dtype": config.params_dtype, "device": weight.device}
+        # a routed expert's layer: split over the expert-TP group, its tokens dispatched
+        self.group: Any = layer.tp_group if getattr(layer, "is_expert", False) else None
         self.lora_A: nn.Module
         self.lora_B: nn.Module
-        if column:
-            self.lora_A = nn.Linear(inputs, rank, **whole)
-            self.lora_B = ColumnParallelLinear(
-                rank, outputs, config=config, init_method=nn.init.zeros_, bias=False
-            )
-            mark_sequence_parallel(self.lora_A, config.sequence_parallel)
+        if self.group is None:
+            self.lora_A, self.lora_B = _parallel_factors(layer.weight, column, spec.rank, config)
         else:
-            self.lora_A = RowParallelLinear(
-                inputs,
-                rank,
-                config=config,
-                init_method=kaiming_uniform,
-                bias=False,
-                input_is_parallel=True,
-                skip_bias_add=True,
-            )
-            self.lora_B = nn.Linear(rank, outputs, **whole)
-            mark_sequence_parallel(self.lora_B, config.sequence_parallel)
-        split = self.lora_B if column else self.lora_A
-        # Megatron marks a split weight only when it initialises it, which a model built
-        # to load weights skips: marked here (optimizer, grad norm and the draw of A read it)
-        if not hasattr(split.weight, "tensor_model_parallel"):
-            set_tensor_model_parallel_attributes(split.weight, True, 0 if column else 1, 1)
+            self.lora_A, self.lora_B = _expert_factors(layer.weight, column, spec.rank, self.group)
         with torch.no_grad():
             self.lora_B.weight.zero_()  # type: ignore[operator]
 
@@ -151,7 +123,12 @@ class LoraAdapter(nn.Module):
 
         split = {"lora_B.weight": 0} if self.column else {"lora_A.weight": 1}
         state = self.state_dict(prefix="", keep_vars=True)
-        entries = make_sharded_tensors_for_checkpoint(state, prefix, split, sharded_offsets)
+        groups = {}
+        if self.group is not None:  # an expert's: its TP group, DP set by `SequentialMLP`
+            groups = {"tp_group": self.group, "dp_cp_group": (metadata or {})["dp_cp_group"]}
+        entries = make_sharded_tensors_for_checkpoint(
+            state, prefix, split, sharded_offsets, **groups
+        )
         if self.gated:
             key = f"{prefix}lora_B.weight"
             singleton = (metadata or {}).get("singleton_local_shards", False)
@@ -160,12 +137,89 @@ class LoraAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.dropout(x)
+        if self.group is not None:
+            return self._expert_update(x) * self.scale
         if self.column:
             update, _ = self.lora_B(self.lora_A(x))
         else:
             hidden, _ = self.lora_A(x)
             update = self.lora_B(hidden)
         return update * self.scale
+
+    def _expert_update(self, x: torch.Tensor) -> torch.Tensor:
+        """B A x on a routed expert's tokens. Its layer leaves the communication over the
+        expert-TP group to the token dispatcher (which sums the partial outputs of a
+        row-parallel layer and the partial input gradients of a column-parallel one); the
+        factor whole on every rank of the group (column: A, row: B) sees only this rank's
+        share of the other factor, so its gradient is summed over the group."""
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        a, b = self.lora_A.weight, self.lora_B.weight
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        if self.column:
+            a = copy_to_tensor_model_parallel_region(a, group=self.group)
+        else:
+            b = copy_to_tensor_model_parallel_region(b, group=self.group)
+        return nn.functional.linear(nn.functional.linear(x, a), b)
+
+
+def _parallel_factors(weight, column: bool, rank: int, config) -> tuple[nn.Module, nn.Module]:
+    """(A, B) of a layer split over TP (`weight`, this rank's shard: [out / TP, in] or
+    [out, in / TP]): column-parallel, A whole and B a `ColumnParallelLinear`; row-parallel,
+    A a `RowParallelLinear` and B whole."""
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        set_tensor_model_parallel_attributes,
+    )
+
+    assert isinstance(weight, torch.Tensor)
+    tp = config.tensor_model_parallel_size
+    outputs = weight.shape[0] * (tp if column else 1)
+    inputs = weight.shape[1] * (1 if column else tp)
+    whole = {"bias": False, "dtype": config.params_dtype, "device": weight.device}
+    if column:
+        a: nn.Module = nn.Linear(inputs, rank, **whole)
+        b: nn.Module = ColumnParallelLinear(
+            rank, outputs, config=config, init_method=nn.init.zeros_, bias=False
+        )
+        mark_sequence_parallel(a, config.sequence_parallel)
+    else:
+        a = RowParallelLinear(
+            inputs,
+            rank,
+            config=config,
+            init_method=kaiming_uniform,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
+        b = nn.Linear(rank, outputs, **whole)
+        mark_sequence_parallel(b, config.sequence_parallel)
+    split = b if column else a
+    # Megatron marks a split weight only when it initialises it, which a model built
+    # to load weights skips: marked here (optimizer, grad norm and the draw of A read it)
+    if not hasattr(split.weight, "tensor_model_parallel"):
+        set_tensor_model_parallel_attributes(split.weight, True, 0 if column else 1, 1)
+    return a, b
+
+
+def _expert_factors(weight, column: bool, rank: int, group) -> tuple[nn.Module, nn.Module]:
+    """(A, B) of a routed expert's layer: plain linears holding this expert-TP rank's share
+    (column: B's rows, row: A's columns), the split one marked as the layer's weight is,
+    both reduced over the expert-data-parallel group as the layer's weight is
+    (`allreduce`: Megatron's DDP and optimizer put them with the experts')."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    assert isinstance(weight, torch.Tensor)
+    out, inp = weight.shape
+    a = nn.Linear(inp, rank, bias=False, dtype=weight.dtype, device=weight.device)
+    b = nn.Linear(rank, out, bias=False, dtype=weight.dtype, device=weight.device)
+    split = b if column else a
+    set_tensor_model_parallel_attributes(split.weight, True, 0 if column else 1, 1)
+    for param in (a.weight, b.weight):
+        param.allreduce = getattr(weight, "allreduce", True)  # type: ignore[attr-defined]
+    return a, b
 
 
 def mark_sequence_parallel(whole: nn.Module, on: bool) -> None:
@@ -239,8 +293,14 @@ def add_lora(
             param.requires_grad_(name.startswith(keep))
         for name, layer in list(chunk.named_modules()):
             kind = name.rsplit(".", 1)[-1]
-            if kind not in spec.targets or ".experts." in name or name.startswith("vision_model"):
+            if kind not in spec.targets or name.startswith("vision_model"):
                 continue
+            if not isinstance(getattr(layer, "weight", None), torch.Tensor):
+                raise ValueError(
+                    f"{name} ({type(layer).__name__}) holds no single weight to adapt: "
+                    "Transformer Engine's grouped experts take no adapters; set "
+                    "megatron.override_transformer_config.moe_grouped_gemm=false"
+                )
             gated = kind == "linear_fc1" and config.gated_linear_unit
             layer.lora = LoraAdapter(layer, kind in COLUMN_PARALLEL, spec, config, gated)
             layer.register_forward_hook(_add_update)
@@ -248,22 +308,27 @@ def add_lora(
             adapted += 1
     if not adapted:
         raise ValueError(f"no layer named {spec.targets} to adapt")
-    _draw_a(chunks, config.tensor_model_parallel_size, tp_rank, seed)
+    _draw_a(chunks, tp_rank, seed)
     return adapted
 
 
 @torch.no_grad()
-def _draw_a(chunks, tp: int, tp_rank: int, seed: int) -> None:
+def _draw_a(chunks, tp_rank: int, seed: int) -> None:
+    owners = {id(a.lora_A.weight): a for a in adapters(chunks)}
     for param, name in chunks.global_names().items():
-        if not (is_lora_param(name) and name.endswith("lora_A.weight")):
+        adapter = owners.get(id(param))
+        if adapter is None:
             continue
+        group = adapter.group  # an expert's layer is split over the expert-TP group
+        tp = chunks.config.tensor_model_parallel_size if group is None else group.size()
+        part = tp_rank if group is None else group.rank()
         rank, local = param.shape
-        whole = local * tp if getattr(param, "tensor_model_parallel", False) else local
+        whole = local if adapter.column else local * tp
         digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
         bound = 1.0 / math.sqrt(whole)
         full = (torch.rand(rank, whole, generator=gen, dtype=torch.float64) * 2 - 1) * bound
-        shard = full if whole == local else full[:, tp_rank * local : (tp_rank + 1) * local]
+        shard = full if whole == local else full[:, part * local : (part + 1) * local]
         param.copy_(shard.to(param.dtype))
 
 

@@ -156,6 +156,19 @@ def sequential_expert_name(name: str) -> str:
     return f"{prefix}local_experts.{expert}.{linear}.weight"
 
 
+_ANY_LOCAL_EXPERT = re.compile(r"\bmlp\.experts\.local_experts\.(\d+)\.")
+
+
+def global_expert_name(name: str, placement: Placement, num_experts: int) -> str:
+    """`name` of a routed expert's tensor (`...mlp.experts.local_experts.{i}...`, local
+    expert i of this EP rank) with the expert's index among all `num_experts`; any other
+    name as it is. Two EP ranks' local expert i are different experts."""
+    first = placement.ep_rank * (num_experts // placement.ep_size)
+    return _ANY_LOCAL_EXPERT.sub(
+        lambda m: f"mlp.experts.local_experts.{first + int(m.group(1))}.", name
+    )
+
+
 def layer_rules(arch: ModelArch) -> list[ParamRule]:
     """Per-layer rules; names contain `{layer}` (global layer index)."""
     m, h = "decoder.layers.{layer}.", "model.layers.{layer}."

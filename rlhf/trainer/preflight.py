@@ -316,10 +316,10 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
             f"trainer.rollout_mode=async: asynchronous rollouts of a vision-language policy "
             f"({vision_family}) are not supported; use trainer.rollout_mode=sync"
         )
-    check_lora(aro.model, arches[MODEL_KEY])
+    check_lora(aro.model, arches[MODEL_KEY], aro.actor.megatron)
     check_experts(arches[MODEL_KEY], aro.actor.megatron, AR)
     if uses_critic(cfg.algorithm):
-        check_lora(cfg.critic.model, arches["critic.model.path"], "critic")
+        check_lora(cfg.critic.model, arches["critic.model.path"], cfg.critic.megatron, "critic")
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
     bypass = cfg.algorithm.rollout_correction.bypass_mode
     check_router_replay(aro.actor, bypass, arches[MODEL_KEY])
@@ -327,20 +327,32 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     return arches[MODEL_KEY]
 
 
-def check_lora(model: ModelConfig, arch: ModelArch, role: str = AR) -> None:
-    """LoRA's keys (`role`.model) name layers this model has, on a model LoRA is built for."""
+def check_lora(
+    model: ModelConfig, arch: ModelArch, megatron: MegatronParallelConfig, role: str = AR
+) -> None:
+    """LoRA's keys (`role`.model) name layers this model has, on a model LoRA is built for;
+    adapted routed experts run one GEMM each and reach the servers merged."""
     if not model.lora_rank:
         return
     try:
         targets = megatron_targets(model.target_modules)
     except ValueError as e:
         raise ConfigError(f"{role}.model.{e}") from e
-    mlp = sorted(set(targets) & {"linear_fc1", "linear_fc2"})
-    if arch.moe is not None and mlp:
+    experts = arch.moe is not None and bool(set(targets) & {"linear_fc1", "linear_fc2"})
+    grouped = megatron.override_transformer_config.get("moe_grouped_gemm")
+    if experts and grouped:
         raise ConfigError(
-            f"{role}.model.target_modules={model.target_modules}: LoRA on the MLPs of a "
-            f"mixture-of-experts model ({arch.family}: its experts) is not built yet; adapt "
-            "its attention: target_modules=[q_proj,k_proj,v_proj,o_proj]"
+            f"{role}.model.target_modules={model.target_modules} adapts the experts of "
+            f"{arch.family}, which Transformer Engine's grouped GEMM holds as one module: "
+            f"set {role.split('.')[0]}.megatron.override_transformer_config.moe_grouped_gemm"
+            "=false (one GEMM per expert) or adapt the attention alone"
+        )
+    if experts and role == AR and not model.lora_merge:
+        raise ConfigError(
+            f"{AR}.model.target_modules={model.target_modules} adapts the experts of "
+            f"{arch.family}, whose adapters SGLang serves only with its Triton kernels: set "
+            f"{AR}.model.lora_merge=true (the merged weights are synced) or adapt the "
+            "attention alone: target_modules=[q_proj,k_proj,v_proj,o_proj]"
         )
     unsupported = (
         "multi-latent attention" if arch.mla is not None else None,

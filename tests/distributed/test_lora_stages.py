@@ -174,30 +174,66 @@ def test_a_lora_critic_checkpoint_exports_the_merged_value_model(results, tmp_pa
     assert worst < 2e-5
 
 
-MOE_LAYOUTS = {
-    "1rank": (1, ["--targets", "[q_proj,k_proj,v_proj,o_proj]"]),
-    "ep2": (2, ["--targets", "[q_proj,k_proj,v_proj,o_proj]", "--ep", "2"]),
+MOE_LAYOUTS = {  # every linear layer adapted, the routed experts' included
+    "1rank": (1, ["--merge"]),
+    "ep2": (2, ["--merge", "--ep", "2"]),
+    "tp2sp": (2, ["--merge", "--tp", "2", "--sp"]),  # experts split over expert-TP = TP
 }
 
 
-def test_attention_adapters_of_a_mixture_of_experts_model_at_ep2(tmp_path_factory):
-    """A Qwen3-MoE's attention adapted (its experts are not): at EP2 the experts split over
-    the ranks and the update equals one rank's; only the adapters train."""
+def test_the_experts_of_a_mixture_of_experts_model_take_adapters_at_ep2_and_tp2(
+    tmp_path_factory,
+):
+    """A Qwen3-MoE with every linear layer adapted, its routed experts' included: at EP2
+    the experts (and their adapters) split over the ranks, at TP2 each expert's layers
+    (and their adapters) over expert-TP; both update as one rank does, only the adapters
+    train, every expert's adapters among them, and the checkpoint round-trips."""
     from tests.distributed.test_moe_parity import MODELS, save_moe_model
 
     root = tmp_path_factory.mktemp("lora_moe")
     model = save_moe_model(root / "moe", {**MODELS["qwen3_moe"], "mlp_only_layers": []}, seed=0)
     found = run_worker_layouts("lora_stages.py", MOE_LAYOUTS, model, root)
-    one, ep2 = found["1rank"], found["ep2"]
-    for result in (one, ep2):
-        assert result["base_unchanged"]
+    one = found["1rank"]
+    experts = {n.split(".lora.")[0] for n in one["trained"] if ".local_experts." in n}
+    assert len(experts) == 4 * 2 * 6  # layers x (fc1, fc2) x experts
+    for name, result in found.items():
+        assert result["base_unchanged"] and result["checkpoint_round_trip"], name
         assert {n.split(".lora.")[0].rsplit(".", 1)[-1] for n in result["trained"]} == {
             "linear_qkv",
             "linear_proj",
-        }
-    diff = (one["logprobs_after"] - ep2["logprobs_after"]).abs().max()
-    print(f"MoE attention LoRA at EP2 within {diff:.2e} of one rank")
-    assert diff < 2e-5 and (one["logprobs_after"] - one["logprobs_before"]).abs().max() > 1e-3
+            "linear_fc1",
+            "linear_fc2",
+        }, name
+        diff = (one["logprobs_after"] - result["logprobs_after"]).abs().max()
+        print(f"MoE LoRA (experts adapted) at {name} within {diff:.2e} of one rank")
+        assert diff < 2e-5, name
+        assert result["metrics"]["actor/grad_norm"] == pytest.approx(
+            one["metrics"]["actor/grad_norm"], rel=1e-4
+        ), name
+    moved = (one["logprobs_after"] - one["logprobs_before"]).abs().max()
+    assert moved > 1e-3
+    assert any(".local_experts." in n for n in one["merged"])
+    check_moe_exports(found, model, root)
+
+
+def check_moe_exports(found: dict, model, root) -> None:
+    """The EP2 checkpoint through `rlhf-convert mcore-to-hf`, merged and as a PEFT adapter:
+    transformers and peft on them give the trainer's log-probs after the update."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    rlhf_convert(1, root / "merged.out", "mcore-to-hf", found["ep2"]["checkpoint"], root / "hf")
+    merged = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    worst = logprob_gap(merged, found, "ep2")
+    print(f"transformers on the merged MoE export within {worst:.2e} of the trainer")
+    assert worst < 2e-5
+    out = root / "peft"
+    rlhf_convert(1, root / "peft.out", "mcore-to-hf", found["ep2"]["checkpoint"], out, "--peft")
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, out).eval()
+    worst = logprob_gap(adapted, found, "ep2")
+    print(f"peft on the exported MoE adapters within {worst:.2e} of the trainer")
+    assert worst < 2e-5
 
 
 def test_a_lora_critic_trains_its_adapters_and_its_head(results):

@@ -5,7 +5,8 @@ A real `rlhf-train` run that launches its own SGLang CPU server with LoRA on. On
 adapters train; the reference is the base model with them off; each step's sync sends the
 adapters alone (`rlhf.weight_sync.adapters`), so the probe compares SGLang's forward of its
 base model plus the adapter with the trainer's forward of base + adapters. The verl command
-line (two ranks, TP2) covers verl's Megatron LoRA keys with merged weights synced.
+line (two ranks, EP2, on the MoE quickstart's model, its experts adapted too) covers verl's
+Megatron LoRA keys with merged weights synced.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from tests.e2e.test_learning import (
     quickstart_assets,  # noqa: F401 (a fixture)
     train,
 )
+from tests.e2e.test_quickstart_moe_learning import train as train_moe
+from tests.e2e.test_quickstart_moe_start import moe_model  # noqa: F401 (a fixture)
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow(reason="learning shows only over tens of GRPO steps")
@@ -72,21 +75,22 @@ VERL_MEGATRON_LORA = [  # verl's Megatron scripts' (run_qwen2-7b_math_megatron_l
 ]
 
 
-def test_a_verl_lora_command_line_runs(quickstart_assets, tmp_path):  # noqa: F811
-    """verl's Megatron LoRA keys on the quickstart's GRPO config, on two ranks at TP2, with
-    merged weights synced (`lora.merge=True`): two steps, the adapters trained, the probe
-    after every sync agreeing. (FSDP's keys load to the same config:
-    tests/unit/test_config_validate.py; the adapters synced alone at TP2:
+def test_a_verl_lora_command_line_runs_on_the_experts(moe_model, tmp_path):  # noqa: F811
+    """verl's Megatron LoRA keys on the MoE quickstart (routing replay R3), on two ranks at
+    EP2, every linear layer adapted, the routed experts' included, with merged weights
+    synced (`lora.merge=True`, which adapted experts need): two steps, the adapters of
+    both ranks' experts trained, the probe after every sync agreeing. (FSDP's keys load to
+    the same config: tests/unit/test_config_validate.py; the adapters synced alone at TP2:
     tests/e2e/test_adapter_sync.py.)"""
-    config = REPO / "configs" / "quickstart_grpo_cpu.yaml"
-    tp2 = [
+    ep2 = [
         "trainer.n_gpus_per_node=2",
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+        "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
     ]
-    args = [*VERL_GRPO, *VERL_MEGATRON_LORA, *tp2]
-    rows = train(config, quickstart_assets, None, tmp_path / "run", 2, *args, nproc=2)
+    args = [*VERL_GRPO, *VERL_MEGATRON_LORA, *ep2]
+    rows = train_moe(moe_model, tmp_path, 2, *args, nproc=2)
     trained = [r for r in rows if r["step"] > 0]
     assert len(trained) == 2 and all(r["actor/grad_norm"] > 0 for r in trained)
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in trained)
-    model_bytes = sum(p.stat().st_size for p in quickstart_assets[0].glob("*.safetensors"))
+    model_bytes = sum(p.stat().st_size for p in moe_model.glob("*.safetensors"))
     assert all(r["perf/weight_sync_bytes"] > model_bytes / 2 for r in trained)  # merged

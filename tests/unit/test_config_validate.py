@@ -407,7 +407,8 @@ def test_rollout_routing_replay_asks_the_launched_servers_for_routes():
 
 def test_lora_keys_name_layers_a_dense_model_has(tiny_qwen2_dir, tmp_path):
     """verl's LoRA keys load; target_modules that split a fused Megatron layer, or names of
-    no linear layer, and LoRA on a model it is not built for, are refused in one line."""
+    no linear layer, and LoRA on a model it is not built for, are refused in one line; a
+    MoE's experts take adapters with merged sync, not with grouped GEMM."""
     from rlhf.trainer.preflight import load_policy_arch
     from tests.distributed.test_moe_parity import MODELS, save_moe_model
 
@@ -426,10 +427,16 @@ def test_lora_keys_name_layers_a_dense_model_has(tiny_qwen2_dir, tmp_path):
     all_sparse = {**MODELS["qwen3_moe"], "mlp_only_layers": []}  # SGLang serves it
     moe_dir = save_moe_model(tmp_path / "moe", all_sparse, seed=0)
     moe = f"actor_rollout_ref.model.path={moe_dir}"
-    with pytest.raises(ConfigError, match="LoRA on the MLPs of a mixture-of-experts model"):
-        load_policy_arch(load_config(None, [moe, *lora]))
+    grpo = "algorithm.adv_estimator=grpo"
+    with pytest.raises(ConfigError, match=r"only with its Triton kernels: set .*lora_merge=true"):
+        load_policy_arch(load_config(None, [moe, *lora, grpo]))
+    merged = "actor_rollout_ref.model.lora_merge=true"
+    load_policy_arch(load_config(None, [moe, *lora, grpo, merged]))  # the experts adapted
+    grouped = "actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=true"
+    with pytest.raises(ConfigError, match="grouped GEMM holds as one module: set actor_rollout"):
+        load_policy_arch(load_config(None, [moe, *lora, grpo, merged, grouped]))
     attention = "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"
-    load_policy_arch(load_config(None, [moe, *lora, attention, "algorithm.adv_estimator=grpo"]))
+    load_policy_arch(load_config(None, [moe, *lora, attention, grpo]))
 
 
 def test_verls_megatron_lora_section_loads_as_the_flat_keys():

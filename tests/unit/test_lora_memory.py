@@ -32,6 +32,27 @@ def test_planned_adapters_are_the_built_ones(cpu_rank, tiny_qwen2_dir):
         assert built == planned, targets
 
 
+def test_planned_expert_adapters_are_the_built_ones(cpu_rank, tmp_path):
+    """A Qwen2-MoE (dense and MoE layers, a shared expert) with every linear layer adapted:
+    the planner counts each routed expert's adapters, in the expert buffer, the shared
+    expert's and the dense layers' beside the attention's."""
+    from rlhf.models.builder import build_model
+    from rlhf.models.chunks import ModelChunks
+    from rlhf.models.mapping import Placement
+    from tests.distributed.test_moe_parity import MODELS, save_moe_model
+
+    arch = check_model_dir(save_moe_model(tmp_path / "moe", MODELS["qwen2_moe"], seed=0))
+    spec = LoraSpec(4, 8.0, megatron_targets("all-linear"))
+    model = build_model(arch, Placement())
+    add_lora(ModelChunks.of(model, Placement()), spec, model.config, tp_rank=0)
+    trained = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    planned = lora_params(arch, spec, tp=1, pp=1, stage=0)
+    assert sorted(n for _, n in trained) == sorted(p.numel for p in planned)
+    built_experts = sorted(n for name, n in trained if ".local_experts." in name)
+    assert built_experts == sorted(p.numel for p in planned if p.expert)
+    assert len(built_experts) == 2 * 2 * 2 * 6  # MoE layers x (fc1, fc2) x (A, B) x experts
+
+
 def test_lora_shrinks_the_actor_and_drops_the_reference():
     path = REPO / "configs" / "gsm8k_grpo_8gpu.yaml"
     shape = json.loads((REPO / "configs" / "model_shapes" / "Qwen2.5-7B.json").read_text())

@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
     parser.add_argument("--targets", default="all-linear", help="target_modules")
     parser.add_argument("--critic", action="store_true", help="a LoRA critic too (GAE)")
+    parser.add_argument("--merge", action="store_true", help="model.lora_merge (MoE experts)")
     args = parser.parse_args()
     ctx = init_parallel(
         "cpu", tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, sequence_parallel=args.sp
@@ -59,6 +60,7 @@ def run(args, ctx) -> None:
             "actor_rollout_ref.model.lora_rank=4",
             "actor_rollout_ref.model.lora_alpha=8",
             f"actor_rollout_ref.model.target_modules={args.targets}",
+            f"actor_rollout_ref.model.lora_merge={str(args.merge).lower()}",
             f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={args.ep}",
             "actor_rollout_ref.actor.optim.lr=0.05",
             "actor_rollout_ref.actor.use_kl_loss=true",  # a reference exists
