@@ -62,9 +62,16 @@ def token_budgets(
     forward = update  # the old-log-prob forward: the update's unless its keys say otherwise
     forward_dynamic = setting_or(rollout.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz)
     own = rollout.log_prob_max_token_len_per_gpu or rollout.log_prob_micro_batch_size_per_gpu
+    samples = rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
     if own or forward_dynamic != actor.use_dynamic_bsz:
-        samples = rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
         forward = _pass(forward_dynamic, rollout.log_prob_max_token_len_per_gpu, samples, longest)
+    reference = forward  # the same forward of the same model shape, unless its keys say so
+    ref_dynamic = setting_or(ref.log_prob_use_dynamic_bsz, forward_dynamic)
+    if ref.log_prob_max_token_len_per_gpu or ref.log_prob_micro_batch_size_per_gpu:
+        samples = ref.log_prob_micro_batch_size_per_gpu or samples
+        reference = _pass(ref_dynamic, ref.log_prob_max_token_len_per_gpu, samples, longest)
+    elif ref_dynamic != forward_dynamic:
+        reference = _pass(ref_dynamic, None, samples, longest)
     return TokenBudgets(
         actor=update,
         critic=_pass(
@@ -73,11 +80,6 @@ def token_budgets(
             critic.ppo_micro_batch_size_per_gpu,
             longest,
         ),
-        ref=_pass(
-            setting_or(ref.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz),
-            ref.log_prob_max_token_len_per_gpu,
-            ref.log_prob_micro_batch_size_per_gpu,
-            longest,
-        ),
+        ref=reference,
         old_log_prob=forward,
     )

@@ -334,8 +334,12 @@ class ActorConfig:
 class RefConfig:
     """The frozen reference policy; sharded like the actor."""
 
-    log_prob_micro_batch_size_per_gpu: int = doc(
-        4, "sizes the default reference forward token budget (x the longest sequence)", gt=0
+    log_prob_micro_batch_size_per_gpu: int | None = doc(
+        None,
+        "sizes the reference forward token budget (x the longest sequence); null, with the "
+        "two keys below null too: the old-log-prob forward's micro-batches (the same model "
+        "shape and memory)",
+        gt=0,
     )
     log_prob_max_token_len_per_gpu: int | None = doc(
         None, "token budget of one reference forward micro-batch (null: see above)", gt=0
@@ -343,7 +347,7 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool | None = doc(
         None,
         "token-budget micro-batches; false: log_prob_micro_batch_size_per_gpu samples each "
-        "(null: as the actor's use_dynamic_bsz)",
+        "(null: as the old-log-prob forward)",
     )
     ulysses_sequence_parallel_size: int | None = doc(
         None, "Ulysses SP size of the reference (null: the actor's, which it must equal)", gt=0

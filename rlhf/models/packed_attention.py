@@ -5,7 +5,8 @@ A packed micro-batch puts many samples back to back in one row of T tokens. Mega
 samples, so a row's attention costs T^2 instead of the sum of its samples' squares, and keeps a
 T x T softmax for the backward. `PackedDotProductAttention` is the local spec's core attention:
 given `PackedSeqParams` with `qkv_format="sbhd"` and the samples' boundaries (`cu_seqlens_q`),
-it runs causal `scaled_dot_product_attention` on each sample's slice of the row; without
+it lays the row's samples out as a right-padded batch and runs one causal
+`scaled_dot_product_attention` over it (one call per layer, not one per sample); without
 them (a plain causal batch, e.g. `rlhf-convert verify`) it is Megatron's own attention.
 Positions are not restarted per sample: RoPE scores depend only on the distance between two
 tokens. With Transformer Engine the THD path does the same in one fused kernel.
@@ -67,21 +68,35 @@ class PackedDotProductAttention(DotProductAttention):
         if self.config.apply_query_key_layer_scaling:
             scale *= self.layer_number  # Megatron divides it out of the scale, then back in
         dropout = self.config.attention_dropout if self.training else 0.0
-        parts = [
-            F.scaled_dot_product_attention(
-                q[:, :, a:b],
-                k[:, :, a:b],
-                v[:, :, a:b],
-                is_causal=True,
-                scale=scale,
-                dropout_p=dropout,
-            )
-            for a, b in itertools.pairwise(bounds)
-            if b > a
-        ]
-        context = torch.cat(parts, dim=2)  # [b, heads, s, d]
         s, b = query.shape[0], query.shape[1]
-        return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+        assert b == 1, "a packed micro-batch is one row"
+        context = padded_causal_attention(q[0], k[0], v[0], bounds, scale, dropout)
+        return context.reshape(s, b, self.hidden_size_per_partition)
+
+
+def padded_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, bounds: list[int], scale: float, dropout: float
+) -> Tensor:
+    """Causal attention within each sample of one packed row ([heads, s, d] each; sample i
+    is positions bounds[i]:bounds[i+1]) as ONE `scaled_dot_product_attention` call: the
+    samples laid out right-padded as a [n, heads, longest, d] batch. Causal masking alone is
+    exact there: a real query sees only keys at or before it, all of its own sample's, and
+    the padded queries' outputs are dropped. Returns [s, heads, d]."""
+    lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)])
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
+    cols = torch.arange(bounds[-1] - bounds[0]) + bounds[0] - starts
+    longest = int(lengths.max())
+
+    def padded(x: Tensor) -> Tensor:  # [heads, s, d] -> [n, heads, longest, d]
+        grid = x.new_zeros(len(lengths), longest, x.shape[0], x.shape[2])
+        grid = grid.index_put((rows, cols), x[:, bounds[0] : bounds[-1]].transpose(0, 1))
+        return grid.transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        padded(q), padded(k), padded(v), is_causal=True, scale=scale, dropout_p=dropout
+    )
+    return out.transpose(1, 2)[rows, cols]
 
 
 class PackedMLASelfAttention(MLASelfAttention):

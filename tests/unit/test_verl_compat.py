@@ -233,7 +233,11 @@ def test_the_old_log_prob_budget_follows_verls_rollout_keys():
     fixed_actor = [*base, "actor_rollout_ref.actor.use_dynamic_bsz=false"]
     fixed = budgets_of(load_config(None, fixed_actor))
     assert fixed.actor == fixed.old_log_prob == MicroBatching(256, samples=2)
-    assert fixed.ref == MicroBatching(4 * 128, samples=4)  # the ref follows the actor's switch
+    assert fixed.ref == fixed.old_log_prob  # unset: the old-log-prob forward's micro-batches
+    ref = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"
+    assert budgets_of(load_config(None, [*fixed_actor, ref])).ref == MicroBatching(512, samples=4)
+    ref_dynamic = "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true"
+    assert budgets_of(load_config(None, [*fixed_actor, ref_dynamic])).ref == MicroBatching(256)
     assert fixed.critic == MicroBatching(256, samples=2)  # unset: the actor's switch (verl's)
     own = budgets_of(load_config(None, [*fixed_actor, "critic.use_dynamic_bsz=true"]))
     assert own.critic == MicroBatching(256)  # set: its own
