@@ -22,7 +22,7 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.rollout import server_group
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 from rlhf.rollout.server_group import ServerGroup
-from rlhf.rollout.sglang_server import ServerLaunch
+from rlhf.rollout.sglang_server import ServerLaunch, live_group
 from rlhf.utils import free_port
 from tests.helpers import REPO
 
@@ -270,9 +270,8 @@ def test_sigterm_in_a_child_process_stops_servers_and_exits_143(tmp_path):
     finally:
         proc.kill()
     assert_gone(pgids + children)
-    for pgid in pgids:
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pgid, 0)
+    for pgid in pgids:  # zombies waiting for init to reap them run nothing: not counted
+        assert live_group(pgid) == set()
 
 
 def test_a_server_that_fails_but_still_runs_is_waited_for_then_restarted(
