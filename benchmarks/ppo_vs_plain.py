@@ -10,7 +10,9 @@ length and loss settings. The first step of each side is a warm-up and is left o
 medians.
 
 Prints one JSON object: for each side the median seconds per stage (`timing_s/*`), the
-median step, `startup_s` (launch to the start of the first step), `peak_pss_gb` (the
+median step, `startup_s` (launch to the start of the first step), `teardown_s` (the end of
+the last step to the process's exit, the final checkpoint included), `outside_steps_s`
+(their sum: the run's wall time less its steps'), `peak_pss_gb` (the
 largest sum over the side's processes, SGLang's included, of their proportional set size,
 sampled every 0.25 s); `step_ratio` (rlhf / plain; the aim is <= 0.5, the bar 0.75),
 `startup_ratio`; and the compute floor: the step's model FLOPs (generation = one forward per
@@ -94,17 +96,25 @@ class PeakPSS:
         self._thread.join()
 
 
-def run_side(cmd: list[str], log: Path, watch: Path | None = None) -> tuple[float, PeakPSS]:
-    """Run `cmd` (stdout to `log`); (launch wall time, its finished PeakPSS)."""
+def run_side(cmd: list[str], log: Path, watch: Path | None = None) -> tuple[float, float, PeakPSS]:
+    """Run `cmd` (stdout to `log`); (launch wall time, seconds to its exit, its PeakPSS)."""
     launched = time.time()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         pss = PeakPSS(proc.pid, watch)
         code = proc.wait()
+        wall = time.time() - launched
         pss.stop()
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} failed ({code}); see {log}")
-    return launched, pss
+    return launched, wall, pss
+
+
+def outside_steps(wall: float, rows: list[dict], startup: float) -> dict[str, float]:
+    """The seconds of a run spent outside its steps: in all, before the first (start-up)
+    and after the last (teardown, the final checkpoint included)."""
+    outside = wall - sum(r["timing_s/step"] for r in rows)
+    return {"startup_s": startup, "teardown_s": outside - startup, "outside_steps_s": outside}
 
 
 def medians(rows: list[dict]) -> dict[str, float]:
@@ -134,14 +144,14 @@ def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
     config = str(REPO / "configs" / "quickstart_cpu.yaml")
     cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", config, *overrides]
     metrics = run_dir / "metrics.jsonl"
-    launched, pss = run_side(cmd, root / "rlhf.log", watch=metrics)
+    launched, wall, pss = run_side(cmd, root / "rlhf.log", watch=metrics)
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert pss.watch_seen is not None and rows[0]["step"] == 1
     # the first row is written when step 1 ends (within one sampling interval)
     first_start = pss.watch_seen - rows[0]["timing_s/step"]
     return {
         "median_s": medians(rows),
-        "startup_s": first_start - launched,
+        **outside_steps(wall, rows, first_start - launched),
         "peak_pss_gb": pss.peak / 1024**3,
         "tokens": statistics.median(r["perf/total_num_tokens"] for r in rows),
     }
@@ -162,12 +172,12 @@ def plain_side(args, model: Path, train: Path, root: Path) -> dict:
         "--response",
         str(args.response),
     ]
-    launched, pss = run_side(cmd, root / "plain.log")
+    launched, wall, pss = run_side(cmd, root / "plain.log")
     lines = (root / "plain.log").read_text().splitlines()
     rows = [json.loads(x) for x in lines if x.startswith("{")]
     return {
         "median_s": medians(rows),
-        "startup_s": rows[0]["t_start"] - launched,
+        **outside_steps(wall, rows, rows[0]["t_start"] - launched),
         "peak_pss_gb": pss.peak / 1024**3,
         "tokens": statistics.median(r["tokens"] for r in rows),
     }
@@ -216,6 +226,7 @@ def main() -> None:
                 "plain": plain,
                 "step_ratio": step["rlhf"] / step["plain"],
                 "startup_ratio": rlhf["startup_s"] / plain["startup_s"],
+                "outside_steps_ratio": rlhf["outside_steps_s"] / plain["outside_steps_s"],
                 "compute_floor": {
                     "step_flops": flops,
                     "floor_s": floor_s,
