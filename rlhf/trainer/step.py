@@ -143,8 +143,9 @@ class PPOStep:
         timer.seconds["gen"] -= scored.reward_s  # scoring ran inside the gen stage
         timer.seconds["reward"] = scored.reward_s
         if self.rollouts_dir is not None:
-            records = [record for r in scored.rounds for record in r.records]
-            write_step_rollouts(records, self.rollouts_dir, step)
+            with stage(timer, "write_rollouts"):
+                records = [record for r in scored.rounds for record in r.records]
+                write_step_rollouts(records, self.rollouts_dir, step)
         # old/ref log-probs and values -> advantages -> critic update -> actor update
         actor = self.learning.actor_trains(step)
         learned = learn_from_batch(self.engine, batch, self.learning, self.kl_ctrl, timer, actor)
@@ -155,7 +156,9 @@ class PPOStep:
         exp = learned.experience
         metrics = learned.metrics | scored.metrics | weights.metrics()
         metrics |= rollout_metrics(batch, self.max_response_length)
-        metrics |= timer.metrics() | {"timing_s/step": step_s}
+        # what no stage timed (a new per-step cost shows here until it gets its own stage)
+        other = step_s - sum(timer.seconds.values())
+        metrics |= timer.metrics() | {"timing_s/step": step_s, "timing_s/other": other}
         metrics |= self.meter.metrics(batch, step_s)
         if exp.old_entropy_bt is not None:  # not under rollout_correction.bypass_mode
             metrics["actor/entropy_old"] = float(masked_mean(exp.old_entropy_bt, batch.mask_bt()))

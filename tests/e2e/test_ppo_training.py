@@ -84,6 +84,8 @@ REQUIRED = [
     "timing_s/update_critic",
     "timing_s/update_actor",
     "timing_s/update_weights",
+    "timing_s/write_rollouts",
+    "timing_s/other",
     "timing_s/step",
     "perf/throughput",
     "perf/total_num_tokens",
