@@ -14,7 +14,8 @@ median step, `startup_s` (launch to the start of the first step), `teardown_s` (
 the last step to the process's exit, the final checkpoint included), `outside_steps_s`
 (their sum: the run's wall time less its steps'), `peak_pss_gb` (the
 largest sum over the side's processes, SGLang's included, of their proportional set size,
-sampled every 0.25 s); `step_ratio` (rlhf / plain; the aim is <= 0.5, the bar 0.75),
+sampled every 0.25 s) and each process's share at that sample (`pss_at_peak_gb`);
+`step_ratio` (rlhf / plain; the aim is <= 0.5, the bar 0.75),
 `startup_ratio`; and the compute floor: the step's model FLOPs (generation = one forward per
 token, old log-probs, reference and values forwards, forward + backward of both updates)
 over a matmul rate measured in this run, with each side's step as a multiple of it.
@@ -64,11 +65,14 @@ def parse_args() -> argparse.Namespace:
 
 
 class PeakPSS:
-    """The largest sum of PSS over a process and its descendants, sampled in a thread; also
-    the wall time `watch` (a file) first had content."""
+    """The largest sum of PSS over a process and its descendants, sampled in a thread, with
+    each process's share at that sample (`at_peak`, by `label`); also the wall time `watch`
+    (a file) first had content."""
 
     def __init__(self, pid: int, watch: Path | None = None, interval_s: float = 0.25):
         self.root, self.interval_s, self.peak = psutil.Process(pid), interval_s, 0
+        self.at_peak: dict[str, int] = {}
+        self.samples: list[tuple[float, int]] = []  # (wall time, sum)
         self.watch = watch
         self.watch_seen: float | None = None
         self._done = threading.Event()
@@ -77,15 +81,18 @@ class PeakPSS:
 
     def _run(self) -> None:
         while not self._done.is_set():
-            total = 0
+            shares: dict[str, int] = {}
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
             for proc in procs:
                 with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                    total += proc.memory_full_info().pss
-            self.peak = max(self.peak, total)
+                    name = label(proc, self.root)
+                    shares[name] = shares.get(name, 0) + proc.memory_full_info().pss
+            self.samples.append((time.time(), sum(shares.values())))
+            if sum(shares.values()) > self.peak:
+                self.peak, self.at_peak = sum(shares.values()), shares
             watched = self.watch is not None and self.watch.is_file()
             if self.watch_seen is None and watched and self.watch.stat().st_size:
                 self.watch_seen = time.time()
@@ -94,6 +101,26 @@ class PeakPSS:
     def stop(self) -> None:
         self._done.set()
         self._thread.join()
+
+    def peak_between(self, start: float, end: float) -> float:
+        """The largest sum sampled in [start, end), GB."""
+        return max((n for t, n in self.samples if start <= t < end), default=0) / 1024**3
+
+
+def label(proc: psutil.Process, root: psutil.Process) -> str:
+    """A process's part in a run: the trainer, SGLang's processes by their titles, a fork of
+    the trainer (a background checkpoint writer), or another helper by its module."""
+    if proc.pid == root.pid:
+        return "trainer"
+    cmdline = proc.cmdline()
+    if cmdline and cmdline[0].startswith("sglang::"):
+        return cmdline[0].split()[0]
+    if "sglang.launch_server" in cmdline:
+        return "sglang::http"
+    if cmdline == root.cmdline():
+        return "trainer fork (checkpoint writer)"
+    module = next((a for a in cmdline[1:] if not a.startswith("-")), "")
+    return f"other: {Path(module).name or cmdline[0]}"
 
 
 def run_side(cmd: list[str], log: Path, watch: Path | None = None) -> tuple[float, float, PeakPSS]:
@@ -110,11 +137,19 @@ def run_side(cmd: list[str], log: Path, watch: Path | None = None) -> tuple[floa
     return launched, wall, pss
 
 
-def outside_steps(wall: float, rows: list[dict], startup: float) -> dict[str, float]:
-    """The seconds of a run spent outside its steps: in all, before the first (start-up)
-    and after the last (teardown, the final checkpoint included)."""
-    outside = wall - sum(r["timing_s/step"] for r in rows)
-    return {"startup_s": startup, "teardown_s": outside - startup, "outside_steps_s": outside}
+def outside_steps(launched: float, wall: float, rows: list[dict], startup: float, pss) -> dict:
+    """The seconds of a run spent outside its steps: in all, before the first (start-up) and
+    after the last (teardown, the final checkpoint included); the peak PSS (GB) during the
+    steps and during the teardown."""
+    steps = sum(r["timing_s/step"] for r in rows)
+    first, last = launched + startup, launched + startup + steps
+    return {
+        "startup_s": startup,
+        "teardown_s": wall - steps - startup,
+        "outside_steps_s": wall - steps,
+        "peak_pss_steps_gb": pss.peak_between(first, last),
+        "peak_pss_teardown_gb": pss.peak_between(last, launched + wall + 1),
+    }
 
 
 def medians(rows: list[dict]) -> dict[str, float]:
@@ -151,8 +186,9 @@ def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
     first_start = pss.watch_seen - rows[0]["timing_s/step"]
     return {
         "median_s": medians(rows),
-        **outside_steps(wall, rows, first_start - launched),
+        **outside_steps(launched, wall, rows, first_start - launched, pss),
         "peak_pss_gb": pss.peak / 1024**3,
+        "pss_at_peak_gb": {k: v / 1024**3 for k, v in sorted(pss.at_peak.items())},
         "tokens": statistics.median(r["perf/total_num_tokens"] for r in rows),
     }
 
@@ -177,7 +213,7 @@ def plain_side(args, model: Path, train: Path, root: Path) -> dict:
     rows = [json.loads(x) for x in lines if x.startswith("{")]
     return {
         "median_s": medians(rows),
-        **outside_steps(wall, rows, rows[0]["t_start"] - launched),
+        **outside_steps(launched, wall, rows, rows[0]["t_start"] - launched, pss),
         "peak_pss_gb": pss.peak / 1024**3,
         "tokens": statistics.median(r["tokens"] for r in rows),
     }

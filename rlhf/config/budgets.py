@@ -29,9 +29,6 @@ class TokenBudgets:
     old_log_prob: MicroBatching  # the actor's forward-only pass (verl: rollout.log_prob_*)
 
 
-FORWARD_ONLY_FACTOR = 2
-
-
 def default_token_budget(micro_batch_size: int, max_prompt: int, max_response: int) -> int:
     """The budget a fixed micro-batch of the longest sequences would use."""
     return micro_batch_size * (max_prompt + max_response)
@@ -62,12 +59,7 @@ def token_budgets(
         actor.ppo_micro_batch_size_per_gpu,
         longest,
     )
-    # the old-log-prob forward: twice the update's token budget unless its keys say otherwise
-    # (it keeps no activations for a backward: its peak is one layer's and the logits, which
-    # the memory planner checks); fixed micro-batches keep the update's samples
-    forward = (
-        MicroBatching(FORWARD_ONLY_FACTOR * update.tokens) if update.samples is None else update
-    )
+    forward = update  # the old-log-prob forward: the update's unless its keys say otherwise
     forward_dynamic = setting_or(rollout.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz)
     own = rollout.log_prob_max_token_len_per_gpu or rollout.log_prob_micro_batch_size_per_gpu
     samples = rollout.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu

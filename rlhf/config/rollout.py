@@ -145,8 +145,7 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int | None = doc(
         None,
         "sizes the token budget of the actor's old-log-prob forward (x the longest prompt + "
-        "response; null: twice the actor's update budget, since a forward-only pass keeps no "
-        "activations for a backward; fixed micro-batches: the update's samples)",
+        "response; null: the actor's update budget)",
         gt=0,
     )
     log_prob_max_token_len_per_gpu: int | None = doc(

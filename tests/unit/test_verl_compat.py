@@ -224,8 +224,7 @@ def test_the_old_log_prob_budget_follows_verls_rollout_keys():
     base = ["data.max_prompt_length=100", "data.max_response_length=28"]
     base.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
     budgets = budgets_of(load_config(None, base))
-    assert budgets.actor == MicroBatching(2 * 128)
-    assert budgets.old_log_prob == MicroBatching(2 * 2 * 128)  # forward-only: twice the update's
+    assert budgets.actor == budgets.old_log_prob == MicroBatching(2 * 128)  # the update's
     micro = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"
     budgets = budgets_of(load_config(None, [*base, micro]))
     assert (budgets.actor.tokens, budgets.old_log_prob.tokens) == (256, 8 * 128)
