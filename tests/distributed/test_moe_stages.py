@@ -95,6 +95,14 @@ def test_expert_parallel_update_matches_one_rank(results, layout):
     check_update_matches_one_rank(results, layout)
 
 
+def test_the_updated_experts_and_their_optimizer_state_round_trip_at_every_layout(results):
+    """Saved after the update and loaded into a fresh actor: every weight and every shard of
+    the distributed optimizer's state equal. Two EP ranks' local expert i are different
+    experts, named by their global index in the optimizer's shards."""
+    for layout, result in results.items():
+        assert result["plain"]["checkpoint_round_trip"], layout
+
+
 def check_update_matches_one_rank(results: dict, layout: str) -> None:
     one, other = results["1rank"]["plain"], results[layout]["plain"]
     for key in ("logprobs_before", "ref_logprobs", "logprobs_after"):

@@ -27,7 +27,7 @@ import torch
 
 from rlhf.config import load_config
 from rlhf.distributed.bootstrap import init_layout, seed_everything, teardown
-from tests.distributed.workers.ppo_stages import synthetic_batch
+from tests.distributed.workers.ppo_stages import checkpoint_round_trip, synthetic_batch
 from tests.helpers import SEED_DEFAULTS
 
 BUDGET = 40  # tokens per micro-batch: several packed micro-batches per rank
@@ -138,6 +138,10 @@ def run(args, cfg, ctx) -> None:
     metrics, after = update_once(models, exp, planner, BUDGET)
     plain = {"logprobs_before": before, "ref_logprobs": ref, "metrics": metrics}
     plain["logprobs_after"] = after
+    # the updated actor (and its distributed optimizer's shards) saved and loaded back
+    plain["checkpoint_round_trip"] = checkpoint_round_trip(
+        models.actor, lambda: build(cfg, ctx)[1].actor
+    )
     # offloaded between uses (the GPU configs' setting): nothing of the actor stays
     held = [storage_bytes(models.actor)]
     models.actor.offload_between_uses(("params", "grads", "optimizer"), "actor")
