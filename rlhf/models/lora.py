@@ -14,6 +14,12 @@ Under Megatron's sequence parallelism the whole factor sees only this rank's tok
 its gradient is marked `sequence_parallel` and summed over TP by Megatron's
 `finalize_model_grads`, as the layer norms' are.
 
+A routed expert's layer (`SequentialMLP`'s `local_experts.i.linear_fc1/fc2`) gets adapters
+of its own, held by its EP rank and split over expert-TP as the layer is; its token
+dispatcher, not the layer, communicates over expert-TP, so the whole factor's gradient is
+summed over that group in the adapter's backward, and both factors carry the layer weight's
+`allreduce=False` (reduced over expert-DP, with the experts' optimizer).
+
 The adapters hang under their layer (`...linear_qkv.lora_A`, `.lora_B`), so the layer's own
 parameter names stay what the checkpoint mapping knows; a forward hook adds their output to
 the layer's while they are `enabled` (off: the base model, which is how the reference
