@@ -105,6 +105,10 @@ class Placement:
             etp_size=ctx.etp_size,
         )
 
+    def first_expert(self, num_experts: int) -> int:
+        """The global index of this rank's local expert 0 (of `num_experts` in all)."""
+        return self.ep_rank * (num_experts // self.ep_size)
+
     def experts(self) -> Placement:
         """The view an expert's weights are split by: expert-TP as the tensor-parallel grid."""
         assert self.etp_rank is not None and self.etp_size is not None
@@ -163,7 +167,7 @@ def global_expert_name(name: str, placement: Placement, num_experts: int) -> str
     """`name` of a routed expert's tensor (`...mlp.experts.local_experts.{i}...`, local
     expert i of this EP rank) with the expert's index among all `num_experts`; any other
     name as it is. Two EP ranks' local expert i are different experts."""
-    first = placement.ep_rank * (num_experts // placement.ep_size)
+    first = placement.first_expert(num_experts)
     return _ANY_LOCAL_EXPERT.sub(
         lambda m: f"mlp.experts.local_experts.{first + int(m.group(1))}.", name
     )
@@ -304,7 +308,7 @@ def resolve(arch: ModelArch, name: str, placement: Placement) -> tuple[ParamRule
     expert = _LOCAL_EXPERT.match(rest)
     if expert is not None and arch.moe is not None:  # local expert index -> global
         rest = expert.group(1) + "{expert}" + expert.group(3)
-        first = placement.ep_rank * (arch.moe.num_experts // placement.ep_size)
+        first = placement.first_expert(arch.moe.num_experts)
     for rule in layer_rules(arch):
         if rule.mcore == f"decoder.layers.{{layer}}.{rest}":
             if rule.expert:

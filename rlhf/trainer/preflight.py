@@ -317,7 +317,7 @@ def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
             f"({vision_family}) are not supported; use trainer.rollout_mode=sync"
         )
     check_lora(aro.model, arches[MODEL_KEY], aro.actor.megatron)
-    check_experts(arches[MODEL_KEY], aro.actor.megatron, AR)
+    check_experts(arches[MODEL_KEY], aro.actor.megatron, f"{AR}.actor")
     if uses_critic(cfg.algorithm):
         check_lora(cfg.critic.model, arches["critic.model.path"], cfg.critic.megatron, "critic")
         check_experts(arches["critic.model.path"], cfg.critic.megatron, "critic")
@@ -341,11 +341,12 @@ def check_lora(
     experts = arch.moe is not None and bool(set(targets) & {"linear_fc1", "linear_fc2"})
     grouped = megatron.override_transformer_config.get("moe_grouped_gemm")
     if experts and grouped:
+        section = f"{AR}.actor" if role == AR else role  # where the role's megatron is
         raise ConfigError(
             f"{role}.model.target_modules={model.target_modules} adapts the experts of "
             f"{arch.family}, which Transformer Engine's grouped GEMM holds as one module: "
-            f"set {role.split('.')[0]}.megatron.override_transformer_config.moe_grouped_gemm"
-            "=false (one GEMM per expert) or adapt the attention alone"
+            f"set {section}.megatron.override_transformer_config.moe_grouped_gemm=false "
+            "(one GEMM per expert) or adapt the attention alone"
         )
     if experts and role == AR and not model.lora_merge:
         raise ConfigError(

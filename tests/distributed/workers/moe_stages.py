@@ -102,7 +102,7 @@ def build(cfg, ctx):
     from rlhf.trainer.preflight import check_experts
 
     arch = read_model_arch(cfg.actor_rollout_ref.model.path)
-    check_experts(arch, cfg.actor_rollout_ref.actor.megatron, AR)
+    check_experts(arch, cfg.actor_rollout_ref.actor.megatron, f"{AR}.actor")
     return arch, build_engine(cfg, arch, ctx, total_steps=1)
 
 
