@@ -1,4 +1,4 @@
-"""An SGLang general plugin for the servers this project launches; six jobs.
+"""An SGLang general plugin for the servers this project launches; seven jobs.
 
 1. The torch.distributed stores SGLang's processes host listen on their given host only,
    not on every interface. SGLang's scheduler joins its process group with
@@ -32,6 +32,8 @@
    `--enable-lora` on the CPU): SGLang's LoRA layers and adapters pin their host tensors
    (`pin_memory`), which needs a CUDA driver ("Found no NVIDIA driver" as the first
    adapter loads); they stay unpinned here (there is no GPU to copy them to).
+7. On the CPU engine: a decode batch's attention is one SDPA call per layer
+   (`rlhf.rollout.batched_decode`) instead of `torch_native`'s loop over the requests.
 
 SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
 the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the
@@ -46,6 +48,8 @@ import os
 import types
 
 import torch
+
+from rlhf.rollout import batched_decode
 
 ENV = "RLHF_SGLANG_BOUND_STORES"
 GATE_KERNEL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
@@ -62,6 +66,7 @@ def register() -> None:
         HookRegistry.register(GATE_KERNEL, gate_sigmoid_mul, HookType.REPLACE)
         _seeded_sampling(HookRegistry, HookType)
         HookRegistry.register(MLA_DISPATCH, absorbed_latent_attention, HookType.AROUND)
+        HookRegistry.register(batched_decode.TARGET, batched_decode.batched_decode, HookType.AROUND)
     if not torch.cuda.is_available():
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 

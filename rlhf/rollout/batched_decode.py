@@ -1,0 +1,69 @@
+"""One attention call per layer for a decode batch on SGLang's `torch_native` backend.
+
+SGLang 0.5.23's `TorchNativeAttnBackend._run_sdpa_forward_decode` attends one request at a
+time in a Python loop: per layer and request it slices the query, gathers the request's
+keys and values from the cache and calls `scaled_dot_product_attention`, about ten torch
+ops each. On the CPU engine that loop was the largest part of a decode step. Here the
+batch's cache slots are gathered once per layer into a [requests, longest] index, padded
+with slot 0 (SGLang's padding slot) and masked past each request's length, and one SDPA
+call attends every request.
+
+The result equals the loop's up to float rounding (the padded keys get exactly zero
+weight; the matrix products reduce over a longer, zero-padded row). Batches it does not
+cover (an encoder, cross-attention, a sliding window) go to SGLang's loop. The SGLang
+plugin installs it on the CPU engine (`rlhf.rollout.sglang_plugin`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+TARGET = (
+    "sglang.srt.layers.attention.torch_native_backend."
+    "TorchNativeAttnBackend._run_sdpa_forward_decode"
+)
+
+
+def batched_decode(original, backend, query, output, k_cache, v_cache, *args, **kwargs):
+    """SGLang's decode attention (an AROUND hook: same signature and result, one SDPA)."""
+    names = ("req_to_token", "req_pool_indices", "seq_lens", "encoder_lens")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    window = bound.get("sliding_window_size")
+    plain = bound.get("encoder_lens") is None and not bound.get("is_cross_attn")
+    if not plain or (window is not None and window > -1) or len(args) > 4:
+        return original(backend, query, output, k_cache, v_cache, *args, **kwargs)
+    return attend(
+        query,
+        output,
+        (k_cache, v_cache),
+        bound["req_to_token"][bound["req_pool_indices"]],
+        bound["seq_lens"],
+        scale=bound.get("scaling"),
+        gqa=bool(bound.get("enable_gqa", False)),
+    )
+
+
+def attend(query, output, caches, slots, seq_lens, scale=None, gqa=False):
+    """Attention of one new token per request over its cached tokens.
+
+    query, output: [requests, heads, head_dim]; caches: the layer's key and value caches,
+    [cache slots, kv heads, head_dim]; slots: each request's row of SGLang's req_to_token
+    table; seq_lens: each request's length, the new token included.
+    """
+    width = int(seq_lens.max())
+    valid = torch.arange(width, device=query.device) < seq_lens[:, None]
+    index = slots[:, :width].masked_fill(~valid, 0).long()
+    keys, values = (cache[index].transpose(1, 2) for cache in caches)
+    if keys.dtype != query.dtype:
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+    attended = scaled_dot_product_attention(
+        query.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    output.copy_(attended.squeeze(2))
+    return output
