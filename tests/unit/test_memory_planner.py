@@ -153,6 +153,22 @@ def test_storage_offloader_round_trip_is_exact_and_frees_the_storage():
     assert torch.equal(buffer[:300], before[0].reshape(-1) + 1.0)
 
 
+def test_a_host_storage_is_set_aside_not_copied_and_gradients_come_back_zeroed():
+    """On the CPU the bytes stay in place while offloaded (the same address comes back:
+    no copy), the storage is empty in between as on a GPU; a discarded kind's comes back
+    zeroed."""
+    state, grads = torch.randn(64), torch.randn(32)
+    address, kept = state.data_ptr(), state.clone()
+    offloaders = [StorageOffloader.of([state]), StorageOffloader.of([grads], keep_bytes=False)]
+    for offloader in offloaders:
+        offloader.offload()
+    assert state.untyped_storage().nbytes() == 0 == grads.untyped_storage().nbytes()
+    for offloader in offloaders:
+        offloader.reload()
+    assert state.data_ptr() == address and torch.equal(state, kept)
+    assert torch.equal(grads, torch.zeros(32))
+
+
 def test_colocated_servers_get_the_plans_kv_cache_by_hand():
     # gsm8k_8gpu.yaml: Qwen2.5-7B (7,615,616,512 parameters, published), SGLang TP 2 in bf16
     # with 0.6 of an 80 GiB GPU. Each rollout rank holds half the weights; the rest of its
