@@ -88,7 +88,7 @@ class StorageOffloader:
         for h in self.held:
             if h.device.type == "cpu":  # the bytes stay where they are, set aside
                 h.aside = torch.UntypedStorage(0)
-                h.storage._swap_data_ptr_(h.aside)
+                h.storage._swap_data_ptr_(h.aside)  # type: ignore[attr-defined]
                 continue
             if self.keep_bytes:
                 h.copy = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -101,7 +101,7 @@ class StorageOffloader:
             return
         for h in self.held:
             if h.aside is not None:
-                h.storage._swap_data_ptr_(h.aside)
+                h.storage._swap_data_ptr_(h.aside)  # type: ignore[attr-defined]
                 h.aside = None
                 if not self.keep_bytes:
                     _byte_view(h.storage, h.device).zero_()
