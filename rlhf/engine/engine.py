@@ -721,6 +721,7 @@ def build_optimizer(ddps: list, settings: OptimizerSettings):
         use_distributed_optimizer=settings.distributed,
     )
     optimizer = get_megatron_optimizer(config, ddps)
+    _foreach_on_cpu(optimizer)
     decay_steps = max(settings.total_steps, optim.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -736,6 +737,18 @@ def build_optimizer(ddps: list, settings: OptimizerSettings):
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def _foreach_on_cpu(optimizer) -> None:
+    """torch's Adam over CPU parameters updates them one at a time in Python unless told
+    otherwise (its default multi-tensor path is for GPUs; on the GPU Megatron takes
+    Transformer Engine's or apex's fused Adam). Its multi-tensor path: the same update,
+    one call per step."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in part.optimizer.param_groups:
+            on_cpu = all(p.device.type == "cpu" for p in group["params"])
+            if "foreach" in group and on_cpu:
+                group["foreach"] = True
 
 
 def reduce_metrics(outputs: list[dict], ctx: ParallelContext) -> dict[str, float]:

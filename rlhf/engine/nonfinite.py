@@ -65,14 +65,13 @@ def all_ranks_true(flag: bool, device: torch.device) -> bool:
 
 def tensors_finite(tensors, device: torch.device) -> bool:
     """Every tensor finite, on every rank, with one host sync: each tensor's largest
-    magnitude (a NaN or inf in it makes that NaN or inf) stays on the device until the
-    world's verdict is read."""
-    peaks = [
-        torch.linalg.vector_norm(t.detach(), ord=math.inf).float() for t in tensors if t.numel()
-    ]
-    if not peaks:
+    magnitude (a NaN or inf in it makes that NaN or inf, one `_foreach_norm` over them all)
+    stays on the device until the world's verdict is read."""
+    tensors = [t.detach() for t in tensors if t.numel()]
+    if not tensors:
         return all_ranks_true(True, device)
-    value = torch.isfinite(torch.stack(peaks)).all().to(device=device, dtype=torch.float32)
+    peaks = torch.stack(torch._foreach_norm(tensors, math.inf, dtype=torch.float32))
+    value = torch.isfinite(peaks).all().to(device=device, dtype=torch.float32)
     if dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
