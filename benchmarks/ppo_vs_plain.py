@@ -6,8 +6,9 @@ Builds a tiny Qwen2 (random weights, the quickstart tokenizer) and the quickstar
 then runs `rlhf-train` (critic + GAE, KL in the reward, one epoch of one mini-batch, a real
 SGLang server) and `benchmarks/plain_ppo.py` (HF generate + padded forwards + AdamW in one
 process) for the same number of steps, with the same prompts per step, samples, response
-length and loss settings. The first step of each side is a warm-up and is left out of the
-medians.
+length and loss settings, each pass over the whole batch at once (rlhf: one micro-batch of
+all the step's samples; `--micro-batch N` sets fewer). The first step of each side is a
+warm-up and is left out of the medians.
 
 Prints one JSON object: for each side the median seconds per stage (`timing_s/*`), the
 median step, `startup_s` (launch to the start of the first step), `teardown_s` (the end of
@@ -59,6 +60,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--response", type=int, default=16)
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        help="rlhf's samples per micro-batch, every pass (default: the whole step's, as the "
+        "plain loop does each pass over the whole batch at once)",
+    )
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", help="extra rlhf-train overrides (key=value)")
     return parser.parse_args()
@@ -160,6 +167,7 @@ def medians(rows: list[dict]) -> dict[str, float]:
 
 def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
     run_dir = root / "rlhf_run"
+    micro = args.micro_batch or args.prompts * args.n  # the old-log-prob, ref passes follow
     overrides = [
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={train}",
@@ -173,6 +181,8 @@ def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
         "trainer.logger=[console]",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
         f"critic.ppo_mini_batch_size={args.prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"critic.ppo_micro_batch_size_per_gpu={micro}",
         "trainer.save_freq=-1",
         *args.overrides,
     ]

@@ -86,7 +86,7 @@ class StorageOffloader:
             return
         pin = torch.cuda.is_available()
         for h in self.held:
-            if h.device.type == "cpu":  # the bytes stay where they are, set aside
+            if h.storage.device.type == "cpu":  # the bytes stay where they are, set aside
                 h.aside = torch.UntypedStorage(0)
                 h.storage._swap_data_ptr_(h.aside)  # type: ignore[attr-defined]
                 continue
