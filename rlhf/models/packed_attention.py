@@ -59,11 +59,8 @@ class PackedDotProductAttention(DotProductAttention):
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
             )
-        # [s, b, heads, d] -> [b, heads, s, d]; grouped KV heads repeated for the queries
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        q = query.permute(1, 2, 0, 3)
-        k = key.repeat_interleave(groups, dim=2).permute(1, 2, 0, 3)
-        v = value.repeat_interleave(groups, dim=2).permute(1, 2, 0, 3)
+        # [s, b, heads, d] -> [b, heads, s, d]; grouped KV heads stay grouped (SDPA's GQA)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         scale = self.softmax_scale
         if self.config.apply_query_key_layer_scaling:
             scale *= self.layer_number  # Megatron divides it out of the scale, then back in
@@ -77,26 +74,35 @@ class PackedDotProductAttention(DotProductAttention):
 def padded_causal_attention(
     q: Tensor, k: Tensor, v: Tensor, bounds: list[int], scale: float, dropout: float
 ) -> Tensor:
-    """Causal attention within each sample of one packed row ([heads, s, d] each; sample i
-    is positions bounds[i]:bounds[i+1]) as ONE `scaled_dot_product_attention` call: the
-    samples laid out right-padded as a [n, heads, longest, d] batch. Causal masking alone is
-    exact there: a real query sees only keys at or before it, all of its own sample's, and
-    the padded queries' outputs are dropped. Returns [s, heads, d]."""
+    """Causal attention within each sample of one packed row ([heads, s, d] each, keys and
+    values with as many heads as the queries or a divisor of it (grouped-query attention);
+    sample i is positions bounds[i]:bounds[i+1]) as ONE `scaled_dot_product_attention` call:
+    the samples laid out right-padded as a [n, heads, longest, d] batch. Causal masking alone
+    is exact there: a real query sees only keys at or before it, all of its own sample's,
+    and the padded queries' outputs are dropped. Each token's row of heads moves into and
+    out of the padded grid by one index along the tokens (`index_copy`, `index_select`),
+    whose backwards are the same contiguous row moves. Returns [s, heads, d]."""
     lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)])
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    count, longest = len(lengths), int(lengths.max())
+    rows = torch.repeat_interleave(torch.arange(count), lengths)
     starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
-    cols = torch.arange(bounds[-1] - bounds[0]) + bounds[0] - starts
-    longest = int(lengths.max())
+    slots = rows * longest + torch.arange(bounds[-1] - bounds[0]) + bounds[0] - starts
 
     def padded(x: Tensor) -> Tensor:  # [heads, s, d] -> [n, heads, longest, d]
-        grid = x.new_zeros(len(lengths), longest, x.shape[0], x.shape[2])
-        grid = grid.index_put((rows, cols), x[:, bounds[0] : bounds[-1]].transpose(0, 1))
-        return grid.transpose(1, 2)
+        tokens = x[:, bounds[0] : bounds[-1]].transpose(0, 1)
+        grid = x.new_zeros(count * longest, x.shape[0], x.shape[2]).index_copy(0, slots, tokens)
+        return grid.view(count, longest, x.shape[0], x.shape[2]).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(
-        padded(q), padded(k), padded(v), is_causal=True, scale=scale, dropout_p=dropout
+        padded(q),
+        padded(k),
+        padded(v),
+        is_causal=True,
+        scale=scale,
+        dropout_p=dropout,
+        enable_gqa=k.shape[0] != q.shape[0],
     )
-    return out.transpose(1, 2)[rows, cols]
+    return out.transpose(1, 2).reshape(count * longest, q.shape[0], -1).index_select(0, slots)
 
 
 class PackedMLASelfAttention(MLASelfAttention):
