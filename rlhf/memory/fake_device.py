@@ -80,8 +80,11 @@ def _fused_attention(args: tuple, kwargs: dict) -> bool:
     return args[0].device == STAND_IN and kwargs.get("attn_mask") is None and len(args) == 3
 
 
-def _flash_attention(q, k, v, dropout_p: float = 0.0, is_causal: bool = False, scale=None):
-    """The fused CPU kernel the real run on the local spec takes (output, log-sum-exp)."""
+def _flash_attention(
+    q, k, v, dropout_p: float = 0.0, is_causal: bool = False, scale=None, enable_gqa=False
+):
+    """The fused CPU kernel the real run on the local spec takes (output, log-sum-exp); it
+    takes grouped key and value heads as they are (`enable_gqa`), without repeating them."""
     fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return fused(q, k, v, dropout_p, is_causal, scale=scale)[0]
 

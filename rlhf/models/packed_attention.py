@@ -87,6 +87,7 @@ def padded_causal_attention(
     rows = torch.repeat_interleave(torch.arange(count), lengths)
     starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
     slots = rows * longest + torch.arange(bounds[-1] - bounds[0]) + bounds[0] - starts
+    slots = slots.to(q.device)  # index_copy takes its index on the data's device
 
     def padded(x: Tensor) -> Tensor:  # [heads, s, d] -> [n, heads, longest, d]
         tokens = x[:, bounds[0] : bounds[-1]].transpose(0, 1)
