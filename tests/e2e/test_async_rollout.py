@@ -1,6 +1,6 @@
 """Generation overlapping training on a real SGLang CPU server (`trainer.rollout_mode`).
 
-The tiny random model rarely ends a response before its 96-token budget, so the rounds
+The tiny random model rarely ends a response before its 256-token budget, so the rounds
 ahead are still generating when a step's weights are synced: under async the server is
 paused (abort) with requests in flight, and the samples it cut go on under the new weights.
 Read back from the runs' records (`rollouts/step_N.jsonl`) and metrics:
@@ -82,6 +82,11 @@ def test_async_run_trains_every_prompt_once_with_partial_rollouts(
 ):
     run_dir = tmp_path / "async"
     mode = ["trainer.rollout_mode=async", "trainer.async_rollout.max_staleness=1", TIS]
+    # a step must train faster than the server generates a round, or no round is still in
+    # flight at a sync: GRPO's step (no values, no critic update) is, at ~0.6 s against
+    # ~1.5 s for a round of 64 long responses; PPO's (~1 s) no longer is on this CPU once
+    # SGLang's decode attention is batched (rlhf/rollout/batched_decode.py)
+    mode += ["algorithm.adv_estimator=grpo"]
     args = ppo_overrides(
         tiny_qwen2_dir, data, run_dir, 4, LONG, *QUIET, *mode, server=sglang_server
     )
