@@ -80,18 +80,20 @@ def padded_causal_attention(
     the samples laid out right-padded as a [n, heads, longest, d] batch. Causal masking alone
     is exact there: a real query sees only keys at or before it, all of its own sample's,
     and the padded queries' outputs are dropped. Each token's row of heads moves into and
-    out of the padded grid by one index along the tokens (`index_copy`, `index_select`),
-    whose backwards are the same contiguous row moves. Returns [s, heads, d]."""
+    out of the padded grid by one `index_select` along the tokens (a padding slot reads an
+    appended zero row), which keeps only its index for the backward. Returns [s, heads, d]."""
     lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)])
-    count, longest = len(lengths), int(lengths.max())
+    count, longest, tokens = len(lengths), int(lengths.max()), bounds[-1] - bounds[0]
     rows = torch.repeat_interleave(torch.arange(count), lengths)
     starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
-    slots = rows * longest + torch.arange(bounds[-1] - bounds[0]) + bounds[0] - starts
-    slots = slots.to(q.device)  # index_copy takes its index on the data's device
+    slots = rows * longest + torch.arange(tokens) + bounds[0] - starts  # each token's slot
+    fill = torch.full((count * longest,), tokens).index_copy(0, slots, torch.arange(tokens))
+    slots, fill = slots.to(q.device), fill.to(q.device)  # indices on the data's device
 
     def padded(x: Tensor) -> Tensor:  # [heads, s, d] -> [n, heads, longest, d]
-        tokens = x[:, bounds[0] : bounds[-1]].transpose(0, 1)
-        grid = x.new_zeros(count * longest, x.shape[0], x.shape[2]).index_copy(0, slots, tokens)
+        rows_of_heads = x[:, bounds[0] : bounds[-1]].transpose(0, 1)
+        padding = rows_of_heads.new_zeros(1, x.shape[0], x.shape[2])
+        grid = torch.cat([rows_of_heads, padding]).index_select(0, fill)
         return grid.view(count, longest, x.shape[0], x.shape[2]).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(

@@ -1,11 +1,13 @@
 """Activation recompute and the planner's activation estimate
 (tests/distributed/workers/activation_memory.py).
 
-- Selective and full recompute give the gradients of no recompute bit for bit, and lower
+- Selective and full recompute give the gradients of no recompute bit for bit; full lowers
   the measured peak memory of a training micro-batch (torch.profiler's memory timeline,
-  `rlhf.memory.measure`); full by more than 10%. Selective drops only the core attention's
-  tensors, which per-sample attention on packed rows keeps small (no T^2 softmax), so it
-  saves little here.
+  `rlhf.memory.measure`) by more than 10%. Selective drops only the core attention's
+  tensors, which the packed attention keeps small (no T^2 softmax; its padded grids keep
+  only their indices for the backward, grouped KV heads unrepeated): here it saves about
+  nothing, and its recompute in the backward may cost a little, so its peak is held within
+  2% of no recompute's.
 - The planner's activation estimate (`rlhf.memory.activations`) is within 30% of the measured
   peak for each recompute setting, at two token budgets where different terms dominate
   (the log-prob head at 256 tokens, the layers' tensors at 1024), in fp32 and bf16.
@@ -54,7 +56,7 @@ def test_recompute_gives_the_same_gradients_with_less_memory(measured, recompute
         for name, grad in plain["grads"].items():
             assert torch.equal(recomputed["grads"][name], grad), (case, name)
         assert any(g.abs().max() > 0 for g in plain["grads"].values())
-    bound = 0.9 if recompute == "full" else 1.0
+    bound = 0.9 if recompute == "full" else 1.02
     for case in ("1024", "1024-bf16"):
         assert measured[case][recompute]["peak"] < bound * measured[case]["none"]["peak"]
 
