@@ -19,6 +19,7 @@ any packed parameters for the THD layout (it drops the batch dimension).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def sample_boundaries(packed_seq_params) -> list[int] | None:
@@ -82,13 +84,9 @@ def padded_causal_attention(
     and the padded queries' outputs are dropped. Each token's row of heads moves into and
     out of the padded grid by one `index_select` along the tokens (a padding slot reads an
     appended zero row), which keeps only its index for the backward. Returns [s, heads, d]."""
-    lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)])
-    count, longest, tokens = len(lengths), int(lengths.max()), bounds[-1] - bounds[0]
-    rows = torch.repeat_interleave(torch.arange(count), lengths)
-    starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
-    slots = rows * longest + torch.arange(tokens) + bounds[0] - starts  # each token's slot
-    fill = torch.full((count * longest,), tokens).index_copy(0, slots, torch.arange(tokens))
-    slots, fill = slots.to(q.device), fill.to(q.device)  # indices on the data's device
+    # the memory simulation's fake tensors are not kept past their mode: built anew there
+    grid = _grid.__wrapped__ if isinstance(q, FakeTensor) else _grid
+    count, longest, slots, fill = grid(tuple(bounds), q.device)
 
     def padded(x: Tensor) -> Tensor:  # [heads, s, d] -> [n, heads, longest, d]
         rows_of_heads = x[:, bounds[0] : bounds[-1]].transpose(0, 1)
@@ -106,6 +104,19 @@ def padded_causal_attention(
         enable_gqa=k.shape[0] != q.shape[0],
     )
     return out.transpose(1, 2).reshape(count * longest, q.shape[0], -1).index_select(0, slots)
+
+
+@functools.lru_cache(maxsize=4)  # every layer of a micro-batch has the same samples
+def _grid(bounds: tuple[int, ...], device: torch.device) -> tuple[int, int, Tensor, Tensor]:
+    """The padded grid of a packed row's samples: (samples, longest, each token's slot in
+    the flattened grid, each slot's token or the appended zero row), on `device`."""
+    lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)])
+    count, longest, tokens = len(lengths), int(lengths.max()), bounds[-1] - bounds[0]
+    rows = torch.repeat_interleave(torch.arange(count), lengths)
+    starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
+    slots = rows * longest + torch.arange(tokens) + bounds[0] - starts
+    fill = torch.full((count * longest,), tokens).index_copy(0, slots, torch.arange(tokens))
+    return count, longest, slots.to(device), fill.to(device)
 
 
 class PackedMLASelfAttention(MLASelfAttention):
