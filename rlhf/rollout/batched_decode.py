@@ -37,23 +37,25 @@ def batched_decode(original, backend, query, output, k_cache, v_cache, *args, **
         query,
         output,
         (k_cache, v_cache),
-        bound["req_to_token"][bound["req_pool_indices"]],
+        (bound["req_to_token"], bound["req_pool_indices"]),
         bound["seq_lens"],
         scale=bound.get("scaling"),
         gqa=bool(bound.get("enable_gqa", False)),
     )
 
 
-def attend(query, output, caches, slots, seq_lens, scale=None, gqa=False):
+def attend(query, output, caches, rows, seq_lens, scale=None, gqa=False):
     """Attention of one new token per request over its cached tokens.
 
     query, output: [requests, heads, head_dim]; caches: the layer's key and value caches,
-    [cache slots, kv heads, head_dim]; slots: each request's row of SGLang's req_to_token
-    table; seq_lens: each request's length, the new token included.
+    [cache slots, kv heads, head_dim]; rows: SGLang's req_to_token table (each request's
+    cache slots by position) and each request's row in it; seq_lens: each request's
+    length, the new token included.
     """
+    table, requests = rows
     width = int(seq_lens.max())
     valid = torch.arange(width, device=query.device) < seq_lens[:, None]
-    index = slots[:, :width].masked_fill(~valid, 0).long()
+    index = table[requests, :width].masked_fill(~valid, 0).long()
     keys, values = (cache[index].transpose(1, 2) for cache in caches)
     if keys.dtype != query.dtype:
         keys, values = keys.to(query.dtype), values.to(query.dtype)
