@@ -100,17 +100,15 @@ class StorageOffloader:
         if not self.offloaded:
             return
         for h in self.held:
-            if h.aside is not None:
+            if h.aside is not None:  # a host storage's own bytes, back in place
                 h.storage._swap_data_ptr_(h.aside)  # type: ignore[attr-defined]
                 h.aside = None
-                if not self.keep_bytes:
-                    _byte_view(h.storage, h.device).zero_()
-                continue
-            h.storage.resize_(h.nbytes)
-            if h.copy is None:
-                _byte_view(h.storage, h.device).zero_()
             else:
+                h.storage.resize_(h.nbytes)
+            if h.copy is not None:
                 _byte_view(h.storage, h.device).copy_(h.copy, non_blocking=True)
+            elif not self.keep_bytes:
+                _byte_view(h.storage, h.device).zero_()
             h.copy = None
         if any(h.device.type == "cuda" for h in self.held):
             torch.cuda.synchronize()
