@@ -15,7 +15,10 @@ median step, `startup_s` (launch to the start of the first step), `teardown_s` (
 the last step to the process's exit, the final checkpoint included), `outside_steps_s`
 (their sum: the run's wall time less its steps'), `peak_pss_gb` (the
 largest sum over the side's processes, SGLang's included, of their proportional set size,
-sampled every 0.25 s) and each process's share at that sample (`pss_at_peak_gb`);
+sampled every `--pss-interval` s) and each process's share at that sample (`pss_at_peak_gb`),
+and the sampler's own time as a share of the run (`pss_sampling_core_share`: reading PSS walks
+each process's page tables, ~10 ms a process here, so at 0.25 s it slowed rlhf's step by
+~15% and the single-process plain loop's by less);
 `step_ratio` (rlhf / plain; the aim is <= 0.5, the bar 0.75),
 `startup_ratio`; and the compute floor: the step's model FLOPs (generation = one forward per
 token, old log-probs, reference and values forwards, forward + backward of both updates)
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -66,6 +70,13 @@ def parse_args() -> argparse.Namespace:
         help="rlhf's samples per micro-batch, every pass (default: the whole step's, as the "
         "plain loop does each pass over the whole batch at once)",
     )
+    parser.add_argument(
+        "--pss-interval",
+        type=float,
+        default=1.0,
+        help="seconds between PSS samples: each reads every process's page tables (~10 ms "
+        "a process here), time taken from the run it measures",
+    )
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", help="extra rlhf-train overrides (key=value)")
     return parser.parse_args()
@@ -76,10 +87,11 @@ class PeakPSS:
     each process's share at that sample (`at_peak`, by `label`); also the wall time `watch`
     (a file) first had content."""
 
-    def __init__(self, pid: int, watch: Path | None = None, interval_s: float = 0.25):
+    def __init__(self, pid: int, interval_s: float, watch: Path | None = None):
         self.root, self.interval_s, self.peak = psutil.Process(pid), interval_s, 0
         self.at_peak: dict[str, int] = {}
         self.samples: list[tuple[float, int]] = []  # (wall time, sum)
+        self.sampling_s = 0.0  # the sampler's own time: reading PSS walks each page table
         self.watch = watch
         self.watch_seen: float | None = None
         self._done = threading.Event()
@@ -87,23 +99,33 @@ class PeakPSS:
         self._thread.start()
 
     def _run(self) -> None:
+        last = -math.inf
         while not self._done.is_set():
-            shares: dict[str, int] = {}
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
-            for proc in procs:
-                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                    name = label(proc, self.root)
-                    shares[name] = shares.get(name, 0) + proc.memory_full_info().pss
-            self.samples.append((time.time(), sum(shares.values())))
-            if sum(shares.values()) > self.peak:
-                self.peak, self.at_peak = sum(shares.values()), shares
             watched = self.watch is not None and self.watch.is_file()
             if self.watch_seen is None and watched and self.watch.stat().st_size:
                 self.watch_seen = time.time()
-            self._done.wait(self.interval_s)
+            if time.monotonic() - last >= self.interval_s:
+                last = time.monotonic()
+                if not self._sample():
+                    return
+                self.sampling_s += time.monotonic() - last
+            self._done.wait(0.05)
+
+    def _sample(self) -> bool:
+        """One PSS sample of the process tree; False once the root has exited."""
+        shares: dict[str, int] = {}
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                name = label(proc, self.root)
+                shares[name] = shares.get(name, 0) + proc.memory_full_info().pss
+        self.samples.append((time.time(), sum(shares.values())))
+        if sum(shares.values()) > self.peak:
+            self.peak, self.at_peak = sum(shares.values()), shares
+        return True
 
     def stop(self) -> None:
         self._done.set()
@@ -130,12 +152,14 @@ def label(proc: psutil.Process, root: psutil.Process) -> str:
     return f"other: {Path(module).name or cmdline[0]}"
 
 
-def run_side(cmd: list[str], log: Path, watch: Path | None = None) -> tuple[float, float, PeakPSS]:
+def run_side(
+    cmd: list[str], log: Path, pss_interval_s: float, watch: Path | None = None
+) -> tuple[float, float, PeakPSS]:
     """Run `cmd` (stdout to `log`); (launch wall time, seconds to its exit, its PeakPSS)."""
     launched = time.time()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-        pss = PeakPSS(proc.pid, watch)
+        pss = PeakPSS(proc.pid, pss_interval_s, watch)
         code = proc.wait()
         wall = time.time() - launched
         pss.stop()
@@ -156,6 +180,7 @@ def outside_steps(launched: float, wall: float, rows: list[dict], startup: float
         "outside_steps_s": wall - steps,
         "peak_pss_steps_gb": pss.peak_between(first, last),
         "peak_pss_teardown_gb": pss.peak_between(last, launched + wall + 1),
+        "pss_sampling_core_share": pss.sampling_s / wall,
     }
 
 
@@ -189,10 +214,10 @@ def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
     config = str(REPO / "configs" / "quickstart_cpu.yaml")
     cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", config, *overrides]
     metrics = run_dir / "metrics.jsonl"
-    launched, wall, pss = run_side(cmd, root / "rlhf.log", watch=metrics)
+    launched, wall, pss = run_side(cmd, root / "rlhf.log", args.pss_interval, watch=metrics)
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert pss.watch_seen is not None and rows[0]["step"] == 1
-    # the first row is written when step 1 ends (within one sampling interval)
+    # the first row is written when step 1 ends (the file is watched every 0.05 s)
     first_start = pss.watch_seen - rows[0]["timing_s/step"]
     return {
         "median_s": medians(rows),
@@ -218,7 +243,7 @@ def plain_side(args, model: Path, train: Path, root: Path) -> dict:
         "--response",
         str(args.response),
     ]
-    launched, wall, pss = run_side(cmd, root / "plain.log")
+    launched, wall, pss = run_side(cmd, root / "plain.log", args.pss_interval)
     lines = (root / "plain.log").read_text().splitlines()
     rows = [json.loads(x) for x in lines if x.startswith("{")]
     return {

@@ -3,8 +3,9 @@
 `global_profiler.steps` names the few steps worth a trace: profiling every step would slow
 the run and fill the disk, so the other steps pay nothing. Each profiled step becomes one
 Chrome trace (`<run dir>/profile/step_<N>.json`, open it in Perfetto or chrome://tracing).
-`stage_range` marks the stages of a step (gen, reward, update_actor, ...) as NVTX ranges so
-an Nsight Systems capture of a GPU run shows them on its timeline; on CPU it does nothing.
+`stage_range` marks the stages of a step (gen, reward, update_actor, ...) in those traces
+(`stage/<name>`) and as NVTX ranges, so an Nsight Systems capture of a GPU run shows them on
+its timeline too.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ log = logging.getLogger(__name__)
 
 @contextmanager
 def stage_range(name: str) -> Iterator[None]:
-    """An NVTX range named `name` around the body when CUDA is available, else nothing."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    torch.cuda.nvtx.range_push(name)
-    try:
-        yield
-    finally:
-        torch.cuda.nvtx.range_pop()
+    """The body as a range named `name`: in a torch.profiler trace (a profiled step's stages,
+    `stage/<name>`) and, when CUDA is available, in NVTX."""
+    with torch.profiler.record_function(f"stage/{name}"):
+        if not torch.cuda.is_available():
+            yield
+            return
+        torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
 
 
 class StepProfiler:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -312,3 +314,38 @@ def write_step_rollouts(records: list[RolloutRecord], rollouts_dir: Path, step: 
     the stored-rollout format of `rlhf.data.rollout_files`)."""
     write_records(records, rollouts_dir / f"step_{step}.jsonl")
     write_rollout_file([r.stored(step) for r in records], rollouts_dir / f"step_{step}.parquet")
+
+
+class StepRolloutWriter:
+    """Each step's samples written in a thread (`write_step_rollouts`), off the step's path.
+
+    `submit` hands a step's records over once the previous step's are written (normally long
+    since). `wait` returns once everything handed over is written (before a checkpoint, at
+    the end of the run) and raises what a write failed with. `written_s`: the seconds the
+    last finished write took in its thread."""
+
+    def __init__(self, rollouts_dir: Path):
+        self.rollouts_dir = rollouts_dir
+        self.written_s = 0.0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-files")
+        self._pending: Future[float] | None = None
+
+    def submit(self, records: list[RolloutRecord], step: int) -> None:
+        self.wait()
+        self._pending = self._pool.submit(self._write, records, step)
+
+    def _write(self, records: list[RolloutRecord], step: int) -> float:
+        start = time.perf_counter()
+        write_step_rollouts(records, self.rollouts_dir, step)
+        return time.perf_counter() - start
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.written_s = pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown()

@@ -32,8 +32,8 @@
    `--enable-lora` on the CPU): SGLang's LoRA layers and adapters pin their host tensors
    (`pin_memory`), which needs a CUDA driver ("Found no NVIDIA driver" as the first
    adapter loads); they stay unpinned here (there is no GPU to copy them to).
-7. On the CPU engine: a decode batch's attention is one SDPA call per layer
-   (`rlhf.rollout.batched_decode`) instead of `torch_native`'s loop over the requests.
+7. On the CPU engine: a decode batch's and a prefill's attention is one SDPA call per layer
+   (`rlhf.rollout.batched_attention`) instead of `torch_native`'s loops over the requests.
 
 SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
 the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the
@@ -49,7 +49,7 @@ import types
 
 import torch
 
-from rlhf.rollout import batched_decode
+from rlhf.rollout import batched_attention
 
 ENV = "RLHF_SGLANG_BOUND_STORES"
 GATE_KERNEL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
@@ -66,7 +66,9 @@ def register() -> None:
         HookRegistry.register(GATE_KERNEL, gate_sigmoid_mul, HookType.REPLACE)
         _seeded_sampling(HookRegistry, HookType)
         HookRegistry.register(MLA_DISPATCH, absorbed_latent_attention, HookType.AROUND)
-        HookRegistry.register(batched_decode.TARGET, batched_decode.batched_decode, HookType.AROUND)
+        attention = batched_attention
+        HookRegistry.register(attention.DECODE, attention.batched_decode, HookType.AROUND)
+        HookRegistry.register(attention.EXTEND, attention.batched_extend, HookType.AROUND)
     if not torch.cuda.is_available():
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 

@@ -184,6 +184,7 @@ class PPOTrainer:
         try:
             self.batches.close()
             self.servers.shutdown()
+            self.ppo_step.close()  # the last step's rollout files, if still being written
         finally:
             if self.tracker is not None:
                 self.tracker.close()
@@ -232,7 +233,9 @@ class PPOTrainer:
         }
 
     def save_checkpoint(self, step: int) -> None:
-        """The models, optimizer and trainer state at `step` (`CheckpointKeeper.save_step`)."""
+        """The models, optimizer and trainer state at `step` (`CheckpointKeeper.save_step`),
+        once the rollout files of the steps it holds are on disk."""
+        self.ppo_step.files_written()
         self.keeper.save_step(step, self.engine, lambda: self.state_dict(step))
 
     def load_models(self, path: Path) -> dict:
@@ -301,6 +304,7 @@ class PPOTrainer:
         try:
             with guard:
                 step = self._run_steps(step, bar, guard)
+                self.ppo_step.files_written()
                 self.keeper.wait()  # the last checkpoint, if written in the background
         finally:
             bar.close()  # a failure's message then starts on its own line

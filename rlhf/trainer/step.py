@@ -48,7 +48,7 @@ from rlhf.engine.nonfinite import (
 )
 from rlhf.logging import Timer
 from rlhf.memory.ledger import ledger
-from rlhf.rollout.batch import RolloutBatch, write_step_rollouts
+from rlhf.rollout.batch import RolloutBatch, StepRolloutWriter
 from rlhf.rollout.policy_servers import PolicyServers, WeightLoad
 from rlhf.trainer.metrics import StepMeter, rollout_metrics
 from rlhf.trainer.rollouts import RolloutStrategy
@@ -130,7 +130,17 @@ class PPOStep:
         writes each step's samples (None on the other ranks)."""
         self.learning, self.max_response_length = learning, max_response_length
         self.engine, self.servers, self.rollout = engine, servers, rollout
-        self.kl_ctrl, self.meter, self.rollouts_dir = kl_ctrl, meter, rollouts_dir
+        self.kl_ctrl, self.meter = kl_ctrl, meter
+        self.files = StepRolloutWriter(rollouts_dir) if rollouts_dir is not None else None
+
+    def files_written(self) -> None:
+        """Every step's rollout files so far are on disk (raises what a write failed with)."""
+        if self.files is not None:
+            self.files.wait()
+
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
 
     def run(self, step: int) -> StepResult:
         timer, start = Timer(), time.perf_counter()
@@ -142,10 +152,9 @@ class PPOStep:
         self.servers.release_memory()  # GPU, colocated: training gets SGLang's memory
         timer.seconds["gen"] -= scored.reward_s  # scoring ran inside the gen stage
         timer.seconds["reward"] = scored.reward_s
-        if self.rollouts_dir is not None:
+        if self.files is not None:  # written in a thread while the step goes on
             with stage(timer, "write_rollouts"):
-                records = [record for r in scored.rounds for record in r.records]
-                write_step_rollouts(records, self.rollouts_dir, step)
+                self.files.submit([record for r in scored.rounds for record in r.records], step)
         # old/ref log-probs and values -> advantages -> critic update -> actor update
         actor = self.learning.actor_trains(step)
         learned = learn_from_batch(self.engine, batch, self.learning, self.kl_ctrl, timer, actor)
@@ -159,6 +168,8 @@ class PPOStep:
         # what no stage timed (a new per-step cost shows here until it gets its own stage)
         other = step_s - sum(timer.seconds.values())
         metrics |= timer.metrics() | {"timing_s/step": step_s, "timing_s/other": other}
+        if self.files is not None:  # the last finished write, in its thread
+            metrics["timing_s/write_rollouts_thread"] = self.files.written_s
         metrics |= self.meter.metrics(batch, step_s)
         if exp.old_entropy_bt is not None:  # not under rollout_correction.bypass_mode
             metrics["actor/entropy_old"] = float(masked_mean(exp.old_entropy_bt, batch.mask_bt()))

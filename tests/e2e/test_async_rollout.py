@@ -85,7 +85,7 @@ def test_async_run_trains_every_prompt_once_with_partial_rollouts(
     # a step must train faster than the server generates a round, or no round is still in
     # flight at a sync: GRPO's step (no values, no critic update) is, at ~0.6 s against
     # ~1.5 s for a round of 64 long responses; PPO's (~1 s) no longer is on this CPU once
-    # SGLang's decode attention is batched (rlhf/rollout/batched_decode.py)
+    # SGLang's decode attention is batched (rlhf/rollout/batched_attention.py)
     mode += ["algorithm.adv_estimator=grpo"]
     args = ppo_overrides(
         tiny_qwen2_dir, data, run_dir, 4, LONG, *QUIET, *mode, server=sglang_server

@@ -85,6 +85,7 @@ REQUIRED = [
     "timing_s/update_actor",
     "timing_s/update_weights",
     "timing_s/write_rollouts",
+    "timing_s/write_rollouts_thread",
     "timing_s/other",
     "timing_s/step",
     "perf/throughput",

@@ -28,6 +28,7 @@ NOT_METRICS = {  # first path parts of strings with a `/` in rlhf/ that name no 
     "model",
     "rlhf-distributed-optimizer",  # checkpoint format ids
     "sim",
+    "stage",  # a profiled step's stage ranges in its trace (`rlhf.logging.profiler`)
 }
 
 

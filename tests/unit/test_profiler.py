@@ -1,4 +1,5 @@
-"""Profiled steps write a real Chrome trace; other steps write nothing; stages are NVTX ranges."""
+"""Profiled steps write a real Chrome trace with the step's stages in it; other steps write
+nothing; stages are NVTX ranges."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from rlhf.logging import StepProfiler, Timer, stage_range
 
 
 def test_profiled_step_writes_a_chrome_trace_with_the_ops_run_inside(tmp_path):
-    profiler = StepProfiler([2], tmp_path)
+    profiler, timer = StepProfiler([2], tmp_path), Timer()
     for step in (1, 2, 3):
-        with profiler.step(step):
+        with profiler.step(step), timer.stage("update_actor"):
             torch.mm(torch.randn(16, 16), torch.randn(16, 16))
 
     written = sorted(p.name for p in (tmp_path / "profile").iterdir())
@@ -22,6 +23,9 @@ def test_profiled_step_writes_a_chrome_trace_with_the_ops_run_inside(tmp_path):
     trace = json.loads(profiler.trace_path(2).read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "aten::mm" in names
+    stages = [e for e in trace["traceEvents"] if e.get("name") == "stage/update_actor"]
+    (mm,) = [e for e in trace["traceEvents"] if e.get("name") == "aten::mm"]
+    assert len(stages) == 1 and stages[0]["ts"] <= mm["ts"] <= stages[0]["ts"] + stages[0]["dur"]
 
 
 def test_no_listed_steps_writes_nothing(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,7 +23,8 @@ from rlhf.data.rollout_files import (
 )
 from rlhf.engine.reward_model import RewardModelScorer
 from rlhf.reward import check_ground_truth
-from rlhf.rollout.batch import RolloutBatch, RolloutRecord, RolloutResult
+from rlhf.rollout import batch as batch_module
+from rlhf.rollout.batch import RolloutBatch, RolloutRecord, RolloutResult, StepRolloutWriter
 from rlhf.rollout.offline import RolloutPlan, check_manifest, prompts_digest
 
 SAMPLES = [
@@ -67,7 +69,11 @@ def test_a_vision_language_policy_refuses_stored_prompts_with_image_tokens(tmp_p
 
 
 def test_a_records_stored_form_carries_what_training_needs():
-    record = RolloutRecord(
+    assert _record().stored(step=5) == SAMPLES[0]
+
+
+def _record() -> RolloutRecord:
+    return RolloutRecord(
         prompt_index=3,
         uid="0:3",
         prompt_ids=[1, 2, 3],
@@ -81,7 +87,37 @@ def test_a_records_stored_form_carries_what_training_needs():
         ground_truth="12",
         extra_info={"split": "train", "index": 3},
     )
-    assert record.stored(step=5) == SAMPLES[0]
+
+
+def test_a_steps_files_are_written_in_a_thread_the_step_does_not_wait_for(tmp_path, monkeypatch):
+    """The step hands its records over and goes on; `wait` returns once they are on disk."""
+    release, writers = threading.Event(), []
+    write = batch_module.write_step_rollouts
+
+    def held(records, rollouts_dir, step):
+        writers.append(threading.current_thread() is threading.main_thread())
+        release.wait(10)
+        write(records, rollouts_dir, step)
+
+    monkeypatch.setattr(batch_module, "write_step_rollouts", held)
+    files = StepRolloutWriter(tmp_path / "rollouts")
+    files.submit([_record()], 5)  # returns while the write is held
+    assert not (tmp_path / "rollouts" / "step_5.parquet").exists()
+    release.set()
+    files.wait()
+    assert writers == [False]
+    assert read_rollout_files([str(tmp_path / "rollouts" / "step_5.parquet")]) == SAMPLES[:1]
+    assert files.written_s > 0
+    files.close()
+
+
+def test_a_failed_write_is_raised_at_the_next_hand_over(tmp_path):
+    (tmp_path / "rollouts").write_text("a file where the directory goes")
+    files = StepRolloutWriter(tmp_path / "rollouts")
+    files.submit([_record()], 1)
+    with pytest.raises(FileExistsError):
+        files.submit([_record()], 2)
+    files.close()
 
 
 def bad_file(tmp_path, **changes) -> str:
