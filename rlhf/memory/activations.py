@@ -14,11 +14,15 @@ local spec (CPU; unfused attention), per transformer layer
       under Ulysses       a'.T^2.(4 + [e=2].2)  the masked row: softmax output in fp32
                                             (+ its bf16 copy)
     output projection     T.q.e             its input
-    SwiGLU MLP            5 x T.f'.e        fc1 output, silu output and product, fc2 input
+    SwiGLU MLP            3 x T.f'.e        fc1 output (both halves) and fc2 input
+                                            (`rlhf.models.swiglu`); a MoE layer's
+                                            experts, Megatron's own SwiGLU: 5 x T.f'.e
+                                            (also the SiLU output and the offset sum)
 Transformer Engine (GPU; fused attention), estimated from the tensors TE's layers keep (not
 measured here): each norm fused into its linear keeps its input and output in the model
 dtype (2 x T.h.e), the attention keeps q, k, v unexpanded (T.(q + 2.kv).e) and its output,
-with no T^2 term, and the MLP keeps fc1's output and the activation's (3 x T.f'.e).
+with no T^2 term, and the dense MLP keeps fc1's output and fc2's input as on the local spec
+(3 x T.f'.e; the experts' grouped MLP the same).
 Here q = heads x head_dim / t, kv = key-value groups x head_dim / t, f' = ffn / t,
 a' = heads / t (Ulysses: heads / (t x sp) over the sp x T tokens of the whole row). Under
 Megatron's sequence parallelism the norms (and the linears' inputs they feed) hold T / t
@@ -146,17 +150,19 @@ def layer_bytes(s: ActivationShape, flash: bool, moe: bool = False) -> int:
         + inputs
         + core_attention_bytes(s, flash)
         + projection
-        + (_moe_mlp(s, flash) if moe else _mlp(s, flash))
+        + (_moe_mlp(s, flash) if moe else _mlp(s))
     )
 
 
 def _mlp_factor(flash: bool) -> int:
-    """T x ffn tensors a dense MLP saves."""
+    """T x ffn tensors a MoE layer's expert MLP saves (TE's grouped MLP; on the local spec
+    Megatron's SwiGLU also keeps the SiLU output and the offset sum)."""
     return 3 if flash else 5
 
 
-def _mlp(s: ActivationShape, flash: bool) -> int:
-    return _mlp_factor(flash) * s.tokens * s.ffn * s.element
+def _mlp(s: ActivationShape) -> int:
+    """A dense MLP's saved tensors: fc1's output and fc2's input (`rlhf.models.swiglu`)."""
+    return 3 * s.tokens * s.ffn * s.element
 
 
 def _moe_mlp(s: ActivationShape, flash: bool) -> int:
@@ -190,7 +196,7 @@ def _attention_backward(s: ActivationShape, flash: bool) -> int:
     if flash or not s.masked_row:
         return 0
     scores = (12 if s.element == 4 else 8) * s.heads * s.row * s.row
-    return max(0, scores - _mlp(s, flash) - _norms(s, flash) // 2)
+    return max(0, scores - _mlp(s) - _norms(s, flash) // 2)
 
 
 def head_bytes(s: ActivationShape, *, training: bool) -> int:

@@ -164,6 +164,10 @@ def gpt_layer_spec(
                 spec.submodules.self_attention.module = PackedMLASelfAttention
     if mla:
         _replicated_latent_projections(spec)
+    if not num_experts:  # the dense MLP's SwiGLU as one function (rlhf.models.swiglu)
+        from rlhf.models.swiglu import SwiGLUMLP
+
+        spec.submodules.mlp.module = SwiGLUMLP
     if num_experts:
         _check_experts(spec, grouped)
         spec.submodules.mlp.submodules.router = PaddingSafeRouter
