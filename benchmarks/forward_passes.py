@@ -10,7 +10,8 @@ configs/quickstart_cpu.yaml) and a batch of `--samples` sequences (prompts of 28
 - `old_log_prob`, `ref`, `values`: the trainer's passes (`PPOEngine.logprobs` of the actor
   and of the reference, `.values`) over that batch, micro-batched as the config says;
 - `plain_logprobs`: transformers' `AutoModelForCausalLM` over the same sequences, right-padded
-  in one batch, log-softmax and the response tokens' log-probs;
+  in one batch, log-softmax and the response tokens' log-probs (with the CPU compatibility
+  layer's function mode paused, as in a plain loop's own process);
 - `plain_values`: `AutoModelForTokenClassification` (one label) over them, the values.
 
 Prints one JSON object: the seconds of each and each pass's ratio to its plain forward.
@@ -66,8 +67,13 @@ def make_batch(samples: int, response: int, vocab: int):
 
 
 def plain_side(model_dir: Path, batch):
-    """(log-probs pass, values pass) of transformers over the batch, right-padded."""
+    """(log-probs pass, values pass) of transformers over the batch, right-padded, each run
+    with Megatron's CPU compatibility mode off (`rlhf.distributed.cpu_compat`: a function
+    mode every torch call goes through, which a plain loop in its own process does not
+    have; it cost transformers' forward here ~20%)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from rlhf.distributed import cpu_compat
 
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     critic = AutoModelForTokenClassification.from_pretrained(
@@ -83,12 +89,14 @@ def plain_side(model_dir: Path, batch):
 
     @torch.no_grad()
     def logprobs():
-        logits = policy(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        return torch.log_softmax(logits, -1).gather(2, targets)[..., 0]
+        with cpu_compat.paused():  # as in a process of its own, without the CPU layer's mode
+            logits = policy(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            return torch.log_softmax(logits, -1).gather(2, targets)[..., 0]
 
     @torch.no_grad()
     def values():
-        return critic(input_ids=ids, attention_mask=mask).logits[:, :-1, 0].float()
+        with cpu_compat.paused():
+            return critic(input_ids=ids, attention_mask=mask).logits[:, :-1, 0].float()
 
     return logprobs, values
 
