@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -608,9 +608,10 @@ class TrainableMegatronModel(MegatronModel):
         return MiniBatchUpdate(summed, lr, float(grad_norm), skipped=False)
 
     def gradients_finite(self) -> bool:
-        """Every parameter's gradient finite on every rank (before the optimizer runs)."""
-        params: list[Any] = [p for p in self.module.parameters() if p.requires_grad]
-        grads = [p.main_grad for p in params]  # DDP's fp32 gradient, set on each parameter
+        """Every parameter's gradient finite on every rank (before the optimizer runs): DDP's
+        gradient buffers, of which each trained parameter's `main_grad` is a view, checked
+        whole (one reduction each rather than one per parameter)."""
+        grads = [b.grad_data for d in self.ddps for b in (*d.buffers, *d.expert_parallel_buffers)]
         return tensors_finite(grads, self.ctx.device)
 
     def weights_finite(self) -> bool:

@@ -97,14 +97,13 @@ class WeightSyncer:
         urls = list(self.server_urls) if sender else []
         transport = self.transport
         targets = Targets(urls, version, transport.concurrent_deliveries, transport.forget)
-        if sender:
-            with phases("deliver"):
-                targets.each(sglang_api.begin_weight_update)
-            for writer in writers:
-                writer.begin(version)
         num_bytes = num_tensors = num_buckets = max_bucket = 0
         pending = None  # hold one bucket back so the last one is known when sent
         with Deliveries(self.transport.deliver_while_packing, phases) as deliveries:
+            if sender:  # the update window opens while the first bucket is gathered
+                deliveries.start(targets.each, sglang_api.begin_weight_update)
+                for writer in writers:
+                    writer.begin(version)
             for bucket in phases.iterate(
                 "gather", iter_buckets(model, self.arch, self.topology, self.bucket_bytes)
             ):

@@ -176,6 +176,16 @@ def test_offloading_frees_every_storage_of_the_actor_experts_included(results, l
         assert before > 0 and offloaded == 0 and back == before
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_inf_in_one_experts_gradient_stops_every_ranks_update(results, layout):
+    """The guard reads DDP's gradient buffers whole, the expert-parallel ones included
+    (`TrainableMegatronModel.gradients_finite`): one rank's inf in a routed expert's
+    gradient makes every rank skip the step."""
+    assert results[layout]["plain"]["gradient_guard"] == [[True, False]] * len(
+        results[layout]["plain"]["held_bytes"]
+    )
+
+
 def test_router_losses_give_the_reference_gradient_at_every_layout(results, moe_dir):
     one = results["1rank"]
     advantages = one["advantages"]

@@ -149,6 +149,7 @@ def run(args, cfg, ctx) -> None:
     with models.actor.on_device():
         held.append(storage_bytes(models.actor))
     plain["held_bytes"] = all_gathered(held)
+    plain["gradient_guard"] = all_gathered(gradient_guard(models.actor, ctx))
     if args.plain_only:
         if ctx.rank == 0:
             result = {"plain": plain, "batch": batch.to_objects(), "advantages": advantages}
@@ -173,6 +174,21 @@ def run(args, cfg, ctx) -> None:
         result["r3"] = rollout_routes
         result["batch"] = batch.to_objects()
         torch.save(result, Path(args.out))
+
+
+def gradient_guard(model, ctx) -> list[bool]:
+    """The update's non-finite guard (`gradients_finite`, every rank) with the gradients as
+    the update left them, then with an inf in one routed expert's gradient on rank 0 only."""
+    with model.on_device():
+        verdicts = [model.gradients_finite()]
+        param = next(p for n, p in model.module.named_parameters() if ".experts." in n)
+        grad = param.main_grad.view(-1)
+        kept = grad[0].item()
+        if ctx.rank == 0:
+            grad[0] = float("inf")
+        verdicts.append(model.gradients_finite())
+        grad[0] = kept
+    return verdicts
 
 
 def storage_bytes(model) -> int:
