@@ -87,13 +87,11 @@ def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
 
 
 def run(cfg: RLHFConfig) -> Path:
-    """Lock the run directory (main rank), start the servers where their launch follows
-    from the config alone (`early_engine`: their start overlaps the trainer's imports and
-    checks), check the config against the launched world and the model
-    (`rlhf.trainer.preflight`), bootstrap, then train. Servers started early are stopped
-    if anything fails before the trainer owns them."""
+    """Lock the run directory (main rank), check the config against the launched world and
+    the model (`rlhf.trainer.preflight`), bootstrap, then train."""
     from rlhf.distributed import bootstrap
-    from rlhf.rollout.policy_servers import early_engine
+    from rlhf.trainer.loop import PPOTrainer
+    from rlhf.trainer.preflight import preflight
 
     run_dir = Path(cfg.trainer.default_local_dir)
     with locked(run_dir):
@@ -101,32 +99,24 @@ def run(cfg: RLHFConfig) -> Path:
         local = bootstrap.launched_local_world_size() or 1
         device = bootstrap.pick_device(cfg.trainer.device).type
         is_main = int(os.environ.get("RANK", "0")) == 0
-        ranks = (world, local, is_main)
-        early = early_engine(cfg.actor_rollout_ref, cfg.data, run_dir, device, ranks)
-        ctx = trainer = None
+        checked = preflight(cfg, world, local, device, is_main)  # before any server starts
+        ctx = bootstrap_layout(cfg.trainer.device, checked.layout, world)
+        trainer = None
         try:
-            from rlhf.trainer.loop import PPOTrainer
-            from rlhf.trainer.preflight import preflight
-
-            checked = preflight(cfg, world, local, device, is_main)
-            ctx = bootstrap_layout(cfg.trainer.device, checked.layout, world)
             bootstrap.seed_everything(cfg.actor_rollout_ref.actor.megatron.seed)
             if ctx.is_main:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 log.info("world %d: %s; run dir %s", ctx.world_size, ctx.describe(), run_dir)
                 for note in config_notes(cfg):
                     log.warning("config: %s", note)
-            trainer = PPOTrainer(cfg, ctx, run_dir, checked, early)
+            trainer = PPOTrainer(cfg, ctx, run_dir, checked)
             last = trainer.fit()
             if ctx.is_main:
                 report(run_dir, last)
         finally:
             if trainer is not None:
                 trainer.close()
-            elif early is not None:  # never owned by a trainer (stopping is idempotent)
-                early.shutdown()
-            if ctx is not None:
-                bootstrap.teardown()
+            bootstrap.teardown()
         return run_dir
 
 

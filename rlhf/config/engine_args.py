@@ -3,7 +3,7 @@
 A mapping of SGLang `ServerArgs` names to values (`chunked_prefill_size: 4096`,
 `enable_torch_compile: true`). Each name is checked against SGLang's own argument parser
 (an unknown one is an error suggesting the nearest), and the values are parsed by it, so a
-wrong type fails before the run uses any server. Arguments this project sets from its own keys
+wrong type fails before any server starts. Arguments this project sets from its own keys
 are refused with the key to use instead. `server_argv` turns the mapping into command-line
 options, appended after ours; `true` switches a flag on, `false` leaves it off.
 `launched_rollout` adds what the run itself needs of the servers (rollout routing replay:

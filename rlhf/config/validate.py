@@ -295,7 +295,7 @@ def model_split_problem(shape: ModelShape, tp: int, pp: int, vp: int = 1) -> tup
 def check_model_split(
     layout: ParallelLayout, shape: ModelShape, prefix: str = f"{AR}.actor"
 ) -> None:
-    """A model that does not divide is refused here, before the run uses any server, rather than
+    """A model that does not divide is refused here, before any server starts, rather than
     by Megatron after."""
     problem = model_split_problem(shape, layout.tp_size, layout.pp_size, layout.vp_size)
     if problem is not None:

@@ -83,7 +83,7 @@ def _shape_mismatch(reader: HFCheckpointReader, arch: ModelArch) -> str | None:
 
 
 def check_servable_policy(arch: ModelArch, model_dir: str | Path, key: str) -> None:
-    """The policy is served by SGLang for rollouts: refuse, before the run uses any server, a
+    """The policy is served by SGLang for rollouts: refuse, before any server starts, a
     model SGLang would serve wrongly (`sglang_serving_problem`)."""
     problem = sglang_serving_problem(arch.moe, arch.family)
     if problem is not None:

@@ -34,7 +34,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -261,13 +260,11 @@ class PolicyServers:
         arch: ModelArch,
         tools: dict[str, Tool],
         processor: ImageProcessor | None = None,
-        early: SGLangEngine | None = None,
     ) -> PolicyServers:
         """Start the servers (without waiting: the caller builds its models meanwhile and then
         calls `wait_ready`) and the weight syncer of this rank's node; `tools`: the configured
         tools (`load_configured_tools`), which the owner ranks' conversations call;
-        `processor`: a vision-language policy's (`rlhf.data.images`); `early`: the servers
-        `early_engine` started, taken as this node's when their KV cache is large enough."""
+        `processor`: a vision-language policy's (`rlhf.data.images`)."""
         check_servable(arch)
         rollout = cfg.actor_rollout_ref.rollout
         per_node = rollout.server_urls is None and ctx.num_nodes > 1
@@ -292,10 +289,8 @@ class PolicyServers:
                 tools,
             )
             kv_tokens = server_kv_cache_tokens(cfg.data, rollout, ctx, max_prompts, arch)
-            lora, where = adapters is not None, (ctx.device.type, ctx.local_world_size)
-            engine = adopted(early, kv_tokens) or _engine(
-                cfg.actor_rollout_ref, cfg.data.seed, where, node_dir, kv_tokens, lora
-            )
+            lora = adapters is not None
+            engine = _engine(cfg.actor_rollout_ref, cfg.data.seed, ctx, node_dir, kv_tokens, lora)
         try:
             urls = node_server_urls(ctx, engine, per_node)
             topology = SyncTopology.of(ctx, per_node=per_node)
@@ -560,62 +555,24 @@ class PolicyServers:
 def _engine(
     aro: ActorRolloutRefConfig,
     seed: int,
-    where: tuple[str, int],
+    ctx: ParallelContext,
     node_dir: Path,
     kv_tokens: int,
     lora: bool,
 ) -> SGLangEngine:
-    """This node's servers, launched without waiting; `where`: the device type and the
-    node's ranks (`lora`: every request names the adapter the weight sync loads,
-    `rlhf.weight_sync.adapters`)."""
+    """This node's servers, launched without waiting (`lora`: every request names the
+    adapter the weight sync loads, `rlhf.weight_sync.adapters`)."""
     return SGLangEngine(
         launched_rollout(aro),
         aro.model.path,
         log_dir=node_dir / "logs",
-        device=where[0],
+        device=ctx.device.type,
         seed=seed,
         max_total_tokens=kv_tokens,
         wait=False,
-        gpus_per_node=where[1],
+        gpus_per_node=ctx.local_world_size,
         lora=ADAPTER if lora else None,
     )
-
-
-def adopted(early: SGLangEngine | None, kv_tokens: int) -> SGLangEngine | None:
-    """`early` when its KV cache holds `kv_tokens`; else (stopped) None."""
-    if early is None or (early.group.max_total_tokens or 0) >= kv_tokens:
-        return early
-    early.shutdown()
-    return None
-
-
-def early_engine(
-    aro: ActorRolloutRefConfig,
-    data: DataConfig,
-    run_dir: Path,
-    device: str,
-    ranks: tuple[int, int, bool],
-) -> SGLangEngine | None:
-    """The servers `PolicyServers.launch` would start, started before the trainer's imports
-    and checks, where that launch follows from the config alone: on the CPU, on one node,
-    servers this run launches, on the main rank (`ranks`: the world's and the node's rank
-    counts, whether this is the main rank). Their KV cache counts every validation row
-    (the checks may still drop overlong prompts). Their owner stops them if anything fails
-    before `PolicyServers.launch` adopts them (`rlhf.cli.train.run`)."""
-    world, local, is_main = ranks
-    if device != "cpu" or world != local or aro.rollout.server_urls or not is_main:
-        return None
-    files = data.val_files or []
-    paths = [files] if isinstance(files, str) else files
-    try:  # a file or model the checks refuse starts nothing here: they say what is wrong
-        num_val = sum(pq.read_metadata(path).num_rows for path in paths)
-    except (OSError, ValueError):
-        return None
-    if not (Path(aro.model.path) / "config.json").is_file():
-        return None
-    kv_tokens = kv_cache_tokens(data, aro.rollout, max(data.train_batch_size, num_val))
-    lora = not aro.model.lora_merge and lora_spec(aro.model) is not None
-    return _engine(aro, data.seed, (device, local), run_dir, kv_tokens, lora)
 
 
 def node_server_urls(ctx: ParallelContext, engine: SGLangEngine | None, per_node: bool):

@@ -31,7 +31,6 @@ from rlhf.logging import StepProfiler
 from rlhf.memory.checkpoint_size import checkpoint_bytes, save_hold_text
 from rlhf.memory.ledger import ledger
 from rlhf.reward.validation import val_samples, validation_metrics
-from rlhf.rollout.engine import SGLangEngine
 from rlhf.rollout.policy_servers import PolicyServers, val_sampling_params
 from rlhf.trainer.checkpoints import CheckpointKeeper
 from rlhf.trainer.metrics import (
@@ -68,16 +67,8 @@ class Validation:
 class PPOTrainer:
     """Holds the run: data, models, policy servers, controllers, checkpoints; runs the loop."""
 
-    def __init__(
-        self,
-        cfg: RLHFConfig,
-        ctx: ParallelContext,
-        run_dir: Path,
-        checked: Preflight,
-        early: SGLangEngine | None = None,
-    ):
-        """`checked`: what `rlhf.trainer.preflight.preflight` checked and loaded; `early`: the
-        servers started before it (`rlhf.rollout.policy_servers.early_engine`)."""
+    def __init__(self, cfg: RLHFConfig, ctx: ParallelContext, run_dir: Path, checked: Preflight):
+        """`checked`: what `rlhf.trainer.preflight.preflight` checked and loaded."""
         self.cfg, self.ctx, self.run_dir, self.arch = cfg, ctx, run_dir, checked.arch
         self.plan, self.tokenizer, self.tools = checked.plan, checked.tokenizer, checked.tools
         self.train_data, self.val_data = checked.train_data, checked.val_data
@@ -89,7 +80,7 @@ class PPOTrainer:
         self.total_steps = cfg.trainer.total_training_steps or (
             cfg.trainer.total_epochs * self.steps_per_epoch()
         )
-        # before the run uses any server: a read-only or too small checkpoint directory fails now
+        # before any server starts: a read-only or too small checkpoint directory fails now
         aro = cfg.actor_rollout_ref
         trained = trained_megatron(aro, cfg.critic, cfg.algorithm)
         size = checkpoint_bytes(trained.values(), checked.arch, cfg.trainer.save_hf, ctx.dp_sp_size)
@@ -103,7 +94,7 @@ class PPOTrainer:
         if ctx.is_main:
             self.log_save_plan()
         self.checkpoints = self.keeper.manager
-        # before the run uses any server: a missing or damaged checkpoint fails (or falls back) now,
+        # before any server starts: a missing or damaged checkpoint fails (or falls back) now,
         # and one written under settings that would mix two runs is refused
         self.resume_path = self.checkpoints.resolve_resume(cfg.trainer.resume_mode)
         if self.resume_path is not None:
@@ -123,7 +114,6 @@ class PPOTrainer:
             checked.arch,
             self.tools,
             checked.processor,
-            early,
         )
         try:
             with ledger().phase("build"):

@@ -284,7 +284,7 @@ def _check_world_size(checkpoint: Path, world_size: int) -> None:
 
 def load_policy_arch(cfg: RLHFConfig) -> ModelArch:
     """The policy's architecture (`actor_rollout_ref.model.path`), once every model directory
-    of the run has passed `check_model_dir`: this runs before the run uses any server, so a model
+    of the run has passed `check_model_dir`: this runs before any server starts, so a model
     the trainer cannot load fails in one line instead of after SGLang has loaded it."""
     aro = cfg.actor_rollout_ref
     dirs = {MODEL_KEY: aro.model.path}  # config key -> HF directory of each model loaded
@@ -410,7 +410,7 @@ def check_router_replay(actor: ActorConfig, bypass_mode: bool, arch: ModelArch) 
 def check_megatron_overrides(trained: dict[str, MegatronParallelConfig]) -> None:
     """Every `megatron.override_transformer_config` field of the trained models (by role,
     `rlhf.config.validate.trained_megatron`) is one of Megatron's TransformerConfig that the
-    model and this system's keys leave free (before the run uses any server)."""
+    model and this system's keys leave free (before any server starts)."""
     for role, megatron in trained.items():
         prefix = f"{AR}.actor" if role == "actor" else role
         key = f"{prefix}.megatron.override_transformer_config"
@@ -463,7 +463,7 @@ def preflight(
     is_main: bool = True,
 ) -> Preflight:
     """Every check that needs a model, the world or the data, before the process groups
-    exist and before the run uses any server, in one line each (`rlhf.errors`); `device`: the
+    exist and before any server starts, in one line each (`rlhf.errors`); `device`: the
     device type the run trains on (the memory plan's), logged by the `is_main` process."""
     arch = load_policy_arch(cfg)  # every model directory checked, once
     layout = validate_config(cfg, world_size, arch, local_world_size)
