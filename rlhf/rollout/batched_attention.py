@@ -1,19 +1,21 @@
-"""One attention call per layer for a batch on SGLang's CPU `torch_native` backend.
+"""One attention call per layer for a decode batch on SGLang's CPU `torch_native` backend.
 
-SGLang 0.5.23's `TorchNativeAttnBackend` attends one request at a time in a Python loop,
-in a decode batch (`_run_sdpa_forward_decode`) and in a prefill (`_run_sdpa_forward_extend`):
-per layer and request it slices the query, gathers the request's keys and values from the
-cache and calls `scaled_dot_product_attention`, about ten torch ops each. On the CPU engine
-those loops were the largest part of generation. Here the batch's cache slots are gathered
-once per layer into a [requests, longest] index, padded with slot 0 (SGLang's padding
-slot) and masked past each request's length, and one SDPA call attends every request. A
-prefill puts each request's new tokens into a padded [requests, most new tokens] grid of
-queries too, causally masked at their positions after the request's cached prefix.
+SGLang 0.5.23's `TorchNativeAttnBackend._run_sdpa_forward_decode` attends one request at a
+time in a Python loop: per layer and request it slices the query, gathers the request's
+keys and values from the cache and calls `scaled_dot_product_attention`, about ten torch
+ops each. On the CPU engine that loop was the largest part of a decode step. Here the
+batch's cache slots are gathered once per layer (one `index_select`) into a
+[requests, longest] grid, padded with slot 0 (SGLang's padding slot) and masked past each
+request's length, and one SDPA call attends every request.
 
-The results equal the loops' up to float rounding (the padded keys get exactly zero
-weight; the matrix products reduce over a longer, zero-padded row). Batches they do not
-cover (an encoder, cross-attention, a sliding window, a non-causal prefill) go to SGLang's
-loops. The SGLang plugin installs both on the CPU engine (`rlhf.rollout.sglang_plugin`).
+The result equals the loop's up to float rounding (the padded keys get exactly zero
+weight; the matrix products reduce over a longer, zero-padded row). Batches it does not
+cover (an encoder, cross-attention, a sliding window) go to SGLang's loop. The SGLang
+plugin installs it on the CPU engine (`rlhf.rollout.sglang_plugin`). A prefill's loop
+(`_run_sdpa_forward_extend`) stays SGLang's: batched the same way it differed from the loop
+by up to 8e-6 at prompts of a few hundred tokens (the CPU kernel's masked blocks against
+its causal ones), and the tiny VLM's trainer/server log-prob gap over 40 GRPO steps grew
+past its 1e-4 bound (1.9e-4, against 5.5e-5 with SGLang's loop).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from torch.nn.functional import scaled_dot_product_attention
 
 BACKEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 DECODE = f"{BACKEND}._run_sdpa_forward_decode"
-EXTEND = f"{BACKEND}._run_sdpa_forward_extend"
 
 
 def _covered(bound: dict) -> bool:
@@ -50,30 +51,6 @@ def batched_decode(original, backend, query, output, k_cache, v_cache, *args, **
     )
 
 
-def batched_extend(original, backend, query, output, k_cache, v_cache, *args, **kwargs):
-    """SGLang's prefill attention (an AROUND hook: same signature and result, one SDPA)."""
-    names = (
-        "req_to_token",
-        "req_pool_indices",
-        "seq_lens",
-        "extend_prefix_lens",
-        "extend_seq_lens",
-        "encoder_lens",
-    )
-    bound = dict(zip(names, args, strict=False)) | kwargs
-    if not _covered(bound) or not bound.get("causal") or len(args) > 6:
-        return original(backend, query, output, k_cache, v_cache, *args, **kwargs)
-    return attend_new_tokens(
-        query,
-        output,
-        (k_cache, v_cache),
-        (bound["req_to_token"], bound["req_pool_indices"]),
-        (bound["extend_prefix_lens"], bound["extend_seq_lens"]),
-        scale=bound.get("scaling"),
-        gqa=bool(bound.get("enable_gqa", False)),
-    )
-
-
 def attend(query, output, caches, rows, seq_lens, scale=None, gqa=False):
     """Attention of one new token per request over its cached tokens.
 
@@ -92,36 +69,6 @@ def attend(query, output, caches, rows, seq_lens, scale=None, gqa=False):
         enable_gqa=gqa,
     )
     output.copy_(attended.squeeze(2))
-    return output
-
-
-def attend_new_tokens(query, output, caches, rows, lens, scale=None, gqa=False):
-    """Causal attention of each request's new tokens over its prefix and themselves, whose
-    keys and values are already in the cache.
-
-    query, output: [new tokens, heads, head_dim], request after request; caches, rows: as
-    `attend`; lens: each request's cached prefix and new tokens.
-    """
-    prefix, new = (t.to(torch.long) for t in lens)
-    most = int(new.max())
-    step = torch.arange(most, device=query.device)
-    fresh = step < new[:, None]  # [requests, most]: a real new token
-    starts = torch.cumsum(new, 0) - new
-    tokens = (starts[:, None] + step).masked_fill(~fresh, 0).flatten()
-    keys, values, valid = cached(caches, rows, prefix + new, query.dtype)
-    position = prefix[:, None] + step  # each query's position in its request
-    seen = torch.arange(keys.shape[2], device=query.device) <= position[..., None]
-    grid = query.index_select(0, tokens).view(*fresh.shape, *query.shape[1:]).transpose(1, 2)
-    attended = scaled_dot_product_attention(
-        grid,
-        keys,
-        values,
-        attn_mask=(seen & valid[:, None, :])[:, None],
-        scale=scale,
-        enable_gqa=gqa,
-    )
-    flat = attended.transpose(1, 2).reshape(-1, *output.shape[1:])
-    output.copy_(flat.index_select(0, fresh.flatten().nonzero().squeeze(1)))
     return output
 
 

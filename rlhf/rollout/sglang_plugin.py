@@ -32,8 +32,8 @@
    `--enable-lora` on the CPU): SGLang's LoRA layers and adapters pin their host tensors
    (`pin_memory`), which needs a CUDA driver ("Found no NVIDIA driver" as the first
    adapter loads); they stay unpinned here (there is no GPU to copy them to).
-7. On the CPU engine: a decode batch's and a prefill's attention is one SDPA call per layer
-   (`rlhf.rollout.batched_attention`) instead of `torch_native`'s loops over the requests.
+7. On the CPU engine: a decode batch's attention is one SDPA call per layer
+   (`rlhf.rollout.batched_attention`) instead of `torch_native`'s loop over the requests.
 8. On the CPU engine: the server's scheduler and detokenizer processes are forked from
    its first process instead of spawned (`multiprocessing`'s start method set back to
    "fork" after SGLang's `_set_envs_and_config` sets "spawn"). A spawned process imports
@@ -76,7 +76,6 @@ def register() -> None:
         HookRegistry.register(MLA_DISPATCH, absorbed_latent_attention, HookType.AROUND)
         attention = batched_attention
         HookRegistry.register(attention.DECODE, attention.batched_decode, HookType.AROUND)
-        HookRegistry.register(attention.EXTEND, attention.batched_extend, HookType.AROUND)
         HookRegistry.register(ENGINE_SETUP, forked_processes, HookType.AFTER)
     if not torch.cuda.is_available():
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
