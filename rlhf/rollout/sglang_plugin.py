@@ -1,4 +1,4 @@
-"""An SGLang general plugin for the servers this project launches; eight jobs.
+"""An SGLang general plugin for the servers this project launches; seven jobs.
 
 1. The torch.distributed stores SGLang's processes host listen on their given host only,
    not on every interface. SGLang's scheduler joins its process group with
@@ -34,13 +34,6 @@
    adapter loads); they stay unpinned here (there is no GPU to copy them to).
 7. On the CPU engine: a decode batch's attention is one SDPA call per layer
    (`rlhf.rollout.batched_attention`) instead of `torch_native`'s loop over the requests.
-8. On the CPU engine: the server's scheduler and detokenizer processes are forked from
-   its first process instead of spawned (`multiprocessing`'s start method set back to
-   "fork" after SGLang's `_set_envs_and_config` sets "spawn"). A spawned process imports
-   SGLang and torch again, about 6 s of the server's 15 s start here, and holds its own
-   copy of every module (~0.4 GB each); a forked one starts from the first process's
-   imports and shares those pages. Nothing CUDA exists in these processes to make fork
-   unsafe, and the first process has run no torch thread pool when it forks.
 
 SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
 the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the
@@ -60,7 +53,6 @@ from rlhf.rollout import batched_attention
 
 ENV = "RLHF_SGLANG_BOUND_STORES"
 GATE_KERNEL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
-ENGINE_SETUP = "sglang.srt.entrypoints.engine._set_envs_and_config"
 
 
 def register() -> None:
@@ -76,7 +68,6 @@ def register() -> None:
         HookRegistry.register(MLA_DISPATCH, absorbed_latent_attention, HookType.AROUND)
         attention = batched_attention
         HookRegistry.register(attention.DECODE, attention.batched_decode, HookType.AROUND)
-        HookRegistry.register(ENGINE_SETUP, forked_processes, HookType.AFTER)
     if not torch.cuda.is_available():
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 
@@ -188,11 +179,3 @@ def gate_sigmoid_mul(
     if do_add:
         result += output.float()
     output.copy_(result)
-
-
-def forked_processes(result, *args, **kwargs):
-    """After SGLang's process setup chose "spawn" for its subprocesses: "fork" (job 8)."""
-    import multiprocessing
-
-    multiprocessing.set_start_method("fork", force=True)
-    return result
