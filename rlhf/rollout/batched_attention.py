@@ -14,8 +14,7 @@ cover (an encoder, cross-attention, a sliding window) go to SGLang's loop. The S
 plugin installs it on the CPU engine (`rlhf.rollout.sglang_plugin`). A prefill's loop
 (`_run_sdpa_forward_extend`) stays SGLang's: batched the same way it differed from the loop
 by up to 8e-6 at prompts of a few hundred tokens (the CPU kernel's masked blocks against
-its causal ones), and the tiny VLM's trainer/server log-prob gap over 40 GRPO steps grew
-past its 1e-4 bound (1.9e-4, against 5.5e-5 with SGLang's loop).
+its causal ones); whether that moves the trainer/server log-prob gap is not settled.
 """
 
 from __future__ import annotations

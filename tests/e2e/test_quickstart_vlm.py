@@ -72,8 +72,11 @@ def test_grpo_on_the_tiny_vlm_learns_to_count(vlm_model, tmp_path):
     print(f"validation reward: {val}")
     assert val[STEPS] - val[0] >= MIN_RISE, val
     trained = [r for r in rows if r["step"] > 0]
-    assert all(r["rollout_corr/max_abs_diff"] < 1e-4 for r in trained)  # measured 1.2e-5
-    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in trained)
+    # fp32 rounding between SGLang's and Megatron's paths: the largest gap over a run's 40
+    # steps read 4.4e-5 to 5.7e-4 in 7 runs (median step ~1e-5), commit b9257a5's code
+    # included (1.3e-4); an image or weight out of place reads 1e-2 and more
+    assert all(r["rollout_corr/max_abs_diff"] < 1e-3 for r in trained)
+    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in trained)
     record = json.loads((tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().split("\n")[0])
     train_file = tmp_path / "data" / "train.parquet"
     assert record["images_from"] == f"row {record['prompt_index']} of {train_file}"
