@@ -22,22 +22,19 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-BACKEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-DECODE = f"{BACKEND}._run_sdpa_forward_decode"
-
-
-def _covered(bound: dict) -> bool:
-    """A batch of plain self-attention: no encoder, no cross-attention, no window."""
-    window = bound.get("sliding_window_size")
-    plain = bound.get("encoder_lens") is None and not bound.get("is_cross_attn")
-    return plain and (window is None or window <= -1)
+TARGET = (
+    "sglang.srt.layers.attention.torch_native_backend."
+    "TorchNativeAttnBackend._run_sdpa_forward_decode"
+)
 
 
 def batched_decode(original, backend, query, output, k_cache, v_cache, *args, **kwargs):
     """SGLang's decode attention (an AROUND hook: same signature and result, one SDPA)."""
     names = ("req_to_token", "req_pool_indices", "seq_lens", "encoder_lens")
     bound = dict(zip(names, args, strict=False)) | kwargs
-    if not _covered(bound) or len(args) > 4:
+    window = bound.get("sliding_window_size")
+    plain = bound.get("encoder_lens") is None and not bound.get("is_cross_attn")
+    if not plain or (window is not None and window > -1) or len(args) > 4:
         return original(backend, query, output, k_cache, v_cache, *args, **kwargs)
     return attend(
         query,
@@ -58,7 +55,13 @@ def attend(query, output, caches, rows, seq_lens, scale=None, gqa=False):
     cache slots by position) and each request's row in it; seq_lens: each request's
     length, the new token included.
     """
-    keys, values, valid = cached(caches, rows, seq_lens, query.dtype)
+    table, requests = rows
+    width = int(seq_lens.max())
+    valid = torch.arange(width, device=query.device) < seq_lens[:, None]
+    index = table[requests, :width].masked_fill(~valid, 0).long()
+    keys, values = (gather(cache, index).transpose(1, 2) for cache in caches)
+    if keys.dtype != query.dtype:
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
     attended = scaled_dot_product_attention(
         query.unsqueeze(2),
         keys,
@@ -69,19 +72,6 @@ def attend(query, output, caches, rows, seq_lens, scale=None, gqa=False):
     )
     output.copy_(attended.squeeze(2))
     return output
-
-
-def cached(caches, rows, seq_lens, dtype):
-    """Each request's keys and values, [requests, kv heads, longest, head_dim] in `dtype`
-    (slot 0 past a request's length), and [requests, longest] which positions it has."""
-    table, requests = rows
-    width = int(seq_lens.max())
-    valid = torch.arange(width, device=seq_lens.device) < seq_lens[:, None]
-    index = table[requests, :width].masked_fill(~valid, 0).long()
-    keys, values = (gather(cache, index).transpose(1, 2) for cache in caches)
-    if keys.dtype != dtype:
-        keys, values = keys.to(dtype), values.to(dtype)
-    return keys, values, valid
 
 
 def gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

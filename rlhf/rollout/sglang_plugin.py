@@ -66,8 +66,8 @@ def register() -> None:
         HookRegistry.register(GATE_KERNEL, gate_sigmoid_mul, HookType.REPLACE)
         _seeded_sampling(HookRegistry, HookType)
         HookRegistry.register(MLA_DISPATCH, absorbed_latent_attention, HookType.AROUND)
-        attention = batched_attention
-        HookRegistry.register(attention.DECODE, attention.batched_decode, HookType.AROUND)
+        decode = batched_attention.batched_decode
+        HookRegistry.register(batched_attention.TARGET, decode, HookType.AROUND)
     if not torch.cuda.is_available():
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 

@@ -68,8 +68,8 @@ INSTALLED = """
 import os, torch
 from rlhf.rollout import batched_attention, sglang_plugin
 calls = []
-cached = batched_attention.cached
-batched_attention.cached = lambda *a, **k: calls.append(1) or cached(*a, **k)
+attend = batched_attention.attend
+batched_attention.attend = lambda *a, **k: calls.append(1) or attend(*a, **k)
 sglang_plugin.register()
 from sglang.srt.plugins.hook_registry import HookRegistry
 HookRegistry.apply_hooks()
