@@ -1,4 +1,4 @@
-"""An SGLang general plugin for the servers this project launches; seven jobs.
+"""An SGLang general plugin for the servers this project launches; nine jobs.
 
 1. The torch.distributed stores SGLang's processes host listen on their given host only,
    not on every interface. SGLang's scheduler joins its process group with
@@ -34,6 +34,18 @@
    adapter loads); they stay unpinned here (there is no GPU to copy them to).
 7. On the CPU engine: a decode batch's attention is one SDPA call per layer
    (`rlhf.rollout.batched_attention`) instead of `torch_native`'s loop over the requests.
+8. On the CPU engine: the server's scheduler and detokenizer processes are forked from
+   its first process instead of spawned (`multiprocessing`'s start method set back to
+   "fork" after SGLang's `_set_envs_and_config` sets "spawn"). A spawned process imports
+   SGLang and torch again, about 6 s of the server's 15 s start here, and holds its own
+   copy of every module (~0.4 GB each); a forked one starts from the first process's
+   imports and shares those pages. Nothing CUDA exists in these processes to make fork
+   unsafe, and the first process has run no torch thread pool when it forks.
+9. Megatron-Core is not importable in the servers' processes. SGLang's debug dumper,
+   which its model runner imports, imports Megatron-Core whenever it is installed (to
+   report Megatron's parallel ranks when SGLang runs inside a Megatron trainer); this
+   project's servers run beside the trainer, never inside it, and the import cost each
+   server's scheduler about 2 s of its start.
 
 SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
 the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the
@@ -45,6 +57,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import types
 
 import torch
@@ -53,6 +66,7 @@ from rlhf.rollout import batched_attention
 
 ENV = "RLHF_SGLANG_BOUND_STORES"
 GATE_KERNEL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
+ENGINE_SETUP = "sglang.srt.entrypoints.engine._set_envs_and_config"
 
 
 def register() -> None:
@@ -60,6 +74,7 @@ def register() -> None:
     if os.environ.get(ENV) != "1":
         return
     _bind_stores()
+    sys.modules.setdefault("megatron", None)  # type: ignore[arg-type]  # job 9: import fails
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -68,6 +83,7 @@ def register() -> None:
         HookRegistry.register(MLA_DISPATCH, absorbed_latent_attention, HookType.AROUND)
         decode = batched_attention.batched_decode
         HookRegistry.register(batched_attention.TARGET, decode, HookType.AROUND)
+        HookRegistry.register(ENGINE_SETUP, forked_processes, HookType.AFTER)
     if not torch.cuda.is_available():
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 
@@ -179,3 +195,11 @@ def gate_sigmoid_mul(
     if do_add:
         result += output.float()
     output.copy_(result)
+
+
+def forked_processes(result, *args, **kwargs):
+    """After SGLang's process setup chose "spawn" for its subprocesses: "fork" (job 8)."""
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
+    return result

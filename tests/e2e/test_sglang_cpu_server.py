@@ -86,3 +86,25 @@ def test_no_process_of_a_launched_server_listens_beyond_loopback(sglang_server):
     assert len(listening) >= 2, listening  # the HTTP server and the scheduler's store
     exposed = [item for item in listening if not ipaddress.ip_address(item[2].ip).is_loopback]
     assert not exposed, exposed
+
+
+def test_the_cpu_servers_processes_are_forked_and_share_its_imports(sglang_server):
+    """The project's SGLang plugin has a CPU server fork its scheduler and detokenizer
+    (job 8 of rlhf/rollout/sglang_plugin.py) instead of spawning fresh interpreters that
+    import SGLang again: each shares anonymous pages (the imported modules) with the
+    server's first process, so its proportional share of them is well below their size.
+    Spawned, each held its own (Pss_Anon = Anonymous)."""
+    from pathlib import Path
+
+    import psutil
+
+    root = psutil.Process(sglang_server.proc.pid)
+    server = next(p for p in [root, *root.children(recursive=True)] if p.children())
+    shares = {}
+    for child in server.children():
+        rollup = Path(f"/proc/{child.pid}/smaps_rollup").read_text().splitlines()[1:]
+        fields = dict(line.split(":")[0:2] for line in rollup)
+        anonymous, share = (int(fields[k].split()[0]) for k in ("Anonymous", "Pss_Anon"))
+        shares[child.name()] = share / anonymous
+    assert len(shares) == 2, shares  # the scheduler and the detokenizer
+    assert all(share < 0.8 for share in shares.values()), shares
