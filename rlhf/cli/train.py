@@ -89,7 +89,11 @@ def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
 def run(cfg: RLHFConfig) -> Path:
     """Lock the run directory (main rank), check the config against the launched world and
     the model (`rlhf.trainer.preflight`), bootstrap, then train."""
-    from rlhf.distributed import bootstrap
+    from rlhf.distributed import bootstrap, cpu_compat
+
+    device = bootstrap.pick_device(cfg.trainer.device).type
+    if device == "cpu":  # before Megatron-Core's import (0.5 s of the start-up)
+        cpu_compat.plain_megatron_fusers()
     from rlhf.trainer.loop import PPOTrainer
     from rlhf.trainer.preflight import preflight
 
@@ -97,7 +101,6 @@ def run(cfg: RLHFConfig) -> Path:
     with locked(run_dir):
         world = bootstrap.launched_world_size() or 1
         local = bootstrap.launched_local_world_size() or 1
-        device = bootstrap.pick_device(cfg.trainer.device).type
         is_main = int(os.environ.get("RANK", "0")) == 0
         checked = preflight(cfg, world, local, device, is_main)  # before any server starts
         ctx = bootstrap_layout(cfg.trainer.device, checked.layout, world)

@@ -40,17 +40,29 @@ router's own torch.mm path. Its multi-latent attention (DeepSeek-V3) imports TE'
 from Megatron's TE extension, which without TE hands out mock stand-ins instead of failing,
 so that module believes TE present (`HAVE_TE`) and tests `isinstance(..., TELinear)` against
 a mock (a TypeError when building the layer); its `HAVE_TE` is set to the extension's.
+
+Megatron-Core decorates its fusable functions with `jit_fuser`, which is `torch.compile`
+on torch >= 2.2: wrapping them as its modules import imports TorchDynamo and Inductor,
+1.0-1.3 s of the 2.1-2.5 s Megatron-Core's import took here (0.5 s of a trainer's start
+before its servers launch: transformers' tokenizer imports TorchDynamo anyway). The CPU
+path calls none of them (bias-dropout and activation fusion are off), so a CPU run leaves
+`jit_fuser` a plain decorator (`plain_megatron_fusers`), set as `megatron.core.jit` is
+imported, before any module decorates with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
+_JIT = "megatron.core.jit"
 _MODE: TorchFunctionMode | None = None
 _STACKED: list[TorchFunctionMode] = []  # `stacked_modes`: over `_MODE`, backwards included
 
@@ -306,3 +318,34 @@ def _backward_functions_in_mode(mode: TorchFunctionMode) -> None:
             return run_backward(self, *args)
 
     BackwardCFunction.apply = apply  # type: ignore[method-assign]
+
+
+class _PlainFusers(importlib.abc.MetaPathFinder):
+    """Finds `megatron.core.jit` as Python would, then disables its `jit_fuser` as soon as
+    the module has run (see the module docstring)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _JIT:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run(module)
+            module.disable_jit_fuser()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def plain_megatron_fusers() -> bool:
+    """Megatron-Core's `jit_fuser` a plain decorator in this process, for a run on the CPU;
+    call before anything imports Megatron-Core. False when it has been imported already
+    (its functions are decorated by then), and then nothing changes."""
+    if _JIT in sys.modules:
+        return False
+    if not any(isinstance(finder, _PlainFusers) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PlainFusers())
+    return True

@@ -179,3 +179,54 @@ def test_unequal_gather_and_reduce_scatter_on_one_rank(one_rank):
     x = torch.arange(6.0).view(3, 2)
     assert torch.equal(mappings._gather_along_first_dim(x, group, [3]), x)
     assert torch.equal(mappings._reduce_scatter_along_first_dim(x, group, [3]), x)
+
+
+FUSERS = """
+import sys, inspect
+from rlhf.distributed import cpu_compat
+print("installed", cpu_compat.plain_megatron_fusers())
+from megatron.core import jit
+from megatron.core.fusions import fused_bias_dropout
+print("plain", jit.jit_fuser is jit.noop_decorator,
+      inspect.isfunction(fused_bias_dropout.bias_dropout_add_fused_train))
+print("dynamo imported", "torch._dynamo" in sys.modules)
+print("again", cpu_compat.plain_megatron_fusers())
+"""
+
+THROUGH_THE_CLI = """
+import sys
+from rlhf.cli import train
+code = train.main(["--config", {config!r}, "actor_rollout_ref.model.path=/no/such/model",
+                   "trainer.default_local_dir=" + {run_dir!r}])
+from megatron.core import jit
+print("exit", code, "plain", jit.jit_fuser is jit.noop_decorator)
+"""
+
+
+def _python(code: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_megatrons_fusers_stay_plain_functions_and_import_no_compiler():
+    """`plain_megatron_fusers` before Megatron-Core's import: its `jit_fuser` stays a plain
+    decorator (`torch.compile` otherwise), so importing it imports no TorchDynamo; called
+    once Megatron-Core is imported it changes nothing and says so."""
+    out = _python(FUSERS)
+    assert "installed True" in out and "again False" in out, out
+    assert "plain True True" in out, out
+    assert "dynamo imported False" in out, out
+
+
+def test_a_cpu_run_of_the_trainer_sets_them_before_its_imports(tmp_path):
+    """`rlhf-train` on the CPU (here one that stops at its checks: no model) imported
+    Megatron-Core with the plain decorator."""
+    from tests.helpers import REPO
+
+    config = str(REPO / "configs" / "quickstart_cpu.yaml")
+    out = _python(THROUGH_THE_CLI.format(config=config, run_dir=str(tmp_path / "run")))
+    assert "exit 2 plain True" in out, out
