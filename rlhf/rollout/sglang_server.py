@@ -38,6 +38,9 @@ from rlhf.weight_sync.shm_reaper import mapped_files
 log = logging.getLogger(__name__)
 
 CPU_SHIM_DIR = Path(__file__).parent / "cpu_shims"
+# between /health polls of a starting server: a refused connection costs ~1 ms, and the
+# run waits on average half of this past the moment the server is up
+HEALTH_POLL_S = 0.1
 # `python -m MODULE` with `--api-key` from RLHF_SGLANG_API_KEY added inside the process
 KEYED_LAUNCH = (sys.executable, "-m", "rlhf.rollout.keyed_launch")
 _RUNNING: set[SGLangServer] = set()
@@ -248,7 +251,7 @@ class SGLangServer:
                 )
             if self.healthy():
                 return
-            time.sleep(0.5)
+            time.sleep(HEALTH_POLL_S)
         self.stop()
         raise sglang_api.ServerUnavailable(
             f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s "
