@@ -51,9 +51,17 @@ def test_lora_grpo_raises_validation_reward(quickstart_assets, tmp_path):  # noq
     changed = {k for k in base if not torch.equal(base[k], exported[k])}
     linear = {k for k in base if k.endswith("proj.weight")}
     assert changed == linear, sorted(changed ^ linear)
-    # transformers on the merged export = the checkpoint's base weights + adapters on Megatron
+    # transformers on the merged export = the checkpoint's base weights + adapters on Megatron,
+    # up to the rounding of merging in fp32: the trained adapters move the logits by up to ~9,
+    # and the two read 1.3e-5 to 1.9e-4 apart over runs (a 1% error in the scale: 9e-2)
     verify = rlhf_convert(
-        1, tmp_path / "verify.out", "verify", checkpoint / "actor_hf", checkpoint / "actor"
+        1,
+        tmp_path / "verify.out",
+        "verify",
+        checkpoint / "actor_hf",
+        checkpoint / "actor",
+        "--tol",
+        1e-3,
     )
     assert verify.strip().endswith("OK"), verify
 
