@@ -132,6 +132,17 @@ def healthy(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
         return False
 
 
+def generates(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """Whether a one-token /generate at `url` answers: the scheduler serves. SGLang's
+    /health sends the same token but looks for it only after sleeping 1 s, so a server that
+    has just started answers it a second late."""
+    try:
+        generate(url, {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}, timeout_s)
+        return True
+    except SGLangAPIError:
+        return False
+
+
 def router_healthy_workers(router_url: str) -> set[str]:
     """URLs of the workers an sglang-router reports healthy (none if it does not answer)."""
     try:
@@ -151,9 +162,9 @@ def weight_version(url: str) -> str | None:
     return _get(url, "model_info").get("weight_version")
 
 
-def generate(url: str, request: dict) -> Any:
+def generate(url: str, request: dict, timeout_s: float = ADMIN_TIMEOUT_S) -> Any:
     """One blocking /generate (the probe and tests; rollouts use the async client)."""
-    return _post(url, "generate", request)
+    return _post(url, "generate", request, timeout_s)
 
 
 def prompt_logprobs(

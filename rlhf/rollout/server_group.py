@@ -192,7 +192,7 @@ class ServerGroup:
         """The router answers /health before it has registered its workers: wait for both."""
         timeout_s = self.rollout.server_startup_timeout_s
         deadline = time.monotonic() + timeout_s
-        router.wait_healthy(timeout_s)
+        router.wait_healthy(timeout_s, router=True)
         missing = set(self.server_urls)
         while time.monotonic() < deadline:
             missing = set(self.server_urls) - sglang_api.router_healthy_workers(router.url)

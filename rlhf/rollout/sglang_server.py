@@ -239,8 +239,10 @@ class SGLangServer:
     def healthy(self, timeout_s: float = sglang_api.HEALTH_TIMEOUT_S) -> bool:
         return sglang_api.healthy(self.url, timeout_s)
 
-    def wait_healthy(self, timeout_s: float) -> None:
-        """Block until /health answers 200; raise naming the URL and log if it never does."""
+    def wait_healthy(self, timeout_s: float, router: bool = False) -> None:
+        """Block until the server generates a token (`sglang_api.generates`; a `router`:
+        until its /health answers 200); raise naming the URL and log if it never does."""
+        ready = self.healthy if router else functools.partial(sglang_api.generates, self.url)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.is_alive():
@@ -249,7 +251,7 @@ class SGLangServer:
                     f"SGLang server for {self.url} exited with code {code} before becoming "
                     f"healthy; log {self.log_path}:\n{self.log_tail()}"
                 )
-            if self.healthy():
+            if ready():
                 return
             time.sleep(HEALTH_POLL_S)
         self.stop()

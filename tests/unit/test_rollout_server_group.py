@@ -4,6 +4,7 @@ the restart limit, external servers, re-issue after a kill. Real SGLang: tests/e
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import psutil
 import pytest
@@ -22,7 +24,7 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.rollout import server_group
 from rlhf.rollout.engine import SamplingParams, SGLangEngine
 from rlhf.rollout.server_group import ServerGroup
-from rlhf.rollout.sglang_server import ServerLaunch, live_group
+from rlhf.rollout.sglang_server import ServerLaunch, SGLangServer, live_group
 from rlhf.utils import free_port
 from tests.helpers import REPO
 
@@ -242,6 +244,7 @@ def test_sigterm_handler_stops_servers_and_chains_to_previous_handler(stand_in, 
 SIGTERM_SCRIPT = """
 import json, sys, time
 from pathlib import Path
+from typing import ClassVar
 sys.path.insert(0, {repo!r})
 from rlhf.rollout import server_group
 from rlhf.rollout.engine import SGLangEngine
@@ -298,3 +301,45 @@ def test_a_server_that_fails_but_still_runs_is_waited_for_then_restarted(
         assert group.recover(url) == url
         assert time.monotonic() - start >= 3.0
         assert restarted == [url, url] and group.health() == {url: True}
+
+
+class _Starting(http.server.BaseHTTPRequestHandler):
+    """A server whose /health answers at once but whose scheduler serves only from the
+    fourth /generate on (SGLang's /health, by contrast, answers a second late)."""
+
+    generates: ClassVar[list[int]] = []
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.generates.append(1)
+        ready = len(self.generates) > 3
+        self.send_response(200 if ready else 503)
+        body = b'{"text": "x"}' if ready else b"{}"
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("router", [False, True])
+def test_a_starting_server_is_ready_when_it_generates(tmp_path, router):
+    """`wait_healthy` returns once a one-token /generate answers (a router: once its /health
+    answers), polling every `HEALTH_POLL_S`."""
+    _Starting.generates = []
+    fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Starting)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{fake.server_port}"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    server = SGLangServer(ServerLaunch(argv=sleeper, env={}, url=url), tmp_path / "log")
+    try:
+        server.start().wait_healthy(30, router=router)
+    finally:
+        server.stop()
+        fake.shutdown()
+    assert len(_Starting.generates) == (0 if router else 4)

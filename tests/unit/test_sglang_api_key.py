@@ -110,6 +110,7 @@ def call_every_route(url: str) -> set[str]:
         "server_info": lambda: sglang_api.server_info(url),
         "weight_version": lambda: sglang_api.weight_version(url),
         "generate": lambda: sglang_api.generate(url, {"input_ids": [1]}),
+        "generates": lambda: sglang_api.generates(url),
         "prompt_logprobs": lambda: sglang_api.prompt_logprobs(url, [1, 2]),
         "begin_weight_update": lambda: sglang_api.begin_weight_update(url),
         "end_weight_update": lambda: sglang_api.end_weight_update(url),
