@@ -45,7 +45,7 @@
    which its model runner imports, imports Megatron-Core whenever it is installed (to
    report Megatron's parallel ranks when SGLang runs inside a Megatron trainer); this
    project's servers run beside the trainer, never inside it, and the import cost each
-   server's scheduler about 2 s of its start.
+   server's scheduler about 1 s of its start.
 
 SGLang loads the general plugins registered under the `sglang.srt.plugins` entry point at
 the start of each of its processes (`load_plugins()`: the scheduler, the detokenizer, the

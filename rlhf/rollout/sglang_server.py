@@ -38,7 +38,7 @@ from rlhf.weight_sync.shm_reaper import mapped_files
 log = logging.getLogger(__name__)
 
 CPU_SHIM_DIR = Path(__file__).parent / "cpu_shims"
-# between /health polls of a starting server: a refused connection costs ~1 ms, and the
+# between readiness polls of a starting server: a refused connection costs ~1 ms, and the
 # run waits on average half of this past the moment the server is up
 HEALTH_POLL_S = 0.1
 # `python -m MODULE` with `--api-key` from RLHF_SGLANG_API_KEY added inside the process
