@@ -153,6 +153,20 @@ def ppo_overrides(
     ]
 
 
+def python_output(code: str, env: dict[str, str] | None = None) -> str:
+    """Stdout of `python -c code` in a fresh interpreter, with `env` over this process's
+    environment (a launched server's, `ServerLaunch.env`); fails the test on a non-zero exit."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
 def processes_on(model_dir) -> set[int]:
     """Live processes whose command line names `model_dir` (SGLang servers launched on it)."""
     import psutil

@@ -4,16 +4,13 @@ same cache, slots and lengths."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout import batched_attention
 from rlhf.rollout.sglang_server import build_server_args
+from tests.helpers import python_output
 
 native = pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
 LOOP = native.TorchNativeAttnBackend._run_sdpa_forward_decode
@@ -89,9 +86,4 @@ def test_the_plugin_installs_it_in_a_cpu_servers_process():
     """What SGLang's processes do at start (`load_plugins` then `apply_hooks`), in a fresh
     interpreter with the launcher's environment: the backend's decode goes through here."""
     launch = build_server_args(RolloutConfig(), "model", port=1, device="cpu")
-    env = {**os.environ, **launch.env}
-    done = subprocess.run(
-        [sys.executable, "-c", INSTALLED], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "batched calls 1" in done.stdout
+    assert "batched calls 1" in python_output(INSTALLED, launch.env)

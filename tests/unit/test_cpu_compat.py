@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlhf.distributed.cpu_compat import apply_cpu_compat, is_cuda_device
+from tests.helpers import REPO, python_output
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="layer is CPU-only")
 
@@ -203,20 +204,11 @@ print("exit", code, "plain", jit.jit_fuser is jit.noop_decorator)
 """
 
 
-def _python(code: str) -> str:
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
 def test_megatrons_fusers_stay_plain_functions_and_import_no_compiler():
     """`plain_megatron_fusers` before Megatron-Core's import: its `jit_fuser` stays a plain
     decorator (`torch.compile` otherwise), so importing it imports no TorchDynamo; called
     once Megatron-Core is imported it changes nothing and says so."""
-    out = _python(FUSERS)
+    out = python_output(FUSERS)
     assert "installed True" in out and "again False" in out, out
     assert "plain True True" in out, out
     assert "dynamo imported False" in out, out
@@ -225,8 +217,6 @@ def test_megatrons_fusers_stay_plain_functions_and_import_no_compiler():
 def test_a_cpu_run_of_the_trainer_sets_them_before_its_imports(tmp_path):
     """`rlhf-train` on the CPU (here one that stops at its checks: no model) imported
     Megatron-Core with the plain decorator."""
-    from tests.helpers import REPO
-
     config = str(REPO / "configs" / "quickstart_cpu.yaml")
-    out = _python(THROUGH_THE_CLI.format(config=config, run_dir=str(tmp_path / "run")))
+    out = python_output(THROUGH_THE_CLI.format(config=config, run_dir=str(tmp_path / "run")))
     assert "exit 2 plain True" in out, out

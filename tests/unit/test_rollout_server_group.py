@@ -244,7 +244,6 @@ def test_sigterm_handler_stops_servers_and_chains_to_previous_handler(stand_in, 
 SIGTERM_SCRIPT = """
 import json, sys, time
 from pathlib import Path
-from typing import ClassVar
 sys.path.insert(0, {repo!r})
 from rlhf.rollout import server_group
 from rlhf.rollout.engine import SGLangEngine

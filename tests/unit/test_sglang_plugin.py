@@ -4,14 +4,11 @@ model runner imports, no longer imports it (about 1 s of each server's engine st
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.sglang_server import build_server_args
+from tests.helpers import python_output
 
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
@@ -32,20 +29,12 @@ def test_a_servers_processes_do_not_import_megatron(device):
     """What a server's process does at start (`load_plugins`), with the launcher's
     environment, then the import SGLang's model runner makes."""
     launch = build_server_args(RolloutConfig(), "model", port=1, device=device)
-    env = {**os.environ, **launch.env}
-    done = subprocess.run(
-        [sys.executable, "-c", DUMPER], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "megatron plugin available False" in done.stdout, done.stdout
-    assert "megatron imported False" in done.stdout, done.stdout
+    out = python_output(DUMPER, launch.env)
+    assert "megatron plugin available False" in out, out
+    assert "megatron imported False" in out, out
 
 
 def test_without_the_plugin_sglang_imports_megatron():
     """The same import outside a launched server (the plugin does nothing there)."""
-    env = {k: v for k, v in os.environ.items() if k != "RLHF_SGLANG_BOUND_STORES"}
-    done = subprocess.run(
-        [sys.executable, "-c", DUMPER], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "megatron plugin available True" in done.stdout, done.stdout
+    out = python_output(DUMPER, {"RLHF_SGLANG_BOUND_STORES": ""})
+    assert "megatron plugin available True" in out, out
