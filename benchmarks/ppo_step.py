@@ -34,7 +34,7 @@ import torch
 
 from rlhf.config import load_config
 from rlhf.distributed import bootstrap
-from rlhf.utils import DTYPES
+from rlhf.utils import torch_dtype
 
 
 def parse_args() -> argparse.Namespace:
@@ -183,7 +183,7 @@ def measure(args, model_dir: Path) -> dict:
     stage_s = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
     tokens = sum(batch.sequence_lengths)
     flops = ppo_step_flops(arch, tokens, tokens / batch.size, forward_passes=3, train_epochs=2)
-    peak = measure_matmul_flops(env.device, DTYPES[args.dtype])
+    peak = measure_matmul_flops(env.device, torch_dtype(args.dtype))
     (micro_batches,) = models.planner.plan(batch, args.budget)
     head = models.logprob_head
     (module,) = models.actor.module.chunks  # PP = 1: one chunk

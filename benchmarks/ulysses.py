@@ -59,14 +59,14 @@ def peak_memory_bytes(device: torch.device, rss_before: int) -> int:
 
 
 def worker(args) -> None:
-    from rlhf.distributed import bootstrap
+    from rlhf.distributed import bootstrap, launch_env
     from rlhf.models.builder import build_model, load_hf_weights
     from rlhf.models.families import load_arch
     from rlhf.models.hf_io import HFCheckpointReader
     from rlhf.models.mapping import Placement
     from rlhf.parallel.ulysses import UlyssesAttention, combine_positions, zigzag_positions
 
-    sp = bootstrap.launched_world_size() or 1
+    sp = launch_env.launched_world_size() or 1
     env = bootstrap.init_parallel("auto", sp_size=sp)
     bootstrap.seed_everything(0)
     arch = load_arch(args.model)

@@ -1,7 +1,8 @@
 """Small helpers every layer may use: ports, CPU threads, dtype names, integer rounding,
 atomic file writes.
 
-The bottom of the package: it imports nothing from `rlhf`.
+The bottom of the package: it imports nothing from `rlhf`, and torch only when a helper
+needs it (a launcher imports it before torch: `rlhf.cli.train`).
 """
 
 from __future__ import annotations
@@ -14,22 +15,30 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Ports handed out by free_port: from here up to the kernel's ephemeral range.
 PORT_RANGE_LOW = 30000
 _port_rng = random.SystemRandom()  # unaffected by seeding: two seeded runs differ
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config's dtype name (float32, bfloat16, float16)."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
 def empty_device_cache() -> None:
     """Return the CUDA caching allocator's unused blocks to the driver, so that another
     process on the GPU (a colocated SGLang server) can allocate them; nothing on CPU."""
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -114,6 +123,8 @@ def cpu_threads(active_processes: int) -> int:
 
 def share_cpu_cores(active_processes: int) -> int:
     """Give this process `cpu_threads(active_processes)` torch threads (see there)."""
+    import torch
+
     threads = cpu_threads(active_processes)
     torch.set_num_threads(threads)
     return threads

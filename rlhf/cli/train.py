@@ -19,10 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rlhf.checkpoint.run_lock import RunDirLock
 from rlhf.config import ConfigError, RLHFConfig, dump_yaml, validate_config
 from rlhf.config.hydra_load import grouped, load_command_line
+from rlhf.config.schema import ActorRolloutRefConfig
 from rlhf.config.validate import config_notes
+from rlhf.distributed import launch_env
 from rlhf.errors import ends_in_one_line
 from rlhf.rollout.multi_turn_config import load_configured_tools
 from rlhf.trainer.stopping import Preempted
@@ -54,11 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def resolve(args: argparse.Namespace) -> tuple[RLHFConfig, list[str]]:
     """Load + validate (and load the multi-turn tools, which the config layer cannot); the
     world size comes from torchrun when launched by it. The config and its ignored keys."""
-    from rlhf.distributed.bootstrap import launched_local_world_size, launched_world_size
-
     loaded = load_command_line(args.config, args.config_path, args.config_name, args.overrides)
     cfg = loaded.config
-    validate_config(cfg, launched_world_size(), local_world_size=launched_local_world_size())
+    world, local = launch_env.launched_world_size(), launch_env.launched_local_world_size()
+    validate_config(cfg, world, local_world_size=local)
     load_configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
     return cfg, loaded.ignored
 
@@ -67,12 +67,35 @@ def resolve(args: argparse.Namespace) -> tuple[RLHFConfig, list[str]]:
 def locked(run_dir: Path) -> Iterator[None]:
     """Inside: the run directory locked by the main rank (one run at a time writes into it:
     `rlhf.checkpoint.run_lock`)."""
+    from rlhf.checkpoint.run_lock import RunDirLock  # imports torch (rlhf.checkpoint)
+
     lock = RunDirLock(run_dir).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
     try:
         yield
     finally:
         if lock is not None:
             lock.release()
+
+
+@contextmanager
+def held_servers(aro: ActorRolloutRefConfig, requested_device: str) -> Iterator[None]:
+    """Inside: the launches of this process's servers held while the run imports, checks
+    and builds (`rlhf.rollout.sglang_server.hold_run_servers`: SGLang's ~4 s of imports
+    overlap that work, and no server starts before the checks pass); on the way out, any
+    still held are let go. Entered before torch is imported on the CPU
+    (`trainer.device=cpu`): torch's import is 1 s of the servers' start."""
+    from rlhf.rollout import sglang_server
+
+    device = requested_device
+    if device != "cpu":  # auto, cuda: torch says whether there is a GPU
+        from rlhf.distributed.bootstrap import pick_device
+
+        device = pick_device(requested_device).type
+    sglang_server.hold_run_servers(aro, device, int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        yield
+    finally:
+        sglang_server.release_held()
 
 
 def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
@@ -87,20 +110,21 @@ def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
 
 
 def run(cfg: RLHFConfig) -> Path:
-    """Lock the run directory (main rank), check the config against the launched world and
-    the model (`rlhf.trainer.preflight`), bootstrap, then train."""
-    from rlhf.distributed import bootstrap, cpu_compat
-
-    device = bootstrap.pick_device(cfg.trainer.device).type
-    if device == "cpu":  # before Megatron-Core's import (0.5 s of the start-up)
-        cpu_compat.plain_megatron_fusers()
-    from rlhf.trainer.loop import PPOTrainer
-    from rlhf.trainer.preflight import preflight
-
+    """Hold the servers' launches (`held_servers`), lock the run directory (main rank), check
+    the config against the launched world and the model (`rlhf.trainer.preflight`),
+    bootstrap, then train."""
     run_dir = Path(cfg.trainer.default_local_dir)
-    with locked(run_dir):
-        world = bootstrap.launched_world_size() or 1
-        local = bootstrap.launched_local_world_size() or 1
+    with held_servers(cfg.actor_rollout_ref, cfg.trainer.device), locked(run_dir):
+        from rlhf.distributed import bootstrap, cpu_compat
+
+        device = bootstrap.pick_device(cfg.trainer.device).type
+        if device == "cpu":  # before Megatron-Core's import (0.5 s of the start-up)
+            cpu_compat.plain_megatron_fusers()
+        from rlhf.trainer.loop import PPOTrainer
+        from rlhf.trainer.preflight import preflight
+
+        world = launch_env.launched_world_size() or 1
+        local = launch_env.launched_local_world_size() or 1
         is_main = int(os.environ.get("RANK", "0")) == 0
         checked = preflight(cfg, world, local, device, is_main)  # before any server starts
         ctx = bootstrap_layout(cfg.trainer.device, checked.layout, world)

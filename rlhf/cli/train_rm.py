@@ -26,13 +26,13 @@ log = logging.getLogger("rlhf.cli.train_rm")
 
 def run(cfg: RewardModelRunConfig) -> Path:
     """Lock the run directory (main rank), check the model, bootstrap, train, export."""
-    from rlhf.distributed import bootstrap
+    from rlhf.distributed import bootstrap, launch_env
     from rlhf.trainer.preflight import preflight_reward_model
     from rlhf.trainer.reward_training import EXPORT_DIR, RewardModelTrainer
 
     run_dir = Path(cfg.trainer.default_local_dir)
     with locked(run_dir):
-        world = bootstrap.launched_world_size() or 1
+        world = launch_env.launched_world_size() or 1
         arch, layout = preflight_reward_model(cfg, world)  # before the process groups
         ctx = bootstrap_layout(cfg.trainer.device, layout, world)
         trainer = None
@@ -70,7 +70,7 @@ def report(run_dir: Path, step: int, exported: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from rlhf.distributed.bootstrap import launched_world_size
+    from rlhf.distributed.launch_env import launched_world_size
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(

@@ -25,20 +25,6 @@ from rlhf.distributed.stores import bound_store
 log = logging.getLogger(__name__)
 
 
-def launched_world_size() -> int | None:
-    """WORLD_SIZE when started by torchrun (or an equivalent launcher), else None."""
-    value = os.environ.get("WORLD_SIZE")
-    return int(value) if value else None
-
-
-def launched_local_world_size() -> int | None:
-    """The processes launched on this node: LOCAL_WORLD_SIZE when started by torchrun,
-    WORLD_SIZE when a launcher set only that (one node, as `init_parallel` takes it), else
-    None."""
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(value) if value else launched_world_size()
-
-
 def pick_device(requested: str = "auto") -> torch.device:
     """'auto' -> cuda when available, else cpu. Asking for cuda without one is an error."""
     if requested == "cuda" and not torch.cuda.is_available():

@@ -42,7 +42,7 @@ from rlhf.models.mapping import Placement
 from rlhf.models.model_dir import read_model_arch
 from rlhf.models.moe_arch import MoERouter
 from rlhf.models.vision import freeze_vision_tower
-from rlhf.utils import DTYPES
+from rlhf.utils import torch_dtype
 
 log = logging.getLogger(__name__)
 AR = "actor_rollout_ref"
@@ -128,7 +128,7 @@ def _critic(
         Placement.of(ctx),
         vp_size=update.vp_size,
         seed=section.megatron.seed,
-        params_dtype=DTYPES[section.megatron.dtype],
+        params_dtype=torch_dtype(section.megatron.dtype),
         sp=ctx.sp_size,
         recompute=Recompute.of(section.megatron),
         overrides=section.megatron.override_transformer_config,
@@ -160,7 +160,7 @@ def _reference(
         arch,
         aro.model.path,
         ctx,
-        DTYPES[aro.actor.megatron.dtype],
+        torch_dtype(aro.actor.megatron.dtype),
         vp_size=virtual_pipeline_size(aro.actor.megatron),
         overrides=aro.actor.megatron.override_transformer_config,
         router=dataclasses.replace(router, replay=rollout_routes),
@@ -184,7 +184,7 @@ def build_engine(
             f"but actor_rollout_ref.actor.megatron.sequence_parallel asks for {wanted} at "
             f"TP {ctx.tp_size}: pass the config's layout to init_parallel"
         )
-    policy_dtype = DTYPES[aro.actor.megatron.dtype]
+    policy_dtype = torch_dtype(aro.actor.megatron.dtype)
     vp_size = plan.actor.vp_size
     overrides = aro.actor.megatron.override_transformer_config
     router = MoERouter.of(aro.actor.megatron)  # the reference's too (same token dropping)

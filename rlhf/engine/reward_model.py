@@ -28,7 +28,7 @@ from rlhf.models.builder import value_model_from_hf
 from rlhf.models.hf_io import HFCheckpointReader
 from rlhf.models.mapping import Placement
 from rlhf.rollout.batch import RolloutResult
-from rlhf.utils import DTYPES
+from rlhf.utils import torch_dtype
 
 
 def pending_rows(result: RolloutResult) -> list[int]:
@@ -78,7 +78,7 @@ class RewardModelScorer:
                 f"reward.model_path: {path} has no 'score.weight'; a reward model must be an "
                 "HF *ForSequenceClassification checkpoint with num_labels=1"
             )
-        dtype = DTYPES[dtype_name]
+        dtype = torch_dtype(dtype_name)
         module, _ = value_model_from_hf(
             path,
             Placement.of(ctx),

@@ -48,7 +48,7 @@ from rlhf.models.lora import (
 from rlhf.models.mapping import Placement, resolve, shards_to_hf, skip_on_export
 from rlhf.models.model_dir import check_model_dir
 from rlhf.models.vision_arch import mrope_positions
-from rlhf.utils import DTYPES
+from rlhf.utils import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def load_mcore(mcore_dir: Path, placement: Placement, params_dtype: torch.dtype 
         arch,
         placement,
         padded_vocab=meta["padded_vocab_size"],
-        params_dtype=params_dtype or DTYPES[meta["dtype"]],
+        params_dtype=params_dtype or torch_dtype(meta["dtype"]),
         initialize=False,
     )
     scalar = meta.get("head", "lm") in SCALAR_HEADS

@@ -12,28 +12,106 @@ word, so a key starting with '-' stays a value) from `RLHF_SGLANG_API_KEY` to `s
 inside the process and runs MODULE as `__main__`, as `python -m` would. The process's
 command line, which the kernel keeps as it was exec'd, never holds the key; without the
 variable nothing is added.
+
+`python -m rlhf.rollout.keyed_launch --held MODULE`: a launch held before its command line is
+known. The process imports MODULE (for SGLang's server ~4.5 s of its ~8 s start on the
+CPU), then waits for one JSON line on stdin, its `Order`: the arguments, the environment
+and the log to write to; it then runs MODULE as above, as if it had just been started with
+them. At end of file instead (its launcher let go of it, or died) it exits, having started
+nothing: no port, no model, no device memory (`rlhf.rollout.sglang_server.hold_servers`).
 """
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
 import runpy
 import sys
+from dataclasses import asdict, dataclass
 
 from rlhf.sglang_api import api_key
+
+HELD = "--held"
+# set by the launcher in a server's environment for `rlhf.rollout.sglang_plugin`
+BOUND_STORES_ENV = "RLHF_SGLANG_BOUND_STORES"
+UNPINNED_LORA_ENV = "RLHF_SGLANG_UNPINNED_LORA"
+
+
+@dataclass(frozen=True)
+class Order:
+    """What a held launch runs with: MODULE's arguments, the whole environment, and the log
+    its output goes to (`private`: readable by this user only)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    log: str
+    private: bool
+
+    def line(self) -> bytes:
+        return (json.dumps(asdict(self)) + "\n").encode()
 
 
 def module_argv(argv: list[str]) -> tuple[str, list[str]]:
     """The module to run and the arguments it gets (`argv` without the program name)."""
     if not argv or argv[0].startswith("-"):
-        raise SystemExit("usage: python -m rlhf.rollout.keyed_launch MODULE [ARG...]")
+        raise SystemExit("usage: python -m rlhf.rollout.keyed_launch [--held] MODULE [ARG...]")
     key = api_key()
     return argv[0], [*argv[1:], *([f"--api-key={key}"] if key else [])]
 
 
-def main() -> None:
-    module, args = module_argv(sys.argv[1:])
+def open_log(path: str, private: bool) -> int:
+    """A log's file descriptor for appending; `private`: readable by this user only, since
+    SGLang writes its arguments, the API key included, into it at startup."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600 if private else 0o644)
+    if private:
+        os.fchmod(fd, 0o600)  # a log from an earlier start may be world-readable
+    return fd
+
+
+def run(argv: list[str]) -> None:
+    module, args = module_argv(argv)
     sys.argv = [module, *args]  # runpy puts the module's file name first, as `-m` does
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def held(module: str) -> None:
+    """Import `module`, wait for the `Order`, then run it (see the module's docstring)."""
+    importlib.import_module(module)
+    sys.modules.pop(module)  # run as __main__ below, a fresh copy; what it imported stays
+    line = sys.stdin.buffer.readline()
+    if not line:
+        raise SystemExit(0)
+    order = Order(**json.loads(line))
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # the module's own children do not inherit the launcher's pipe
+    os.close(devnull)
+    to_log(order.log, order.private)
+    os.environ.clear()
+    os.environ.update(order.env)
+    run([module, *order.argv])
+
+
+def to_log(path: str, private: bool) -> None:
+    """stdout and stderr to the log at `path`, after what the imports printed (the held
+    process's stdout until now: a temporary file, copied in)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = open_log(path, private)
+    os.lseek(1, 0, os.SEEK_SET)
+    while chunk := os.read(1, 1 << 16):
+        os.write(fd, chunk)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == [HELD] and len(argv) == 2:
+        held(argv[1])
+    else:
+        run(argv)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,15 @@ in the file into a `ToolConfigError` naming the key, the file and the entry; `rl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf.config.rollout import MultiTurnConfig
 from rlhf.config.validate import MULTI_TURN, check_tool_config_path
 from rlhf.errors import UserError
-from rlhf.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
 from rlhf.tools.base import Tool, load_tools
+
+if TYPE_CHECKING:  # imported where used: torch comes with them (rlhf.cli.train loads tools
+    from rlhf.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings  # before torch)
 
 
 class ToolConfigError(ValueError, UserError):
@@ -33,6 +35,8 @@ def multi_turn_settings(
     the budget of every appended token; None when multi-turn is off."""
     if not multi_turn.enable:
         return None
+    from rlhf.rollout.multi_turn import MultiTurnSettings
+
     return MultiTurnSettings(
         max_response_length=max_response_length,
         max_assistant_turns=multi_turn.max_assistant_turns,
@@ -75,4 +79,6 @@ def multi_turn_rollout(
     settings = multi_turn_settings(multi_turn, max_response_length)
     if settings is None:
         return None
+    from rlhf.rollout.multi_turn import MultiTurnRollout
+
     return MultiTurnRollout(tools, tokenizer, settings)

@@ -30,7 +30,12 @@ from rlhf import sglang_api
 from rlhf.config.placement import server_gpus
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.client import RETRIES_KEY, RetryPolicy
-from rlhf.rollout.sglang_server import SGLangServer, build_router_args, build_server_args
+from rlhf.rollout.sglang_server import (
+    SGLangServer,
+    build_router_args,
+    build_server_args,
+    release_held,
+)
 from rlhf.sglang_api import ServerLost
 from rlhf.utils import cpu_threads, free_ports
 
@@ -158,6 +163,7 @@ class ServerGroup:
             )
             self.servers.append(SGLangServer(launch, self.log_dir / f"sglang_server_{i}.log"))
             self.servers[-1].start()
+        release_held()  # launches held for these servers that none took (rlhf.cli.train)
 
     def _check_external(self, url: str) -> None:
         """Health-check an external server with the request retry policy; raise naming it."""

@@ -63,8 +63,9 @@ import types
 import torch
 
 from rlhf.rollout import batched_attention
+from rlhf.rollout.keyed_launch import BOUND_STORES_ENV, UNPINNED_LORA_ENV
 
-ENV = "RLHF_SGLANG_BOUND_STORES"
+ENV = BOUND_STORES_ENV
 GATE_KERNEL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
 ENGINE_SETUP = "sglang.srt.entrypoints.engine._set_envs_and_config"
 
@@ -92,7 +93,7 @@ def register() -> None:
             _unpinned_lora()
 
 
-UNPINNED_LORA = "RLHF_SGLANG_UNPINNED_LORA"
+UNPINNED_LORA = UNPINNED_LORA_ENV
 
 
 class _UnpinnedTorch(types.ModuleType):

@@ -20,20 +20,30 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING
 
 from rlhf import sglang_api
-from rlhf.config.engine_args import server_argv
-from rlhf.config.schema import RolloutConfig
-from rlhf.models.families import ModelArch
+from rlhf.config.engine_args import launched_rollout, server_argv
+from rlhf.config.loader import ConfigError
+from rlhf.config.schema import ActorRolloutRefConfig, RolloutConfig
 from rlhf.models.moe_arch import sglang_serving_problem
-from rlhf.rollout.sglang_plugin import ENV as ENV_BOUND_STORES
-from rlhf.rollout.sglang_plugin import UNPINNED_LORA
+from rlhf.rollout.keyed_launch import (
+    BOUND_STORES_ENV,
+    HELD,
+    UNPINNED_LORA_ENV,
+    Order,
+    open_log,
+)
+from rlhf.utils import cpu_threads as node_cpu_threads
 from rlhf.utils import die_with_parent
 from rlhf.weight_sync.shm_reaper import mapped_files
+
+if TYPE_CHECKING:
+    from rlhf.models.families import ModelArch
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +53,7 @@ CPU_SHIM_DIR = Path(__file__).parent / "cpu_shims"
 HEALTH_POLL_S = 0.1
 # `python -m MODULE` with `--api-key` from RLHF_SGLANG_API_KEY added inside the process
 KEYED_LAUNCH = (sys.executable, "-m", "rlhf.rollout.keyed_launch")
+SERVER_MODULE = "sglang.launch_server"
 _RUNNING: set[SGLangServer] = set()
 
 
@@ -82,7 +93,7 @@ def build_server_args(
     """
     argv = [
         *KEYED_LAUNCH,
-        "sglang.launch_server",
+        SERVER_MODULE,
         "--model-path",
         str(model_path),
         "--host",
@@ -98,11 +109,6 @@ def build_server_args(
         "--random-seed",
         str(seed),
     ]
-    env: dict[str, str] = {ENV_BOUND_STORES: "1"}  # rlhf/rollout/sglang_plugin.py
-    # SGLang keeps each image's vision-tower output by the image's hash, and a weight update
-    # does not clear it: a picture seen before a sync would keep the old tower's embedding
-    # (measured: log-probs 0.12 off transformers with the new weights). No such cache.
-    env["SGLANG_VLM_CACHE_SIZE_MB"] = "0"
     if device == "cpu":
         argv += [
             "--device",
@@ -116,15 +122,8 @@ def build_server_args(
             "--skip-server-warmup",
             "--sleep-on-idle",  # the idle scheduler would busy-poll a core
         ]
-        env["SGLANG_USE_CPU_ENGINE"] = "1"
         if rollout.engine_kwargs.sglang.get("enable_lora"):  # the one LoRA backend on CPU
             argv += ["--lora-backend", "torch_native"]
-            env[UNPINNED_LORA] = "1"  # rlhf/rollout/sglang_plugin.py
-        env["OMP_NUM_THREADS"] = str(cpu_threads)
-        if importlib.util.find_spec("sgl_kernel") is None:
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(CPU_SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p
-            )
     elif rollout.free_cache_engine:  # GPU: weights and KV cache can be released (sleep/wake)
         argv += ["--enable-memory-saver"]
         if rollout.engine_kwargs.sglang.get("enable_lora"):
@@ -138,7 +137,29 @@ def build_server_args(
     if base_gpu_id is not None:
         argv += ["--base-gpu-id", str(base_gpu_id)]
     argv += server_argv(rollout.engine_kwargs.sglang)  # the user's, last
+    env = server_env(rollout, device, cpu_threads)
     return ServerLaunch(argv=argv, env=env, url=f"http://{host}:{port}")
+
+
+def server_env(rollout: RolloutConfig, device: str, cpu_threads: int = 1) -> dict[str, str]:
+    """What a server of `rollout` on `device` adds to this process's environment
+    (`cpu_threads`: its OpenMP threads on the CPU)."""
+    env: dict[str, str] = {BOUND_STORES_ENV: "1"}  # rlhf/rollout/sglang_plugin.py
+    # SGLang keeps each image's vision-tower output by the image's hash, and a weight update
+    # does not clear it: a picture seen before a sync would keep the old tower's embedding
+    # (measured: log-probs 0.12 off transformers with the new weights). No such cache.
+    env["SGLANG_VLM_CACHE_SIZE_MB"] = "0"
+    if device != "cpu":
+        return env
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    if rollout.engine_kwargs.sglang.get("enable_lora"):
+        env[UNPINNED_LORA_ENV] = "1"  # rlhf/rollout/sglang_plugin.py
+    env["OMP_NUM_THREADS"] = str(cpu_threads)
+    if importlib.util.find_spec("sgl_kernel") is None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(CPU_SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p
+        )
+    return env
 
 
 def build_router_args(
@@ -188,16 +209,6 @@ def _has_api_key(launch: ServerLaunch) -> bool:
     return bool(env.get(sglang_api.API_KEY_ENV)) or on_command_line
 
 
-def _open_log(path: Path, private: bool) -> BinaryIO:
-    """The server's log for appending; `private`: readable by this user only, since SGLang
-    writes its arguments, the API key included, into it at startup."""
-    if not private:
-        return open(path, "ab")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.fchmod(fd, 0o600)  # a log from an earlier start may be world-readable
-    return os.fdopen(fd, "ab")
-
-
 class SGLangServer:
     """One SGLang server process group; use as a context manager or call `stop()`."""
 
@@ -209,22 +220,33 @@ class SGLangServer:
         self.shm_before: set[Path] = set()  # SGLang's /dev/shm files when it started
 
     def start(self) -> SGLangServer:
+        """Start the process: a held launch of it when there is one (`hold_servers`), else a
+        new one."""
         self.shm_before = sglang_shm_files()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with _open_log(self.log_path, private=_has_api_key(self.launch)) as log_file:
-            self.proc = subprocess.Popen(
-                self.launch.argv,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.launch.env},
-                start_new_session=True,
-                # SIGTERM if the launching process dies: the server then stops cleanly
-                preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
-            )
+        private = _has_api_key(self.launch)
+        self.proc = _ordered(self.launch, str(self.log_path), private)
+        held = self.proc is not None
+        if self.proc is None:
+            with os.fdopen(open_log(str(self.log_path), private), "ab") as log_file:
+                self.proc = subprocess.Popen(
+                    self.launch.argv,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, **self.launch.env},
+                    start_new_session=True,
+                    # SIGTERM if the launching process dies: the server then stops cleanly
+                    preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
+                )
         _RUNNING.add(self)
+        how = ", held since its imports" if held else ""
         log.info(
-            "started SGLang server pid %d at %s (log %s)", self.proc.pid, self.url, self.log_path
+            "started SGLang server pid %d at %s (log %s%s)",
+            self.proc.pid,
+            self.url,
+            self.log_path,
+            how,
         )
         return self
 
@@ -359,10 +381,93 @@ def _kill_group(pgid: int) -> None:
         time.sleep(0.02)
 
 
+@dataclass(frozen=True)
+class HeldLaunch:
+    """A server process started before its command line was known (`keyed_launch --held`):
+    `module` imported, with `env` added to this process's environment, waiting for its
+    order."""
+
+    proc: subprocess.Popen
+    module: str
+    env: dict[str, str]
+
+
+_HELD: list[HeldLaunch] = []
+
+
+def hold_servers(env: dict[str, str], count: int, module: str = SERVER_MODULE) -> None:
+    """Start `count` held launches of `module` with `env`: the next servers started here with
+    that module and environment take them (`SGLangServer.start`), their imports done; the
+    rest are let go by `release_held`. From the thread that outlives them (the main thread:
+    `die_with_parent`)."""
+    for _ in range(count):
+        with tempfile.TemporaryFile() as early:  # what the imports print, until the order
+            proc = subprocess.Popen(
+                [*KEYED_LAUNCH, HELD, module],
+                stdin=subprocess.PIPE,
+                stdout=early,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,
+                preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
+            )
+        _HELD.append(HeldLaunch(proc, module, dict(env)))
+
+
+def hold_run_servers(aro: ActorRolloutRefConfig, device: str, local_rank: int) -> int:
+    """Hold the launches of the servers this process will start for a training run, before
+    its checks and model build (how many): the first process of each node launches its
+    node's `rollout.num_servers` (`rlhf.rollout.policy_servers.PolicyServers.launch`), none
+    when the run uses `rollout.server_urls`. A config the checks will refuse holds none."""
+    if aro.rollout.server_urls or local_rank != 0:
+        return 0
+    try:
+        rollout = launched_rollout(aro)
+    except ConfigError:
+        return 0
+    num = rollout.num_servers
+    hold_servers(server_env(rollout, device, node_cpu_threads(num)), num)
+    return num
+
+
+def release_held() -> None:
+    """Let go of every held launch no server took: it is killed, having started nothing."""
+    while _HELD:
+        _let_go(_HELD.pop())
+
+
+def _let_go(held: HeldLaunch) -> None:
+    _kill_group(held.proc.pid)
+    held.proc.wait()
+    if held.proc.stdin is not None:
+        with contextlib.suppress(BrokenPipeError):
+            held.proc.stdin.close()
+
+
+def _ordered(launch: ServerLaunch, log_path: str, private: bool) -> subprocess.Popen | None:
+    """A held launch of `launch`'s module and environment, given its order; None if none is
+    held (or the one held has died)."""
+    if launch.argv[: len(KEYED_LAUNCH)] != list(KEYED_LAUNCH):
+        return None
+    module, *args = launch.argv[len(KEYED_LAUNCH) :]
+    for held in [h for h in _HELD if h.module == module and h.env == launch.env]:
+        _HELD.remove(held)
+        order = Order(args, {**os.environ, **launch.env}, log_path, private)
+        try:
+            assert held.proc.stdin is not None, "held launches read their order on stdin"
+            held.proc.stdin.write(order.line())
+            held.proc.stdin.close()
+            return held.proc
+        except BrokenPipeError:  # it died
+            _let_go(held)
+    return None
+
+
 def stop_all_servers() -> None:
     """Stop every server this process started and has not stopped yet."""
     for server in list(_RUNNING):
         server.stop()
+    release_held()
 
 
 atexit.register(stop_all_servers)

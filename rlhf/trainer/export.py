@@ -28,7 +28,7 @@ from rlhf.models.convert import copy_hf_side_files, write_meta
 from rlhf.models.families import ModelArch, load_arch
 from rlhf.models.lora import LoraSpec, spec_of
 from rlhf.models.mapping import Placement
-from rlhf.utils import DTYPES
+from rlhf.utils import torch_dtype
 
 # What torchrun sets: a converter started from a trainer rank must not inherit it.
 LAUNCH_VARIABLES = (
@@ -89,7 +89,7 @@ def write_model_exports(
             path,
             load_arch(path),
             model.module.padded_vocab_size,
-            DTYPES[dtype],
+            torch_dtype(dtype),
             placement,
             "lm" if name == "actor" else "value",
             spec_of(model.module),

@@ -50,7 +50,7 @@ from rlhf.trainer.rollouts import (
 )
 from rlhf.trainer.step import Learning, PPOStep, StepResult
 from rlhf.trainer.stopping import Decision, EarlyStopper, PreemptionGuard
-from rlhf.utils import DTYPES
+from rlhf.utils import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class PPOTrainer:
         self.stopper = EarlyStopper(cfg.trainer.early_stop, cfg.algorithm.kl_ctrl.target_kl)
         self.profiler = StepProfiler.from_config(cfg.global_profiler, cfg.trainer.default_local_dir)
         self.peak_flops = measure_matmul_flops(
-            ctx.device, DTYPES[cfg.actor_rollout_ref.actor.megatron.dtype]
+            ctx.device, torch_dtype(cfg.actor_rollout_ref.actor.megatron.dtype)
         )
         # on resume it continues the tracker runs of the checkpoint (and drops the rows of
         # later steps from metrics.jsonl: they are redone)

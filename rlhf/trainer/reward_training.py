@@ -48,7 +48,7 @@ from rlhf.rollout.batch import RolloutBatch
 from rlhf.trainer.export import export_hf, write_export_files
 from rlhf.trainer.metrics import tracker_resume, tracker_state
 from rlhf.trainer.preflight import check_pair_order, check_pairs_fill_a_batch
-from rlhf.utils import DTYPES
+from rlhf.utils import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class RewardModelTrainer:
             Placement.of(ctx),
             vp_size=virtual_pipeline_size(megatron),
             seed=megatron.seed,
-            params_dtype=DTYPES[megatron.dtype],
+            params_dtype=torch_dtype(megatron.dtype),
             sp=ctx.sp_size,
             recompute=Recompute.of(megatron),
             overrides=megatron.override_transformer_config,
@@ -197,7 +197,7 @@ class RewardModelTrainer:
                     self.cfg.model.path,
                     self.arch,
                     self.model.module.padded_vocab_size,
-                    DTYPES[self.cfg.model.megatron.dtype],
+                    torch_dtype(self.cfg.model.megatron.dtype),
                     Placement.of(ctx),
                     "score",
                 )

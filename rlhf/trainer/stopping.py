@@ -34,12 +34,12 @@ import threading
 import time
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlhf.config.schema import EarlyStopConfig
+
+if TYPE_CHECKING:  # torch comes with the guard's poll: `Preempted` is caught by rlhf-train
+    import torch  # before it imports torch
 
 # Ziegler et al.'s adaptive controller clips its proportional error at +-20% per step, so a
 # KL that stays at twice the target is one the controller is not bringing back.
@@ -255,6 +255,9 @@ class PreemptionGuard:
     def poll(self, save_estimate_s: float) -> tuple[bool, float, float]:
         """(signalled on any rank, grace seconds left, seconds a save takes), the same on
         every rank (the worst case over ranks). All ranks call."""
+        import torch
+        import torch.distributed as dist
+
         elapsed = 0.0 if self.signalled_at is None else time.monotonic() - self.signalled_at
         flags = torch.tensor(
             [float(self.signalled_at is not None), elapsed, save_estimate_s],

@@ -89,6 +89,7 @@ def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_
     assert f"checkpoints: {run_dir / 'checkpoints'}" in proc.stdout
     output = proc.stdout + proc.stderr
     assert "external SGLang servers" not in output
+    assert "held since its imports" in output  # the launch held before the checks was taken
     # the device ledger's phases (rlhf.memory.ledger), as a GPU run would hold them: the
     # launched servers slept while the models were built (free_cache_engine), were loaded
     # with the actor's weights, and held their memory while generating only

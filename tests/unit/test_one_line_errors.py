@@ -31,13 +31,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 @pytest.fixture(autouse=True)
 def no_sglang_server(monkeypatch):
-    """Every case must fail before a server starts; one that would start fails the test."""
-    from rlhf.rollout.sglang_server import SGLangServer
+    """Every case must fail before a server starts; one that would start fails the test. The
+    launches `rlhf-train` holds meanwhile (`rlhf.cli.train.held_servers`) are all let go:
+    the held processes, which the fixture yields."""
+    from rlhf.rollout import sglang_server
 
     def start(self):
         raise AssertionError(f"an SGLang server was started ({self.url})")
 
-    monkeypatch.setattr(SGLangServer, "start", start)
+    monkeypatch.setattr(sglang_server.SGLangServer, "start", start)
+    held = []
+    hold = sglang_server.hold_servers
+
+    def recorded(env, count, module=sglang_server.SERVER_MODULE):
+        hold(env, count, module)
+        held.extend(h.proc for h in sglang_server._HELD[-count:])
+
+    monkeypatch.setattr(sglang_server, "hold_servers", recorded)
+    yield held
+    assert not sglang_server._HELD and all(p.poll() is not None for p in held)
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +97,14 @@ def train_error(capsys, model: Path, data, tmp_path: Path, *extra: str) -> tuple
     [{"model_type": "gemma2"}, {"model_type": "mistral", "sliding_window": 128}],
     ids=["gemma2", "mistral-sliding-window"],
 )
-def test_a_unsupported_family(capsys, monkeypatch, tiny_qwen2_dir, data, tmp_path, config):
+def test_a_unsupported_family(
+    capsys, monkeypatch, tiny_qwen2_dir, data, tmp_path, config, no_sglang_server
+):
     model = model_copy(tiny_qwen2_dir, tmp_path / "model", **config)
     code, line = train_error(capsys, model, data, tmp_path)
     assert code == 2 and line.startswith("rlhf-train: error: actor_rollout_ref.model.path=")
     assert str(model) in line and repr(config["model_type"]) in line
+    assert len(no_sglang_server) == 1  # held while it checked; let go (the fixture asserts)
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     args = ["--config", QUICKSTART, *ppo_overrides(model, data, tmp_path / "run", 1)]

@@ -75,7 +75,7 @@ def test_the_trainer_accepts_the_launch_it_is_given(monkeypatch):
     """Every rank's variables pass the trainer's own startup check of trainer.nnodes x
     trainer.n_gpus_per_node (`check_launch`, from what bootstrap reads)."""
     from rlhf.config.validate import check_launch
-    from rlhf.distributed.bootstrap import launched_local_world_size, launched_world_size
+    from rlhf.distributed.launch_env import launched_local_world_size, launched_world_size
 
     plan = LaunchPlan(2, 3, use_gpus=False)
     trainer = SimpleNamespace(nnodes=2, n_gpus_per_node=3)

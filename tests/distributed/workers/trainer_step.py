@@ -159,14 +159,14 @@ def weight_sync_tensors(module, arch, ctx) -> dict:
 def save_actor(models, cfg, arch, ctx, directory: Path) -> None:
     from rlhf.models.mapping import Placement
     from rlhf.trainer.export import write_export_files
-    from rlhf.utils import DTYPES
+    from rlhf.utils import torch_dtype
 
     directory.mkdir(parents=True, exist_ok=True)
     models.actor.save(directory)
     if ctx.rank == 0:
         actor = cfg.actor_rollout_ref.actor
         padded = models.actor.module.padded_vocab_size
-        dtype, path = DTYPES[actor.megatron.dtype], cfg.actor_rollout_ref.model.path
+        dtype, path = torch_dtype(actor.megatron.dtype), cfg.actor_rollout_ref.model.path
         write_export_files(directory, path, arch, padded, dtype, Placement.of(ctx), "lm")
 
 
