@@ -144,7 +144,7 @@ def label(proc: psutil.Process, root: psutil.Process) -> str:
     cmdline = proc.cmdline()
     if cmdline and cmdline[0].startswith("sglang::"):
         return cmdline[0].split()[0]
-    if "sglang.launch_server" in cmdline:
+    if "sglang.launch_server" in " ".join(cmdline):  # held launches: one titled string
         return "sglang::http"
     if cmdline == root.cmdline():
         return "trainer fork (checkpoint writer)"

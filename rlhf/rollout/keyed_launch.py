@@ -87,9 +87,22 @@ def held(module: str) -> None:
     os.dup2(devnull, 0)  # the module's own children do not inherit the launcher's pipe
     os.close(devnull)
     to_log(order.log, order.private)
+    entitle([*sys.orig_argv[:3], module, *order.argv])  # before the environment changes
     os.environ.clear()
     os.environ.update(order.env)
     run([module, *order.argv])
+
+
+def entitle(argv: list[str]) -> None:
+    """Show `argv` as the process's command line (`ps`, /proc/PID/cmdline: one string), as a
+    launch that was not held would: which model and port this server serves. Never the
+    key, which `run` adds inside. setproctitle writes over the memory of the command line
+    and of the environment that follows it, so it runs before the environment changes."""
+    try:
+        from setproctitle import setproctitle  # SGLang's dependency: it titles its processes
+    except ImportError:
+        return
+    setproctitle(" ".join(argv))
 
 
 def to_log(path: str, private: bool) -> None:

@@ -26,12 +26,13 @@ from rlhf.cli import train
 
 def kill_server(url: str) -> None:
     """SIGKILL the process group of the SGLang server this process started for `url`
-    (http://host:port); wait until it is gone."""
+    (http://host:port); wait until it is gone. A held launch shows its command line as one
+    string (`rlhf.rollout.keyed_launch.entitle`), hence the words of the joined line."""
     port = url.rsplit(":", 1)[1].rstrip("/")
     servers = [
         p
         for p in psutil.Process().children(recursive=True)
-        if "sglang.launch_server" in (argv := p.cmdline())
+        if "sglang.launch_server" in (argv := " ".join(p.cmdline()).split())
         and argv[argv.index("--port") + 1] == port
     ]
     assert servers, f"no SGLang server of this process listens on {url}"

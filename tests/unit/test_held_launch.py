@@ -40,7 +40,9 @@ if __name__ != "__main__":  # the held import (it runs again as __main__)
     Path(os.environ["PROBE_DIR"], "imported").write_text(str(os.getpid()))
     print("printed while importing", flush=True)
 else:
-    print(json.dumps([os.getpid(), sys.argv[1:], os.environ.get("PROBE_ORDERED")]), flush=True)
+    title = open("/proc/self/cmdline").read().replace("\\0", " ").split()
+    ordered = os.environ.get("PROBE_ORDERED")
+    print(json.dumps([os.getpid(), sys.argv[1:], ordered, title]), flush=True)
     Path(os.environ["PROBE_DIR"], "ran").write_text(str(os.getpid()))
 """
 
@@ -76,8 +78,11 @@ def test_a_held_launch_imports_first_then_runs_its_order(probe, tmp_path, monkey
     assert held.wait(timeout=60) == 0
     lines = server.log_path.read_text().splitlines()
     assert lines[0] == "printed while importing"  # the imports' output, copied in first
-    pid, argv, ordered = json.loads(lines[-1])
+    pid, argv, ordered, title = json.loads(lines[-1])
     assert (pid, argv, ordered) == (held.pid, ["--x", "1", f"--api-key={KEY}"], "yes")
+    # `ps` shows what a launch that was not held would show: its module and arguments
+    assert title[-4:] == ["rlhf.rollout.keyed_launch", "held_probe", "--x", "1"]
+    assert not any(KEY in word for word in title)
     assert stat.S_IMODE(server.log_path.stat().st_mode) == 0o600  # the key is in its log
     server.stop()
 
