@@ -7,6 +7,11 @@ command line (where any local user reads it).
 Each server runs in its own process group with its log in the run directory; stopping it
 kills the whole group (scheduler and detokenizer subprocesses included), and every server
 still running is stopped when this process exits.
+
+A server may start from a held launch (`hold_servers`): a process that imported SGLang
+before the server's command line was known and waits for it (`keyed_launch --held`);
+`rlhf-train` holds its servers' launches while it imports and checks (`hold_run_servers`),
+and lets go of those no server took.
 """
 
 from __future__ import annotations
