@@ -90,6 +90,10 @@ def test_one_step_run_writes_its_files_and_leaves_no_server(tiny_qwen2_dir, tmp_
     output = proc.stdout + proc.stderr
     assert "external SGLang servers" not in output
     assert "held since its imports" in output  # the launch held before the checks was taken
+    # SGLang's model registry imported the served model's module alone (all of them log the
+    # ones that fail to import on the CPU)
+    server_log = (run_dir / "logs" / "sglang_server_0.log").read_text()
+    assert "Load weight end" in server_log and "Ignore import error" not in server_log
     # the device ledger's phases (rlhf.memory.ledger), as a GPU run would hold them: the
     # launched servers slept while the models were built (free_cache_engine), were loaded
     # with the actor's weights, and held their memory while generating only

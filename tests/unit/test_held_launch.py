@@ -122,12 +122,12 @@ def test_the_run_holds_the_launches_its_node_makes(monkeypatch, device):
     aro = load_config(REPO / "configs" / "quickstart_cpu.yaml").actor_rollout_ref
     aro.rollout.num_servers = 2
     assert hold_run_servers(aro, device, local_rank=0) == 2
-    rollout = launched_rollout(aro)
-    launch = build_server_args(rollout, "/m", port=1, device=device, cpu_threads=cpu_threads(2))
+    rollout, model = launched_rollout(aro), aro.model.path
+    launch = build_server_args(rollout, model, port=1, device=device, cpu_threads=cpu_threads(2))
     assert held == [(launch.env, 2)]
     if device == "cpu":
         assert launch.env["OMP_NUM_THREADS"] == str(cpu_threads(2))
-    group = ServerGroup(rollout, "/m", log_dir="logs", device=device, gpus_per_node=2)
+    group = ServerGroup(rollout, model, log_dir="logs", device=device, gpus_per_node=2)
     started: list[ServerLaunch] = []
     monkeypatch.setattr(SGLangServer, "start", lambda self: started.append(self.launch))
     group._launch_servers()

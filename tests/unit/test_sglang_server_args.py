@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 
 import pytest
 
+from rlhf.config.rollout import EngineKwargs
 from rlhf.config.schema import RolloutConfig
-from rlhf.rollout.sglang_server import CPU_SHIM_DIR, build_server_args
+from rlhf.rollout.sglang_server import (
+    CPU_SHIM_DIR,
+    MODELS_ENV,
+    build_server_args,
+    unserved_model_modules,
+)
 from rlhf.utils import cpu_threads
 
 
@@ -166,3 +173,29 @@ def test_moe_models_with_dense_layers_are_refused_before_serving(tmp_path, famil
     sparse = {**fields, "mlp_only_layers": [], "decoder_sparse_step": 1}
     AutoConfig.for_model(**sparse).save_pretrained(tmp_path / "sparse")
     check_servable(load_arch(tmp_path / "sparse"))
+
+
+def test_sglangs_registry_imports_only_the_served_models_module(
+    tiny_qwen2_dir, tmp_path, monkeypatch
+):
+    """`SGLANG_DISABLED_MODEL_ARCHS`: every model module of SGLang's but the one defining
+    the served architecture, and no list where that is not sure."""
+    monkeypatch.delenv(MODELS_ENV, raising=False)
+    unserved = unserved_model_modules(tiny_qwen2_dir, RolloutConfig())
+    assert unserved is not None
+    assert "qwen2" not in unserved.split(",")
+    assert {"llama", "qwen2_moe", "qwen2_5_vl", "deepseek_v2"} <= set(unserved.split(","))
+    launch = build_server_args(RolloutConfig(), tiny_qwen2_dir, port=1, device="cpu")
+    assert launch.env[MODELS_ENV] == unserved
+    draft = RolloutConfig(engine_kwargs=EngineKwargs(sglang={"speculative_algorithm": "EAGLE"}))
+    assert unserved_model_modules(tiny_qwen2_dir, draft) is None
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
+    assert unserved_model_modules(other, RolloutConfig()) is None
+    assert unserved_model_modules(tmp_path / "missing", RolloutConfig()) is None
+    monkeypatch.setenv(MODELS_ENV, "llama")  # the user's own list wins
+    assert (
+        MODELS_ENV
+        not in build_server_args(RolloutConfig(), tiny_qwen2_dir, port=1, device="cpu").env
+    )
