@@ -65,14 +65,13 @@ import torch
 from rlhf.rollout import batched_attention
 from rlhf.rollout.keyed_launch import BOUND_STORES_ENV, UNPINNED_LORA_ENV
 
-ENV = BOUND_STORES_ENV
 GATE_KERNEL = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
 ENGINE_SETUP = "sglang.srt.entrypoints.engine._set_envs_and_config"
 
 
 def register() -> None:
     """SGLang's hook (idempotent)."""
-    if os.environ.get(ENV) != "1":
+    if os.environ.get(BOUND_STORES_ENV) != "1":
         return
     _bind_stores()
     sys.modules.setdefault("megatron", None)  # type: ignore[arg-type]  # job 9: import fails
@@ -89,11 +88,8 @@ def register() -> None:
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 
         ALLOC_MEMORY_FUNCS["cpu"] = cpu_host_alloc
-        if os.environ.get(UNPINNED_LORA) == "1":
+        if os.environ.get(UNPINNED_LORA_ENV) == "1":
             _unpinned_lora()
-
-
-UNPINNED_LORA = UNPINNED_LORA_ENV
 
 
 class _UnpinnedTorch(types.ModuleType):

@@ -195,14 +195,22 @@ def unserved_model_modules(model_path: str | Path, rollout: RolloutConfig) -> st
     if not archs or spec is None or not spec.submodule_search_locations:
         return None
     models = Path(spec.submodule_search_locations[0]) / "srt" / "models"
-    defines = {
-        path.stem: {arch for arch in archs if f"\nclass {arch}(" in path.read_text()}
-        for path in sorted(models.glob("*.py"))
-        if path.stem not in ("__init__", "registry")
-    }
+    defines = _defining_modules(models, tuple(archs))
     if set().union(*defines.values()) != set(archs):
         return None
     return ",".join(module for module, found in defines.items() if not found)
+
+
+@functools.cache
+def _defining_modules(models: Path, archs: tuple[str, ...]) -> dict[str, set[str]]:
+    """Each of SGLang's model modules in `models` with the architectures it defines by name;
+    read once per process (a node's servers and the hold before them ask alike)."""
+    defines = {}
+    for path in sorted(models.glob("*.py")):
+        if path.stem not in ("__init__", "registry"):
+            text = path.read_text()
+            defines[path.stem] = {arch for arch in archs if f"\nclass {arch}(" in text}
+    return defines
 
 
 def build_router_args(
