@@ -162,9 +162,12 @@ class ModelOffloader:
                 ledger().came(self.owner, kind, StorageOffloader.of(tensors).nbytes)
 
     def offload(self, kinds: Iterable[str] | None = None) -> None:
-        """Move the kinds' storages (default: the chosen kinds) to CPU, then empty the
-        allocator's cache. The storages are found anew each time: Adam's state exists only
+        """Move the kinds' storages (default: the chosen kinds) to CPU, then, if any moved,
+        empty the allocator's cache (not otherwise: with nothing to offload, each pass
+        would hand its activations' blocks back to the driver, and the next allocate them
+        from it again). The storages are found anew each time: Adam's state exists only
         after the first optimizer step."""
+        moved = False
         for kind in self.kinds if kinds is None else kinds:
             if kind not in self._parts:
                 tensors = model_tensors(self.model, kind)
@@ -172,7 +175,9 @@ class ModelOffloader:
                 part.offload()
                 self._parts[kind] = part
                 ledger().left(self.owner, kind)
-        empty_device_cache()
+                moved = True
+        if moved:
+            empty_device_cache()
 
     def reload(self, kinds: Iterable[str] | None = None) -> None:
         """Back on the device: the given kinds (default: all offloaded ones)."""

@@ -39,9 +39,10 @@ def tiny_moe_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_moe"), spec)
 
 
-def one_step(ctx, model_dir, *overrides: str):
-    """Build the models (a "build" phase) and run one batch through the step's stages;
-    returns the models and the ledger."""
+def one_step(ctx, model_dir, *overrides: str, offload: bool = True):
+    """Build the models (a "build" phase) and run one batch through the step's stages
+    (`offload`: every model state offloaded between its phases); returns the models and
+    the ledger."""
     from rlhf.algo import build_kl_controller
     from rlhf.config import load_config, validate_config
     from rlhf.engine.build import build_engine
@@ -50,7 +51,7 @@ def one_step(ctx, model_dir, *overrides: str):
     from rlhf.trainer.step import Learning, learn_from_batch
 
     model = f"actor_rollout_ref.model.path={model_dir}"
-    args = [*SEED_DEFAULTS, model, *COMMON, *OFFLOAD, *overrides]
+    args = [*SEED_DEFAULTS, model, *COMMON, *(OFFLOAD if offload else ()), *overrides]
     cfg = load_config(None, args)
     arch = load_policy_arch(cfg)
     validate_config(cfg, ctx.world_size, arch)
@@ -89,6 +90,22 @@ def test_each_phase_of_a_ppo_step_holds_what_it_needs_and_nothing_else(ctx, tiny
     (build,) = book.records("build")
     assert {o for o, _ in build.held} == {"actor", "critic", "ref"}
     assert max_models_at_once(book.events) == 1
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_the_allocator_cache_is_emptied_only_when_a_state_left_the_device(
+    ctx, tiny_qwen2_dir, monkeypatch, offload
+):
+    """Emptying the CUDA allocator's cache hands its free blocks back to the driver; after
+    a pass that offloaded nothing, the next pass would only allocate them again."""
+    from rlhf.engine import offload as offloading
+
+    emptied = []
+    monkeypatch.setattr(offloading, "empty_device_cache", lambda: emptied.append(1))
+    _, book = one_step(ctx, tiny_qwen2_dir, "algorithm.adv_estimator=gae", offload=offload)
+    left = sum(event.action == "off" for event in book.events)
+    assert (left > 0) is offload
+    assert 0 < len(emptied) <= left if offload else emptied == []
 
 
 def max_models_at_once(events) -> int:
