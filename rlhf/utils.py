@@ -7,6 +7,7 @@ needs it (a launcher imports it before torch: `rlhf.cli.train`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -15,7 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +33,13 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def field_values(instance: Any) -> dict[str, Any]:
+    """A dataclass instance's fields by name, holding its values themselves: `asdict` copies
+    every list element by element (a step's 32 rollout records took 4.7 ms to write with it,
+    in a thread that then held the GIL against the trainer's next pass)."""
+    return {f.name: getattr(instance, f.name) for f in dataclasses.fields(instance)}
 
 
 def empty_device_cache() -> None:

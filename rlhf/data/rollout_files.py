@@ -44,7 +44,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ import pyarrow.parquet as pq
 
 from rlhf.data.files import DataFile
 from rlhf.data.parquet import DataError, GroundTruthCheck, Problem, media_problems
-from rlhf.utils import atomic_output
+from rlhf.utils import atomic_output, field_values
 
 REQUIRED = ("uid", "prompt_ids", "response_ids", "rollout_logprobs", "data_source")
 SCHEMA = pa.schema(
@@ -95,7 +95,7 @@ class StoredSample:
 
     def to_row(self) -> dict[str, Any]:
         """The Parquet row (JSON-encoded `ground_truth` and `extra_info`)."""
-        row = asdict(self)
+        row = field_values(self)
         truth = self.ground_truth
         row["ground_truth"] = None if truth is None else json.dumps(truth, default=str)
         row["extra_info"] = json.dumps(self.extra_info, default=str)

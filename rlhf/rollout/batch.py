@@ -19,7 +19,7 @@ import dataclasses
 import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch import Tensor
 from rlhf.data.images import ImageInputs
 from rlhf.data.rollout_files import StoredSample, write_rollout_file
 from rlhf.rollout.multi_turn import ToolStats
+from rlhf.utils import field_values
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,7 @@ class RolloutResult:
 def write_records(records: list[RolloutRecord], path: Path) -> None:
     """One JSON object per sample, for reading (rollouts/step_N.jsonl)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(asdict(r), default=str) + "\n" for r in records))
+    path.write_text("".join(json.dumps(field_values(r), default=str) + "\n" for r in records))
 
 
 def write_step_rollouts(records: list[RolloutRecord], rollouts_dir: Path, step: int) -> None:

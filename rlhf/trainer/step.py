@@ -51,7 +51,7 @@ from rlhf.memory.ledger import ledger
 from rlhf.rollout.batch import RolloutBatch, StepRolloutWriter
 from rlhf.rollout.policy_servers import PolicyServers, WeightLoad
 from rlhf.trainer.metrics import StepMeter, rollout_metrics
-from rlhf.trainer.rollouts import RolloutStrategy
+from rlhf.trainer.rollouts import RolloutStrategy, StepBatch
 
 log = logging.getLogger(__name__)
 KLController = FixedKLController | AdaptiveKLController
@@ -152,15 +152,15 @@ class PPOStep:
         self.servers.release_memory()  # GPU, colocated: training gets SGLang's memory
         timer.seconds["gen"] -= scored.reward_s  # scoring ran inside the gen stage
         timer.seconds["reward"] = scored.reward_s
-        if self.files is not None:  # written in a thread while the step goes on
-            with stage(timer, "write_rollouts"):
-                self.files.submit([record for r in scored.rounds for record in r.records], step)
-        # old/ref log-probs and values -> advantages -> critic update -> actor update
-        actor = self.learning.actor_trains(step)
-        learned = learn_from_batch(self.engine, batch, self.learning, self.kl_ctrl, timer, actor)
-        # the servers serve the updated actor as version `step`
-        with stage(timer, "update_weights"):
-            weights = self.rollout.publish(self.engine, step)
+        try:  # old/ref log-probs and values -> advantages -> critic, actor updates
+            actor = self.learning.actor_trains(step)
+            learned = learn_from_batch(
+                self.engine, batch, self.learning, self.kl_ctrl, timer, actor
+            )
+            with stage(timer, "update_weights"):  # the servers serve version `step`
+                weights = self.rollout.publish(self.engine, step)
+        finally:  # the step's samples, a failed step's too
+            self.keep_samples(scored, step, timer)
         step_s = time.perf_counter() - start
         exp = learned.experience
         metrics = learned.metrics | scored.metrics | weights.metrics()
@@ -184,6 +184,15 @@ class PPOStep:
             weights,
             metrics,
         )
+
+    def keep_samples(self, scored: StepBatch, step: int, timer: Timer) -> None:
+        """Hand the step's samples to the thread that writes them (main rank), at the step's
+        end: they are written while the next step generates and its trainer waits on HTTP
+        (written before the old-log-prob pass, the writer's Python held the GIL against
+        it)."""
+        if self.files is not None:
+            with stage(timer, "write_rollouts"):
+                self.files.submit([record for r in scored.rounds for record in r.records], step)
 
 
 class StageTimer(Protocol):

@@ -5,10 +5,10 @@ launches its own two servers to kill them.
 
 - An absurd critic learning rate (1e30): the first update is finite but leaves the critic
   huge, so step 2's values are inf. Under `trainer.on_nonfinite=stop` the run exits 1 with one
-  line naming the step and what was not finite; under `skip` it finishes, each later step
-  skipped and said in one warning line with its step. Either way every checkpoint written
-  holds only finite weights and optimizer state (every tensor of its Megatron checkpoints,
-  read with torch's `dcp_to_torch_save`).
+  line naming the step and what was not finite, the step's samples kept; under `skip` it
+  finishes, each later step skipped and said in one warning line with its step. Either way
+  every checkpoint written holds only finite weights and optimizer state (every tensor of
+  its Megatron checkpoints, read with torch's `dcp_to_torch_save`).
 - A truncated file in the latest checkpoint: the next run says which file, falls back to the
   previous checkpoint and goes on from there.
 - An SGLang server killed during a weight sync (distributed transport) and during the
@@ -75,6 +75,9 @@ def test_nan_stops_the_run_in_one_line(tiny_qwen2_dir, data, sglang_server, tmp_
     assert line.startswith("rlhf-train: stopped: step 2: not finite before the updates: values")
     assert finite_checkpoints(run_dir) == [1]
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+    # the stopped step's samples are kept (written at a step's end, a failed step's too)
+    kept = sorted(p.name for p in (run_dir / "rollouts").iterdir())
+    assert kept == [f"step_{s}.{x}" for s in (1, 2) for x in ("jsonl", "parquet")]
 
 
 @pytest.fixture(scope="module")
