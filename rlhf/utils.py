@@ -120,13 +120,30 @@ def cpu_threads(active_processes: int) -> int:
     side gets all the cores, split only among its own processes: a trainer rank
     cores / local ranks, a server cores / servers on the node. Idle processes must not spin:
     servers run with SGLang's `--sleep-on-idle` (its scheduler otherwise busy-polls a core),
-    and OpenMP's idle threads sleep after a short spin. Measured on 2 cores
+    and OpenMP's idle threads sleep after a short spin (`omp_spin_env`). Measured on 2 cores
     (benchmarks/ppo_vs_plain.py): one thread per process 3.1 s per step, this policy 1.9 s.
     """
     explicit = os.environ.get("OMP_NUM_THREADS")
     if explicit:
         return max(1, int(explicit))
     return max(1, (os.cpu_count() or 1) // max(1, active_processes))
+
+
+# GNU OpenMP (torch's) lets a thread that has no work spin this many times before it sleeps
+# (`GOMP_SPINCOUNT`, read as the library loads; 300,000 by default, ~6 ms here). A phase of
+# one process then left its threads spinning on the cores the next phase's process needed:
+# the trainer's after an update against the server loading the weights, the server's after
+# a generation against the trainer's next pass. 50,000 (~1 ms) still spans the gaps between
+# one pass's operations. Measured (2 cores, 15 steps, 3 interleaved rounds): step 0.835-0.890
+# -> 0.814-0.854 s, the weight sync 0.054-0.061 -> 0.046-0.047 s; sleeping at once
+# (OMP_WAIT_POLICY=PASSIVE) made every phase slower (step 0.98-1.04 s).
+OMP_SPIN = {"GOMP_SPINCOUNT": "50000"}
+
+
+def omp_spin_env() -> dict[str, str]:
+    """`OMP_SPIN` for a CPU process's environment, before it loads torch; nothing where this
+    process's environment sets it already (the user's value, or inherited)."""
+    return {k: v for k, v in OMP_SPIN.items() if k not in os.environ}
 
 
 def share_cpu_cores(active_processes: int) -> int:

@@ -27,6 +27,7 @@ from rlhf.distributed import launch_env
 from rlhf.errors import ends_in_one_line
 from rlhf.rollout.multi_turn_config import load_configured_tools
 from rlhf.trainer.stopping import Preempted
+from rlhf.utils import omp_spin_env
 
 log = logging.getLogger("rlhf.cli.train")
 
@@ -114,6 +115,8 @@ def run(cfg: RLHFConfig) -> Path:
     the config against the launched world and the model (`rlhf.trainer.preflight`),
     bootstrap, then train."""
     run_dir = Path(cfg.trainer.default_local_dir)
+    if cfg.trainer.device == "cpu":  # before torch loads OpenMP (the servers inherit it)
+        os.environ.update(omp_spin_env())
     with held_servers(cfg.actor_rollout_ref, cfg.trainer.device), locked(run_dir):
         from rlhf.distributed import bootstrap, cpu_compat
 
