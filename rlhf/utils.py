@@ -1,5 +1,5 @@
 """Small helpers every layer may use: ports, CPU threads, dtype names, integer rounding,
-atomic file writes.
+atomic file writes, the garbage collector during a process's start.
 
 The bottom of the package: it imports nothing from `rlhf`, and torch only when a helper
 needs it (a launcher imports it before torch: `rlhf.cli.train`).
@@ -8,12 +8,13 @@ needs it (a launcher imports it before torch: `rlhf.cli.train`).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import signal
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -144,6 +145,34 @@ def omp_spin_env() -> dict[str, str]:
     """`OMP_SPIN` for a CPU process's environment, before it loads torch; nothing where this
     process's environment sets it already (the user's value, or inherited)."""
     return {k: v for k, v in OMP_SPIN.items() if k not in os.environ}
+
+
+@contextmanager
+def collection_deferred() -> Iterator[Callable[[], None]]:
+    """Inside: Python's cyclic garbage collector is off until `started()` (what this yields)
+    is called, or the block ends; `started()` freezes every object alive (`gc.freeze`:
+    later collections never scan them), then turns the collector back on (if it was on).
+
+    For the start of a long-lived process: its imports and build create millions of objects
+    that live as long as it does, and each automatic full collection scans them all again
+    (here ~1 s of the trainer's start in 8 collections, ~1.5 s of a server's imports in
+    10). Frozen, they also stay out of every later full collection."""
+    was_on = gc.isenabled()
+    gc.disable()
+    done = False
+
+    def started() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            gc.freeze()
+            if was_on:
+                gc.enable()
+
+    try:
+        yield started
+    finally:
+        started()
 
 
 def share_cpu_cores(active_processes: int) -> int:

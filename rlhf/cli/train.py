@@ -27,7 +27,7 @@ from rlhf.distributed import launch_env
 from rlhf.errors import ends_in_one_line
 from rlhf.rollout.multi_turn_config import load_configured_tools
 from rlhf.trainer.stopping import Preempted
-from rlhf.utils import omp_spin_env
+from rlhf.utils import collection_deferred, omp_spin_env
 
 log = logging.getLogger("rlhf.cli.train")
 
@@ -113,11 +113,16 @@ def bootstrap_layout(device: str, layout: Any, world: int) -> Any:
 def run(cfg: RLHFConfig) -> Path:
     """Hold the servers' launches (`held_servers`), lock the run directory (main rank), check
     the config against the launched world and the model (`rlhf.trainer.preflight`),
-    bootstrap, then train."""
+    bootstrap, then train. Python's garbage collector waits until the trainer is built,
+    then leaves what the start created out of its scans (`collection_deferred`)."""
     run_dir = Path(cfg.trainer.default_local_dir)
     if cfg.trainer.device == "cpu":  # before torch loads OpenMP (the servers inherit it)
         os.environ.update(omp_spin_env())
-    with held_servers(cfg.actor_rollout_ref, cfg.trainer.device), locked(run_dir):
+    with (
+        collection_deferred() as built,  # the start's objects: never scanned (rlhf.utils)
+        held_servers(cfg.actor_rollout_ref, cfg.trainer.device),
+        locked(run_dir),
+    ):
         from rlhf.distributed import bootstrap, cpu_compat
 
         device = bootstrap.pick_device(cfg.trainer.device).type
@@ -140,6 +145,7 @@ def run(cfg: RLHFConfig) -> Path:
                 for note in config_notes(cfg):
                     log.warning("config: %s", note)
             trainer = PPOTrainer(cfg, ctx, run_dir, checked)
+            built()
             last = trainer.fit()
             if ctx.is_main:
                 report(run_dir, last)

@@ -14,10 +14,10 @@ command line, which the kernel keeps as it was exec'd, never holds the key; with
 variable nothing is added.
 
 `python -m rlhf.rollout.keyed_launch --held MODULE`: a launch held before its command line is
-known. The process imports MODULE (for SGLang's server ~4.5 s of its ~8 s start on the
-CPU), then waits for one JSON line on stdin, its `Order`: the arguments, the environment
-and the log to write to; it then runs MODULE as above, as if it had just been started with
-them. At end of file instead (its launcher let go of it, or died) it exits, having started
+known. The process imports MODULE (for SGLang's server ~3 s of its ~6 s start on the CPU;
+with the garbage collector off, `rlhf.utils.collection_deferred`), then waits for one JSON
+line on stdin, its `Order`: the arguments, the environment and the log to write to; it then
+runs MODULE as above, as if it had just been started with them. At end of file instead (its launcher let go of it, or died) it exits, having started
 nothing: no port, no model, no device memory (`rlhf.rollout.sglang_server.hold_servers`).
 """
 
@@ -31,6 +31,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from rlhf.sglang_api import api_key
+from rlhf.utils import collection_deferred
 
 HELD = "--held"
 # set by the launcher in a server's environment for `rlhf.rollout.sglang_plugin`
@@ -76,8 +77,11 @@ def run(argv: list[str]) -> None:
 
 
 def held(module: str) -> None:
-    """Import `module`, wait for the `Order`, then run it (see the module's docstring)."""
-    importlib.import_module(module)
+    """Import `module` (the garbage collector off meanwhile, its objects frozen after:
+    `rlhf.utils.collection_deferred`), wait for the `Order`, then run it (see the module's
+    docstring)."""
+    with collection_deferred():
+        importlib.import_module(module)
     sys.modules.pop(module)  # run as __main__ below, a fresh copy; what it imported stays
     line = sys.stdin.buffer.readline()
     if not line:

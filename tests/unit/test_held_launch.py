@@ -1,7 +1,7 @@
 """Held launches (`rlhf.rollout.keyed_launch --held`, `rlhf.rollout.sglang_server.hold_servers`):
-a server's process imports before its command line is known, then runs the order it gets,
-or is let go having started nothing; and the trainer holds its servers before it imports
-torch (`rlhf.cli.train.held_servers`)."""
+a server's process imports before its command line is known (the garbage collector off),
+then runs the order it gets, or is let go having started nothing; and the trainer holds its
+servers before it imports torch (`rlhf.cli.train.held_servers`)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,16 @@ from tests.helpers import REPO, python_output
 
 KEY = "held-launch-test-key"
 PROBE = """\
-import json, os, sys
+import gc, json, os, sys
 from pathlib import Path
 if __name__ != "__main__":  # the held import (it runs again as __main__)
+    Path(os.environ["PROBE_DIR"], "collector").write_text(str(gc.isenabled()))
     Path(os.environ["PROBE_DIR"], "imported").write_text(str(os.getpid()))
     print("printed while importing", flush=True)
 else:
+    Path(os.environ["PROBE_DIR"], "collector").write_text(
+        f"{gc.isenabled()} {gc.get_freeze_count() > 0}"
+    )
     title = open("/proc/self/cmdline").read().replace("\\0", " ").split()
     ordered = os.environ.get("PROBE_ORDERED")
     print(json.dumps([os.getpid(), sys.argv[1:], ordered, title]), flush=True)
@@ -69,6 +73,8 @@ def test_a_held_launch_imports_first_then_runs_its_order(probe, tmp_path, monkey
     wait_for(tmp_path / "imported")  # imported, and waiting for its order
     time.sleep(0.2)
     assert held.poll() is None and not (tmp_path / "ran").exists()
+    # it imported with the garbage collector off (rlhf.utils.collection_deferred)
+    assert (tmp_path / "collector").read_text() == "False"
     # what the run's environment holds when the server starts is what the module sees
     monkeypatch.setenv(sglang_api.API_KEY_ENV, KEY)
     monkeypatch.setenv("PROBE_ORDERED", "yes")
@@ -80,6 +86,8 @@ def test_a_held_launch_imports_first_then_runs_its_order(probe, tmp_path, monkey
     assert lines[0] == "printed while importing"  # the imports' output, copied in first
     pid, argv, ordered, title = json.loads(lines[-1])
     assert (pid, argv, ordered) == (held.pid, ["--x", "1", f"--api-key={KEY}"], "yes")
+    # and runs with it on, what the imports made frozen out of its scans
+    assert (tmp_path / "collector").read_text() == "True True"
     # `ps` shows what a launch that was not held would show: its module and arguments
     assert title[-4:] == ["rlhf.rollout.keyed_launch", "held_probe", "--x", "1"]
     assert not any(KEY in word for word in title)
