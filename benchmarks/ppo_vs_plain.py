@@ -15,10 +15,12 @@ median step, `startup_s` (launch to the start of the first step), `teardown_s` (
 the last step to the process's exit, the final checkpoint included), `outside_steps_s`
 (their sum: the run's wall time less its steps'), `peak_pss_gb` (the
 largest sum over the side's processes, SGLang's included, of their proportional set size,
-sampled every `--pss-interval` s) and each process's share at that sample (`pss_at_peak_gb`),
-and the sampler's own time as a share of the run (`pss_sampling_core_share`: reading PSS walks
-each process's page tables, ~10 ms a process here, so at 0.25 s it slowed rlhf's step by
-~15% and the single-process plain loop's by less);
+sampled every `--pss-interval` s, and every `--pss-step-interval` s while the timed steps
+run) and each process's share at that sample (`pss_at_peak_gb`), and the sampler's own time
+as a share of the run (`pss_sampling_core_share`: reading PSS walks each process's page
+tables, ~10 ms a process here; a sample slowed the step it fell in by ~70 ms on rlhf's side
+and ~15 ms on the plain loop's, so at one a second nearly every step had one and the median
+step counted it);
 `step_ratio` (rlhf / plain; the aim is <= 0.5, the bar 0.75),
 `startup_ratio`; and the compute floor: the step's model FLOPs (generation = one forward per
 token, old log-probs, reference and values forwards, forward + backward of both updates)
@@ -74,8 +76,17 @@ def parse_args() -> argparse.Namespace:
         "--pss-interval",
         type=float,
         default=1.0,
-        help="seconds between PSS samples: each reads every process's page tables (~10 ms "
-        "a process here), time taken from the run it measures",
+        help="seconds between PSS samples before the first step's end and after the last "
+        "step's: each reads every process's page tables (~10 ms a process here), time taken "
+        "from the run it measures",
+    )
+    parser.add_argument(
+        "--pss-step-interval",
+        type=float,
+        default=4.0,
+        help="seconds between PSS samples while the timed steps run (a sample slows the "
+        "step it falls in: ~70 ms of rlhf's six processes, ~15 ms of the plain loop's one; "
+        "sampled less often than a step, most steps and so the median step have none)",
     )
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", help="extra rlhf-train overrides (key=value)")
@@ -85,10 +96,15 @@ def parse_args() -> argparse.Namespace:
 class PeakPSS:
     """The largest sum of PSS over a process and its descendants, sampled in a thread, with
     each process's share at that sample (`at_peak`, by `label`); also the wall time `watch`
-    (a file) first had content."""
+    (the file the run writes a JSON row to after each step) first had content. Samples come
+    every `interval_s`, and every `step_interval_s` between the first row and the
+    `steps`-th (the timed steps)."""
 
-    def __init__(self, pid: int, interval_s: float, watch: Path | None = None):
+    def __init__(
+        self, pid: int, interval_s: float, watch: Path, steps: int, step_interval_s: float
+    ):
         self.root, self.interval_s, self.peak = psutil.Process(pid), interval_s, 0
+        self.steps, self.step_interval_s = steps, step_interval_s
         self.at_peak: dict[str, int] = {}
         self.samples: list[tuple[float, int]] = []  # (wall time, sum)
         self.sampling_s = 0.0  # the sampler's own time: reading PSS walks each page table
@@ -101,10 +117,11 @@ class PeakPSS:
     def _run(self) -> None:
         last = -math.inf
         while not self._done.is_set():
-            watched = self.watch is not None and self.watch.is_file()
-            if self.watch_seen is None and watched and self.watch.stat().st_size:
+            rows = json_rows(self.watch)
+            if self.watch_seen is None and rows:
                 self.watch_seen = time.time()
-            if time.monotonic() - last >= self.interval_s:
+            interval = self.step_interval_s if 0 < rows < self.steps else self.interval_s
+            if time.monotonic() - last >= interval:
                 last = time.monotonic()
                 if not self._sample():
                     return
@@ -136,6 +153,14 @@ class PeakPSS:
         return max((n for t, n in self.samples if start <= t < end), default=0) / 1024**3
 
 
+def json_rows(path: Path) -> int:
+    """The JSON rows (lines starting with "{") a run has written to `path` so far."""
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.startswith(b"{"))
+
+
 def label(proc: psutil.Process, root: psutil.Process) -> str:
     """A process's part in a run: the trainer, SGLang's processes by their titles, a fork of
     the trainer (a background checkpoint writer), or another helper by its module."""
@@ -152,14 +177,13 @@ def label(proc: psutil.Process, root: psutil.Process) -> str:
     return f"other: {Path(module).name or cmdline[0]}"
 
 
-def run_side(
-    cmd: list[str], log: Path, pss_interval_s: float, watch: Path | None = None
-) -> tuple[float, float, PeakPSS]:
-    """Run `cmd` (stdout to `log`); (launch wall time, seconds to its exit, its PeakPSS)."""
+def run_side(args, cmd: list[str], log: Path, watch: Path) -> tuple[float, float, PeakPSS]:
+    """Run `cmd` (stdout to `log`; a JSON row to `watch` after each step); (launch wall time,
+    seconds to its exit, its PeakPSS)."""
     launched = time.time()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-        pss = PeakPSS(proc.pid, pss_interval_s, watch)
+        pss = PeakPSS(proc.pid, args.pss_interval, watch, args.steps, args.pss_step_interval)
         code = proc.wait()
         wall = time.time() - launched
         pss.stop()
@@ -214,7 +238,7 @@ def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
     config = str(REPO / "configs" / "quickstart_cpu.yaml")
     cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", config, *overrides]
     metrics = run_dir / "metrics.jsonl"
-    launched, wall, pss = run_side(cmd, root / "rlhf.log", args.pss_interval, watch=metrics)
+    launched, wall, pss = run_side(args, cmd, root / "rlhf.log", watch=metrics)
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert pss.watch_seen is not None and rows[0]["step"] == 1
     # the first row is written when step 1 ends (the file is watched every 0.05 s)
@@ -243,7 +267,7 @@ def plain_side(args, model: Path, train: Path, root: Path) -> dict:
         "--response",
         str(args.response),
     ]
-    launched, wall, pss = run_side(cmd, root / "plain.log", args.pss_interval)
+    launched, wall, pss = run_side(args, cmd, root / "plain.log", watch=root / "plain.log")
     lines = (root / "plain.log").read_text().splitlines()
     rows = [json.loads(x) for x in lines if x.startswith("{")]
     return {
@@ -292,6 +316,8 @@ def main() -> None:
                     "n": args.n,
                     "response": args.response,
                     "steps": args.steps,
+                    "pss_interval_s": args.pss_interval,
+                    "pss_step_interval_s": args.pss_step_interval,
                 },
                 "rlhf": rlhf,
                 "plain": plain,
