@@ -17,8 +17,9 @@ variable nothing is added.
 known. The process imports MODULE (for SGLang's server ~3 s of its ~6 s start on the CPU;
 with the garbage collector off, `rlhf.utils.collection_deferred`), then waits for one JSON
 line on stdin, its `Order`: the arguments, the environment and the log to write to; it then
-runs MODULE as above, as if it had just been started with them. At end of file instead (its launcher let go of it, or died) it exits, having started
-nothing: no port, no model, no device memory (`rlhf.rollout.sglang_server.hold_servers`).
+runs MODULE as above, as if it had just been started with them. At end of file instead (its
+launcher let go of it, or died) it exits, having started nothing: no port, no model, no
+device memory (`rlhf.rollout.sglang_server.hold_servers`).
 """
 
 from __future__ import annotations
