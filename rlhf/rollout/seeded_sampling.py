@@ -14,8 +14,10 @@ distribution that depends on nothing but those three numbers. Here, on the CPU e
   batches (which keep the tensor only when both sides have one) keep it row for row;
 - `seeded_argmax` replaces SGLang's `multinomial_with_seed` (a `torch.compile`d function
   whose hash is a `sgl_kernel` op the CPU build lacks): the same formula in eager torch, the
-  hash in `murmur_hash32`; rows without a seed get uniform noise from the generator, which
-  is the same distribution;
+  hash in `murmur_hash32`, computed for the seeded rows only; rows without a seed get
+  uniform noise from the generator, which is the same distribution (hashing them too, to
+  throw the result away, was 0.24 s of the sampler's 0.30 s for a decode step of 32
+  unseeded requests at a 152k-token vocabulary);
 - `seeded_top_k_top_p` wraps SGLang's top-k / top-p sampler: with seeds it masks the
   probabilities as SGLang does, then samples with the noise of the token ids, not of the
   ranks in the sorted order (so a request's draw does not depend on whether another request
@@ -70,12 +72,17 @@ def split_seeds(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def seeded_argmax(logprobs: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor):
-    """[n, 1] sampled columns of [n, m] `logprobs` (SGLang's `multinomial_with_seed`)."""
+    """[n, 1] sampled columns of [n, m] `logprobs` (SGLang's `multinomial_with_seed`). The
+    hash is computed for the seeded rows only: the others' noise comes from the generator."""
     seeds, seeded = split_seeds(seed)
     columns = torch.arange(logprobs.shape[1], device=logprobs.device)
-    u = murmur_hash32(seeds, positions, columns).to(torch.float64) / MASK32
-    if seeded is not None and not bool(seeded.all()):
-        u = torch.where(seeded[:, None], u, torch.rand_like(u))
+    if seeded is None or bool(seeded.all()):
+        u = murmur_hash32(seeds, positions, columns).to(torch.float64) / MASK32
+    else:
+        u = torch.rand(logprobs.shape, dtype=torch.float64, device=logprobs.device)
+        rows = seeded.nonzero().flatten()
+        if len(rows):
+            u[rows] = murmur_hash32(seeds[rows], positions[rows], columns).double() / MASK32
     # Gumbel noise -log(-log u), in float64 and clamped at both ends as SGLang does
     u.log_().clamp_(min=torch.finfo(u.dtype).min, max=-(2.0**-32)).neg_()
     u.log_().neg_()

@@ -125,3 +125,31 @@ def test_seeded_gpu_servers_run_deterministic_inference():
     assert "--enable-deterministic-inference" not in cpu
     plain = build_server_args(RolloutConfig(), "/m", port=1, device="cuda").argv
     assert "--enable-deterministic-inference" not in plain
+
+
+def test_rows_without_a_seed_take_the_generators_noise_and_no_hash(monkeypatch):
+    """Unseeded rows are not hashed (0.24 s of the sampler's 0.30 s for 32 unseeded
+    requests at a 152k-token vocabulary): the same draws, the generator's noise."""
+    from rlhf.rollout import seeded_sampling
+
+    hashed: list[int] = []
+
+    def counted(seeds, positions, columns):
+        hashed.append(len(seeds))
+        return murmur_hash32(seeds, positions, columns)
+
+    monkeypatch.setattr(seeded_sampling, "murmur_hash32", counted)
+    logprobs = torch.log_softmax(torch.randn(3, 40), dim=-1)
+    unseeded, positions = torch.zeros(3, 2, dtype=torch.long), torch.tensor([4, 4, 4])
+    torch.manual_seed(5)
+    got = seeded_argmax(logprobs, unseeded, positions)[:, 0]
+    torch.manual_seed(5)
+    u = torch.rand(3, 40, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(u).clamp(max=-(2.0**-32)))
+    assert got.tolist() == (gumbel + logprobs.double()).argmax(dim=1).tolist()
+    assert hashed == []
+    mixed = torch.tensor([[0, 0], [7, 1], [0, 0]])
+    row = seeded_argmax(logprobs, mixed, positions)[1, 0]
+    assert hashed == [1] and int(row) == int(
+        seeded_argmax(logprobs[1:2], mixed[1:2], positions[1:2])
+    )
