@@ -11,10 +11,16 @@ request's length, and one SDPA call attends every request.
 The result equals the loop's up to float rounding (the padded keys get exactly zero
 weight; the matrix products reduce over a longer, zero-padded row). Batches it does not
 cover (an encoder, cross-attention, a sliding window) go to SGLang's loop. The SGLang
-plugin installs it on the CPU engine (`rlhf.rollout.sglang_plugin`). A prefill's loop
-(`_run_sdpa_forward_extend`) stays SGLang's: batched the same way it differed from the loop
-by up to 8e-6 at prompts of a few hundred tokens (the CPU kernel's masked blocks against
-its causal ones); whether that moves the trainer/server log-prob gap is not settled.
+plugin installs it on the CPU engine (`rlhf.rollout.sglang_plugin`).
+
+A prefill (`_run_sdpa_forward_extend`) in which every request adds one token to its cached
+prefix is a decode batch too: SGLang sends the samples of an `n > 1` request that way,
+after prefilling their prompt once, and its loop computed each sample's whole causal
+square over the prompt to keep the last row. It gets the same one call. Any other prefill
+stays SGLang's loop: batched with a causal mask per request it differed from the loop by
+up to 8e-6 at prompts of a few hundred tokens (the CPU kernel's masked blocks against its
+causal ones), and the tiny VLM's trainer/server log-prob gap over 40 GRPO steps grew past
+its bound then (since measured to vary 4.4e-5 to 5.7e-4 without it).
 """
 
 from __future__ import annotations
@@ -22,20 +28,39 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-TARGET = (
-    "sglang.srt.layers.attention.torch_native_backend."
-    "TorchNativeAttnBackend._run_sdpa_forward_decode"
-)
+BACKEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+TARGET = f"{BACKEND}._run_sdpa_forward_decode"
+EXTEND_TARGET = f"{BACKEND}._run_sdpa_forward_extend"
+DECODE_ARGS = ("req_to_token", "req_pool_indices", "seq_lens", "encoder_lens")
+EXTEND_ARGS = (*DECODE_ARGS[:3], "extend_prefix_lens", "extend_seq_lens", "encoder_lens")
 
 
 def batched_decode(original, backend, query, output, k_cache, v_cache, *args, **kwargs):
     """SGLang's decode attention (an AROUND hook: same signature and result, one SDPA)."""
-    names = ("req_to_token", "req_pool_indices", "seq_lens", "encoder_lens")
-    bound = dict(zip(names, args, strict=False)) | kwargs
+    bound = dict(zip(DECODE_ARGS, args, strict=False)) | kwargs
+    if not _covered(bound) or len(args) > len(DECODE_ARGS):
+        return original(backend, query, output, k_cache, v_cache, *args, **kwargs)
+    return _attend_bound(query, output, k_cache, v_cache, bound)
+
+
+def one_token_extend(original, backend, query, output, k_cache, v_cache, *args, **kwargs):
+    """SGLang's prefill attention (an AROUND hook): where every request adds one token (as
+    many query rows as requests), the decode batch's one SDPA; otherwise SGLang's loop."""
+    bound = dict(zip(EXTEND_ARGS, args, strict=False)) | kwargs
+    one_each = query.shape[0] == len(bound["seq_lens"])
+    if not (one_each and bound.get("causal") and _covered(bound)) or len(args) > len(EXTEND_ARGS):
+        return original(backend, query, output, k_cache, v_cache, *args, **kwargs)
+    return _attend_bound(query, output, k_cache, v_cache, bound)
+
+
+def _covered(bound: dict) -> bool:
+    """No encoder, no cross-attention, no sliding window: what `attend` computes."""
     window = bound.get("sliding_window_size")
     plain = bound.get("encoder_lens") is None and not bound.get("is_cross_attn")
-    if not plain or (window is not None and window > -1) or len(args) > 4:
-        return original(backend, query, output, k_cache, v_cache, *args, **kwargs)
+    return plain and (window is None or window <= -1)
+
+
+def _attend_bound(query, output, k_cache, v_cache, bound: dict):
     return attend(
         query,
         output,

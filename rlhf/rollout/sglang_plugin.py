@@ -33,7 +33,9 @@
    (`pin_memory`), which needs a CUDA driver ("Found no NVIDIA driver" as the first
    adapter loads); they stay unpinned here (there is no GPU to copy them to).
 7. On the CPU engine: a decode batch's attention is one SDPA call per layer
-   (`rlhf.rollout.batched_attention`) instead of `torch_native`'s loop over the requests.
+   (`rlhf.rollout.batched_attention`) instead of `torch_native`'s loop over the requests,
+   and so is a prefill in which every request adds one token (the samples of an `n > 1`
+   request after their prompt's prefill).
 8. On the CPU engine: the server's scheduler and detokenizer processes are forked from
    its first process instead of spawned (`multiprocessing`'s start method set back to
    "fork" after SGLang's `_set_envs_and_config` sets "spawn"). A spawned process imports
@@ -90,6 +92,8 @@ def register() -> None:
         HookRegistry.register(MLA_DISPATCH, absorbed_latent_attention, HookType.AROUND)
         decode = batched_attention.batched_decode
         HookRegistry.register(batched_attention.TARGET, decode, HookType.AROUND)
+        extend = batched_attention.one_token_extend
+        HookRegistry.register(batched_attention.EXTEND_TARGET, extend, HookType.AROUND)
         HookRegistry.register(ENGINE_SETUP, forked_processes, HookType.AFTER)
     if not torch.cuda.is_available():
         from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS

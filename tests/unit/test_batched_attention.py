@@ -1,6 +1,7 @@
 """The batched decode attention installed in SGLang's CPU servers equals SGLang's own
-per-request loop (`TorchNativeAttnBackend._run_sdpa_forward_decode`), called here on the
-same cache, slots and lengths."""
+per-request loop (`TorchNativeAttnBackend._run_sdpa_forward_decode`, and
+`_run_sdpa_forward_extend` where every request adds one token), called here on the same
+cache, slots and lengths."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.helpers import python_output
 
 native = pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
 LOOP = native.TorchNativeAttnBackend._run_sdpa_forward_decode
+EXTEND_LOOP = native.TorchNativeAttnBackend._run_sdpa_forward_extend
 
 
 def _batch(seed, heads=4, kv_heads=2, cache_dtype=torch.float32):
@@ -39,11 +41,42 @@ def test_one_call_equals_sglangs_loop(heads, kv_heads, cache_dtype):
     query, k_cache, v_cache, table, rows, lens = _batch(0, heads, kv_heads, cache_dtype)
     args = (k_cache, v_cache, table, rows, lens, None)
     kwargs = {"scaling": 0.3, "enable_gqa": heads != kv_heads, "causal": False}
-    expected = LOOP(None, query, torch.empty_like(query), *args, **kwargs)
+    assert_equals_loop(batched_attention.batched_decode, LOOP, query, args, kwargs)
+
+
+def assert_equals_loop(hook, loop, query, args, kwargs) -> None:
+    """`hook` (an AROUND hook of `loop`) writes into its output what `loop` computes."""
+    expected = loop(None, query, torch.empty_like(query), *args, **kwargs)
     out = torch.full_like(query, float("nan"))
-    result = batched_attention.batched_decode(LOOP, None, query, out, *args, **kwargs)
-    assert result is out
+    assert hook(loop, None, query, out, *args, **kwargs) is out
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4)])
+def test_a_prefill_of_one_token_a_request_equals_sglangs_loop(heads, kv_heads):
+    """The samples of an n > 1 request after their prompt's prefill: each adds one token to
+    its cached prefix (its keys and values already in the cache, as SGLang writes them
+    before attending)."""
+    query, k_cache, v_cache, table, rows, lens = _batch(2, heads, kv_heads)
+    new = torch.ones_like(lens)
+    args = (k_cache, v_cache, table, rows, lens, lens - new, new, None)
+    kwargs = {"scaling": 0.3, "enable_gqa": heads != kv_heads, "causal": True}
+    assert_equals_loop(batched_attention.one_token_extend, EXTEND_LOOP, query, args, kwargs)
+
+
+def test_a_prefill_of_several_tokens_a_request_goes_to_sglangs_loop():
+    query, k_cache, v_cache, table, rows, lens = _batch(3)
+    new = torch.tensor([2, 1, 5, 1, 3, 1])  # 13 query rows for 6 requests
+    query = torch.randn(int(new.sum()), *query.shape[1:])
+    calls = []
+
+    def loop(*args, **kwargs):
+        calls.append(len(args[1]))
+        return EXTEND_LOOP(*args, **kwargs)
+
+    args = (query, torch.empty_like(query), k_cache, v_cache, table, rows, lens, lens - new, new)
+    batched_attention.one_token_extend(loop, None, *args, None, enable_gqa=True, causal=True)
+    assert calls == [13]
 
 
 def test_a_sliding_window_goes_to_sglangs_loop():
@@ -78,12 +111,17 @@ TorchNativeAttnBackend._run_sdpa_forward_decode(
     None, q, torch.empty_like(q), cache, cache, table, torch.tensor([0, 1]),
     torch.tensor([3, 5]), None, scaling=None, enable_gqa=False, causal=False,
     is_cross_attn=False, sliding_window_size=None)
+TorchNativeAttnBackend._run_sdpa_forward_extend(
+    None, q, torch.empty_like(q), cache, cache, table, torch.tensor([0, 1]),
+    torch.tensor([3, 5]), torch.tensor([2, 4]), torch.tensor([1, 1]), None, scaling=None,
+    enable_gqa=False, causal=True, is_cross_attn=False, sliding_window_size=None)
 print("batched calls", len(calls))
 """
 
 
 def test_the_plugin_installs_it_in_a_cpu_servers_process():
     """What SGLang's processes do at start (`load_plugins` then `apply_hooks`), in a fresh
-    interpreter with the launcher's environment: the backend's decode goes through here."""
+    interpreter with the launcher's environment: the backend's decode, and a prefill of one
+    token a request, go through here."""
     launch = build_server_args(RolloutConfig(), "model", port=1, device="cpu")
-    assert "batched calls 1" in python_output(INSTALLED, launch.env)
+    assert "batched calls 2" in python_output(INSTALLED, launch.env)
