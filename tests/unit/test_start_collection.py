@@ -6,6 +6,7 @@ job 10). A held server launch imports with it off (tests/unit/test_held_launch.p
 from __future__ import annotations
 
 import gc
+import weakref
 
 from rlhf.utils import collection_deferred
 from tests.helpers import REPO, python_output
@@ -22,6 +23,24 @@ def test_collection_waits_until_started_then_skips_what_the_start_made():
             started()  # once only
             assert gc.isenabled()
         assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+
+
+def test_what_the_start_left_as_garbage_is_collected_not_frozen():
+    class Held:
+        pass
+
+    freed: list[str] = []
+    try:
+        with collection_deferred() as started:
+            cycle = Held()
+            cycle.me = cycle  # garbage only a collection frees
+            weakref.finalize(cycle, freed.append, "freed")
+            del cycle
+            assert freed == []
+            started()
+            assert freed == ["freed"]
     finally:
         gc.unfreeze()
 
