@@ -27,7 +27,7 @@ from rlhf.distributed import launch_env
 from rlhf.errors import ends_in_one_line
 from rlhf.rollout.multi_turn_config import load_configured_tools
 from rlhf.trainer.stopping import Preempted
-from rlhf.utils import collection_deferred, omp_spin_env
+from rlhf.utils import collection_deferred, keep_freed_memory, omp_spin_env
 
 log = logging.getLogger("rlhf.cli.train")
 
@@ -118,6 +118,7 @@ def run(cfg: RLHFConfig) -> Path:
     run_dir = Path(cfg.trainer.default_local_dir)
     if cfg.trainer.device == "cpu":  # before torch loads OpenMP (the servers inherit it)
         os.environ.update(omp_spin_env())
+        keep_freed_memory()
     with (
         collection_deferred() as built,  # the start's objects: never scanned (rlhf.utils)
         held_servers(cfg.actor_rollout_ref, cfg.trainer.device),

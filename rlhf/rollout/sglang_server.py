@@ -45,7 +45,7 @@ from rlhf.rollout.keyed_launch import (
     open_log,
 )
 from rlhf.utils import cpu_threads as node_cpu_threads
-from rlhf.utils import die_with_parent, omp_spin_env
+from rlhf.utils import die_with_parent, malloc_kept_env, omp_spin_env
 from rlhf.weight_sync.shm_reaper import mapped_files
 
 if TYPE_CHECKING:
@@ -168,6 +168,7 @@ def server_env(
         env[UNPINNED_LORA_ENV] = "1"  # rlhf/rollout/sglang_plugin.py
     env["OMP_NUM_THREADS"] = str(cpu_threads)
     env.update(omp_spin_env())  # idle OpenMP threads sleep soon: the trainer needs the cores
+    env.update(malloc_kept_env())  # freed tensors' memory stays mapped (rlhf.utils)
     if importlib.util.find_spec("sgl_kernel") is None:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(CPU_SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p
