@@ -274,6 +274,8 @@ class SGLangEngine:
                 recover=self.group.recover,
                 keep_aborted=keep,
                 lora=self.lora,
+                # one call per server (a router spreads requests, one at a time)
+                batched=not keep and self.group.router is None,
             )
             for keep in (False, True)
         )

@@ -35,9 +35,18 @@ def sglang_item(ids: list[int], finish: str = "length") -> dict:
 
 
 def canned(payload: dict) -> list[dict] | dict:
-    """What SGLang answers: sample j of prompt p is [p[0], j]; a list when n > 1."""
-    n = payload["sampling_params"].get("n", 1)
-    items = [sglang_item([payload["input_ids"][0], j]) for j in range(n)]
+    """What SGLang answers: sample j of prompt p is [p[0], j]; a list when n > 1. A batched
+    body (one sample an item) gets its items, the j-th of a prompt [p[0], j], no tokens
+    where `max_new_tokens` is 0."""
+    ids, sampling = payload["input_ids"], payload["sampling_params"]
+    if isinstance(ids[0], list):
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(ids)
+        return [
+            sglang_item([x[0], ids[:k].count(x)] if p.get("max_new_tokens", 1) else [])
+            for k, (x, p) in enumerate(zip(ids, samplings))
+        ]
+    n = sampling.get("n", 1)
+    items = [sglang_item([ids[0], j]) for j in range(n)]
     return items if n > 1 else items[0]
 
 
@@ -47,6 +56,7 @@ class FakeServer:
     def __init__(self, behaviour: Callable[[int, dict], web.StreamResponse] | None = None):
         self.behaviour = behaviour or (lambda i, payload: web.json_response(canned(payload)))
         self.requests = 0
+        self.bodies: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self.port = free_port()
@@ -56,6 +66,7 @@ class FakeServer:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         payload = await request.json()
         self.requests += 1
+        self.bodies.append(payload)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -245,3 +256,84 @@ def test_concurrency_is_bounded_per_server():
 
     results, in_flight = run(main())
     assert len(results) == 24 and in_flight == (3, 3)
+
+
+def test_batched_client_sends_each_server_its_samples_in_one_call():
+    """Per server: each of its prompts prefilled once, then all its samples as one batch of
+    n = 1 items; the results split back per payload, in payload order."""
+
+    async def main():
+        async with FakeServer() as one, FakeServer() as two:
+            client = GenerateClient([one.url, two.url], retry=FAST, batched=True)
+            return await client.generate_async(payloads(5, n=2)), one.bodies, two.bodies
+
+    results, first, second = run(main())
+    for i, result in enumerate(results):
+        assert [g.output_ids for g in result.generations] == [[100 + i, 0], [100 + i, 1]]
+        assert result.attempts == 1 and result.engine_s == 0.25
+    for bodies, mine in ((first, [0, 2, 4]), (second, [1, 3])):
+        prefill, batch = bodies
+        assert prefill["input_ids"] == [[100 + i, 7] for i in mine]
+        assert prefill["sampling_params"] == {"max_new_tokens": 0}
+        assert batch["input_ids"] == [[100 + i, 7] for i in mine for _ in range(2)]
+        assert batch["sampling_params"] == [{"n": 1, "max_new_tokens": 2}] * 2 * len(mine)
+        assert batch["return_logprob"] is True
+
+
+def test_batched_seeded_samples_keep_their_seeds_and_share_one_prefill():
+    seeded = [
+        generate_payload([100 + i // 2, 7], {"n": 1, "sampling_seed": 10 + i}) for i in range(4)
+    ]
+
+    async def main():
+        async with FakeServer() as server:
+            client = GenerateClient([server.url], retry=FAST, batched=True)
+            return await client.generate_async(seeded), server.bodies
+
+    results, (prefill, batch) = run(main())
+    assert [r.generations[0].output_ids for r in results] == [
+        [100, 0],
+        [100, 1],
+        [101, 0],
+        [101, 1],
+    ]
+    assert prefill["input_ids"] == [[100, 7], [101, 7]]
+    assert [p["sampling_seed"] for p in batch["sampling_params"]] == [10, 11, 12, 13]
+
+
+def test_batched_client_retries_the_whole_batch():
+    def flaky(i: int, payload: dict) -> web.Response:
+        if i == 2:  # the samples' first attempt
+            return web.Response(status=503, text="busy")
+        return web.json_response(canned(payload))
+
+    async def main():
+        async with FakeServer(flaky) as server:
+            client = GenerateClient([server.url], retry=FAST, batched=True)
+            return await client.generate_async(payloads(3)), server.requests
+
+    results, requests = run(main())
+    assert requests == 3 and [r.attempts for r in results] == [2, 2, 2]
+    assert [g.output_ids for g in results[2].generations] == [[102, 0], [102, 1]]
+
+
+@pytest.mark.parametrize(
+    ("many", "pictures"), [(3, False), (2, True)], ids=["over-max-concurrent", "images"]
+)
+def test_batched_client_sends_one_request_a_payload_beyond_a_batch(many, pictures):
+    """More payloads for a server than `max_concurrent` (they would not all be in flight at
+    once), or payloads with images: one request each, as unbatched."""
+    sent = payloads(many)
+    if pictures:
+        sent = [
+            generate_payload(p["input_ids"], p["sampling_params"], images=(b"png",)) for p in sent
+        ]
+
+    async def main():
+        async with FakeServer() as server:
+            client = GenerateClient([server.url], retry=FAST, max_concurrent=2, batched=True)
+            return await client.generate_async(sent), server.bodies
+
+    results, bodies = run(main())
+    assert len(bodies) == many and all(b["sampling_params"]["n"] == 2 for b in bodies)
+    assert [len(r.generations) for r in results] == [2] * many

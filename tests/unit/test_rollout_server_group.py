@@ -35,6 +35,21 @@ STAND_IN = textwrap.dedent(
     port, seen, delay_s = int(sys.argv[1]), pathlib.Path(sys.argv[2]), float(sys.argv[3])
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
+    def sample(ids, sampling, j):  # sample j of a prompt: [its first token, j]
+        out = [ids[0], j] if sampling.get("max_new_tokens", 1) else []
+        logprobs = [[-1.0 - k, t, None] for k, t in enumerate(out)]
+        return {"output_ids": out, "meta_info": {
+            "finish_reason": {"type": "length"}, "output_token_logprobs": logprobs}}
+
+    def answer(body):  # one request carrying n, or SGLang's batch form (one sample an item)
+        ids, sampling = body["input_ids"], body["sampling_params"]
+        if isinstance(ids[0], list):
+            samplings = sampling if isinstance(sampling, list) else [sampling] * len(ids)
+            return [sample(x, p, ids[:k].count(x)) for k, (x, p) in enumerate(zip(ids, samplings))]
+        n = sampling.get("n", 1)
+        items = [sample(ids, sampling, j) for j in range(n)]
+        return items if n > 1 else items[0]
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200 if self.path == "/health" else 404)
@@ -45,15 +60,7 @@ STAND_IN = textwrap.dedent(
             with seen.open("a") as f:
                 f.write(f"{port}\\n")
             time.sleep(delay_s)
-            n = body["sampling_params"].get("n", 1)
-            first = body["input_ids"][0]
-            items = [
-                {"output_ids": [first, j], "meta_info": {
-                    "finish_reason": {"type": "length"},
-                    "output_token_logprobs": [[-1.0, first, None], [-2.0, j, None]]}}
-                for j in range(n)
-            ]
-            data = json.dumps(items if n > 1 else items[0]).encode()
+            data = json.dumps(answer(body)).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -180,6 +187,15 @@ def test_killed_server_mid_batch_is_restarted_and_requests_reissued(tmp_path, mo
     assert [s.prompt_index for s in samples] == [i // 2 for i in range(12)]
     assert [s.response_ids for s in samples] == [[10 + i // 2, i % 2] for i in range(12)]
     assert engine.last_stats.retried_requests >= 1
+
+
+def test_the_engine_sends_each_server_its_samples_in_one_call(stand_in, tmp_path):
+    with SGLangEngine(rollout(num_servers=2), "m", log_dir=tmp_path, device="cpu") as engine:
+        stand_in.write_text("")  # the start's readiness checks
+        samples = engine.generate([[10 + i] for i in range(6)], SamplingParams(n=2))
+    assert [s.response_ids for s in samples] == [[10 + i // 2, i % 2] for i in range(12)]
+    posts = stand_in.read_text().split()  # each server: its prompts' prefill, its samples
+    assert len(posts) == 4 and len(set(posts)) == 2
 
 
 def wait_for(condition, timeout_s: float = 60.0) -> None:
