@@ -436,8 +436,12 @@ def shared_prompts(batch: dict[str, Any]) -> dict[str, Any] | None:
     prompts = list({tuple(ids): None for ids in batch["input_ids"]})
     if len(prompts) == len(batch["input_ids"]):
         return None
-    prefill = {"max_new_tokens": 0}
-    return {**batch, "input_ids": [list(p) for p in prompts], "sampling_params": prefill}
+    body = {k: v for k, v in batch.items() if k != "return_routed_experts"}  # none generated
+    return {
+        **body,
+        "input_ids": [list(p) for p in prompts],
+        "sampling_params": {"max_new_tokens": 0},
+    }
 
 
 def split_result(result: RequestResult, payloads: list[dict[str, Any]]) -> list[RequestResult]:

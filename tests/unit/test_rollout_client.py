@@ -14,8 +14,10 @@ from rlhf.rollout.client import (
     GenerateClient,
     GenerateError,
     RetryPolicy,
+    batch_payload,
     generate_payload,
     parse_response,
+    shared_prompts,
 )
 from rlhf.utils import free_port
 
@@ -337,3 +339,12 @@ def test_batched_client_sends_one_request_a_payload_beyond_a_batch(many, picture
     results, bodies = run(main())
     assert len(bodies) == many and all(b["sampling_params"]["n"] == 2 for b in bodies)
     assert [len(r.generations) for r in results] == [2] * many
+
+
+def test_the_shared_prefill_generates_nothing_and_asks_for_no_routes():
+    batch = batch_payload([generate_payload([1, 2], {"n": 2}, routed_experts=True)])
+    assert batch["return_routed_experts"] and batch["input_ids"] == [[1, 2], [1, 2]]
+    prefill = shared_prompts(batch)
+    assert prefill is not None and "return_routed_experts" not in prefill
+    assert prefill["input_ids"] == [[1, 2]] and prefill["sampling_params"] == {"max_new_tokens": 0}
+    assert shared_prompts(batch_payload([generate_payload([1, 2], {"n": 1})])) is None

@@ -39,7 +39,7 @@ def sglang_item(output_ids: list[int], routes: np.ndarray | None) -> dict:
 def test_routed_experts_are_decoded_per_token_and_layer():
     # prompt of 3 tokens, 2 generated: the model saw 4 tokens (not the last generated one)
     routes = np.arange(4 * LAYERS * TOPK).reshape(4, LAYERS, TOPK) % 7
-    (g,) = parse_response([sglang_item([5, 6], routes)], 1, "http://s", routed_prompt_len=3)
+    (g,) = parse_response([sglang_item([5, 6], routes)], 1, "http://s", routed_prompt_lens=[3])
     assert g.routed_experts is not None
     assert g.routed_experts.dtype == torch.int16
     assert g.routed_experts.tolist() == routes.reshape(4, LAYERS * TOPK).tolist()
@@ -49,10 +49,10 @@ def test_routed_experts_are_decoded_per_token_and_layer():
 
 def test_missing_or_malformed_routes_name_the_server_and_the_flag():
     with pytest.raises(GenerateError, match=r"http://s.*--enable-return-routed-experts"):
-        parse_response([sglang_item([5, 6], None)], 1, "http://s", routed_prompt_len=3)
+        parse_response([sglang_item([5, 6], None)], 1, "http://s", routed_prompt_lens=[3])
     three_rows = np.ones((3, LAYERS, TOPK))  # 12 ids for the 5 tokens the model saw
     with pytest.raises(GenerateError, match=r"bad meta_info\.routed_experts"):
-        parse_response([sglang_item([5, 6, 7], three_rows)], 1, "http://s", routed_prompt_len=3)
+        parse_response([sglang_item([5, 6, 7], three_rows)], 1, "http://s", routed_prompt_lens=[3])
     with pytest.raises(ValueError, match="do not split"):
         decode_routed_experts(encode(np.zeros(6)), 4)
 
