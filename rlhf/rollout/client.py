@@ -263,7 +263,9 @@ class GenerateClient:
                 return await self._batched(request, payloads)
             return await gather_or_cancel([request(i, p) for i, p in enumerate(payloads)])
 
-    async def _batched(self, request: Request, payloads: list[dict[str, Any]]) -> list:
+    async def _batched(
+        self, request: Request, payloads: list[dict[str, Any]]
+    ) -> list[RequestResult]:
         """Each server's payloads (round-robin, as unbatched) as one batched request, after
         one that prefills the prompts they share (`shared_prompts`); its answer split back
         per payload. A retried prefill counts as a retry of its batch's payloads."""
@@ -282,7 +284,9 @@ class GenerateClient:
                 results[i] = part
 
         await gather_or_cancel([serve(group) for group in groups])
-        return results
+        served = [result for result in results if result is not None]
+        assert len(served) == len(payloads), "a batch left payloads unanswered"
+        return served
 
     def _batches(self, payloads: list[dict[str, Any]]) -> bool:
         """Whether `generate_async` sends each server's payloads as one batched request."""
@@ -399,13 +403,18 @@ async def gather_or_cancel(coroutines: list[Awaitable[T]]) -> list[T]:
         raise
 
 
+def samples_of(payload: dict[str, Any]) -> int:
+    """How many samples one request's /generate body asks for (its `n`)."""
+    return int(payload.get("sampling_params", {}).get("n", 1))
+
+
 def prompt_lengths(payload: dict[str, Any]) -> list[int]:
     """The prompt length of each generation a /generate body asks for: `n` of one prompt,
     or one per item of a batched body (`batch_payload`)."""
     ids = payload["input_ids"]
     if ids and isinstance(ids[0], list):
         return [len(one) for one in ids]
-    return [len(ids)] * int(payload.get("sampling_params", {}).get("n", 1))
+    return [len(ids)] * samples_of(payload)
 
 
 def batch_payload(payloads: list[dict[str, Any]]) -> dict[str, Any]:
@@ -421,7 +430,7 @@ def batch_payload(payloads: list[dict[str, Any]]) -> dict[str, Any]:
     items = [
         (payload["input_ids"], {**payload["sampling_params"], "n": 1})
         for payload in payloads
-        for _ in range(int(payload["sampling_params"].get("n", 1)))
+        for _ in range(samples_of(payload))
     ]
     body = {**payloads[0], "input_ids": [ids for ids, _ in items]}
     body["sampling_params"] = [sampling for _, sampling in items]
@@ -449,7 +458,7 @@ def split_result(result: RequestResult, payloads: list[dict[str, Any]]) -> list[
     samples and the batch's attempt, in payload order."""
     parts, start = [], 0
     for payload in payloads:
-        count = int(payload["sampling_params"].get("n", 1))
+        count = samples_of(payload)
         generations = result.generations[start : start + count]
         start += count
         latencies = [g.engine_latency_s for g in generations if g.engine_latency_s is not None]
