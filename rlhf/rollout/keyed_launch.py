@@ -14,12 +14,14 @@ command line, which the kernel keeps as it was exec'd, never holds the key; with
 variable nothing is added.
 
 `python -m rlhf.rollout.keyed_launch --held MODULE`: a launch held before its command line is
-known. The process imports MODULE (for SGLang's server ~3 s of its ~6 s start on the CPU;
-with the garbage collector off, `rlhf.utils.collection_deferred`), then waits for one JSON
-line on stdin, its `Order`: the arguments, the environment and the log to write to; it then
-runs MODULE as above, as if it had just been started with them. At end of file instead (its
-launcher let go of it, or died) it exits, having started nothing: no port, no model, no
-device memory (`rlhf.rollout.sglang_server.hold_servers`).
+known. The process imports MODULE and what its run imports next (`PRELOADS`), with the
+garbage collector off (`rlhf.utils.collection_deferred`). SGLang's CPU server here: ~5 s
+its module, ~3.4 s the rest, which from the order to serving left 3.6-5.1 s of the start
+and leaves ~0.5 s. It then waits for one JSON line on stdin, its `Order`: the arguments,
+the environment and the log to write to, and runs MODULE as above, as if it had just been
+started with them. At end of file instead (its launcher let go of it, or died) it exits,
+having started nothing: no port, no model, no device memory
+(`rlhf.rollout.sglang_server.hold_servers`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ HELD = "--held"
 # set by the launcher in a server's environment for `rlhf.rollout.sglang_plugin`
 BOUND_STORES_ENV = "RLHF_SGLANG_BOUND_STORES"
 UNPINNED_LORA_ENV = "RLHF_SGLANG_UNPINNED_LORA"
+SGLANG_SERVER = "sglang.launch_server"
+# What a held launch imports besides its module: what the module's first process imports
+# once it runs, in any device's flow (SGLang's server: its plugins' hooks, HTTP server,
+# engine, scheduler and detokenizer entry points; not the model runner, which a GPU server
+# imports only in its spawned scheduler)
+PRELOADS = {
+    SGLANG_SERVER: (
+        "sglang.srt.entrypoints.http_server",
+        "sglang.srt.managers.data_parallel_controller",
+        "sglang.srt.managers.detokenizer_manager",
+        "sglang.srt.entrypoints.openai.serving_responses",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,7 @@ def held(module: str) -> None:
     docstring)."""
     with collection_deferred():
         importlib.import_module(module)
+        preload(module)
     sys.modules.pop(module)  # run as __main__ below, a fresh copy; what it imported stays
     line = sys.stdin.buffer.readline()
     if not line:
@@ -96,6 +112,20 @@ def held(module: str) -> None:
     os.environ.clear()
     os.environ.update(order.env)
     run([module, *order.argv])
+
+
+def preload(module: str) -> None:
+    """Import what `module`'s run would import after the order (`PRELOADS`). SGLang's
+    plugins load first, as its launch loads them before it imports the rest (idempotent:
+    the launch's own call then does nothing): their hooks patch functions before other
+    modules bind them, and their guards stand before what they guard
+    (`rlhf.rollout.sglang_plugin`)."""
+    if module == SGLANG_SERVER:
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+    for name in PRELOADS.get(module, ()):
+        importlib.import_module(name)
 
 
 def entitle(argv: list[str]) -> None:

@@ -108,3 +108,46 @@ def test_the_cpu_servers_processes_are_forked_and_share_its_imports(sglang_serve
         shares[child.name()] = share / anonymous
     assert len(shares) == 2, shares  # the scheduler and the detokenizer
     assert all(share < 0.8 for share in shares.values()), shares
+
+
+@pytest.mark.slow(reason="a server of its own, held as the trainer holds them, imports traced")
+def test_a_held_server_imports_its_start_before_its_order(tiny_qwen2_dir, tmp_path):
+    """A held launch of SGLang's server (`rlhf.rollout.keyed_launch`) imports, besides its
+    module, what the server's run imports next (`PRELOADS`), its plugins loaded first: once
+    its order comes, its processes import little more (traced by PYTHONPROFILEIMPORTTIME;
+    everything before launch_server's own warning was imported while held), and never
+    Megatron-Core (the plugin's guard in place before SGLang's debug dumper tries it)."""
+    from rlhf.config.rollout import RolloutConfig
+    from rlhf.rollout.sglang_server import (
+        ServerLaunch,
+        SGLangServer,
+        build_server_args,
+        hold_servers,
+        release_held,
+    )
+    from rlhf.utils import free_port
+
+    built = build_server_args(
+        RolloutConfig(dtype="float32"),
+        tiny_qwen2_dir,
+        port=free_port(),
+        device="cpu",
+        max_total_tokens=4096,
+    )
+    launch = ServerLaunch(built.argv, {**built.env, "PYTHONPROFILEIMPORTTIME": "1"}, built.url)
+    hold_servers(launch.env, 1)
+    try:
+        with SGLangServer(launch, tmp_path / "server.log").start() as server:
+            server.wait_healthy(300)
+            assert generate(server.url, [[1, 2, 3]], {"max_new_tokens": 2})
+            lines = server.log_path.read_text().splitlines()
+    finally:
+        release_held()
+    run = next(i for i, line in enumerate(lines) if "launch_server' is still supported" in line)
+    held = [line for line in lines[:run] if line.startswith("import time:")]
+    after = [line for line in lines[run:] if line.startswith("import time:")]
+    print(f"imported while held: {len(held)}; after the order: {len(after)}")
+    assert len(held) > 3000
+    assert len(after) < len(held) / 10
+    names = [line.split("|")[-1].strip() for line in held + after]
+    assert not [name for name in names if name.startswith("megatron.core.")]  # tried, refused
