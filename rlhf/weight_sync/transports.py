@@ -25,7 +25,7 @@ import os
 import shutil
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -290,6 +290,23 @@ class _FlatBucket:
     shapes: list[list[int]]
 
 
+def _completion(work: dist.Work) -> Future[None]:
+    """A `concurrent.futures` future of a collective started with `async_op=True`: done when
+    the collective is, with its error if it failed (gloo: its group's timeout)."""
+    completion: Future[None] = Future()
+
+    def settle(done: torch.futures.Future) -> None:
+        try:
+            done.wait()
+        except Exception as e:  # handed to the waiter, whatever it is
+            completion.set_exception(e)
+        else:
+            completion.set_result(None)
+
+    work.get_future().add_done_callback(settle)
+    return completion
+
+
 class DistributedTransport:
     """Broadcast buckets over one custom process group per server (opened on first use).
 
@@ -356,10 +373,16 @@ class DistributedTransport:
         return _FlatBucket(flat, names, dtypes, [list(t.shape) for _, t in bucket])
 
     def deliver(self, url: str, packed: _FlatBucket, last: bool, version: int) -> None:
+        """Broadcast `packed` while the server's `update_weights_from_distributed` takes it.
+        A server that answers that call with an error before it joins the broadcast (no
+        update window, a group it does not hold, a bucket it cannot lay out) fails the
+        delivery with its answer at once: the broadcast, which it will never join, is left
+        pending (its group is not used again: the sync fails), where waiting for it held
+        the sync for the group's timeout and then took the server for lost."""
         if url not in self.groups:
             self.groups[url] = self._join(url)
         with ThreadPoolExecutor(1) as pool:
-            done = pool.submit(
+            answer = pool.submit(
                 sglang_api.update_weights_from_distributed,
                 url,
                 packed.names,
@@ -369,13 +392,19 @@ class DistributedTransport:
                 last,
                 version if last else None,
             )
+            work = torch.distributed.broadcast(packed.flat, 0, self.groups[url], async_op=True)
+            assert work is not None, "the sender is rank 0 of every server's group"
+            sent = _completion(work)
+            wait([sent, answer], return_when=FIRST_COMPLETED)
+            if not sent.done() and answer.exception() is not None:
+                answer.result()  # the server's answer, raised: it never took the bucket
             try:
-                torch.distributed.broadcast(packed.flat, src=0, group=self.groups[url])
+                sent.result()
             except RuntimeError as e:  # the collective's peer (the server) went away
                 raise sglang_api.SGLangAPIError(
                     f"{url}: weight broadcast failed: {e}", url, unreachable=True
                 ) from e
-            done.result()
+            answer.result()
 
     def after_sync(self) -> None:
         pass

@@ -105,3 +105,28 @@ def test_restarted_server_gets_the_synced_weights_back(tiny_qwen2_dir, tmp_path)
     assert report["version"] == "7"
     assert list(report["restarts"].values()) == [1], report
     assert (tmp_path / "weights_snapshot" / "v000007" / "model.safetensors.index.json").is_file()
+
+
+def test_a_bucket_the_server_refuses_fails_with_its_answer_at_once(sglang_server, monkeypatch):
+    """A server that answers `update_weights_from_distributed` with an error before it joins
+    the broadcast (here: no update window is open) fails the delivery with that answer as
+    it comes. The sender's broadcast, which no one will join, used to hold the sync until
+    the group's timeout and then report the server unreachable (to be restarted)."""
+    from datetime import timedelta
+
+    from rlhf.weight_sync import transports
+
+    monkeypatch.setattr(transports, "STORE_TIMEOUT", timedelta(seconds=20))  # the old wait
+    url = sglang_server.url
+    transport = transports.DistributedTransport([url], 1, "127.0.0.1")
+    group = "rlhf_weight_sync_refused"  # this process's own: no other test's group name
+    transport.group_names[url] = group
+    bucket = [("model.norm.weight", torch.ones(64))]
+    packed = transport.pack(bucket, last=True, version=next(VERSIONS))
+    try:
+        with pytest.raises(sglang_api.SGLangAPIError) as refused:
+            transport.deliver(url, packed, last=True, version=1)
+    finally:
+        sglang_api.destroy_weights_update_group(url, group)
+    assert not refused.value.unreachable
+    assert "begin_weight_update" in str(refused.value), refused.value
