@@ -17,6 +17,8 @@ layer among 3 MoE layers), laid out by the config's `megatron.expert_*` keys:
 - GLM-4.5 (sigmoid router with expert bias and groups, ungated shared experts, rotary on
   half of each head) and DeepSeek-V3 (the same routing, multi-latent attention) policies:
   their plain update at EP2 x TP2 and EP2 x PP2 equals one rank's.
+
+The 8-rank and Ulysses layouts run in the slow tier (`LAYOUT_SETS`).
 """
 
 from __future__ import annotations
@@ -47,10 +49,21 @@ def moe_dir(tmp_path_factory):
     return save_moe_model(root / "qwen3_moe", MODELS["qwen3_moe"], seed=0)
 
 
-@pytest.fixture(scope="module")
-def results(moe_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe_stages")
-    return run_worker_layouts("moe_stages.py", LAYOUTS, moe_dir, out)
+# The layouts each module run compares with one rank: the 8-rank and the Ulysses ones (12 of
+# the 27 ranks, ~40% of the module's time) in the slow tier
+LAYOUT_SETS = {
+    "ep": ("1rank", "ep2", "ep2tp2etp1", "ep2pp2", "ep2dp2"),
+    "wide": ("1rank", "ep2sp2", "ep2tp2pp2"),
+}
+WIDE = pytest.mark.slow(reason="8 ranks and Ulysses SP2 x EP2 on 2 cores, each compared again")
+
+
+@pytest.fixture(scope="module", params=["ep", pytest.param("wide", marks=WIDE)])
+def results(moe_dir, tmp_path_factory, request):
+    """The worker's results by layout, for the layouts of `LAYOUT_SETS[param]`."""
+    out = tmp_path_factory.mktemp(f"moe_stages_{request.param}")
+    layouts = {name: LAYOUTS[name] for name in LAYOUT_SETS[request.param]}
+    return run_worker_layouts("moe_stages.py", layouts, moe_dir, out)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,9 +103,10 @@ def test_deepseek_style_gradient_is_transformers(deepseek_style):
     assert got == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "1rank"])
-def test_expert_parallel_update_matches_one_rank(results, layout):
-    check_update_matches_one_rank(results, layout)
+def test_expert_parallel_update_matches_one_rank(results):
+    for layout in results:
+        if layout != "1rank":
+            check_update_matches_one_rank(results, layout)
 
 
 def test_the_updated_experts_and_their_optimizer_state_round_trip_at_every_layout(results):
@@ -166,24 +180,23 @@ def hf_grad_norm_with_router_losses(
 SPLIT_ROWS = {"ep2tp2etp1": 5e-4, "ep2sp2": 5e-4, "ep2tp2pp2": 5e-4}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_offloading_frees_every_storage_of_the_actor_experts_included(results, layout):
+def test_offloading_frees_every_storage_of_the_actor_experts_included(results):
     """Megatron keeps expert-parallel parameters in DDP buffers of their own
     (`expert_parallel_buffers`): offloading must take those too (it did not), or ~13 GiB
     of fp32 expert gradients stayed on each GPU of the 30B-A3B config. Each rank's bytes
     are summed from the module and optimizer themselves: before, offloaded, back."""
-    for before, offloaded, back in results[layout]["plain"]["held_bytes"]:
-        assert before > 0 and offloaded == 0 and back == before
+    for layout, run in results.items():
+        for before, offloaded, back in run["plain"]["held_bytes"]:
+            assert before > 0 and offloaded == 0 and back == before, layout
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_an_inf_in_one_experts_gradient_stops_every_ranks_update(results, layout):
+def test_an_inf_in_one_experts_gradient_stops_every_ranks_update(results):
     """The guard reads DDP's gradient buffers whole, the expert-parallel ones included
     (`TrainableMegatronModel.gradients_finite`): one rank's inf in a routed expert's
     gradient makes every rank skip the step."""
-    assert results[layout]["plain"]["gradient_guard"] == [[True, False]] * len(
-        results[layout]["plain"]["held_bytes"]
-    )
+    for layout, run in results.items():
+        ranks = len(run["plain"]["held_bytes"])
+        assert run["plain"]["gradient_guard"] == [[True, False]] * ranks, layout
 
 
 def test_router_losses_give_the_reference_gradient_at_every_layout(results, moe_dir):
