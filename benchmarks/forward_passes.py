@@ -4,8 +4,10 @@
 
 Builds the quickstart's models on one rank (a tiny Qwen2, random weights, the quickstart
 tokenizer; actor, reference and critic as `rlhf-train` builds them from
-configs/quickstart_cpu.yaml) and a batch of `--samples` sequences (prompts of 28-40 tokens,
-`--response`-token responses). Times, median of `--repeats` after a warm-up:
+configs/quickstart_cpu.yaml; freed memory kept mapped as in a CPU trainer's process,
+`rlhf.utils.keep_freed_memory`, for both sides) and a batch of `--samples` sequences
+(prompts of 28-40 tokens, `--response`-token responses). Times, median of `--repeats`
+after a warm-up:
 
 - `old_log_prob`, `ref`, `values`: the trainer's passes (`PPOEngine.logprobs` of the actor
   and of the reference, `.values`) over that batch, micro-batched as the config says;
@@ -106,6 +108,9 @@ def main() -> None:
     from rlhf.config import load_config
     from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
     from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
+    from rlhf.utils import keep_freed_memory
+
+    keep_freed_memory()  # as a CPU trainer's process starts (rlhf.cli.train.run)
 
     with tempfile.TemporaryDirectory() as tmp:
         model = save_tiny_model(Path(tmp) / "model", TinyModelSpec.scaled(args.hidden, args.layers))
