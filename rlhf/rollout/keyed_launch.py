@@ -42,14 +42,13 @@ BOUND_STORES_ENV = "RLHF_SGLANG_BOUND_STORES"
 UNPINNED_LORA_ENV = "RLHF_SGLANG_UNPINNED_LORA"
 SGLANG_SERVER = "sglang.launch_server"
 # What a held launch imports besides its module: what the module's first process imports
-# once it runs, in any device's flow (SGLang's server: its plugins' hooks, HTTP server,
-# engine, scheduler and detokenizer entry points; not the model runner, which a GPU server
-# imports only in its spawned scheduler)
+# once it runs, in any device's flow (SGLang's server: its plugins' hooks, then its HTTP
+# server, whose engine imports the scheduler's and detokenizer's entry points, and the
+# OpenAI routes it imports as it starts; not the model runner, which a GPU server imports
+# only in its spawned scheduler)
 PRELOADS = {
     SGLANG_SERVER: (
         "sglang.srt.entrypoints.http_server",
-        "sglang.srt.managers.data_parallel_controller",
-        "sglang.srt.managers.detokenizer_manager",
         "sglang.srt.entrypoints.openai.serving_responses",
     ),
 }
