@@ -34,6 +34,7 @@ def test_a_servers_processes_do_not_import_megatron(device):
     assert "megatron imported False" in out, out
 
 
+@pytest.mark.slow(reason="the control: SGLang's model runner imported without the plugin, 13 s")
 def test_without_the_plugin_sglang_imports_megatron():
     """The same import outside a launched server (the plugin does nothing there)."""
     out = python_output(DUMPER, {"RLHF_SGLANG_BOUND_STORES": ""})
