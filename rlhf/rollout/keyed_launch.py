@@ -40,14 +40,14 @@ HELD = "--held"
 # set by the launcher in a server's environment for `rlhf.rollout.sglang_plugin`
 BOUND_STORES_ENV = "RLHF_SGLANG_BOUND_STORES"
 UNPINNED_LORA_ENV = "RLHF_SGLANG_UNPINNED_LORA"
-SGLANG_SERVER = "sglang.launch_server"
+SERVER_MODULE = "sglang.launch_server"  # SGLang's server, what `sglang_server` launches
 # What a held launch imports besides its module: what the module's first process imports
 # once it runs, in any device's flow (SGLang's server: its plugins' hooks, then its HTTP
 # server, whose engine imports the scheduler's and detokenizer's entry points, and the
 # OpenAI routes it imports as it starts; not the model runner, which a GPU server imports
 # only in its spawned scheduler)
 PRELOADS = {
-    SGLANG_SERVER: (
+    SERVER_MODULE: (
         "sglang.srt.entrypoints.http_server",
         "sglang.srt.entrypoints.openai.serving_responses",
     ),
@@ -119,7 +119,7 @@ def preload(module: str) -> None:
     the launch's own call then does nothing): their hooks patch functions before other
     modules bind them, and their guards stand before what they guard
     (`rlhf.rollout.sglang_plugin`)."""
-    if module == SGLANG_SERVER:
+    if module == SERVER_MODULE:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()

@@ -40,6 +40,7 @@ from rlhf.models.moe_arch import sglang_serving_problem
 from rlhf.rollout.keyed_launch import (
     BOUND_STORES_ENV,
     HELD,
+    SERVER_MODULE,
     UNPINNED_LORA_ENV,
     Order,
     open_log,
@@ -59,7 +60,6 @@ CPU_SHIM_DIR = Path(__file__).parent / "cpu_shims"
 HEALTH_POLL_S = 0.1
 # `python -m MODULE` with `--api-key` from RLHF_SGLANG_API_KEY added inside the process
 KEYED_LAUNCH = (sys.executable, "-m", "rlhf.rollout.keyed_launch")
-SERVER_MODULE = "sglang.launch_server"
 _RUNNING: set[SGLangServer] = set()
 
 

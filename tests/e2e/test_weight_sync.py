@@ -122,10 +122,11 @@ def test_a_bucket_the_server_refuses_fails_with_its_answer_at_once(sglang_server
     group = "rlhf_weight_sync_refused"  # this process's own: no other test's group name
     transport.group_names[url] = group
     bucket = [("model.norm.weight", torch.ones(64))]
-    packed = transport.pack(bucket, last=True, version=next(VERSIONS))
+    version = next(VERSIONS)
+    packed = transport.pack(bucket, last=True, version=version)
     try:
         with pytest.raises(sglang_api.SGLangAPIError) as refused:
-            transport.deliver(url, packed, last=True, version=1)
+            transport.deliver(url, packed, last=True, version=version)
     finally:
         sglang_api.destroy_weights_update_group(url, group)
     assert not refused.value.unreachable
