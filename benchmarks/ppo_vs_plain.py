@@ -167,7 +167,9 @@ def label(proc: psutil.Process, root: psutil.Process) -> str:
     if proc.pid == root.pid:
         return "trainer"
     cmdline = proc.cmdline()
-    if cmdline and cmdline[0].startswith("sglang::"):
+    if not cmdline:  # exited, not yet reaped
+        return "other: exited"
+    if cmdline[0].startswith("sglang::"):
         return cmdline[0].split()[0]
     if "sglang.launch_server" in " ".join(cmdline):  # held launches: one titled string
         return "sglang::http"
@@ -299,6 +301,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
+        if root.exists() and any(root.iterdir()):  # a run there would resume, not measure
+            sys.exit(f"ppo_vs_plain: --out {root} is not empty; name a new directory")
         root.mkdir(parents=True, exist_ok=True)
         model = save_tiny_model(root / "model", TinyModelSpec.scaled(args.hidden, args.layers))
         train, _ = write_quickstart_data(root / "data", num_train=256, num_val=8)
