@@ -88,7 +88,11 @@ def parse_args() -> argparse.Namespace:
         "step it falls in: ~70 ms of rlhf's six processes, ~15 ms of the plain loop's one; "
         "sampled less often than a step, most steps and so the median step have none)",
     )
-    parser.add_argument("--out", type=Path, help="keep the runs here (default: a temp dir)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="keep the runs here: a new or empty directory (default: a temp dir)",
+    )
     parser.add_argument("overrides", nargs="*", help="extra rlhf-train overrides (key=value)")
     return parser.parse_args()
 
