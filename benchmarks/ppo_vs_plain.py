@@ -21,8 +21,12 @@ as a share of the run (`pss_sampling_core_share`: reading PSS walks each process
 tables, ~10 ms a process here; a sample slowed the step it fell in by ~70 ms on rlhf's side
 and ~15 ms on the plain loop's, so at one a second nearly every step had one and the median
 step counted it);
-`step_ratio` (rlhf / plain; the aim is <= 0.5, the bar 0.75),
-`startup_ratio`; and the compute floor: the step's model FLOPs (generation = one forward per
+`step_ratio` (rlhf / plain), `training_ratio` (the updates, advantages and weight sync
+against the plain loop's updates and advantages), `startup_ratio`; `rounds`: with
+`--rounds N`, both sides run N times, alternating which goes first, the sides reported are
+those of the round with the median step ratio, and `rounds` lists every round's ratios
+(step, each stage, training, outside the steps) and its weight sync's seconds; and the
+compute floor: the step's model FLOPs (generation = one forward per
 token, old log-probs, reference and values forwards, forward + backward of both updates)
 over a matmul rate measured in this run, with each side's step as a multiple of it.
 """
@@ -89,12 +93,24 @@ def parse_args() -> argparse.Namespace:
         "sampled less often than a step, most steps and so the median step have none)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run both sides this many times, alternating which goes first, and report the "
+        "round whose step ratio is the median (the upper of an even count), with every "
+        "round's ratios: the machine's speed drifts within a run's minute as much as the "
+        "code's differences",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         help="keep the runs here: a new or empty directory (default: a temp dir)",
     )
     parser.add_argument("overrides", nargs="*", help="extra rlhf-train overrides (key=value)")
     return parser.parse_args()
+
+
+TRAINING = ("update_critic", "update_actor", "adv", "update_weights")
 
 
 class PeakPSS:
@@ -298,6 +314,32 @@ def compute_floor_s(model: Path, tokens: float, samples: int) -> tuple[float, fl
     return flops / measure_matmul_flops(torch.device("cpu"), torch.float32), flops
 
 
+def one_round(args, model: Path, train: Path, root: Path, plain_first: bool) -> dict:
+    """Both sides, one after the other, in `root`: {"rlhf": ..., "plain": ...}."""
+    root.mkdir(parents=True, exist_ok=True)
+    sides = {"rlhf": rlhf_side, "plain": plain_side}
+    order = ["plain", "rlhf"] if plain_first else ["rlhf", "plain"]
+    done = {name: sides[name](args, model, train, root) for name in order}
+    return {"rlhf": done["rlhf"], "plain": done["plain"]}
+
+
+def ratios(result: dict) -> dict:
+    """rlhf / plain of one round: the step, each stage both sides time, training (the
+    updates, advantages and rlhf's weight sync, which the plain loop has none of), outside
+    the steps."""
+    rlhf, plain = result["rlhf"]["median_s"], result["plain"]["median_s"]
+    training = [f"timing_s/{s}" for s in TRAINING]
+    return {
+        "step_ratio": rlhf["timing_s/step"] / plain["timing_s/step"],
+        "stages": {k[len("timing_s/") :]: rlhf[k] / plain[k] for k in rlhf if k in plain},
+        "training_ratio": sum(rlhf.get(k, 0.0) for k in training)
+        / sum(plain.get(k, 0.0) for k in training),
+        "update_weights_s": rlhf.get("timing_s/update_weights"),
+        "outside_steps_ratio": result["rlhf"]["outside_steps_s"]
+        / result["plain"]["outside_steps_s"],
+    }
+
+
 def main() -> None:
     args = parse_args()
     from rlhf.quickstart.data import write_quickstart_data
@@ -310,8 +352,14 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         model = save_tiny_model(root / "model", TinyModelSpec.scaled(args.hidden, args.layers))
         train, _ = write_quickstart_data(root / "data", num_train=256, num_val=8)
-        rlhf = rlhf_side(args, model, train, root)
-        plain = plain_side(args, model, train, root)
+        rounds = [
+            one_round(
+                args, model, train, root / f"round{i}" if args.rounds > 1 else root, i % 2 == 1
+            )
+            for i in range(args.rounds)
+        ]
+        median = sorted(rounds, key=lambda r: ratios(r)["step_ratio"])[len(rounds) // 2]
+        rlhf, plain = median["rlhf"], median["plain"]
         floor_s, flops = compute_floor_s(model, rlhf["tokens"], args.prompts * args.n)
     step = {"rlhf": rlhf["median_s"]["timing_s/step"], "plain": plain["median_s"]["timing_s/step"]}
     print(
@@ -324,6 +372,7 @@ def main() -> None:
                     "n": args.n,
                     "response": args.response,
                     "steps": args.steps,
+                    "rounds": args.rounds,
                     "pss_interval_s": args.pss_interval,
                     "pss_step_interval_s": args.pss_step_interval,
                 },
@@ -332,6 +381,8 @@ def main() -> None:
                 "step_ratio": step["rlhf"] / step["plain"],
                 "startup_ratio": rlhf["startup_s"] / plain["startup_s"],
                 "outside_steps_ratio": rlhf["outside_steps_s"] / plain["outside_steps_s"],
+                "training_ratio": ratios(median)["training_ratio"],
+                "rounds": [ratios(r) for r in rounds],
                 "compute_floor": {
                     "step_flops": flops,
                     "floor_s": floor_s,
