@@ -103,8 +103,9 @@ test-unit test-distributed test-e2e test-gpu: setup
 docker-test:
 	tools/docker_test.sh
 
+# plain_ppo.py and trl_ppo.py are ppo_vs_plain.py's yardsticks: it runs them with its model
 bench: setup
-	for script in benchmarks/*.py; do $(PY) $$script || exit 1; done
+	for script in benchmarks/*.py; do case $$script in */plain_ppo.py|*/trl_ppo.py) continue;; esac; $(PY) $$script || exit 1; done
 
 lint: setup
 	$(VENV)/bin/ruff check .

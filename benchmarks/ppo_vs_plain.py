@@ -8,7 +8,9 @@ SGLang server) and `benchmarks/plain_ppo.py` (HF generate + padded forwards + Ad
 process) for the same number of steps, with the same prompts per step, samples, response
 length and loss settings, each pass over the whole batch at once (rlhf: one micro-batch of
 all the step's samples; `--micro-batch N` sets fewer). The first step of each side is a
-warm-up and is left out of the medians.
+warm-up and is left out of the medians. `--yardstick trl` runs `benchmarks/trl_ppo.py`
+(TRL's PPOTrainer on the same work, a reward model in place of the rule) in place of the
+plain loop, reported under the same name.
 
 Prints one JSON object: for each side the median seconds per stage (`timing_s/*`), the
 median step, `startup_s` (launch to the start of the first step), `teardown_s` (the end of
@@ -22,13 +24,14 @@ tables, ~10 ms a process here; a sample slowed the step it fell in by ~70 ms on 
 and ~15 ms on the plain loop's, so at one a second nearly every step had one and the median
 step counted it);
 `step_ratio` (rlhf / plain), `training_ratio` (the updates, advantages and weight sync
-against the plain loop's updates and advantages), `startup_ratio`; `rounds`: with
-`--rounds N`, both sides run N times, alternating which goes first, the sides reported are
-those of the round with the median step ratio, and `rounds` lists every round's ratios
-(step, each stage, training, outside the steps) and its weight sync's seconds; and the
-compute floor: the step's model FLOPs (generation = one forward per
-token, old log-probs, reference and values forwards, forward + backward of both updates)
-over a matmul rate measured in this run, with each side's step as a multiple of it.
+against the plain loop's updates and advantages, TRL's whole update stage),
+`startup_ratio`; `rounds`: with `--rounds N`, both sides run N times, alternating which
+goes first, the sides reported are those of the round with the median step ratio, and
+`rounds` lists every round's ratios (step, each stage, training, outside the steps) and its
+weight sync's seconds; and the compute floor: the step's model FLOPs (generation = one
+forward per token, old log-probs, reference and values forwards, forward + backward of
+both updates) over a matmul rate measured in this run, with each side's step as a
+multiple of it.
 """
 
 from __future__ import annotations
@@ -58,8 +61,10 @@ STAGES = (
     "update_critic",
     "update_actor",
     "update_weights",
+    "update",  # TRL's policy and critic update, one loss (benchmarks/trl_ppo.py)
     "step",
 )
+YARDSTICKS = {"plain": "plain_ppo.py", "trl": "trl_ppo.py"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,6 +98,14 @@ def parse_args() -> argparse.Namespace:
         "sampled less often than a step, most steps and so the median step have none)",
     )
     parser.add_argument(
+        "--yardstick",
+        choices=sorted(YARDSTICKS),
+        default="plain",
+        help="the other side, reported as `plain`: benchmarks/plain_ppo.py (transformers "
+        "alone), or benchmarks/trl_ppo.py (TRL's PPOTrainer, a reward model in place of the "
+        "rule)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -110,7 +123,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-TRAINING = ("update_critic", "update_actor", "adv", "update_weights")
+TRAINING = ("update_critic", "update_actor", "adv", "update_weights", "update")
 
 
 class PeakPSS:
@@ -277,7 +290,7 @@ def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
 def plain_side(args, model: Path, train: Path, root: Path) -> dict:
     cmd = [
         sys.executable,
-        str(REPO / "benchmarks" / "plain_ppo.py"),
+        str(REPO / "benchmarks" / YARDSTICKS[args.yardstick]),
         str(model),
         str(train),
         "--steps",
@@ -373,6 +386,7 @@ def main() -> None:
                     "response": args.response,
                     "steps": args.steps,
                     "rounds": args.rounds,
+                    "yardstick": args.yardstick,
                     "pss_interval_s": args.pss_interval,
                     "pss_step_interval_s": args.pss_step_interval,
                 },
