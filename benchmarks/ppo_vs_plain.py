@@ -65,6 +65,7 @@ STAGES = (
     "step",
 )
 YARDSTICKS = {"plain": "plain_ppo.py", "trl": "trl_ppo.py"}
+TRAINING = ("update_critic", "update_actor", "adv", "update_weights", "update")  # "training"
 
 
 def parse_args() -> argparse.Namespace:
@@ -121,9 +122,6 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("overrides", nargs="*", help="extra rlhf-train overrides (key=value)")
     return parser.parse_args()
-
-
-TRAINING = ("update_critic", "update_actor", "adv", "update_weights", "update")
 
 
 class PeakPSS:
