@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def yardstick_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments `ppo_vs_plain.py` gives a yardstick (this loop, `trl_ppo.py`)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("model_dir")
     parser.add_argument("train_file")
     parser.add_argument("--steps", type=int, default=5)
@@ -37,6 +38,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--response", type=int, default=16, help="max new tokens")
     parser.add_argument("--kl-coef", type=float, default=0.001)
+    return parser
+
+
+def parse_args() -> argparse.Namespace:
+    parser = yardstick_parser(__doc__.splitlines()[0])
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--value-clip", type=float, default=0.5)
     parser.add_argument("--actor-lr", type=float, default=2e-4)

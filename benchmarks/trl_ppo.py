@@ -36,7 +36,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch
 from datasets import Dataset
-from plain_ppo import load_prompts  # the same prompts, as plain_ppo reads them
+from plain_ppo import load_prompts, yardstick_parser  # the same prompts and arguments
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -49,14 +49,7 @@ from trl.experimental.ppo import ppo_trainer as trl_ppo
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir")
-    parser.add_argument("train_file")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--n", type=int, default=2)
-    parser.add_argument("--response", type=int, default=16, help="max new tokens")
-    parser.add_argument("--kl-coef", type=float, default=0.001)
+    parser = yardstick_parser(__doc__.splitlines()[0])
     parser.add_argument("--lr", type=float, default=2e-4)
     return parser.parse_args()
 
