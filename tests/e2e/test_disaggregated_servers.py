@@ -25,7 +25,7 @@ import requests
 from rlhf import sglang_api
 from rlhf.quickstart.data import write_quickstart_data
 from rlhf.rollout.client import GenerateClient, generate_payload
-from rlhf.utils import free_port
+from rlhf.utils import free_port, free_ports
 from tests.e2e.test_ppo_training import launch_node, wait_all
 from tests.helpers import REPO, metrics_by_step, ppo_overrides, processes_on
 
@@ -90,7 +90,7 @@ def check_keyed_servers(url: str, router: str) -> None:
 @pytest.mark.slow(reason="servers from the launch script, then a whole run on them")
 def test_keyed_servers_from_the_launch_script_serve_a_run(tiny_qwen2_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(sglang_api.API_KEY_ENV, KEY)
-    port, router_port = free_port(), free_port()
+    port, router_port = free_ports(2)
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),

@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from rlhf.quickstart.data import write_quickstart_data
-from rlhf.utils import free_port
+from rlhf.utils import free_port, free_ports
 from tests.fake_slurm import sbatch_environment, write_stand_ins
 from tests.helpers import (
     REPO,
@@ -398,7 +398,8 @@ def test_sbatch_recipe_on_two_trainer_nodes_logs_the_values_of_one_node(
     nodes = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     submit_dir = tmp_path / "submit"
     stand_ins = write_stand_ins(submit_dir / "bin")
-    ports = {"MASTER_PORT": str(free_port()), "SERVER_PORT": str(free_port())}
+    master, server = free_ports(2)  # two free_port() calls drew the same port once: a hang
+    ports = {"MASTER_PORT": str(master), "SERVER_PORT": str(server)}
     env = sbatch_environment(stand_ins, nodes, submit_dir, 4242, RLHF_REPO=str(REPO), **ports)
     run_dir = tmp_path / "run"
     argv = ["bash", str(REPO / "launch" / "slurm_disaggregated.sbatch"), "--config", CONFIG]
