@@ -369,8 +369,10 @@ def main() -> None:
             )
             for i in range(args.rounds)
         ]
-        median = sorted(rounds, key=lambda r: ratios(r)["step_ratio"])[len(rounds) // 2]
-        rlhf, plain = median["rlhf"], median["plain"]
+        summaries = [ratios(r) for r in rounds]
+        by_step = sorted(range(len(rounds)), key=lambda i: summaries[i]["step_ratio"])
+        median = by_step[len(rounds) // 2]
+        rlhf, plain = rounds[median]["rlhf"], rounds[median]["plain"]
         floor_s, flops = compute_floor_s(model, rlhf["tokens"], args.prompts * args.n)
     step = {"rlhf": rlhf["median_s"]["timing_s/step"], "plain": plain["median_s"]["timing_s/step"]}
     print(
@@ -393,8 +395,8 @@ def main() -> None:
                 "step_ratio": step["rlhf"] / step["plain"],
                 "startup_ratio": rlhf["startup_s"] / plain["startup_s"],
                 "outside_steps_ratio": rlhf["outside_steps_s"] / plain["outside_steps_s"],
-                "training_ratio": ratios(median)["training_ratio"],
-                "rounds": [ratios(r) for r in rounds],
+                "training_ratio": summaries[median]["training_ratio"],
+                "rounds": summaries,
                 "compute_floor": {
                     "step_flops": flops,
                     "floor_s": floor_s,
