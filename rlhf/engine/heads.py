@@ -40,9 +40,15 @@ class Head(Protocol):
 def token_logprobs(
     logits: Tensor, mb: MicroBatch, vocab: VocabShard, temperature: float
 ) -> tuple[Tensor, Tensor]:
-    """[n, R] log-probs of the response tokens and [n, R] entropies (differentiable)."""
-    logp_t, entropy_t = vocab.logprobs_entropy(logits[0], mb.labels[0], temperature)
-    return mb.gather(logp_t[None]), mb.gather(entropy_t[None])
+    """[n, R] log-probs of the response tokens and [n, R] entropies (differentiable), 0 where
+    masked. Only the gathered positions go through the vocabulary's softmax (not the
+    prompts'); under Ulysses SP, where a rank holds a slice of the row, all of its positions
+    do, then are combined (`MicroBatch.gather`)."""
+    if mb.local_positions is not None:
+        logp_t, entropy_t = vocab.logprobs_entropy(logits[0], mb.labels[0], temperature)
+        return mb.gather(logp_t[None]), mb.gather(entropy_t[None])
+    logp, entropy = vocab.logprobs_entropy(logits[0], mb.labels[0], temperature, mb.rows)
+    return mb.unmask(logp), mb.unmask(entropy)
 
 
 class Targets(Protocol):

@@ -58,8 +58,10 @@ class MicroBatch:
     bounds); labels: [1, T] the next token of each position (meaningless at sample ends,
     which are never gathered); gather_index: [n, R] row positions of each sample's policy
     tokens (its response tokens but tool messages; 0 where masked, see
-    `rlhf.rollout.batch`); mask: [n, R]; sample_ids: the n samples, indices into the
-    step's batch; routes: [T, layers x top-k] int16, the experts the rollout engine routed
+    `rlhf.rollout.batch`); mask: [n, R]; rows: gather_index[mask], the positions of the
+    unmasked tokens in order (built on the host, so no device sync finds them; whole-row
+    positions under Ulysses SP too); sample_ids: the n samples, indices into the step's
+    batch; routes: [T, layers x top-k] int16, the experts the rollout engine routed
     each position's token to (-1: none, i.e. padding and each sample's last token), when
     the batch has them (rollout routing replay, `rlhf.engine.route_replay`); images: the
     samples' images in row order, for a vision-language model (position_ids are then its
@@ -73,6 +75,7 @@ class MicroBatch:
     labels: Tensor
     gather_index: Tensor
     mask: Tensor
+    rows: Tensor
     sample_ids: list[int]
     row_len: int = 0  # T, the whole row (tokens hold only this rank's slice under SP)
     padding_mask: Tensor | None = None  # [1, T] True = padding: no sample's token (MoE routing)
@@ -118,6 +121,12 @@ class MicroBatch:
         mask = self.mask.reshape(*self.mask.shape, *([1] * (picked.dim() - 2)))
         return torch.where(mask, picked, torch.zeros((), dtype=picked.dtype))
 
+    def unmask(self, values: Tensor) -> Tensor:
+        """[n, R]: `values` [mask.sum()] of the unmasked tokens in row order, 0 elsewhere
+        (differentiably)."""
+        blank = torch.zeros(self.mask.shape, dtype=values.dtype, device=values.device)
+        return blank.masked_scatter(self.mask, values)
+
     def select(self, batch_tensor: Tensor) -> Tensor:
         """Rows of a [B, R] step tensor for this micro-batch's samples: [n, R], on its device."""
         return batch_tensor[self.sample_ids].to(self.tokens.device)
@@ -151,6 +160,7 @@ class MicroBatch:
             packed_seq_params=params,
             labels=self.labels.to(device),
             gather_index=self.gather_index.to(device),
+            rows=self.rows.to(device),
             mask=self.mask.to(device),
         )
 
@@ -230,14 +240,15 @@ def _policy_positions(
     """[n, R] the row positions whose outputs score each sample's policy tokens, and [n, R]
     which exist."""
     width = batch.response_width
-    gather_index = torch.zeros(len(sample_ids), width, dtype=torch.long)
-    mask = torch.zeros(len(sample_ids), width, dtype=torch.bool)
-    for row, (i, start) in enumerate(zip(sample_ids, starts)):
+    index_rows, mask_rows = [], []
+    for i, start in zip(sample_ids, starts):  # lists, one tensor each: no torch call a sample
         first = start + len(batch.prompt_ids[i]) - 1  # predicts the first response token
-        policy = torch.tensor(batch.policy_positions(i), dtype=torch.long)
-        gather_index[row, : len(policy)] = first + policy
-        mask[row, : len(policy)] = True
-    return gather_index, mask
+        policy = batch.policy_positions(i)
+        index_rows.append([first + t for t in policy] + [0] * (width - len(policy)))
+        mask_rows.append([True] * len(policy) + [False] * (width - len(policy)))
+    shape = (len(sample_ids), width)
+    gather_index = torch.tensor(index_rows, dtype=torch.long).reshape(shape)
+    return gather_index, torch.tensor(mask_rows, dtype=torch.bool).reshape(shape)
 
 
 def build_micro_batch(
@@ -272,12 +283,13 @@ def build_micro_batch(
         sequences = [seq + [0] * (longest - len(seq)) for seq in sequences]
     lengths = [len(seq) for seq in sequences]
     starts, row_len = _row_layout(lengths, multiple, thd)
-    tokens = torch.zeros(row_len, dtype=torch.long)
-    padding_mask = torch.ones(row_len, dtype=torch.bool)
-    for start, n in zip(starts, real if sample_ids else []):
-        padding_mask[start : start + n] = False
-    for row, start in enumerate(starts if sample_ids else []):
-        tokens[start : start + lengths[row]] = torch.tensor(sequences[row])
+    row: list[int] = [0] * row_len  # built as lists, one tensor each
+    unused = [True] * row_len
+    for start, sequence, n in zip(starts if sample_ids else [], sequences, real):
+        row[start : start + len(sequence)] = sequence
+        unused[start : start + n] = [False] * n
+    tokens = torch.tensor(row, dtype=torch.long)
+    padding_mask = torch.tensor(unused, dtype=torch.bool)
     gather_index, mask = _policy_positions(batch, list(sample_ids), starts)
     labels = torch.roll(tokens, -1)
     params, mask_4d, cu_padded = None, None, None
@@ -309,6 +321,7 @@ def build_micro_batch(
         labels=labels[None],
         gather_index=gather_index,
         mask=mask,
+        rows=gather_index[mask],
         sample_ids=list(sample_ids),
         row_len=row_len,
         padding_mask=padding_mask[None] if sample_ids else None,  # a filler: no tokens at all

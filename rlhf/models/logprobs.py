@@ -24,7 +24,9 @@ at a time; the forward keeps, per token, only m, log sum exp(z - m) and the expe
 and the backward recomputes each chunk's probabilities from the saved logits and writes
 that chunk of the gradient. A training pass therefore holds the logits and their gradient
 in the model dtype (4 bytes per logit in bf16) plus two chunks, where computing the fp32
-softmax whole held five fp32 copies.
+softmax whole held five fp32 copies. `rows` computes only some positions (the trainer's:
+those that score a response token); each chunk of them is gathered first, one chunk in the
+model dtype more, and the other positions get a zero gradient.
 """
 
 from __future__ import annotations
@@ -110,37 +112,51 @@ def _backward_chunk(logits, targets, saved, grad_logp, grad_entropy, where: _Sli
     return z
 
 
+def _spans(rows: torch.Tensor | None, count: int, chunk_tokens: int):
+    """(this chunk's rows of the flat logits, its slice of the computed tokens), in order:
+    consecutive slices of all `count` rows, or of the row indices `rows`."""
+    for begin in range(0, count, chunk_tokens):
+        done = slice(begin, begin + chunk_tokens)
+        yield (done if rows is None else rows[done]), done
+
+
+def _put(grad: torch.Tensor, rows: slice | torch.Tensor, chunk: torch.Tensor) -> None:
+    """Write a chunk's fp32 gradient into the model-dtype `grad` (an index copy wants one
+    dtype; a slice casts as it copies)."""
+    grad[rows] = chunk if isinstance(rows, slice) else chunk.to(grad.dtype)
+
+
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, where: _Slice, chunk_tokens: int):
-        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        stats = [torch.empty(flat.shape[0], device=logits.device) for _ in range(4)]
-        for begin in range(0, flat.shape[0], chunk_tokens):
-            rows = slice(begin, begin + chunk_tokens)
-            found = _forward_chunk(flat[rows], flat_targets[rows], where)
+    def forward(ctx, logits, targets, rows, where: _Slice, chunk_tokens: int):
+        flat = logits.reshape(-1, logits.shape[-1])
+        flat_targets = targets.reshape(-1) if rows is None else targets.reshape(-1)[rows]
+        stats = [torch.empty(flat_targets.shape[0], device=logits.device) for _ in range(4)]
+        for source, done in _spans(rows, flat_targets.shape[0], chunk_tokens):
+            found = _forward_chunk(flat[source], flat_targets[done], where)
             for stat, value in zip(stats, found, strict=True):
-                stat[rows] = value
+                stat[done] = value
         max_z, log_normaliser, logprobs, expected = stats
-        ctx.save_for_backward(logits, targets, max_z, log_normaliser, expected)
+        ctx.save_for_backward(logits, flat_targets, rows, max_z, log_normaliser, expected)
         ctx.where, ctx.chunk_tokens = where, chunk_tokens
         entropy = log_normaliser - expected
-        return logprobs.view(targets.shape), entropy.view(targets.shape)
+        shape = targets.shape if rows is None else rows.shape
+        return logprobs.view(shape), entropy.view(shape)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, targets, *saved = ctx.saved_tensors
-        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        zeros = torch.zeros(flat.shape[0], device=logits.device)
+        logits, flat_targets, rows, *saved = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        count = flat_targets.shape[0]
+        zeros = torch.zeros(count, device=logits.device)
         grad_logp = zeros if grad_logprobs is None else grad_logprobs.reshape(-1).float()
         grad_h = zeros if grad_entropy is None else grad_entropy.reshape(-1).float()
-        grad = torch.empty_like(flat)
-        for begin in range(0, flat.shape[0], ctx.chunk_tokens):
-            rows = slice(begin, begin + ctx.chunk_tokens)
-            chunk_saved, upstream = [s[rows] for s in saved], (grad_logp[rows], grad_h[rows])
-            grad[rows] = _backward_chunk(
-                flat[rows], flat_targets[rows], chunk_saved, *upstream, ctx.where
-            )
-        return grad.view(logits.shape), None, None, None
+        # rows not computed get no gradient
+        grad = torch.empty_like(flat) if rows is None else torch.zeros_like(flat)
+        for source, done in _spans(rows, count, ctx.chunk_tokens):
+            upstream_args = ([s[done] for s in saved], grad_logp[done], grad_h[done], ctx.where)
+            _put(grad, source, _backward_chunk(flat[source], flat_targets[done], *upstream_args))
+        return grad.view(logits.shape), None, None, None, None
 
 
 def vocab_parallel_logprobs_entropy(
@@ -152,6 +168,7 @@ def vocab_parallel_logprobs_entropy(
     group=None,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `targets` and the entropy of the next-token distribution at `temperature`.
 
@@ -165,14 +182,17 @@ def vocab_parallel_logprobs_entropy(
         temperature: the logits are divided by it (the rollout's sampling temperature).
         chunk_tokens: tokens per chunk; the same on every rank of `group` (default from
             CHUNK_BYTES and V_local, which TP ranks share).
+        rows: only these positions of the flattened leading dimensions (a 1-D index, the
+            same on every rank of `group`; the others are never read and get no gradient).
     Returns:
-        fp32 logprobs [...] and entropy [...], both differentiable w.r.t. `logits_local`.
+        fp32 logprobs [...] and entropy [...] (`rows`: [len(rows)] each), both
+        differentiable w.r.t. `logits_local`.
     """
     local_vocab = logits_local.shape[-1]
     real = min(local_vocab, max(0, vocab_size - vocab_start))
     where = _Slice(vocab_start, real, temperature, group)
     chunk = chunk_tokens or default_chunk_tokens(local_vocab)
-    return _VocabParallelLogprobEntropy.apply(logits_local, targets, where, chunk)
+    return _VocabParallelLogprobEntropy.apply(logits_local, targets, rows, where, chunk)
 
 
 @dataclass(frozen=True)
@@ -189,7 +209,11 @@ class VocabShard:
         return cls(ctx.tp_rank * (padded_vocab_size // ctx.tp_size), vocab_size, ctx.tp_group)
 
     def logprobs_entropy(
-        self, logits_local: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+        self,
+        logits_local: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`vocab_parallel_logprobs_entropy` of `targets` under this rank's logits."""
         return vocab_parallel_logprobs_entropy(
@@ -199,4 +223,5 @@ class VocabShard:
             vocab_size=self.vocab_size,
             group=self.group,
             temperature=temperature,
+            rows=rows,
         )

@@ -1,7 +1,8 @@
 """The chunked log-prob / entropy head (`rlhf.models.logprobs`) on one rank: bf16 logits give
 the log-softmax of their fp32 values, and a training pass holds, beyond the logits, only
 their gradient in bf16 and two fp32 chunks (torch.profiler's memory timeline,
-`rlhf.memory.measure`), never a whole fp32 copy of the logits."""
+`rlhf.memory.measure`), never a whole fp32 copy of the logits; of some rows only (the
+response tokens), one bf16 chunk more (`rlhf.memory.activations.head_bytes`)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,15 @@ def bf16_case():
     return logits, targets
 
 
-def head(logits, targets):
+def head(logits, targets, rows=None):
     return vocab_parallel_logprobs_entropy(
-        logits, targets, vocab_start=0, vocab_size=VOCAB, temperature=0.8, chunk_tokens=CHUNK
+        logits,
+        targets,
+        vocab_start=0,
+        vocab_size=VOCAB,
+        temperature=0.8,
+        chunk_tokens=CHUNK,
+        rows=rows,
     )
 
 
@@ -55,3 +62,21 @@ def test_training_pass_holds_the_gradient_and_two_fp32_chunks():
     assert peak <= gradient + chunks + per_token, peak / (TOKENS * PADDED)
     bytes_per_logit = (logits.numel() * logits.element_size() + peak) / logits.numel()
     assert bytes_per_logit <= 6, bytes_per_logit
+
+
+def test_training_pass_over_some_rows_holds_one_bf16_chunk_more():
+    logits, targets = bf16_case()
+    rows = torch.arange(1, TOKENS, 2)  # every other token, as a response's tokens are
+    weights = torch.randn(2, len(rows), generator=torch.Generator().manual_seed(4))
+
+    def train():
+        leaf = logits.detach().requires_grad_()
+        logp, entropy = head(leaf, targets, rows)
+        (weights[0] * logp + weights[1] * entropy).sum().backward()
+        return leaf.grad
+
+    train()
+    grad, peak = peak_bytes_during(train, torch.device("cpu"))
+    assert torch.all(grad[0::2] == 0) and grad[1::2, :VOCAB].abs().max() > 0
+    gradient, chunks, per_token = TOKENS * PADDED * 2, 2 * CHUNK * PADDED * 4, 64 * TOKENS
+    assert peak <= gradient + chunks + CHUNK * PADDED * 2 + per_token, peak / (TOKENS * PADDED)
