@@ -56,6 +56,7 @@ import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -231,6 +232,45 @@ def uneven_reduce_scatter(input_, group, input_split_sizes=None, use_global_buff
     return received.view(world, mine, *input_.shape[1:]).sum(dim=0)
 
 
+class RopeTables:
+    """Megatron-Core 0.16.1's unfused rotary embedding (`rope_utils._apply_rotary_pos_emb_bshd`,
+    what a CPU run takes: the fused one is Transformer Engine's) computes `cos` and `sin` of
+    the frequency table for the query and the key of every layer, and concatenates each
+    result with an empty pass-through slice. The table is one tensor for a whole forward (and
+    for the next of the same length: Megatron caches it), so here its scaled cos and sin are
+    computed once per table, dtype and scale, and a rotation over the whole head returns
+    without the copy. The same operations on the same values: bitwise the same result.
+    Interleaved, multi-latent and partial rotations run Megatron's own."""
+
+    def __init__(self, original: Callable):
+        self.original = original
+        self.tables: dict[tuple, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
+        key = (id(freqs), dtype, mscale)
+        held = self.tables.get(key)
+        if held is None or held[0]() is not freqs:
+            self.tables = {k: v for k, v in self.tables.items() if v[0]() is not None}
+            cos = (torch.cos(freqs) * mscale).to(dtype)
+            held = (weakref.ref(freqs), cos, (torch.sin(freqs) * mscale).to(dtype))
+            self.tables[key] = held
+        return held[1], held[2]
+
+    def __call__(
+        self,
+        t: torch.Tensor,
+        freqs: torch.Tensor,
+        rotary_interleaved: bool = False,
+        multi_latent_attention: bool = False,
+        mscale: float = 1.0,
+    ) -> torch.Tensor:
+        if rotary_interleaved or multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
+            return self.original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        cos, sin = self.cos_sin(freqs, t.dtype, mscale)
+        first, second = torch.chunk(t, 2, dim=-1)
+        return (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
+
+
 def is_applied() -> bool:
     return _APPLIED
 
@@ -245,6 +285,7 @@ def apply_cpu_compat() -> bool:
     if _APPLIED:
         return True
     from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import multi_latent_attention
@@ -268,6 +309,7 @@ def apply_cpu_compat() -> bool:
     )
     mappings._gather_along_first_dim = uneven_gather
     mappings._reduce_scatter_along_first_dim = uneven_reduce_scatter
+    rope_utils._apply_rotary_pos_emb_bshd = RopeTables(rope_utils._apply_rotary_pos_emb_bshd)
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     _backward_functions_in_mode(_MODE)

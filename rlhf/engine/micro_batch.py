@@ -251,6 +251,19 @@ def _policy_positions(
     return gather_index, torch.tensor(mask_rows, dtype=torch.bool).reshape(shape)
 
 
+def _row_tokens(
+    sequences: list[list[int]], real: list[int], starts: list[int], row_len: int
+) -> tuple[Tensor, Tensor]:
+    """[row_len] the row's tokens (each sequence from its start, 0 elsewhere) and True where
+    no sample's real token is; built as lists, one tensor each (no torch call a sample)."""
+    row: list[int] = [0] * row_len
+    unused = [True] * row_len
+    for start, sequence, n in zip(starts, sequences, real):
+        row[start : start + len(sequence)] = sequence
+        unused[start : start + n] = [False] * n
+    return torch.tensor(row, dtype=torch.long), torch.tensor(unused, dtype=torch.bool)
+
+
 def build_micro_batch(
     batch: RolloutBatch,
     sample_ids: list[int],
@@ -283,13 +296,7 @@ def build_micro_batch(
         sequences = [seq + [0] * (longest - len(seq)) for seq in sequences]
     lengths = [len(seq) for seq in sequences]
     starts, row_len = _row_layout(lengths, multiple, thd)
-    row: list[int] = [0] * row_len  # built as lists, one tensor each
-    unused = [True] * row_len
-    for start, sequence, n in zip(starts if sample_ids else [], sequences, real):
-        row[start : start + len(sequence)] = sequence
-        unused[start : start + n] = [False] * n
-    tokens = torch.tensor(row, dtype=torch.long)
-    padding_mask = torch.tensor(unused, dtype=torch.bool)
+    tokens, padding_mask = _row_tokens(sequences, real, starts if sample_ids else [], row_len)
     gather_index, mask = _policy_positions(batch, list(sample_ids), starts)
     labels = torch.roll(tokens, -1)
     params, mask_4d, cu_padded = None, None, None

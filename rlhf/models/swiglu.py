@@ -28,7 +28,7 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, fc1: Tensor) -> Tensor:
         gate, up = fc1.chunk(2, dim=-1)
         ctx.save_for_backward(fc1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # in place: one T x ffn allocation less
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
