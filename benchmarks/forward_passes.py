@@ -1,153 +1,186 @@
-"""The trainer's forward-only passes against a plain transformers forward, in one process.
+"""The trainer's forward-only passes against transformers' forward, in the trainer's process.
 
-    python benchmarks/forward_passes.py [--hidden 256 --layers 3 --samples 32 --response 16]
+    python benchmarks/forward_passes.py [--steps 10 --hidden 256 --layers 3 --prompts 16 --n 2]
 
-Builds the quickstart's models on one rank (a tiny Qwen2, random weights, the quickstart
-tokenizer; actor, reference and critic as `rlhf-train` builds them from
-configs/quickstart_cpu.yaml; freed memory kept mapped as in a CPU trainer's process,
-`rlhf.utils.keep_freed_memory`, for both sides) and a batch of `--samples` sequences
-(prompts of 28-40 tokens, `--response`-token responses). Times, median of `--repeats`
-after a warm-up:
+Runs `rlhf-train` at `ppo_vs_plain.py`'s step shape (its tiny Qwen2, the quickstart's
+problems, its overrides: each pass over the whole batch in one micro-batch) with the
+engine's forward-only passes wrapped: right after each old-log-prob, reference and values
+pass, transformers runs a forward over the same sequences, right-padded in one batch, in the
+same process at the same point of the step. `AutoModelForCausalLM` and the log-softmax of
+the next tokens stand beside the log-prob passes, `AutoModelForTokenClassification` (one
+label) beside the values pass, from the model's initial weights (what a forward costs does
+not depend on them), with the CPU compatibility layer's function mode paused: a plain
+loop's own process has none. rlhf's side is the engine's whole call (`PPOEngine.logprobs`,
+`.values`: planning, Megatron's forward, the head, the gather). The transformers forwards
+add to the run's steps; its other timings are not this benchmark's.
 
-- `old_log_prob`, `ref`, `values`: the trainer's passes (`PPOEngine.logprobs` of the actor
-  and of the reference, `.values`) over that batch, micro-batched as the config says;
-- `plain_logprobs`: transformers' `AutoModelForCausalLM` over the same sequences, right-padded
-  in one batch, log-softmax and the response tokens' log-probs (with the CPU compatibility
-  layer's function mode paused, as in a plain loop's own process);
-- `plain_values`: `AutoModelForTokenClassification` (one label) over them, the values.
-
-Prints one JSON object: the seconds of each and each pass's ratio to its plain forward.
+Prints one JSON object: per pass the medians of both sides' seconds (steps 2 on) and
+their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.abc
+import importlib.machinery
 import json
+import runpy
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-REPO = Path(__file__).resolve().parents[1]
+PASSES = ("old_log_prob", "ref", "values")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps of the run (1 warm-up)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--response", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("overrides", nargs="*", help="extra config overrides (key=value)")
+    parser.add_argument(
+        "--micro-batch", type=int, help="rlhf's samples per micro-batch (default: all)"
+    )
+    parser.add_argument("overrides", nargs="*", help="extra rlhf-train overrides (key=value)")
     return parser.parse_args()
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    seconds = []
-    for _ in range(repeats):
+class PlainForwards:
+    """transformers' forwards over a step batch's sequences, timed (models load at first)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.models: dict = {}
+
+    def model(self, kind: str):
+        if kind not in self.models:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+            auto = AutoModelForCausalLM if kind == "policy" else AutoModelForTokenClassification
+            extra = {} if kind == "policy" else {"num_labels": 1}
+            loaded = auto.from_pretrained(self.model_dir, dtype=torch.float32, **extra)
+            self.models[kind] = loaded.eval()
+        return self.models[kind]
+
+    def seconds(self, batch, kind: str) -> float:
+        import torch
+
+        from rlhf.distributed import cpu_compat
+
+        rows = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+        model = self.model(kind)
+        with torch.no_grad(), cpu_compat.paused():
+            start = time.perf_counter()
+            out = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            if kind == "policy":
+                torch.log_softmax(out, -1).gather(2, ids[:, 1:, None])
+            return time.perf_counter() - start
+
+
+def timed_pass(method, name_of, plain: PlainForwards, out: Path):
+    """`method` (PPOEngine.logprobs or .values) timed, each call followed by the plain forward
+    over its batch; one JSON line per call to `out` under the pass's name (`name_of` the
+    call's further arguments)."""
+
+    @functools.wraps(method)
+    def call(engine, batch, *args, **kwargs):
         start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+        result = method(engine, batch, *args, **kwargs)
+        ours = time.perf_counter() - start
+        name = name_of(*args, **kwargs)
+        theirs = plain.seconds(batch, "critic" if name == "values" else "policy")
+        with out.open("a") as rows:
+            rows.write(json.dumps({"pass": name, "rlhf": ours, "transformers": theirs}) + "\n")
+        return result
+
+    return call
 
 
-def make_batch(samples: int, response: int, vocab: int):
-    from rlhf.rollout.batch import RolloutBatch
-
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(28, 41, (samples,), generator=gen).tolist()
-    return RolloutBatch(
-        prompt_ids=[torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths],
-        response_ids=[torch.randint(0, vocab, (response,), generator=gen).tolist()] * samples,
-        scores_b=torch.zeros(samples),
-        data_sources=["bench"] * samples,
-        uids=[str(i) for i in range(samples)],
-    )
+def log_prob_pass(role: str = "actor") -> str:
+    return {"actor": "old_log_prob", "ref": "ref"}[role]
 
 
-def plain_side(model_dir: Path, batch):
-    """(log-probs pass, values pass) of transformers over the batch, right-padded, each run
-    with Megatron's CPU compatibility mode off (`rlhf.distributed.cpu_compat`: a function
-    mode every torch call goes through, which a plain loop in its own process does not
-    have; it cost transformers' forward here ~20%)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+class WrapEngine(importlib.abc.MetaPathFinder):
+    """Wraps the engine's passes as `rlhf.engine.engine` is imported inside the trainer (after
+    `rlhf-train` set up the process: its OpenMP and malloc settings precede torch's import)."""
 
-    from rlhf.distributed import cpu_compat
+    def __init__(self, plain: PlainForwards, out: Path):
+        self.plain, self.out = plain, out
 
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    critic = AutoModelForTokenClassification.from_pretrained(
-        model_dir, num_labels=1, dtype=torch.float32
-    ).eval()
-    rows = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
-    longest = max(map(len, rows))
-    ids = torch.zeros(len(rows), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
-    targets = ids[:, 1:, None]
+    def find_spec(self, name, path, target=None):
+        if name != "rlhf.engine.engine":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        assert spec is not None and spec.loader is not None
+        load = spec.loader.exec_module
 
-    @torch.no_grad()
-    def logprobs():
-        with cpu_compat.paused():  # as in a process of its own, without the CPU layer's mode
-            logits = policy(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            return torch.log_softmax(logits, -1).gather(2, targets)[..., 0]
+        def exec_module(module):
+            load(module)
+            engine = module.PPOEngine
+            engine.logprobs = timed_pass(engine.logprobs, log_prob_pass, self.plain, self.out)
+            engine.values = timed_pass(engine.values, lambda: "values", self.plain, self.out)
 
-    @torch.no_grad()
-    def values():
-        with cpu_compat.paused():
-            return critic(input_ids=ids, attention_mask=mask).logits[:, :-1, 0].float()
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
 
-    return logprobs, values
+
+def in_trainer(out: str, model_dir: str, argv: list[str]) -> None:
+    """This process as `rlhf-train argv`, its passes wrapped (`WrapEngine`)."""
+    sys.meta_path.insert(0, WrapEngine(PlainForwards(model_dir), Path(out)))
+    sys.argv = ["rlhf-train", *argv]
+    runpy.run_module("rlhf.cli.train", run_name="__main__")
+
+
+def report(rows: list[dict]) -> dict:
+    """Per pass: the medians of both sides (the first step's call left out), their ratio."""
+    result = {}
+    for name in PASSES:
+        calls = [row for row in rows if row["pass"] == name][1:]
+        if not calls:
+            sys.exit(f"forward_passes: no {name} pass timed after the first step")
+        ours = statistics.median(row["rlhf"] for row in calls)
+        theirs = statistics.median(row["transformers"] for row in calls)
+        result[name] = {"rlhf_s": ours, "transformers_s": theirs, "ratio": ours / theirs}
+    return result
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--in-trainer"]:
+        in_trainer(sys.argv[2], sys.argv[3], sys.argv[4:])
+        return
     args = parse_args()
-    from rlhf.config import load_config
-    from rlhf.distributed.bootstrap import init_parallel, seed_everything, teardown
-    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
-    from rlhf.utils import keep_freed_memory
+    from ppo_vs_plain import rlhf_arguments
 
-    keep_freed_memory()  # as a CPU trainer's process starts (rlhf.cli.train.run)
+    from rlhf.quickstart.data import write_quickstart_data
+    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_tiny_model(Path(tmp) / "model", TinyModelSpec.scaled(args.hidden, args.layers))
-        ctx = init_parallel("cpu")
-        try:
-            seed_everything(0)
-            result = measure(args, model, ctx, load_config)
-        finally:
-            teardown()
-    print(json.dumps(result, indent=2))
+        root = Path(tmp)
+        model = save_tiny_model(root / "model", TinyModelSpec.scaled(args.hidden, args.layers))
+        train, _ = write_quickstart_data(root / "data", num_train=256, num_val=8)
+        out = root / "passes.jsonl"
+        argv = rlhf_arguments(args, model, train, root / "run")
+        cmd = [sys.executable, __file__, "--in-trainer", str(out), str(model), *argv]
+        with (root / "run.log").open("w") as log:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode:
+            sys.exit(f"forward_passes: rlhf-train exited {done.returncode}:\n" + tail(root))
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+    print(json.dumps({"setup": vars(args), "passes": report(rows)}, indent=2))
 
 
-def measure(args, model: Path, ctx, load_config) -> dict:
-    from rlhf.engine.build import build_engine
-    from rlhf.trainer.preflight import load_policy_arch
-
-    overrides = [f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}"]
-    overrides += [f"data.max_response_length={args.response}", *args.overrides]
-    cfg = load_config(str(REPO / "configs" / "quickstart_cpu.yaml"), overrides)
-    arch = load_policy_arch(cfg)
-    engine = build_engine(cfg, arch, ctx, total_steps=1)
-    batch = make_batch(args.samples, args.response, arch.vocab_size)
-    plain_logprobs, plain_values = plain_side(model, batch)
-    seconds = {
-        "old_log_prob": timed(lambda: engine.logprobs(batch), args.repeats),
-        "ref": timed(lambda: engine.logprobs(batch, "ref"), args.repeats),
-        "values": timed(lambda: engine.values(batch), args.repeats),
-        "plain_logprobs": timed(plain_logprobs, args.repeats),
-        "plain_values": timed(plain_values, args.repeats),
-    }
-    plain = {"old_log_prob": "plain_logprobs", "ref": "plain_logprobs", "values": "plain_values"}
-    return {
-        "setup": vars(args),
-        "tokens": sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)),
-        "seconds": seconds,
-        "ratio": {k: seconds[k] / seconds[v] for k, v in plain.items()},
-    }
+def tail(root: Path) -> str:
+    return "\n".join((root / "run.log").read_text().splitlines()[-20:])
 
 
 if __name__ == "__main__":

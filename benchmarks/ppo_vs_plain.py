@@ -247,8 +247,9 @@ def medians(rows: list[dict]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in timed) for k in keys}
 
 
-def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
-    run_dir = root / "rlhf_run"
+def rlhf_arguments(args, model: Path, train: Path, run_dir: Path) -> list[str]:
+    """`rlhf-train`'s arguments for this benchmark's step shape (`benchmarks/forward_passes.py`
+    runs the same)."""
     micro = args.micro_batch or args.prompts * args.n  # the old-log-prob, ref passes follow
     overrides = [
         f"actor_rollout_ref.model.path={model}",
@@ -268,8 +269,12 @@ def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
         "trainer.save_freq=-1",
         *args.overrides,
     ]
-    config = str(REPO / "configs" / "quickstart_cpu.yaml")
-    cmd = [sys.executable, "-m", "rlhf.cli.train", "--config", config, *overrides]
+    return ["--config", str(REPO / "configs" / "quickstart_cpu.yaml"), *overrides]
+
+
+def rlhf_side(args, model: Path, train: Path, root: Path) -> dict:
+    run_dir = root / "rlhf_run"
+    cmd = [sys.executable, "-m", "rlhf.cli.train", *rlhf_arguments(args, model, train, run_dir)]
     metrics = run_dir / "metrics.jsonl"
     launched, wall, pss = run_side(args, cmd, root / "rlhf.log", watch=metrics)
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]

@@ -53,10 +53,10 @@ imported, before any module decorates with it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -236,24 +236,38 @@ class RopeTables:
     """Megatron-Core 0.16.1's unfused rotary embedding (`rope_utils._apply_rotary_pos_emb_bshd`,
     what a CPU run takes: the fused one is Transformer Engine's) computes `cos` and `sin` of
     the frequency table for the query and the key of every layer, and concatenates each
-    result with an empty pass-through slice. The table is one tensor for a whole forward (and
-    for the next of the same length: Megatron caches it), so here its scaled cos and sin are
-    computed once per table, dtype and scale, and a rotation over the whole head returns
-    without the copy. The same operations on the same values: bitwise the same result.
-    Interleaved, multi-latent and partial rotations run Megatron's own."""
+    result with an empty pass-through slice. Within one forward of a decoder (`kept`, around
+    `TransformerBlock.forward`) the table is one tensor, so there its scaled cos and sin are
+    computed once per table, dtype and scale, and dropped as the forward ends (nothing stays
+    alive between passes; a training pass's layers share them for their backward where each
+    saved its own pair). A rotation over the whole head returns without the copy. The same
+    operations on the same values: bitwise the same result. Interleaved, multi-latent and
+    partial rotations run Megatron's own."""
 
     def __init__(self, original: Callable):
         self.original = original
-        self.tables: dict[tuple, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+        self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """Inside: each table's cos and sin computed once (a decoder's forward)."""
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if not self.depth:
+                self.tables.clear()
 
     def cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
-        key = (id(freqs), dtype, mscale)
+        key = (id(freqs), dtype, mscale)  # the table is held below: its id is not reused
         held = self.tables.get(key)
-        if held is None or held[0]() is not freqs:
-            self.tables = {k: v for k, v in self.tables.items() if v[0]() is not None}
+        if held is None:
             cos = (torch.cos(freqs) * mscale).to(dtype)
-            held = (weakref.ref(freqs), cos, (torch.sin(freqs) * mscale).to(dtype))
-            self.tables[key] = held
+            held = (freqs, cos, (torch.sin(freqs) * mscale).to(dtype))
+            if self.depth:
+                self.tables[key] = held
         return held[1], held[2]
 
     def __call__(
@@ -269,6 +283,16 @@ class RopeTables:
         cos, sin = self.cos_sin(freqs, t.dtype, mscale)
         first, second = torch.chunk(t, 2, dim=-1)
         return (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
+
+    def per_forward(self, forward: Callable) -> Callable:
+        """`forward` (a decoder's) with the tables kept inside."""
+
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            with self.kept():
+                return forward(*args, **kwargs)
+
+        return run
 
 
 def is_applied() -> bool:
@@ -290,6 +314,7 @@ def apply_cpu_compat() -> bool:
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.transformer_block import TransformerBlock
 
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda device=None: None
@@ -309,7 +334,9 @@ def apply_cpu_compat() -> bool:
     )
     mappings._gather_along_first_dim = uneven_gather
     mappings._reduce_scatter_along_first_dim = uneven_reduce_scatter
-    rope_utils._apply_rotary_pos_emb_bshd = RopeTables(rope_utils._apply_rotary_pos_emb_bshd)
+    rope = RopeTables(rope_utils._apply_rotary_pos_emb_bshd)
+    rope_utils._apply_rotary_pos_emb_bshd = rope
+    TransformerBlock.forward = rope.per_forward(TransformerBlock.forward)
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     _backward_functions_in_mode(_MODE)

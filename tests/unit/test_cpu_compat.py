@@ -49,10 +49,10 @@ def test_rotary_embedding_on_cpu_matches_hand_computation():
 
 
 def test_rotation_with_tables_once_equals_megatrons_bitwise():
-    """`RopeTables` (installed in Megatron's rope_utils) against the function it wraps:
-    values and gradients, fp32 and bf16, a YaRN scale, a second table of the same length
-    right after the first (a table's cos/sin must not serve another), and a partial
-    rotation (Megatron's own)."""
+    """`RopeTables` (installed in Megatron's rope_utils) against the function it wraps, inside
+    one decoder forward's scope: values and gradients, fp32 and bf16, a YaRN scale, a
+    second table of the same length within the scope (a table's cos/sin must not serve
+    another), and a partial rotation (Megatron's own); nothing kept after the scope."""
     from megatron.core.models.common.embeddings import rope_utils
 
     from rlhf.distributed.cpu_compat import RopeTables
@@ -60,21 +60,40 @@ def test_rotation_with_tables_once_equals_megatrons_bitwise():
     rope = rope_utils._apply_rotary_pos_emb_bshd
     assert isinstance(rope, RopeTables)
     gen = torch.Generator().manual_seed(0)
-    for dtype, mscale, rotated in [
-        (torch.float32, 1.0, 16),
-        (torch.bfloat16, 1.0, 16),
-        (torch.float32, 0.7, 16),
-        (torch.float32, 1.0, 8),
-    ]:
-        for _ in range(2):  # a fresh table each time
-            freqs = torch.randn(6, 1, 1, rotated, generator=gen) * 3
-            t = torch.randn(6, 2, 3, 16, generator=gen).to(dtype).requires_grad_()
-            ours = rope(t, freqs, mscale=mscale)
-            theirs = rope.original(t, freqs, mscale=mscale)
-            assert torch.equal(ours, theirs)
-            weights = torch.randn(ours.shape, generator=gen).to(dtype)
-            grads = [torch.autograd.grad((out * weights).sum(), t)[0] for out in (ours, theirs)]
-            assert torch.equal(*grads)
+    with rope.kept():
+        for dtype, mscale, rotated in [
+            (torch.float32, 1.0, 16),
+            (torch.bfloat16, 1.0, 16),
+            (torch.float32, 0.7, 16),
+            (torch.float32, 1.0, 8),
+        ]:
+            for _ in range(2):  # a fresh table each time
+                freqs = torch.randn(6, 1, 1, rotated, generator=gen) * 3
+                t = torch.randn(6, 2, 3, 16, generator=gen).to(dtype).requires_grad_()
+                ours = rope(t, freqs, mscale=mscale)
+                theirs = rope.original(t, freqs, mscale=mscale)
+                assert torch.equal(ours, theirs)
+                weights = torch.randn(ours.shape, generator=gen).to(dtype)
+                grads = [torch.autograd.grad((x * weights).sum(), t)[0] for x in (ours, theirs)]
+                assert torch.equal(*grads)
+        assert rope.tables
+    assert not rope.tables
+
+
+def test_a_decoder_forward_keeps_the_rotary_tables_only_while_it_runs():
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    rope = rope_utils._apply_rotary_pos_emb_bshd
+    seen = []
+
+    def forward(block):
+        rope(torch.ones(2, 1, 1, 4), torch.zeros(2, 1, 1, 4))
+        seen.append(len(rope.tables))
+
+    rope.per_forward(forward)(None)
+    assert seen == [1] and not rope.tables
+    assert TransformerBlock.forward.__wrapped__ is not None  # installed on the decoder
 
 
 def test_synchronize_is_a_no_op():
