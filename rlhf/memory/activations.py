@@ -35,11 +35,11 @@ attention's tensors (keeping its q, k, v inputs) and recomputes one layer's at a
 
 The peak of a training micro-batch adds to the saved tensors of all the stage's layers the
 larger of the last stage's log-prob head (logits T.V' and their gradient in the model
-dtype, and two fp32 chunks of C tokens x V' with the chunk's rows gathered in the model
-dtype: `rlhf.models.logprobs` never copies the logits whole) and the backward of one
-layer: its recomputed tensors and, on the local spec under Ulysses, the a'.T^2 gradients
-of the softmax output, the scores and the scaled scores (12 bytes per score in fp32, 8 in
-bf16) alive at once while the layer's MLP and second norm tensors are already freed.
+dtype, and two fp32 chunks of C tokens x V': `rlhf.models.logprobs` never copies the logits
+whole) and the backward of one layer: its recomputed tensors and, on the local spec under
+Ulysses, the a'.T^2 gradients of the softmax output, the scores and the scaled scores (12
+bytes per score in fp32, 8 in bf16) alive at once while the layer's MLP and second norm
+tensors are already freed.
 
 Mixture-of-experts layers (`rlhf.memory.moe`) save their router's, experts' and shared
 expert's tensors instead of the dense MLP's, and the one MoE layer being run (forward, or
@@ -201,13 +201,12 @@ def _attention_backward(s: ActivationShape, flash: bool) -> int:
 
 def head_bytes(s: ActivationShape, *, training: bool) -> int:
     """The last stage's logits and the log-prob head's working tensors
-    (`rlhf.models.logprobs`): two fp32 chunks of tokens and the chunk's rows (the response
-    tokens') gathered in the model dtype, and in training the logits' gradient in the model
-    dtype. A forward holds the logits once: Megatron returns them
+    (`rlhf.models.logprobs`): two fp32 chunks of tokens, and in training the logits'
+    gradient in the model dtype. A forward holds the logits once: Megatron returns them
     [1, T, V'] as `transpose(0, 1).contiguous()` of [T, 1, V'], already contiguous with
     one sample per row, so no copy is made (the memory simulation at the shipped shapes)."""
     logits = s.tokens * s.vocab * s.element
-    working = min(s.tokens, default_chunk_tokens(s.vocab)) * s.vocab * (2 * 4 + s.element)
+    working = 2 * min(s.tokens, default_chunk_tokens(s.vocab)) * s.vocab * 4
     if training:
         return 2 * logits + working
     return logits + working

@@ -25,8 +25,9 @@ and the backward recomputes each chunk's probabilities from the saved logits and
 that chunk of the gradient. A training pass therefore holds the logits and their gradient
 in the model dtype (4 bytes per logit in bf16) plus two chunks, where computing the fp32
 softmax whole held five fp32 copies. `rows` computes only some positions (the trainer's:
-those that score a response token); each chunk of them is gathered first, one chunk in the
-model dtype more, and the other positions get a zero gradient.
+those that score a response token): each chunk of them is gathered into its fp32 copy in
+pieces (a sixteenth of a chunk in the model dtype on the way), and the other positions get
+a zero gradient.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch.distributed import ProcessGroup
 from rlhf.distributed.context import ParallelContext
 
 CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of tokens
+GATHER_PIECES = 16  # a chunk of index rows is gathered in this many pieces
 
 
 def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -62,9 +64,17 @@ class _Slice:
     temperature: float
     group: ProcessGroup | None
 
-    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
-        """A fresh fp32 copy of `logits` / temperature, -inf on the padding ids."""
-        z = logits.to(torch.float32, copy=True)
+    def scaled(self, flat: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+        """A fresh fp32 copy of `flat[rows]` / temperature, -inf on the padding ids. Index
+        rows are gathered in GATHER_PIECES pieces: no copy of the whole chunk in the model
+        dtype on the way."""
+        if isinstance(rows, slice):
+            z = flat[rows].to(torch.float32, copy=True)
+        else:
+            z = torch.empty((rows.numel(), flat.shape[-1]), device=flat.device)
+            step = max(1, -(-rows.numel() // GATHER_PIECES))
+            for begin in range(0, rows.numel(), step):
+                z[begin : begin + step] = flat[rows[begin : begin + step]]
         if self.temperature != 1.0:
             z.div_(self.temperature)
         z[:, self.real :] = float("-inf")
@@ -78,9 +88,9 @@ class _Slice:
         return z.gather(-1, index)[:, 0] * held
 
 
-def _forward_chunk(logits, targets, where: _Slice):
-    """(max, log sum exp(z - max), log-prob of the target, expected z - max) of a chunk."""
-    z = where.scaled(logits)
+def _forward_chunk(z, targets, where: _Slice):
+    """(max, log sum exp(z - max), log-prob of the target, expected z - max) of a chunk's
+    scaled logits `z` (`_Slice.scaled`, overwritten)."""
     max_z = _all_reduce(z.max(dim=-1).values, where.group, dist.ReduceOp.MAX)
     z.sub_(max_z[:, None])
     exp = torch.exp(z)  # exactly 0 on padding
@@ -93,10 +103,10 @@ def _forward_chunk(logits, targets, where: _Slice):
     return max_z, log_normaliser, target - log_normaliser, weighted / normaliser
 
 
-def _backward_chunk(logits, targets, saved, grad_logp, grad_entropy, where: _Slice):
-    """d(grad_logp . logp + grad_entropy . H) / d logits of a chunk, in fp32."""
+def _backward_chunk(z, targets, saved, grad_logp, grad_entropy, where: _Slice):
+    """d(grad_logp . logp + grad_entropy . H) / d logits of a chunk, in fp32, written over
+    its scaled logits `z` (`_Slice.scaled`)."""
     max_z, log_normaliser, expected = saved
-    z = where.scaled(logits)
     z.sub_(max_z[:, None])
     probs = z.sub(log_normaliser[:, None]).exp_()
     z[:, where.real :] = 0.0
@@ -133,7 +143,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         flat_targets = targets.reshape(-1) if rows is None else targets.reshape(-1)[rows]
         stats = [torch.empty(flat_targets.shape[0], device=logits.device) for _ in range(4)]
         for source, done in _spans(rows, flat_targets.shape[0], chunk_tokens):
-            found = _forward_chunk(flat[source], flat_targets[done], where)
+            found = _forward_chunk(where.scaled(flat, source), flat_targets[done], where)
             for stat, value in zip(stats, found, strict=True):
                 stat[done] = value
         max_z, log_normaliser, logprobs, expected = stats
@@ -155,7 +165,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         grad = torch.empty_like(flat) if rows is None else torch.zeros_like(flat)
         for source, done in _spans(rows, count, ctx.chunk_tokens):
             upstream_args = ([s[done] for s in saved], grad_logp[done], grad_h[done], ctx.where)
-            _put(grad, source, _backward_chunk(flat[source], flat_targets[done], *upstream_args))
+            z = ctx.where.scaled(flat, source)
+            _put(grad, source, _backward_chunk(z, flat_targets[done], *upstream_args))
+            del z  # (the next chunk's tensors must not meet this one's)
         return grad.view(logits.shape), None, None, None, None
 
 

@@ -2,7 +2,7 @@
 the log-softmax of their fp32 values, and a training pass holds, beyond the logits, only
 their gradient in bf16 and two fp32 chunks (torch.profiler's memory timeline,
 `rlhf.memory.measure`), never a whole fp32 copy of the logits; of some rows only (the
-response tokens), one bf16 chunk more (`rlhf.memory.activations.head_bytes`)."""
+response tokens), gathered in pieces: a sixteenth of a bf16 chunk more."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_training_pass_holds_the_gradient_and_two_fp32_chunks():
     assert bytes_per_logit <= 6, bytes_per_logit
 
 
-def test_training_pass_over_some_rows_holds_one_bf16_chunk_more():
+def test_training_pass_over_some_rows_holds_no_bf16_chunk_more():
     logits, targets = bf16_case()
     rows = torch.arange(1, TOKENS, 2)  # every other token, as a response's tokens are
     weights = torch.randn(2, len(rows), generator=torch.Generator().manual_seed(4))
@@ -79,4 +79,5 @@ def test_training_pass_over_some_rows_holds_one_bf16_chunk_more():
     grad, peak = peak_bytes_during(train, torch.device("cpu"))
     assert torch.all(grad[0::2] == 0) and grad[1::2, :VOCAB].abs().max() > 0
     gradient, chunks, per_token = TOKENS * PADDED * 2, 2 * CHUNK * PADDED * 4, 64 * TOKENS
-    assert peak <= gradient + chunks + CHUNK * PADDED * 2 + per_token, peak / (TOKENS * PADDED)
+    piece = CHUNK * PADDED * 2 // 16
+    assert peak <= gradient + chunks + piece + per_token, peak / (TOKENS * PADDED)
