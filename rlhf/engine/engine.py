@@ -397,8 +397,8 @@ def run_schedule(
 
         def loss_func(output_tensor):
             loss, outputs = head(output_tensor, mb)
-            if loss is None:  # forward only: Megatron still wants a scalar (not a read of
-                loss = output_tensor.new_zeros(())  # the whole output, T x V logits)
+            if loss is None:  # forward only: Megatron still wants a scalar (a zero: a
+                loss = output_tensor.new_zeros(())  # sum would read T x V logits again)
             return loss * loss_scale, outputs
 
         return output, loss_func
