@@ -6,13 +6,14 @@ Runs `rlhf-train` at `ppo_vs_plain.py`'s step shape (its tiny Qwen2, the quickst
 problems, its overrides: each pass over the whole batch in one micro-batch) with the
 engine's forward-only passes wrapped: right after each old-log-prob, reference and values
 pass, transformers runs a forward over the same sequences, right-padded in one batch, in the
-same process at the same point of the step. `AutoModelForCausalLM` and the log-softmax of
-the next tokens stand beside the log-prob passes, `AutoModelForTokenClassification` (one
-label) beside the values pass, from the model's initial weights (what a forward costs does
-not depend on them), with the CPU compatibility layer's function mode paused: a plain
-loop's own process has none. rlhf's side is the engine's whole call (`PPOEngine.logprobs`,
-`.values`: planning, Megatron's forward, the head, the gather). The transformers forwards
-add to the run's steps; its other timings are not this benchmark's.
+same process at the same point of the step: `plain_ppo.py`'s own passes,
+`AutoModelForCausalLM` and the log-softmax of the next tokens beside the log-prob passes,
+`AutoModelForTokenClassification` (one label) beside the values pass, from the model's
+initial weights (what a forward costs does not depend on them), with the CPU compatibility
+layer's function mode paused: a plain loop's own process has none. rlhf's side is the
+engine's whole call (`PPOEngine.logprobs`, `.values`: planning, Megatron's forward, the
+head, the gather). The transformers forwards add to the run's steps; its other timings are
+not this benchmark's.
 
 Prints one JSON object: per pass the medians of both sides' seconds (steps 2 on) and
 their ratio.
@@ -70,20 +71,17 @@ class PlainForwards:
         return self.models[kind]
 
     def seconds(self, batch, kind: str) -> float:
+        """The plain loop's pass (`plain_ppo.logprobs` or `.values_of`) over `batch`."""
         import torch
+        from plain_ppo import logprobs, padded, values_of
 
         from rlhf.distributed import cpu_compat
 
-        rows = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        width = max(map(len, rows))
-        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
-        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
-        model = self.model(kind)
+        tokens, attention, _ = padded(batch.prompt_ids, batch.response_ids, pad=0)
+        model, run = self.model(kind), logprobs if kind == "policy" else values_of
         with torch.no_grad(), cpu_compat.paused():
             start = time.perf_counter()
-            out = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            if kind == "policy":
-                torch.log_softmax(out, -1).gather(2, ids[:, 1:, None])
+            run(model, tokens, attention)
             return time.perf_counter() - start
 
 
