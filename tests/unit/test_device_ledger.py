@@ -74,7 +74,12 @@ def holds(record, owner: str) -> set[str]:
 
 
 def test_each_phase_of_a_ppo_step_holds_what_it_needs_and_nothing_else(ctx, tiny_qwen2_dir):
-    _, book = one_step(ctx, tiny_qwen2_dir, "algorithm.adv_estimator=gae")
+    models, book = one_step(ctx, tiny_qwen2_dir, "algorithm.adv_estimator=gae")
+    # and in its mode: the step ended with the actor's update; the reference only ran
+    assert all(m.training for m in models.actor.module.modules())
+    assert not any(m.training for m in models.ref.module.modules())
+    models.logprobs(synthetic_batch(64), "actor")
+    assert not any(m.training for m in models.actor.module.modules())
     (old,) = book.records("old_log_prob")
     assert {o for o, _ in old.held} == {"actor"} and holds(old, "actor") == {"params"}
     (ref,) = book.records("ref")
@@ -106,6 +111,17 @@ def test_the_allocator_cache_is_emptied_only_when_a_state_left_the_device(
     left = sum(event.action == "off" for event in book.events)
     assert (left > 0) is offload
     assert 0 < len(emptied) <= left if offload else emptied == []
+
+
+def test_the_ledger_counts_adams_state_once_the_first_step_made_it(ctx, tiny_qwen2_dir):
+    """Without offloading, the actor's state stays resident; its optimizer state appears at
+    the first optimizer step, and the ledger (whose sizes are kept once non-zero) says how
+    large it is against the tensors themselves."""
+    from rlhf.engine.offload import StorageOffloader, model_tensors
+
+    models, book = one_step(ctx, tiny_qwen2_dir, offload=False)
+    adam = StorageOffloader.of(model_tensors(models.actor, "optimizer")).nbytes
+    assert adam > 0 and book.resident[("actor", "optimizer")] == adam
 
 
 def max_models_at_once(events) -> int:
