@@ -62,6 +62,9 @@ STAGES = (
     "update_actor",
     "update_weights",
     "update",  # TRL's policy and critic update, one loss (benchmarks/trl_ppo.py)
+    "write_rollouts",
+    "other",
+    "log",  # the previous step's record (rlhf's loop, outside its steps)
     "step",
 )
 YARDSTICKS = {"plain": "plain_ppo.py", "trl": "trl_ppo.py"}

@@ -10,6 +10,7 @@ typed result, identical on all ranks, so all take it together.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,7 +196,9 @@ class PPOTrainer:
         self.batches.publish(self.engine, version)
 
     def validate(self) -> Validation:
+        """Generate and score the validation prompts; its time is `timing_s/testing`."""
         assert self.val_data is not None
+        start = time.perf_counter()
         prompts = list(self.val_data.prompts)
         result = self.servers.validate(
             prompts,
@@ -211,6 +214,7 @@ class PPOTrainer:
         metrics = validation_metrics(samples)
         if result.tool_stats is not None:
             metrics |= {f"val/{k}": v for k, v in result.tool_stats.metrics().items()}
+        metrics["timing_s/testing"] = time.perf_counter() - start
         return Validation(sum(scores) / len(scores), metrics)
 
     # ---- checkpoints ------------------------------------------------------------------
@@ -314,6 +318,7 @@ class PPOTrainer:
         """Steps after `step` to the end (or an early stop); the last step run."""
         cfg = self.cfg.trainer
         first = step + 1
+        after_record: dict[str, float] = {}  # timed after a record went out: in the next one
         while step < self.total_steps:
             step += 1
             with self.profiler.step(step):
@@ -329,7 +334,7 @@ class PPOTrainer:
                     step,
                     ledger().table(),
                 )
-            metrics = dict(result.metrics)
+            metrics = result.metrics | after_record
             decision = self.stopper.observe_step(step, result.reward_kl, result.mean_score)
             last = step == self.total_steps or decision is not None
             save = (cfg.save_freq > 0 and step % cfg.save_freq == 0) or last
@@ -342,9 +347,13 @@ class PPOTrainer:
             if decision is not None:
                 metrics[f"early_stop/{decision.action}"] = 1.0
                 log.warning("early stop at step %d: %s", step, decision.reason)
+            start = time.perf_counter()
             self.log(metrics, step)  # before the checkpoint: a kill in between redoes the step
+            logged = time.perf_counter()
+            after_record = {"timing_s/log": logged - start}
             if save or decision is not None:
                 self.save_checkpoint(step)
+                after_record["timing_s/save_checkpoint"] = time.perf_counter() - logged
             else:
                 self.keeper.poll()  # a background save done by now is published
             bar.update(1)

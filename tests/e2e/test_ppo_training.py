@@ -88,6 +88,8 @@ REQUIRED = [
     "timing_s/write_rollouts_thread",
     "timing_s/other",
     "timing_s/step",
+    "timing_s/log",
+    "timing_s/testing",
     "perf/throughput",
     "perf/total_num_tokens",
     "perf/mfu",
@@ -185,6 +187,11 @@ def reference_run(tiny_qwen2_dir, data, sglang_server, tmp_path_factory) -> dict
     assert "loaded the actor's weights into the external SGLang servers" in text
     rows = metrics_by_step(run_dir)
     assert sorted(rows) == [0, 1, 2, 3, 4]
+    # what the loop does after a step's record is timed in the next one (step 2 saved)
+    assert [s for s in rows if "timing_s/log" in rows[s]] == [2, 3, 4]
+    assert [s for s in rows if "timing_s/save_checkpoint" in rows[s]] == [3]
+    assert rows[3]["timing_s/save_checkpoint"] > 0 and rows[3]["timing_s/log"] > 0
+    assert [s for s in rows if "timing_s/testing" in rows[s]] == [0, 2, 4]
     return rows
 
 
