@@ -157,15 +157,11 @@ def main() -> None:
         in_trainer(sys.argv[2], sys.argv[3], sys.argv[4:])
         return
     args = parse_args()
-    from ppo_vs_plain import rlhf_arguments
-
-    from rlhf.quickstart.data import write_quickstart_data
-    from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
+    from ppo_vs_plain import rlhf_arguments, step_inputs
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = save_tiny_model(root / "model", TinyModelSpec.scaled(args.hidden, args.layers))
-        train, _ = write_quickstart_data(root / "data", num_train=256, num_val=8)
+        model, train = step_inputs(args, root)
         out = root / "passes.jsonl"
         argv = rlhf_arguments(args, model, train, root / "run")
         cmd = [sys.executable, __file__, "--in-trainer", str(out), str(model), *argv]

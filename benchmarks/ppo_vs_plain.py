@@ -359,18 +359,25 @@ def ratios(result: dict) -> dict:
     }
 
 
-def main() -> None:
-    args = parse_args()
+def step_inputs(args, root: Path) -> tuple[Path, Path]:
+    """This benchmark's model (a tiny Qwen2 of `--hidden` x `--layers`) and training prompts
+    under `root` (`benchmarks/forward_passes.py` uses the same)."""
     from rlhf.quickstart.data import write_quickstart_data
     from rlhf.quickstart.tiny_model import TinyModelSpec, save_tiny_model
 
+    model = save_tiny_model(root / "model", TinyModelSpec.scaled(args.hidden, args.layers))
+    train, _ = write_quickstart_data(root / "data", num_train=256, num_val=8)
+    return model, train
+
+
+def main() -> None:
+    args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
         if root.exists() and any(root.iterdir()):  # a run there would resume, not measure
             sys.exit(f"ppo_vs_plain: --out {root} is not empty; name a new directory")
         root.mkdir(parents=True, exist_ok=True)
-        model = save_tiny_model(root / "model", TinyModelSpec.scaled(args.hidden, args.layers))
-        train, _ = write_quickstart_data(root / "data", num_train=256, num_val=8)
+        model, train = step_inputs(args, root)
         rounds = [
             one_round(
                 args, model, train, root / f"round{i}" if args.rounds > 1 else root, i % 2 == 1
